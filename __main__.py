@@ -1,0 +1,3 @@
+from mixq.cli import main
+
+main()

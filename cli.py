@@ -38,3 +38,18 @@ def main() -> None:
 
 
 # --- commands are added below, one function each ---
+
+
+@main.command()
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print the full JSON (every tensor with its role).")
+@_reports_errors
+def inspect(model: str, as_json: bool) -> None:
+    """Roles, tensor counts, parameters and bytes of MODEL (directory, hub repo id, config.json or .gguf)."""
+    from mixq.formats.inspect import format_report, inspect_path
+
+    d = inspect_path(model)
+    if as_json:
+        _print_json(d)
+    else:
+        click.echo(format_report(d))

@@ -189,6 +189,13 @@ class Checkpoint:
     def infos(self) -> list[TensorInfo]:
         return [self.info(n) for n in self._entries]
 
+    def nbytes(self, name: str) -> int:
+        """Bytes the tensor occupies in the source files (its FP8 ``_scale_inv`` included)."""
+        e = self._entry(name)
+        sc = self._scales.get(name + _SCALE_SUFFIX)
+        own = math.prod(e.shape) * _ST_DTYPES[e.dtype][1]
+        return own + (math.prod(sc.shape) * _ST_DTYPES[sc.dtype][1] if sc else 0)
+
     def numel(self, name: str) -> int:
         return math.prod(self.shape(name))
 

@@ -1,0 +1,111 @@
+"""`mixq inspect`: what a checkpoint holds, by role (JSON shape pinned in issue 2 §5)."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from mixq.formats.checkpoint import Checkpoint, checkpoint_from_config, open_checkpoint
+from mixq.formats.glm5next import ROLES
+
+
+def inspect_checkpoint(ckpt: Checkpoint) -> dict:
+    """Summary dict of an opened checkpoint: every tensor with its role, and per-role counts/params/bytes."""
+    tensors = []
+    roles = {r: {"tensors": 0, "params": 0, "bytes": 0} for r in ROLES}
+    dtypes: Counter[str] = Counter()
+    for name in ckpt.names():
+        info = ckpt.info(name)
+        shape = ckpt.shape(name)
+        dt = ckpt.source_dtype(name)
+        dtypes[dt] += 1
+        tensors.append({"name": name, "shape": list(shape), "dtype": dt, "role": info.role,
+                        "layer": info.layer, "mtp": info.mtp})
+        agg = roles[info.role]
+        agg["tensors"] += 1
+        agg["params"] += ckpt.numel(name)
+        agg["bytes"] += ckpt.nbytes(name)
+    tc = ckpt.text_config
+    vc = ckpt.config.get("vision_config") or {}
+    return {
+        "path": str(ckpt.path),
+        "model_type": ckpt.config.get("model_type") or tc.get("model_type"),
+        "num_hidden_layers": ckpt.num_hidden_layers,
+        "layer_types": ckpt.layer_types,
+        "mlp_layer_types": tc.get("mlp_layer_types"),
+        "nextn_layers": ckpt.nextn_layers,
+        "experts": {"routed": tc.get("n_routed_experts"), "per_token": tc.get("num_experts_per_tok"),
+                    "shared": tc.get("n_shared_experts")},
+        "vision_depth": vc.get("depth"),
+        "shapes_only": ckpt.shapes_only,
+        "source_dtypes": dict(dtypes),
+        "params": ckpt.params,
+        "bytes": sum(r["bytes"] for r in roles.values()),
+        "tensors": tensors,
+        "roles": {r: v for r, v in roles.items() if v["tensors"]},
+    }
+
+
+def inspect_model(path: str | os.PathLike) -> dict:
+    """Inspect a model directory / hub repo id, or a bare config.json (shapes only)."""
+    p = Path(path)
+    if p.suffix == ".json" and p.is_file():
+        return inspect_checkpoint(checkpoint_from_config(p))
+    return inspect_checkpoint(open_checkpoint(path))
+
+
+def inspect_path(path: str | os.PathLike) -> dict:
+    """Dispatch on what ``path`` is: a ``.gguf`` file (formats/gguf_inspect) or an HF checkpoint."""
+    if str(path).endswith(".gguf"):
+        from mixq.formats.gguf_inspect import inspect_gguf  # helper G's module
+
+        return inspect_gguf(path)
+    return inspect_model(path)
+
+
+def _human(n: float, unit: str = "") -> str:
+    for suf in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or suf == "T":
+            return f"{n:.0f}{unit}" if suf == "" else f"{n:.2f}{suf}{unit}"
+        n /= 1000
+    return str(n)
+
+
+def _runs(items: list[str]) -> str:
+    """Compress a list into 'a×3 b×1 ...' runs."""
+    out: list[list] = []
+    for x in items:
+        if out and out[-1][0] == x:
+            out[-1][1] += 1
+        else:
+            out.append([x, 1])
+    return " ".join(f"{x}×{k}" for x, k in out)
+
+
+def format_report(d: dict) -> str:
+    """Readable table of ``inspect_model``'s dict (for checkpoints; other dicts are printed key: value)."""
+    if "roles" not in d or "layer_types" not in d:
+        return "\n".join(f"{k}: {v}" for k, v in d.items() if not isinstance(v, (list, dict)))
+    short = {"linear_attention": "KDA", "deepseek_sparse_attention": "DSA"}
+    ex = d["experts"]
+    lines = [
+        f"model        {d['path']}{'  (shapes only)' if d['shapes_only'] else ''}",
+        f"model_type   {d['model_type']}",
+        f"layers       {d['num_hidden_layers']}: {_runs([short.get(t, t) for t in d['layer_types']])}",
+    ]
+    if d.get("mlp_layer_types"):
+        lines.append(f"mlp          {_runs(d['mlp_layer_types'])}")
+    lines += [
+        f"experts      {ex['routed']} routed, top-{ex['per_token']}, {ex['shared']} shared",
+        f"nextn        {d['nextn_layers'] or 'none'}",
+        f"vision       {'depth ' + str(d['vision_depth']) if d['vision_depth'] else 'none'}",
+        f"dtypes       {', '.join(f'{k} ×{v}' for k, v in d['source_dtypes'].items())}",
+        f"tensors      {len(d['tensors'])}   params {d['params']:,} ({_human(d['params'])})   "
+        f"bytes {_human(d['bytes'], 'B')}",
+        "",
+        f"{'role':<14}{'tensors':>9}{'params':>18}{'bytes':>12}{'share':>8}",
+    ]
+    for role, r in d["roles"].items():
+        share = 100 * r["params"] / d["params"] if d["params"] else 0.0
+        lines.append(f"{role:<14}{r['tensors']:>9}{r['params']:>18,}{_human(r['bytes'], 'B'):>12}{share:>7.1f}%")
+    return "\n".join(lines)

@@ -53,3 +53,54 @@ def inspect(model: str, as_json: bool) -> None:
         _print_json(d)
     else:
         click.echo(format_report(d))
+
+
+@main.command(name="eval")
+@click.argument("reference")
+@click.argument("candidates", nargs=-1)
+@click.option("--text", type=click.Path(), help="Held-out text file (not needed with --ref-logits).")
+@click.option("--ctx", type=int, default=None, help="Window length in tokens [default: 512, or the --ref-logits file's].")
+@click.option("--windows", type=int, default=None, help="Use at most N windows [default: all].")
+@click.option("--score", type=click.Choice(["half", "all"]), default="half", show_default=True, help="Score the second half of each window (llama-perplexity) or every position.")
+@click.option("--save-ref", type=click.Path(), help="Write the reference log-probs to FILE for later --ref-logits runs.")
+@click.option("--ref-logits", type=click.Path(), help="Reuse reference log-probs (and tokens) from a --save-ref FILE.")
+@click.option("--ref-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True, help="Storage of --save-ref log-probs.")
+@click.option("--engine", type=click.Choice(["torch", "llamacpp"]), default="torch", show_default=True, help="llamacpp: GGUF candidates take logits from llama.cpp itself.")
+@click.option("--cache-type", type=click.Choice(["f32", "f16", "q8_0"]), default="f32", show_default=True, help="llama.cpp KV cache type (--engine llamacpp).")
+@click.option("--device", default=None, help="torch device [default: cuda when present, else cpu].")
+@click.option("--json", "json_out", type=click.Path(), help="Write the JSON report to OUT ('-' prints it).")
+@click.option("--markdown", "markdown_out", type=click.Path(), help="Write a markdown table to OUT.")
+@_reports_errors
+def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, json_out, markdown_out) -> None:
+    """KLD, top-1 agreement and perplexity of CANDIDATES (HF dirs, EXL3 dirs, GGUF files) against REFERENCE."""
+    from mixq.eval.api import evaluate
+    from mixq.eval.report import render_markdown
+
+    report = evaluate(
+        reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
+        ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device,
+        json_out=None if json_out == "-" else json_out, markdown_out=markdown_out,
+    )
+    if json_out == "-":
+        _print_json(report)
+    elif report["candidates"]:
+        click.echo(render_markdown(report), nl=False)
+    else:
+        click.echo(f"reference log-probs written to {save_ref}")
+
+
+@main.command()
+@click.argument("reports", nargs=-1, required=True)
+@click.option("--plot", type=click.Path(), help="Write a KLD-vs-size PNG (log y).")
+@click.option("--markdown", "markdown_out", type=click.Path(), help="Also write the table to OUT.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@_reports_errors
+def compare(reports, plot, markdown_out, as_json) -> None:
+    """One table across `mixq eval --json` REPORTS (bytes, bpw, KLD, top-1, ΔPPL) and an optional plot."""
+    from mixq.eval.report import compare as compare_reports
+
+    res = compare_reports(list(reports), plot=plot, markdown=markdown_out)
+    if as_json:
+        _print_json({"rows": res["rows"], "plot": res["plot"]})
+    else:
+        click.echo(res["markdown"], nl=False)

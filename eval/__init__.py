@@ -1,1 +1,20 @@
-"""mixq.eval"""
+"""mixq.eval: KLD / top-1 / PPL of quantized candidates against the reference model, reports and plots.
+
+Public API: `evaluate(...)` (eval/api.py) and `compare(...)` (eval/report.py); imported lazily so that
+`import mixq.eval.stats` stays light.
+"""
+from __future__ import annotations
+
+
+def evaluate(*args, **kwargs):
+    """See `mixq.eval.api.evaluate`."""
+    from mixq.eval.api import evaluate as _evaluate
+
+    return _evaluate(*args, **kwargs)
+
+
+def compare(*args, **kwargs):
+    """See `mixq.eval.report.compare`."""
+    from mixq.eval.report import compare as _compare
+
+    return _compare(*args, **kwargs)

@@ -1,0 +1,169 @@
+"""The reference forward: transformers' glm5_next model, the model's tokenizer, and llama-perplexity windows.
+
+The model is never re-implemented: every forward (reference and dequantized candidates) is
+transformers' `Glm5NextForConditionalGeneration` in float32, built from a checkpoint-named state dict so
+that transformers' own key conversion (stacked experts, renamed mHC tensors, ...) applies.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mixq.errors import FormatError, InputError
+
+DEFAULT_ARCH = "Glm5NextForConditionalGeneration"
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """`device` if given, else cuda when present, else cpu."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' load report and progress bars while building models from state dicts."""
+    from transformers.utils import logging as tlog
+
+    old = tlog.get_verbosity()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tlog.set_verbosity(old)
+        tlog.enable_progress_bar()
+
+
+def read_config(model_dir: Path) -> dict:
+    """config.json of an HF checkpoint directory."""
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        raise InputError(f"{model_dir}: no config.json (not an HF checkpoint directory)")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{cfg}: invalid JSON ({e})") from e
+
+
+def num_hidden_layers(config: dict) -> int:
+    return int(config.get("text_config", config)["num_hidden_layers"])
+
+
+def drop_mtp(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Remove NextN/MTP block tensors (layers >= num_hidden_layers): the causal-LM forward never uses them."""
+    out = {}
+    for name, t in weights.items():
+        parts = name.split(".")
+        if "layers" in parts and "visual" not in parts:
+            i = parts.index("layers")
+            if i + 1 < len(parts) and parts[i + 1].isdigit() and int(parts[i + 1]) >= n_layers:
+                continue
+        out[name] = t
+    return out
+
+
+def build_model(model_dir: Path, weights: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
+    """The reference architecture of `model_dir` (its config.json) holding `weights` (checkpoint names), fp32, eval mode."""
+    import transformers
+
+    cfg_dict = read_config(model_dir)
+    arch = (cfg_dict.get("architectures") or [DEFAULT_ARCH])[0]
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        raise InputError(f"{model_dir}: architecture {arch!r} is not in transformers {transformers.__version__}")
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    sd = {k: v.to(torch.float32) for k, v in drop_mtp(weights, num_hidden_layers(cfg_dict)).items()}
+    with _quiet_transformers():
+        model = cls.from_pretrained(None, config=config, state_dict=sd, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's own tokenizer (tokenizer.json in the checkpoint directory)."""
+    from transformers import AutoTokenizer
+
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        raise InputError(f"{model_dir}: no tokenizer.json next to the reference model")
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def tokenize_text(tokenizer, text_path: Path, need_tokens: int | None = None) -> list[int]:
+    """Token ids of the text file (no special tokens added).
+
+    With `need_tokens`, only a prefix cut at a line end is tokenized when it already yields enough tokens
+    (with a margin, so the cut never touches the tokens used); otherwise the whole file.
+    """
+    try:
+        text = Path(text_path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{text_path}: cannot read text ({e})") from e
+    if need_tokens is not None:
+        cut = text.rfind("\n", 0, need_tokens * 8 + 4096)
+        if 0 < cut < len(text) - 1:
+            ids = tokenizer(text[: cut + 1], add_special_tokens=False)["input_ids"]
+            if len(ids) >= need_tokens + 256:
+                return ids
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass(frozen=True)
+class Windows:
+    """llama-perplexity chunking: `count` windows of `ctx` tokens; positions first..ctx-2 are scored."""
+
+    tokens: torch.Tensor  # int64 (count, ctx)
+    first: int
+
+    @property
+    def ctx(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def count(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def scored_per_window(self) -> int:
+        return self.ctx - 1 - self.first
+
+    def targets(self, w: int) -> torch.Tensor:
+        """The true next tokens of the scored positions of window w."""
+        return self.tokens[w, self.first + 1 :]
+
+
+def first_scored(ctx: int, score: str) -> int:
+    """First scored position: ctx/2 ('half', llama-perplexity) or 0 ('all')."""
+    if score == "half":
+        return ctx // 2
+    if score == "all":
+        return 0
+    raise InputError(f"--score must be 'half' or 'all', not {score!r}")
+
+
+def make_windows(ids: list[int], ctx: int, windows: int | None, score: str) -> Windows:
+    """Cut ⌊len/ctx⌋ windows (capped by `windows`)."""
+    if ctx < 4:
+        raise InputError(f"--ctx {ctx} is too small (need at least 4 tokens)")
+    n = len(ids) // ctx
+    if windows is not None:
+        if windows < 1:
+            raise InputError(f"--windows must be at least 1, not {windows}")
+        n = min(n, windows)
+    if n < 1:
+        raise InputError(f"the text has {len(ids)} tokens, fewer than one window of --ctx {ctx}")
+    t = torch.tensor(ids[: n * ctx], dtype=torch.int64).view(n, ctx)
+    return Windows(tokens=t, first=first_scored(ctx, score))
+
+
+@torch.inference_mode()
+def scored_logits(model: torch.nn.Module, window: torch.Tensor, first: int) -> torch.Tensor:
+    """Logits (float32, on the model's device) of positions first..ctx-2 of one window."""
+    ctx = window.shape[-1]
+    device = next(model.parameters()).device
+    out = model(input_ids=window.view(1, ctx).to(device), use_cache=False, logits_to_keep=ctx - first)
+    return out.logits[0, :-1].float()

@@ -1,0 +1,151 @@
+"""Markdown tables for `mixq eval` reports and `compare`: one table across quants plus a KLD-vs-size plot."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from mixq.errors import FormatError, InputError
+
+_REQUIRED = ("path", "format", "bytes", "bpw", "kld_mean", "top1", "dppl")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _name(path: str) -> str:
+    return Path(path).name or path
+
+
+def render_markdown(report: dict) -> str:
+    """One `mixq eval` report as a markdown table (probabilities in %)."""
+    lines = [
+        f"Reference `{report['reference']}`, text `{report['text']}`, ctx {report['ctx']} "
+        f"({report.get('windows', '?')} windows, {report.get('score', 'half')} scored), engine {report.get('engine', 'torch')}",
+        "",
+        "| candidate | format | size | bpw | KLD mean ± err | KLD median | KLD p99 | KLD max | top-1 % | PPL ref | PPL | ΔPPL | RMS Δp % | positions |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in report["candidates"]:
+        lines.append(
+            f"| {_name(c['path'])} | {c['format']} | {_size(c['bytes'])} | {c['bpw']:.3f} | "
+            f"{c['kld_mean']:.3g} ± {c['kld_mean_err']:.2g} | {c['kld_median']:.3g} | {c['kld_p99']:.3g} | {c['kld_max']:.3g} | "
+            f"{100 * c['top1']:.2f} | {c['ppl_ref']:.4f} | {c['ppl']:.4f} | {c['dppl']:+.4f} | {100 * c['rms_dp']:.3f} | {c['positions']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def load_report(path: str | Path) -> dict:
+    """A `mixq eval --json` report, checked for the keys `compare` needs."""
+    p = Path(path)
+    try:
+        rep = json.loads(p.read_text())
+    except OSError as e:
+        raise InputError(f"{path}: cannot read report ({e})") from e
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{path}: not a JSON report ({e})") from e
+    if not isinstance(rep, dict) or not isinstance(rep.get("candidates"), list) or "reference" not in rep:
+        raise FormatError(f"{path}: not a `mixq eval --json` report (no reference / candidates)")
+    for c in rep["candidates"]:
+        missing = [k for k in _REQUIRED if k not in c]
+        if missing:
+            raise FormatError(f"{path}: candidate {c.get('path', '?')} lacks {missing[0]!r}")
+    return rep
+
+
+def compare_rows(reports: list[dict]) -> list[dict]:
+    """One row per candidate across reports, grouped by reference, smallest first."""
+    rows = []
+    for rep in reports:
+        for c in rep["candidates"]:
+            rows.append(
+                {
+                    "reference": rep["reference"],
+                    "ctx": rep.get("ctx"),
+                    "name": _name(c["path"]),
+                    "path": c["path"],
+                    "format": c["format"],
+                    "engine": c.get("engine", "torch"),
+                    "bytes": c["bytes"],
+                    "bpw": c["bpw"],
+                    "kld_mean": c["kld_mean"],
+                    "kld_mean_err": c.get("kld_mean_err", 0.0),
+                    "kld_p99": c.get("kld_p99"),
+                    "top1": c["top1"],
+                    "dppl": c["dppl"],
+                }
+            )
+    rows.sort(key=lambda r: (r["reference"], r["bytes"]))
+    return rows
+
+
+def compare_markdown(rows: list[dict]) -> str:
+    """One markdown table per reference model."""
+    out: list[str] = []
+    for ref in dict.fromkeys(r["reference"] for r in rows):
+        out += [
+            f"Reference `{ref}`",
+            "",
+            "| quant | format | engine | size | bpw | KLD mean ± err | KLD p99 | top-1 % | ΔPPL |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in (r for r in rows if r["reference"] == ref):
+            p99 = "" if r["kld_p99"] is None else f"{r['kld_p99']:.3g}"
+            out.append(
+                f"| {r['name']} | {r['format']} | {r['engine']} | {_size(r['bytes'])} | {r['bpw']:.3f} | "
+                f"{r['kld_mean']:.3g} ± {r['kld_mean_err']:.2g} | {p99} | {100 * r['top1']:.2f} | {r['dppl']:+.4f} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_kld_vs_size(rows: list[dict], out: Path) -> None:
+    """KLD (log y) against bits per weight, one series per reference model, written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for ref in dict.fromkeys(r["reference"] for r in rows):
+        pts = sorted((r for r in rows if r["reference"] == ref and r["kld_mean"] > 0), key=lambda r: r["bpw"])
+        if not pts:
+            continue
+        xs, ys = [r["bpw"] for r in pts], [r["kld_mean"] for r in pts]
+        ax.plot(xs, ys, marker="o", label=_name(ref))
+        for r, x, y in zip(pts, xs, ys):
+            ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("size (bits per reference weight)")
+    ax.set_ylabel("mean KL divergence to reference (nats)")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    tmp = out.with_name(out.stem + ".tmp.png")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+def compare(report_paths: list[str | Path], plot: str | Path | None = None, markdown: str | Path | None = None) -> dict:
+    """Combine `mixq eval` reports: {'rows': [...], 'markdown': table text}; optional PNG plot / markdown file."""
+    if not report_paths:
+        raise InputError("give at least one REPORT.json")
+    rows = compare_rows([load_report(p) for p in report_paths])
+    if not rows:
+        raise InputError("the reports hold no candidates")
+    md = compare_markdown(rows)
+    if plot:
+        plot_kld_vs_size(rows, Path(plot))
+    if markdown:
+        m = Path(markdown)
+        tmp = m.with_name(m.name + ".tmp")
+        tmp.write_text(md)
+        os.replace(tmp, m)
+    return {"rows": rows, "markdown": md, "plot": str(plot) if plot else None}

@@ -1,0 +1,426 @@
+"""Calibration: tokenized rows, and a layer-by-layer forward through transformers' glm5_next modules.
+
+`LayerCalibrator` walks the decoder one layer at a time. Only the current layer's weights are materialised (the
+model skeleton lives on the meta device), so peak memory does not grow with the number of layers. Per layer it
+yields a `Stage` with the input statistics of every Linear (`{hf_tensor_name: HessianAccumulator}`; Linears that
+read the same input share one accumulator object). Routed experts: every calibration token goes through every
+expert for the statistics, while the output fed forward uses the model's real top-k routing. The caller may hand
+the quantized weights back (`stage.advance(...)`) so the next layer sees the quantized model's hidden states.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixq.errors import InputError
+from mixq.quant.hessian import HessianAccumulator
+
+PREFIX = "model.language_model"
+RANDOM_ROW_FRACTION = 0.15  # a share of uniform random-token rows, so rarely seen embeddings still get data
+
+
+# ---------------------------------------------------------------------------------------------- calibration rows
+
+def read_calibration_texts(files: Sequence[str | Path] | None) -> list[str]:
+    """Documents from .txt (one document per file) / .jsonl (`{"text": ...}` or a JSON string per line) files;
+    the built-in sample when `files` is empty."""
+    if not files:
+        return [BUILTIN_TEXT]
+    docs: list[str] = []
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise InputError(f"calibration file not found: {p}")
+        try:
+            raw = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"calibration file {p} is not readable UTF-8 text: {e}") from None
+        if p.suffix == ".jsonl":
+            for ln, line in enumerate(raw.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"calibration file {p} line {ln}: invalid JSON ({e.msg})") from None
+                text = obj.get("text") if isinstance(obj, dict) else obj
+                if not isinstance(text, str):
+                    raise InputError(f"calibration file {p} line {ln}: expected a string or an object with 'text'")
+                docs.append(text)
+        elif p.suffix in (".txt", ".md", ""):
+            docs.append(raw)
+        else:
+            raise InputError(f"calibration file {p}: unsupported type {p.suffix!r} (use .txt or .jsonl)")
+    if not any(d.strip() for d in docs):
+        raise InputError("calibration files contain no text")
+    return docs
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's own tokenizer (tokenizer.json etc. in the model directory)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
+        raise InputError(f"cannot load the tokenizer of {model_dir}: {e}") from None
+
+
+def calibration_rows(tokenizer, files: Sequence[str | Path] | None = None, *, rows: int = 64,
+                     seq_len: int = 512, vocab_size: int | None = None, seed: int = 0) -> torch.Tensor:
+    """(rows, seq_len) int64 token ids: windows of the tokenized text spread evenly over it (wrapping when the
+    text is short), plus ~15% rows of uniform random ids over the vocabulary. Deterministic for a given seed."""
+    if rows < 1 or seq_len < 2:
+        raise InputError(f"calibration needs rows >= 1 and seq_len >= 2 (got rows={rows}, seq_len={seq_len})")
+    docs = read_calibration_texts(files)
+    ids: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for d in docs:
+        ids.extend(tokenizer(d, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            ids.append(int(eos))
+    if len(ids) < 2:
+        raise InputError("calibration text tokenizes to fewer than 2 tokens")
+    vocab = int(vocab_size or len(tokenizer))
+    n_random = int(rows * RANDOM_ROW_FRACTION) if rows >= 4 else 0
+    n_text = rows - n_random
+    stream = torch.tensor(ids, dtype=torch.long)
+    if stream.numel() < seq_len:
+        stream = stream.repeat(seq_len // stream.numel() + 1)
+    span = stream.numel() - seq_len
+    starts = [round(i * span / max(n_text - 1, 1)) for i in range(n_text)] if n_text > 1 else [0]
+    out = [stream[s:s + seq_len] for s in starts]
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n_random):
+        out.append(torch.randint(0, vocab, (seq_len,), generator=gen))
+    rows_t = torch.stack(out)
+    rng = random.Random(seed)
+    order = list(range(rows))
+    rng.shuffle(order)  # mix random rows among text rows so a --rows prefix keeps both kinds
+    return rows_t[order].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- name mapping
+
+# checkpoint (HF file) name inside a layer -> parameter name inside transformers' decoder layer module
+_RENAMES = {
+    "self_attn.f_a_proj.weight": "self_attn.forget_gate.f_a_proj.weight",
+    "self_attn.f_b_proj.weight": "self_attn.forget_gate.f_b_proj.weight",
+    "self_attn.dt_bias": "self_attn.forget_gate.dt_bias",
+    "self_attn.A_log": "self_attn.forget_gate.A_log",
+    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
+}
+_INV_RENAMES = {v: k for k, v in _RENAMES.items()}
+
+
+def module_to_hf(layer: int, local: str) -> str:
+    """Parameter name inside a decoder layer module (Linear modules only) -> checkpoint tensor name."""
+    return f"{PREFIX}.layers.{layer}.{_INV_RENAMES.get(local, local)}"
+
+
+def _layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Assemble the module's state dict from checkpoint tensors (fetch: HF name -> tensor)."""
+    p = f"{PREFIX}.layers.{layer}."
+    sd: dict[str, torch.Tensor] = {}
+    for key, ref in module.state_dict(keep_vars=True).items():
+        if key == "mlp.experts.gate_up_proj":
+            n = ref.shape[0]
+            sd[key] = torch.stack([torch.cat([fetch(f"{p}mlp.experts.{e}.gate_proj.weight"),
+                                              fetch(f"{p}mlp.experts.{e}.up_proj.weight")], 0) for e in range(n)])
+        elif key == "mlp.experts.down_proj":
+            sd[key] = torch.stack([fetch(f"{p}mlp.experts.{e}.down_proj.weight") for e in range(ref.shape[0])])
+        elif key == "self_attn.conv1d.weight":
+            sd[key] = torch.cat([fetch(f"{p}self_attn.{c}_conv1d.weight") for c in "qkv"], 0)
+        else:
+            sd[key] = fetch(p + _INV_RENAMES.get(key, key)).reshape(ref.shape)
+    return sd
+
+
+# ---------------------------------------------------------------------------------------------- the stages
+
+@dataclass
+class Stage:
+    """One calibrated stage: a decoder layer (`layer` = its index) or the output head (`layer` = None)."""
+
+    layer: int | None
+    stats: dict[str, HessianAccumulator]
+    _advance: Callable[[dict[str, torch.Tensor] | None], None] | None = field(default=None, repr=False)
+    advanced: bool = False
+
+    def advance(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Move the calibration state past this stage, using `weights` (HF name -> dequantized weight) in
+        place of the source tensors they name. Without a call the source weights are used."""
+        if not self.advanced and self._advance is not None:
+            self._advance(weights)
+        self.advanced = True
+
+
+class LayerCalibrator:
+    """Drives transformers' glm5_next decoder one layer at a time over calibration rows.
+
+    ckpt: a `mixq.formats.checkpoint.Checkpoint` (only `.config` and `.get(name)` are used).
+    input_ids: (rows, seq_len) token ids. full=False accumulates only Σx² (imatrix), not Σxxᵀ.
+    """
+
+    def __init__(self, ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = 4,
+                 start_layer: int = 0, state: dict | None = None) -> None:
+        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+        self.ckpt = ckpt
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.full = full
+        self.batch_rows = max(1, int(batch_rows))
+        self.input_ids = input_ids.long()
+        cfg = Glm5NextConfig.from_dict(dict(ckpt.config))
+        self.text_config = cfg.text_config
+        self.text_config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            self.skeleton = Glm5NextTextModel(self.text_config)
+        self.num_layers = int(self.text_config.num_hidden_layers)
+        self.start_layer = start_layer
+        # state: hidden streams (rows, seq, hc, hidden) and the DSA top-k carried to "shared" indexer layers
+        self.hidden: torch.Tensor | None = None if state is None else state["hidden"]
+        self.topk: torch.Tensor | None = None if state is None else state.get("topk")
+
+    # -- helpers
+    def _get(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(name, dtype=torch.float32)
+
+    def _materialize(self, layer: int, replace: dict[str, torch.Tensor] | None) -> nn.Module:
+        mod = self.skeleton.layers[layer]
+        replace = replace or {}
+
+        def fetch(n: str) -> torch.Tensor:
+            t = replace.get(n)
+            return (t if t is not None else self._get(n)).float()
+
+        sd = _layer_state_dict(mod, layer, fetch)
+        mod.to_empty(device=self.device)
+        mod.load_state_dict({k: v.to(self.device) for k, v in sd.items()}, strict=True)
+        return mod.to(self.dtype).eval()
+
+    def _release(self, layer: int) -> None:
+        self.skeleton.layers[layer].to("meta")
+
+    def _embed(self) -> None:
+        w = self._get(f"{PREFIX}.embed_tokens.weight").to(self.dtype)
+        hc = int(self.text_config.hc_mult)
+        emb = F.embedding(self.input_ids, w)
+        self.hidden = emb.unsqueeze(2).expand(-1, -1, hc, -1).contiguous()
+        del w
+
+    def state(self) -> dict:
+        """The calibration state after the last advanced stage (saved by the job for --resume)."""
+        d = {"hidden": self.hidden}
+        if self.topk is not None:
+            d["topk"] = self.topk
+        return d
+
+    def _batches(self):
+        for r in range(0, self.input_ids.shape[0], self.batch_rows):
+            yield slice(r, min(r + self.batch_rows, self.input_ids.shape[0]))
+
+    # -- one layer
+    def _run_layer(self, mod: nn.Module, layer: int, stats: dict[str, HessianAccumulator] | None) -> tuple:
+        """Forward all rows through `mod`; accumulate into `stats` when given. Returns (hidden, topk)."""
+        hooks, experts_patch = [], None
+        acc_by_input: dict[tuple, HessianAccumulator] = {}
+        fed: set[tuple] = set()
+        live: list[torch.Tensor] = []  # keeps this batch's inputs alive so data_ptr keys stay unique
+
+        def feed(x: torch.Tensor, name: str) -> HessianAccumulator:
+            """Accumulate x for `name`; Linears reading the very same tensor share one accumulator."""
+            key = (x.data_ptr(), x.numel(), x.shape[-1]) if x.is_contiguous() else (id(x),)
+            a = stats.get(name)
+            if a is None:
+                a = acc_by_input.get(key)
+                if a is None:
+                    a = HessianAccumulator(x.shape[-1], full=self.full, device=self.device)
+                stats[name] = a
+            acc_by_input.setdefault(key, a)
+            if (id(a), key) not in fed:
+                fed.add((id(a), key))
+                live.append(x)
+                a.add(x)
+            return a
+
+        if stats is not None:
+            for local, sub in mod.named_modules():
+                if isinstance(sub, nn.Linear):
+                    def pre(m, args, _name=module_to_hf(layer, local + ".weight")):
+                        feed(args[0], _name)
+                    hooks.append(sub.register_forward_pre_hook(pre))
+        experts = getattr(getattr(mod, "mlp", None), "experts", None)
+        if experts is not None and hasattr(experts, "gate_up_proj"):
+            experts_patch = experts
+            experts.forward = self._all_experts_forward(experts, layer, stats, feed)
+        outs, topks = [], []
+        mask_full = None
+        try:
+            for sl in self._batches():
+                fed.clear()
+                acc_by_input.clear()
+                live.clear()
+                h = self.hidden[sl].to(self.device, self.dtype)
+                b, s = h.shape[:2]
+                if mask_full is None or mask_full.shape != (b, s):
+                    mask_full = torch.ones(b, s, dtype=torch.bool, device=self.device)
+                pos = torch.arange(s, device=self.device).unsqueeze(0)
+                prev = None if self.topk is None else self.topk[sl].to(self.device)
+                with torch.no_grad():
+                    out, topk = mod(h, attention_mask=mask_full, position_ids=pos, position_embeddings=None,
+                                    prev_topk_indices=prev)
+                outs.append(out.to("cpu") if self.device.type != "cpu" else out)
+                if topk is not None:
+                    topks.append(topk.to("cpu"))
+        finally:
+            for hk in hooks:
+                hk.remove()
+            if experts_patch is not None:
+                del experts_patch.forward
+            live.clear()
+        hidden = torch.cat(outs)
+        topk = torch.cat(topks) if topks else None
+        return hidden, topk
+
+    def _all_experts_forward(self, experts: nn.Module, layer: int, stats, feed):
+        """Replacement for the experts' forward: every token through every expert for the statistics, the output
+        weighted by the real routing (tokens not routed to an expert get weight 0)."""
+        p = f"{PREFIX}.layers.{layer}.mlp"
+        limit = float(getattr(experts, "swiglu_limit", 10.0))
+
+        def forward(hidden_states, top_k_index, top_k_weights):
+            x = hidden_states
+            n_exp = experts.gate_up_proj.shape[0]
+            if stats is not None:
+                a = feed(x, f"{p}.experts.0.gate_proj.weight")
+                for e in range(n_exp):
+                    stats.setdefault(f"{p}.experts.{e}.gate_proj.weight", a)
+                    stats.setdefault(f"{p}.experts.{e}.up_proj.weight", a)
+                stats.setdefault(f"{p}.gate.weight", a)
+            # dense routing weights (T, E): the real top-k weights, zero elsewhere
+            w = torch.zeros(x.shape[0], n_exp + 1, dtype=x.dtype, device=x.device)
+            w.scatter_(1, top_k_index, top_k_weights.to(x.dtype))
+            out = torch.zeros_like(x)
+            for e in range(n_exp):
+                if stats is None:  # no statistics wanted: only the routed tokens matter
+                    rows = w[:, e].nonzero().squeeze(1)
+                    if rows.numel():
+                        gate, up = F.linear(x[rows], experts.gate_up_proj[e]).chunk(2, dim=-1)
+                        act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+                        out.index_add_(0, rows, F.linear(act, experts.down_proj[e]) * w[rows, e:e + 1])
+                    continue
+                gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+                act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+                if stats is not None:
+                    nm = f"{p}.experts.{e}.down_proj.weight"
+                    acc = stats.get(nm)
+                    if acc is None:
+                        acc = stats[nm] = HessianAccumulator(act.shape[-1], full=self.full, device=self.device)
+                    acc.add(act)
+                out += F.linear(act, experts.down_proj[e]) * w[:, e:e + 1]
+            return out
+
+        return forward
+
+    # -- the walk
+    def stages(self) -> Iterator[Stage]:
+        """Yield one Stage per decoder layer (from `start_layer`), then the head stage (lm_head input)."""
+        if self.hidden is None:
+            self._embed()
+        for i in range(self.start_layer, self.num_layers):
+            mod = self._materialize(i, None)
+            stats: dict[str, HessianAccumulator] = {}
+            hidden, topk = self._run_layer(mod, i, stats)
+
+            def advance(weights, _i=i, _hidden=hidden, _topk=topk):
+                if weights:
+                    self._release(_i)
+                    m = self._materialize(_i, weights)
+                    _hidden, _topk = self._run_layer(m, _i, None)
+                self.hidden, self.topk = _hidden, _topk
+
+            stage = Stage(layer=i, stats=stats, _advance=advance)
+            yield stage
+            stage.advance(None)
+            self._release(i)
+            del hidden, topk, stage
+        yield self._head_stage()
+
+    def _head_stage(self) -> Stage:
+        w = self._get(f"{PREFIX}.norm.weight").to(self.device, self.dtype)
+        eps = float(self.text_config.rms_norm_eps)
+        acc = HessianAccumulator(self.hidden.shape[-1], full=self.full, device=self.device)
+        for sl in self._batches():
+            h = self.hidden[sl].to(self.device, self.dtype).mean(dim=2)  # unweighted mean over the mHC streams
+            hf = h.float()
+            y = (hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)).to(self.dtype) * w
+            acc.add(y)
+        return Stage(layer=None, stats={"lm_head.weight": acc})
+
+
+def calibrate(ckpt, input_ids: torch.Tensor, **kw) -> Iterator[Stage]:
+    """Shorthand: `LayerCalibrator(ckpt, input_ids, **kw).stages()`."""
+    return LayerCalibrator(ckpt, input_ids, **kw).stages()
+
+
+# A small calibration sample written for mixq (prose, code, lists, several languages), used when no
+# --calibration file is given. It is deliberately varied rather than large; pass real text for real quants.
+BUILTIN_TEXT = """\
+The river had been rising for three days before anyone in the valley took it seriously. On the fourth morning the
+ferryman tied his boat to the old oak behind the mill, climbed the hill with his dog, and sat on a flat stone to
+watch the water spread across the meadows. By noon the road to the market town was gone, and the children who had
+laughed at him the day before came up the path carrying their grandmother's chairs.
+
+Chapter 2. A short history of measurement
+Before standard units, a foot was the length of a particular king's foot, a cubit ran from elbow to fingertip, and
+a day's ploughing defined a field. Merchants carried their own weights and argued at every border. The metre was
+first defined in 1793 as one ten-millionth of the distance from the equator to the North Pole along a meridian;
+since 1983 it has been the distance light travels in vacuum in 1/299,792,458 of a second.
+
+Q: Why does ice float on water?
+A: Water expands when it freezes because its molecules lock into an open hexagonal lattice held together by
+hydrogen bonds, so ice is about 9% less dense than liquid water at 0 degrees Celsius.
+
+def moving_average(values, window):
+    \"\"\"Return the simple moving average of a list of numbers.\"\"\"
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total, out = 0.0, []
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i + 1 >= window:
+            out.append(total / window)
+    return out
+
+for (int i = 0; i < n; ++i) {
+    sum += a[i] * b[i];
+}
+SELECT name, COUNT(*) AS orders FROM customers JOIN orders USING (customer_id) GROUP BY name ORDER BY orders DESC;
+
+Shopping list: 2 kg flour, 12 eggs, butter (unsalted), 3 lemons, a jar of honey, coffee beans, 500 g lentils.
+
+Le marché ouvre à sept heures; les pêcheurs arrivent avec les caisses de sardines encore couvertes de glace.
+Der Zug nach München hat heute zwanzig Minuten Verspätung, weil ein Baum auf die Gleise gefallen ist.
+El niño dibujó un mapa del barrio con la panadería, la plaza y el árbol donde vive el gato del vecino.
+今天下午我们在图书馆讨论了这个项目的时间安排和预算。
+東京の朝は早く、駅のホームには静かに電車を待つ人々が並んでいる。
+Сегодня вечером в парке будет концерт, и вход для всех свободный.
+
+The committee reviewed 14 proposals, approved 9, and asked for revised budgets on the remaining 5. Total spend
+for the year is expected to reach 2.4 million, about 6% above the previous estimate, mostly because of energy costs.
+She opened the letter slowly, read the first line twice, and then laughed out loud for the first time in weeks.
+"""

@@ -45,3 +45,20 @@ def heldout_text() -> Path:
 @pytest.fixture(scope="session")
 def calibration_text() -> Path:
     return shared_path("data", "calibration.txt")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A random BF16 glm5_next checkpoint (formats/tiny.py defaults: widths 128, KDA×3 + DSA, 2 experts,
+    NextN block, vision tower, fixture tokenizer when ../shared is present)."""
+    from mixq.formats.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "bf16")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_model(tmp_path_factory) -> Path:
+    """The same random model as tiny_model (same seed), stored GLM-FP8 style in 2 shards + index."""
+    from mixq.formats.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "fp8", fp8=True, shards=2)

@@ -1,0 +1,216 @@
+"""Convert a glm5_next checkpoint to a glm5-next GGUF: plan types -> quantize tensor by tensor -> write (shards).
+
+`convert_gguf(model, out, qtype=... | bpw=... | size=..., imatrix=..., ...)`:
+- tensor list and transforms: formats/gguf_names; per-tensor ggml types: the plan (convert/planning, helper D)
+  for mixes, or the converter's pure policy for F32/F16/BF16 (F32 pins per formats/glm5next);
+- llama-quantize options on GGUF names: `tensor_type` [(regex, TYPE)] (first match wins), `output_tensor_type`,
+  `token_embedding_type`; never-quantized tensors (policy f32/keep) are left alone, as llama-quantize does;
+- encoders: mixq.quant.kquants (bit-exact ggml), falling back to gguf-py for types it lacks;
+- the checkpoint is read lazily, one GGUF tensor at a time; output written under temp names, renamed at the end.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mixq.errors import InputError, PlanError
+
+PURE_FLOAT = ("F32", "F16", "BF16")
+# llama-quantize's shape fallback when the row length is not a multiple of 256 (gguf-glm5-next.md §3.4)
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+             "IQ4_XS": "IQ4_NL", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
+
+
+def fallback_type(qtype: str, n: int) -> str:
+    """The type llama-quantize really uses for a row length `n`."""
+    import gguf
+
+    from mixq.formats.gguf_writer import ggml_type
+
+    block = gguf.GGML_QUANT_SIZES[ggml_type(qtype)][0]
+    if n % block == 0:
+        return qtype
+    alt = _FALLBACK.get(qtype.upper(), "F16")
+    if n % gguf.GGML_QUANT_SIZES[ggml_type(alt)][0] == 0:
+        return alt
+    return "F16"
+
+
+def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Encode a float32 array (..., n) as ggml `qtype`: float arrays for F32/F16, raw block bytes otherwise.
+
+    `imatrix` is (n,) or, for stacked 3-D tensors, (E, n): one importance vector per expert/slice."""
+    import gguf
+
+    from mixq.formats.gguf_writer import ggml_type
+
+    q = qtype.upper()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if q == "F32":
+        return x
+    if q == "F16":
+        return x.astype(np.float16)
+    if q in ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1") and imatrix is None:
+        return gguf.quants.quantize(x, ggml_type(q))
+    try:
+        from mixq.quant import kquants
+    except ImportError:
+        kquants = None
+    n = x.shape[-1]
+    # one (rows, n) matrix per expert / slice of a 3-D tensor
+    mats = x if x.ndim == 3 else x.reshape(1, -1, n)
+    imx = None
+    if imatrix is not None:
+        imx = np.asarray(imatrix, dtype=np.float32).reshape(-1, n)
+        if imx.shape[0] not in (1, mats.shape[0]):
+            raise InputError(f"imatrix has {imx.shape[0]} vectors for {mats.shape[0]} matrices")
+    out = []
+    for e in range(mats.shape[0]):
+        w = None if imx is None else imx[e if imx.shape[0] > 1 else 0]
+        rows = mats[e]
+        if kquants is not None:
+            try:
+                out.append(np.asarray(kquants.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
+                continue
+            except (NotImplementedError, KeyError, ValueError):
+                pass
+        if w is not None and q in ("Q8_0", "BF16"):  # these ignore the imatrix in ggml too
+            w = None
+        if w is not None or q not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"):
+            raise InputError(f"no encoder for {q}{' with imatrix' if w is not None else ''} (mixq.quant.kquants lacks it)")
+        out.append(gguf.quants.quantize(rows, ggml_type(q)))
+    res = np.stack(out)
+    return res.reshape(x.shape[:-1] + (res.shape[-1],))
+
+
+@dataclass
+class TypedTensor:
+    spec: object   # GGUFTensorSpec
+    qtype: str
+
+
+def _pure_types(specs, outtype: str) -> list[str]:
+    """The converter's policy for a float / Q8_0-style outtype: F32 pins stay F32, the rest takes `outtype`."""
+    out = []
+    for s in specs:
+        if s.policy == "f32" or len(s.shape) == 1:
+            out.append("F32")
+        else:
+            out.append(fallback_type(outtype, s.shape[-1]))
+    return out
+
+
+def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp) -> list[str]:
+    try:
+        from mixq.convert.planning import plan_model
+
+        plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp)
+    except ImportError as e:
+        if qtype and qtype.upper() in ("Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_1"):
+            return _pure_types(specs, qtype.upper())
+        raise PlanError(f"GGUF planning (mixq.convert.planning) is not available: {e}") from e
+    by = {t.name: t.type for t in plan.tensors}
+    missing = [s.name for s in specs if s.name not in by]
+    if missing:
+        raise PlanError(f"plan lacks GGUF tensors {missing[:3]} ({len(missing)} in all)")
+    return [by[s.name] for s in specs]
+
+
+def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=(), output_tensor_type=None,
+                 token_embedding_type=None, include_mtp=True) -> list[str]:
+    """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides."""
+    if sum(v is not None for v in (qtype, bpw, size)) != 1:
+        raise InputError("give exactly one of --type, --bpw, --size")
+    if qtype is not None and qtype.upper() in PURE_FLOAT:
+        types = _pure_types(specs, qtype.upper())
+    else:
+        types = _planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp)
+    rx = []
+    for pat, t in tensor_type:
+        try:
+            rx.append((re.compile(pat), t.upper()))
+        except re.error as e:
+            raise InputError(f"--tensor-type {pat!r}: bad regex ({e})") from e
+    for i, s in enumerate(specs):
+        if s.policy in ("f32", "keep") or len(s.shape) < 2:
+            continue  # never quantized by llama-quantize (not quantizable / glm5-next exclusions)
+        want = None
+        if s.name == "output.weight" and output_tensor_type:
+            want = output_tensor_type.upper()
+        elif s.name == "token_embd.weight" and token_embedding_type:
+            want = token_embedding_type.upper()
+        else:
+            want = next((t for r, t in rx if r.search(s.name)), None)
+        if want:
+            types[i] = fallback_type(want, s.shape[-1])
+    return types
+
+
+def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = None, size: int | str | None = None,
+                 imatrix: str | Path | None = None, tensor_type=(), output_tensor_type: str | None = None,
+                 token_embedding_type: str | None = None, no_mtp: bool = False, shard_size: int | str = 0,
+                 tokenizer_pre: str | None = None, chat_template: str | None = None, progress: bool = True) -> dict:
+    """Convert `model` (dir or hub id) to the GGUF `out` (.gguf). Returns a summary dict (files, types, bytes)."""
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import build_tensor, gguf_tensors
+    from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
+    from mixq.formats.gguf_writer import TensorOut, glm5next_kv, write_gguf
+
+    ckpt = open_checkpoint(model)
+    include_mtp = not no_mtp
+    specs = gguf_tensors(ckpt, include_mtp=include_mtp)
+    if isinstance(size, str):
+        size = parse_size(size)
+    types = assign_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, tensor_type=tensor_type,
+                         output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
+                         include_mtp=include_mtp)
+    imx = None
+    if imatrix is not None:
+        from mixq.formats.imatrix_file import read_imatrix
+
+        imx = read_imatrix(imatrix).means()
+    n_vocab = ckpt.shape(next(s for s in specs if s.name == "token_embd.weight").hf_names[0])[0]
+    tmeta = tokenizer_metadata(ckpt.path, n_vocab, tokenizer_pre)
+    label = qtype.upper() if qtype else None
+    kv = glm5next_kv(ckpt, include_mtp=include_mtp, file_type=label)
+    if imx is not None:
+        from mixq.formats.gguf_writer import KV
+
+        kv += [KV("quantize.imatrix.file", "STRING", str(imatrix)),
+               KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
+    outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(specs, types)]
+    by_name = {s.name: s for s in specs}
+
+    def produce(t: TensorOut) -> np.ndarray:
+        spec = by_name[t.name]
+        x = build_tensor(spec, ckpt.get).numpy()
+        w = None if imx is None or t.qtype in PURE_FLOAT else imx.get(t.name)
+        if w is not None and w.size != (x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]:
+            raise InputError(f"imatrix entry {t.name} has {w.size} values, tensor needs "
+                             f"{(x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]}")
+        return encode(x, t.qtype, w)
+
+    files = write_gguf(out, kv, outs, produce, tokenizer=lambda w: add_tokenizer(w, tmeta, chat_template),
+                       shard_size=parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size or 0),
+                       progress=progress)
+    counts: dict[str, int] = {}
+    for t in outs:
+        counts[t.qtype] = counts.get(t.qtype, 0) + 1
+    total = sum(t.nbytes for t in outs)
+    params = sum(int(np.prod(t.shape)) for t in outs)
+    return {"files": [str(f) for f in files], "tensors": len(outs), "types": counts, "bytes": total,
+            "bpw": 8.0 * total / max(params, 1), "tokenizer_pre": tmeta.pre, "mtp": include_mtp}
+
+
+def parse_size(s: int | str) -> int:
+    """'10G', '500M', '123456' -> bytes (powers of 1000 as gguf-split does for M/G)."""
+    if isinstance(s, int):
+        return s
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(s), re.I)
+    if not m:
+        raise InputError(f"size {s!r}: expected a number with optional K/M/G/T suffix")
+    mult = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)

@@ -1,0 +1,177 @@
+"""Tokenizer metadata for a glm5-next GGUF (byte-level BPE, `tokenizer.ggml.model = gpt2`).
+
+Facts: ../shared/reference/gguf-glm5-next.md §1.4. The pre-tokenizer id (`tokenizer.ggml.pre`) is chosen the way
+llama.cpp's converter chooses it: sha256 of the token ids of a fixed probe string, looked up in a table of known
+tokenizers. An unknown hash whose pre-tokenizer is plain byte-level BPE with the GPT-2 split regex (the fixtures'
+case) maps to `gpt-2`; anything else needs `tokenizer_pre=` (CLI `--tokenizer-pre`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from hashlib import sha256
+from pathlib import Path
+
+from mixq.errors import InputError
+
+# The probe text llama.cpp's converter encodes (exercises whitespace runs, emoji, digits, CJK, Khmer, quotes).
+PROBE_TEXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f "
+    "(multiple emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 "
+    "3.3 3..3 3...3 \u1780\u17b6\u1793\u17cb\u178f\u17c2\u1796\u17b7\u179f\u17c1\u179f\u17a2\u17b6\u1785\U0001f601 "
+    "?\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ------======= "
+    "\u043d\u0435\u0449\u043e \u043d\u0430 \u0411\u044a\u043b\u0433\u0430\u0440\u0441\u043a\u0438 "
+    "''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, "
+    "'D you like some tea? We'Ve a'lL"
+)
+
+# sha256(str(token ids of PROBE_TEXT)) -> tokenizer.ggml.pre (values from llama.cpp's converter table).
+KNOWN_PRE: dict[str, str] = {
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
+    "a1336059768a55c99a734006ffb02203cd450fed003e9a71886c88acf24fdbc2": "glm4",
+    "b6e8e1518dc4305be2fe39c313ed643381c4da5db34a98f6a04c093f8afbe99b": "chatglm-bpe",
+    "81d72c7348a9f0ebe86f23298d37debe0a5e71149e29bd283904c02262b27516": "chatglm-bpe",
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
+    "877081d19cf6996e2c4ff0e1236341e9b7bde288f5311a56a937f0afbbb3aeb5": "deepseek-v3",
+}
+
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+_GPT2_SPLIT = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
+
+
+@dataclass
+class TokenizerMeta:
+    """Everything the GGUF carries about the tokenizer."""
+
+    pre: str
+    pre_hash: str
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    special_ids: dict[str, int] = field(default_factory=dict)   # bos/eos/unk/pad/eot/eom
+    add_special: dict[str, bool] = field(default_factory=dict)  # add_bos/add_eos
+    chat_template: str | None = None
+
+
+def probe_hash(tokenizer) -> str:
+    """The converter's fingerprint of a BPE pre-tokenizer: sha256 of str(encode(PROBE_TEXT))."""
+    ids = tokenizer.encode(PROBE_TEXT)
+    return sha256(str(ids).encode()).hexdigest()
+
+
+def _plain_gpt2_pretok(model_dir: Path) -> bool:
+    """True when tokenizer.json's pre-tokenizer is byte-level with the GPT-2 split regex and no normalizer."""
+    try:
+        tj = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    pt = tj.get("pre_tokenizer") or {}
+    if tj.get("normalizer") is not None:
+        return False
+    if pt.get("type") == "ByteLevel":
+        return bool(pt.get("use_regex", True)) and not pt.get("add_prefix_space", False)
+    if pt.get("type") == "Sequence":
+        subs = pt.get("pretokenizers") or []
+        regex = [s for s in subs if s.get("type") == "Split"]
+        bl = [s for s in subs if s.get("type") == "ByteLevel"]
+        return (len(subs) == 2 and len(regex) == 1 and len(bl) == 1 and not bl[0].get("use_regex", True)
+                and (regex[0].get("pattern") or {}).get("Regex") == _GPT2_SPLIT)
+    return False
+
+
+def choose_pre(tokenizer, model_dir: Path, override: str | None = None) -> tuple[str, str]:
+    """(pre id, probe hash). `override` wins; known hash next; plain GPT-2 byte-level -> `gpt-2`."""
+    h = probe_hash(tokenizer)
+    if override:
+        return override, h
+    if h in KNOWN_PRE:
+        return KNOWN_PRE[h], h
+    if _plain_gpt2_pretok(model_dir):
+        return "gpt-2", h
+    raise InputError(
+        f"{model_dir}: unknown BPE pre-tokenizer (probe hash {h}); pass --tokenizer-pre NAME (e.g. glm4, gpt-2)"
+    )
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - any loader failure is a user input problem here
+        raise InputError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+
+
+def tokenizer_metadata(model_dir: str | Path, n_vocab: int, tokenizer_pre: str | None = None) -> TokenizerMeta:
+    """Build the GGUF tokenizer metadata from a model directory's tokenizer.json / tokenizer_config.json.
+
+    `n_vocab` is the embedding row count: ids the tokenizer lacks become `[PAD<id>]` (UNUSED)."""
+    import gguf
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise InputError(f"{model_dir}: no tokenizer.json (only byte-level BPE tokenizers are supported)")
+    tok = _load_tokenizer(model_dir)
+    pre, h = choose_pre(tok, model_dir, tokenizer_pre)
+    vocab = tok.get_vocab()
+    if max(vocab.values()) >= n_vocab:
+        raise InputError(f"{model_dir}: tokenizer has id {max(vocab.values())} >= embedding rows {n_vocab}")
+    rev = {i: t for t, i in vocab.items()}
+    added = tok.added_tokens_decoder  # id -> AddedToken
+    tokens: list[str] = []
+    types: list[int] = []
+    for i in range(n_vocab):
+        if i not in rev:
+            tokens.append(f"[PAD{i}]")
+            types.append(TOKEN_UNUSED)
+            continue
+        t = rev[i]
+        if i in added:
+            at = added[i]
+            if not at.normalized:
+                # the converter stores the decoded form of non-normalized added tokens
+                t = tok.decode(tok.encode(t, add_special_tokens=False))
+            is_ctrl = at.special or (t.startswith("<|") and t.endswith("|>"))
+            types.append(TOKEN_CONTROL if is_ctrl else TOKEN_USER_DEFINED)
+        else:
+            types.append(TOKEN_NORMAL)
+        tokens.append(t)
+    if len(set(tokens)) != len(tokens):
+        raise InputError(f"{model_dir}: token strings are not unique; llama.cpp would reject the vocabulary")
+
+    logging.getLogger("gguf.vocab").setLevel(logging.ERROR)
+    sv = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+    special = dict(sv.special_token_ids)
+    # glm conventions (gguf-glm5-next.md §1.4): bos = [gMASK], eot = <|user|>, unk = <|endoftext|>, eom = <|observation|>
+    names = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
+    for key, text in names.items():
+        if text in vocab:
+            special[key] = vocab[text]
+    special = {k: int(v) for k, v in special.items() if v is not None and 0 <= int(v) < n_vocab}
+    merges = list(sv.merges)
+    if not merges:
+        raise InputError(f"{model_dir}: tokenizer.json has no BPE merges (llama.cpp needs them for gpt2 vocabularies)")
+    return TokenizerMeta(pre=pre, pre_hash=h, tokens=tokens, token_types=types, merges=merges,
+                         special_ids=special, add_special=dict(sv.add_special_token), chat_template=sv.chat_template)
+
+
+def add_tokenizer(writer, meta: TokenizerMeta, chat_template: str | None = None) -> None:
+    """Write `meta` into a gguf-py GGUFWriter (typed adders: ids are UINT32, types INT32)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(meta.pre)
+    writer.add_token_list(meta.tokens)
+    writer.add_token_types(meta.token_types)
+    writer.add_token_merges(meta.merges)
+    for key, tid in sorted(meta.special_ids.items()):
+        adder = getattr(writer, f"add_{key}_token_id", None)
+        if adder is not None:
+            adder(tid)
+    for key, val in sorted(meta.add_special.items()):
+        adder = getattr(writer, f"add_add_{key}_token", None)
+        if adder is not None:
+            adder(bool(val))
+    tmpl = chat_template if chat_template is not None else meta.chat_template
+    if tmpl:
+        writer.add_chat_template(tmpl)

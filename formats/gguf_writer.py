@@ -1,0 +1,232 @@
+"""Write glm5-next GGUF files (one file or `NAME-0000k-of-0000N.gguf` shards) through gguf-py's GGUFWriter.
+
+- `glm5next_kv(ckpt, ...)` : every KV key the upstream loader needs, with the exact GGUF value types
+  (../shared/reference/gguf-glm5-next.md §1.2-1.3: scalars through typed adders, per-layer arrays with the
+  right element type and length).
+- `write_gguf(path, kv, tensors, produce, ...)` : streams tensor data (one tensor in memory at a time) into files
+  under a temporary directory next to the output, then renames them into place.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from mixq.errors import FormatError, InputError
+
+ARCH = "glm5-next"
+
+
+@dataclass
+class KV:
+    key: str
+    vtype: str          # gguf-py GGUFValueType name: UINT32, FLOAT32, BOOL, STRING, UINT16, INT32, ARRAY
+    value: Any
+    sub_type: str | None = None  # element type for arrays
+
+
+@dataclass
+class TensorOut:
+    """One tensor to write: numpy element shape (outermost first) and ggml type name ("F32", "BF16", "Q4_K"...)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.shape, self.qtype)
+
+
+def ggml_type(qtype: str):
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType[qtype.upper()]
+    except KeyError as e:
+        raise InputError(f"unknown ggml tensor type {qtype!r}") from e
+
+
+def tensor_nbytes(shape: tuple[int, ...], qtype: str) -> int:
+    """Bytes of a tensor of numpy `shape` in ggml type `qtype`; the row length must be a multiple of the block."""
+    import gguf
+
+    block, tsize = gguf.GGML_QUANT_SIZES[ggml_type(qtype)]
+    n = int(shape[-1]) if shape else 1
+    if n % block:
+        raise FormatError(f"row length {n} is not a multiple of the {qtype} block size {block}")
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return rows * (n // block) * tsize
+
+
+def _file_type(ftype: str | None) -> int | None:
+    import gguf
+
+    if ftype is None:
+        return None
+    name = {"F32": "ALL_F32"}.get(ftype.upper(), "MOSTLY_" + ftype.upper())
+    try:
+        return int(gguf.LlamaFileType[name])
+    except KeyError:
+        return None
+
+
+def _get(tc: dict, *keys, default=None):
+    """First present key; dotted keys look into nested dicts (e.g. linear_attn_config.head_dim)."""
+    for k in keys:
+        d: Any = tc
+        for part in k.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        if d is not None:
+            return d
+    if default is not None:
+        return default
+    raise InputError(f"config.json text_config lacks {keys[0]!r} (needed for the glm5-next GGUF)")
+
+
+def glm5next_kv(ckpt, *, include_mtp: bool = True, file_type: str | None = None, name: str | None = None) -> list[KV]:
+    """The `glm5-next.*` and `general.*` keys for `ckpt` (a Checkpoint, shapes-only is enough)."""
+    tc = getattr(ckpt, "text_config", None) or ckpt.config.get("text_config", ckpt.config)
+    p = ARCH + "."
+    n_trunk = int(ckpt.num_hidden_layers)
+    n_nextn = len(getattr(ckpt, "nextn_layers", None) or []) if include_mtp else 0
+    n_blocks = n_trunk + n_nextn
+    layer_types = list(getattr(ckpt, "layer_types", None) or tc.get("layer_types") or [])
+    if len(layer_types) < n_trunk:
+        raise InputError(f"config layer_types has {len(layer_types)} entries for {n_trunk} layers")
+    rope = int(tc.get("qk_rope_head_dim") or 0)
+    if rope != 0:
+        raise InputError(f"glm5-next GGUF needs qk_rope_head_dim == 0 (mla_use_nope), config has {rope}")
+    kv_lora = int(_get(tc, "kv_lora_rank"))
+    head_kv = [0 if t == "linear_attention" else 1 for t in layer_types[:n_trunk]] + [1] * n_nextn
+    dense = tc.get("first_k_dense_replace")
+    if dense is None:
+        mlt = list(tc.get("mlp_layer_types") or [])
+        dense = next((i for i, t in enumerate(mlt) if t != "dense"), len(mlt))
+    idx_types = tc.get("indexer_types") or ["full"] * n_trunk
+    swiglu = float(_get(tc, "swiglu_limit", default=0.0))
+    u32 = [
+        ("block_count", n_blocks), ("context_length", _get(tc, "max_position_embeddings")),
+        ("embedding_length", _get(tc, "hidden_size")), ("feed_forward_length", _get(tc, "intermediate_size")),
+        ("attention.head_count", _get(tc, "num_attention_heads")),
+        ("expert_count", _get(tc, "n_routed_experts")), ("expert_used_count", _get(tc, "num_experts_per_tok")),
+        ("expert_group_count", _get(tc, "n_group", default=1)),
+        ("expert_group_used_count", _get(tc, "topk_group", default=1)),
+        ("vocab_size", _get(tc, "vocab_size")),
+        ("ssm.conv_kernel", _get(tc, "linear_attn_config.short_conv_kernel_size", "linear_conv_kernel_dim")),
+        ("kda.head_dim", _get(tc, "linear_attn_config.head_dim", "linear_head_dim")),
+        ("attention.q_lora_rank", _get(tc, "q_lora_rank")), ("attention.kv_lora_rank", kv_lora),
+        ("rope.dimension_count", rope),
+        ("attention.key_length", kv_lora + rope), ("attention.value_length", kv_lora),
+        ("attention.key_length_mla", int(_get(tc, "qk_nope_head_dim")) + rope),
+        ("attention.value_length_mla", _get(tc, "v_head_dim")),
+        ("attention.indexer.head_count", _get(tc, "index_n_heads")),
+        ("attention.indexer.key_length", _get(tc, "index_head_dim")),
+        ("attention.indexer.top_k", _get(tc, "index_topk")),
+        ("attention.indexer.kpool", _get(tc, "index_kpool")),
+        ("hyper_connection.count", _get(tc, "hc_mult")),
+        ("hyper_connection.sinkhorn_iterations", _get(tc, "hc_sinkhorn_iters")),
+        ("leading_dense_block_count", dense),
+        ("expert_feed_forward_length", _get(tc, "moe_intermediate_size")),
+        ("expert_shared_count", _get(tc, "n_shared_experts")),
+    ]
+    if n_nextn:
+        u32.append(("nextn_predict_layers", n_nextn))
+    f32 = [
+        ("attention.layer_norm_rms_epsilon", _get(tc, "rms_norm_eps")),
+        ("attention.layer_norm_epsilon", 1e-6),  # indexer k_norm LayerNorm eps (fixed in the reference)
+        ("kda.gate_lower_bound", _get(tc, "linear_attn_config.gate_lower_bound", "linear_lower_bound")),
+        ("hyper_connection.epsilon", _get(tc, "hc_eps")),
+        ("expert_weights_scale", _get(tc, "routed_scaling_factor")),
+    ]
+    rope_theta = tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta")
+    if rope_theta:
+        f32.append(("rope.freq_base", rope_theta))
+    out = [KV(p + k, "UINT32", int(v)) for k, v in u32] + [KV(p + k, "FLOAT32", float(v)) for k, v in f32]
+    out += [
+        KV(p + "attention.indexer.kpool_select_tail", "BOOL", bool(tc.get("index_kpool_always_select_tail", True))),
+        KV(p + "expert_weights_norm", "BOOL", bool(tc.get("norm_topk_prob", False))),
+        KV(p + "attention.head_count_kv", "ARRAY", head_kv, "INT32"),
+        # indexer.types has the TRUNK length, the other per-layer arrays block_count (§1.3)
+        KV(p + "attention.indexer.types", "ARRAY", [t == "full" for t in idx_types[:n_trunk]], "BOOL"),
+    ]
+    if swiglu:
+        out += [KV(p + "swiglu_clamp_exp", "ARRAY", [swiglu] * n_blocks, "FLOAT32"),
+                KV(p + "swiglu_clamp_shexp", "ARRAY", [swiglu] * n_blocks, "FLOAT32")]
+    out.append(KV("general.quantization_version", "UINT32", 2))
+    ft = _file_type(file_type)
+    if ft is not None:
+        out.append(KV("general.file_type", "UINT32", ft))
+    out += [KV("general.type", "STRING", "model"), KV("general.name", "STRING", name or Path(str(ckpt.path)).name)]
+    return out
+
+
+def add_kv(writer, kvs: Iterable[KV]) -> None:
+    """Add KVs to a GGUFWriter with explicit types (never gguf-py's int->INT32 inference)."""
+    import gguf
+
+    for kv in kvs:
+        vt = gguf.GGUFValueType[kv.vtype]
+        st = gguf.GGUFValueType[kv.sub_type] if kv.sub_type else None
+        if vt == gguf.GGUFValueType.ARRAY and len(kv.value) == 0:
+            continue
+        if vt == gguf.GGUFValueType.STRING and kv.value == "":
+            continue
+        writer.add_key_value(kv.key, kv.value, vt, sub_type=st)
+
+
+def shard_names(path: Path, n: int) -> list[Path]:
+    """llama.cpp's shard naming: `<stem>-00001-of-0000N.gguf` (plain `path` when n == 1)."""
+    if n == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}-{i + 1:05d}-of-{n:05d}.gguf") for i in range(n)]
+
+
+def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
+               produce: Callable[[TensorOut], np.ndarray], *, tokenizer: Callable[[Any], None] | None = None,
+               shard_size: int = 0, shard_max_tensors: int = 0, progress: bool = True) -> list[Path]:
+    """Write a GGUF (or shards) and return the final paths.
+
+    `produce(t)` returns the tensor's data: float32/float16 arrays for F32/F16, otherwise the raw ggml bytes
+    (uint8) of exactly `t.nbytes`. `tokenizer(writer)` adds tokenizer keys. Shards split on `shard_size`
+    (bytes of tensor data) or `shard_max_tensors`; split.* keys go into every shard (gguf-facts §2).
+    """
+    import gguf
+    from tqdm import tqdm
+
+    path = Path(path)
+    if path.suffix != ".gguf":
+        raise InputError(f"{path}: GGUF output must end in .gguf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.stem}.partial-", dir=path.parent))
+    try:
+        w = gguf.GGUFWriter(tmpdir / path.name, ARCH, split_max_size=int(shard_size),
+                            split_max_tensors=int(shard_max_tensors))
+        # GGUFWriter already wrote general.architecture in its constructor
+        add_kv(w, [k for k in kv if k.key != "general.architecture"])
+        if tokenizer is not None:
+            tokenizer(w)
+        for t in tensors:
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=ggml_type(t.qtype))
+        n_files = len(w.tensors)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in tqdm(tensors, desc=f"write {path.name}", unit="tensor", disable=not progress, leave=False):
+            arr = np.ascontiguousarray(produce(t))
+            if arr.nbytes != t.nbytes:
+                raise FormatError(f"{t.name}: produced {arr.nbytes} bytes, {t.qtype} {t.shape} needs {t.nbytes}")
+            w.write_tensor_data(arr)
+        w.close()
+        tmp_files = shard_names(tmpdir / path.name, n_files)
+        finals = shard_names(path, n_files)
+        for a, b in zip(tmp_files, finals):
+            os.replace(a, b)
+        return finals
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,158 @@
+"""llama.cpp importance-matrix files: the GGUF imatrix format (read/write) and the legacy `.dat` (read).
+
+Facts: ../shared/reference/gguf-facts.md §5. Per weight W (a GGUF tensor name) the file holds raw sums of x²
+per input column, one vector per matrix (per expert for `*_exps`), and the token count per matrix:
+  GGUF:   `W.in_sum2` F32 ne [n_cols, n_mat] and `W.counts` F32 ne [1, n_mat]; KVs general.type = "imatrix",
+          imatrix.datasets (string array), imatrix.chunk_count / imatrix.chunk_size (u32); entries sorted by name.
+  legacy: int32 n; per entry int32 len, name, int32 ncall, int32 nval, f32[nval] = mean·ncall; optional trailer.
+What quantizers use is the mean: sum / count per matrix, 1.0 for a matrix never seen (count 0).
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mixq.errors import FormatError, InputError
+
+KEY_DATASETS = "imatrix.datasets"
+KEY_CHUNK_COUNT = "imatrix.chunk_count"
+KEY_CHUNK_SIZE = "imatrix.chunk_size"
+
+
+@dataclass
+class IMatrix:
+    """sums[name]: float32 (n_mat, n_cols) Σx²; counts[name]: float32 (n_mat,) rows seen per matrix."""
+
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+    counts: dict[str, np.ndarray] = field(default_factory=dict)
+    datasets: list[str] = field(default_factory=list)
+    chunk_count: int = 0
+    chunk_size: int = 512
+
+    def add(self, name: str, sum_x2: np.ndarray, count: np.ndarray | float) -> None:
+        """Accumulate statistics for one weight (sum_x2 (n_mat, n) or (n,); count per matrix)."""
+        s = np.asarray(sum_x2, dtype=np.float64).reshape(-1, np.shape(sum_x2)[-1])
+        c = np.broadcast_to(np.asarray(count, dtype=np.float64), (s.shape[0],)).copy()
+        if name in self.sums:
+            if self.sums[name].shape != s.shape:
+                raise InputError(f"imatrix {name}: shape {s.shape} != earlier {self.sums[name].shape}")
+            self.sums[name] = self.sums[name] + s
+            self.counts[name] = self.counts[name] + c
+        else:
+            self.sums[name], self.counts[name] = s, c
+
+    def means(self) -> dict[str, np.ndarray]:
+        """What llama-quantize feeds the encoders: flattened (n_mat·n,) mean x², 1.0 where count is 0."""
+        out = {}
+        for name, s in self.sums.items():
+            c = np.asarray(self.counts[name], dtype=np.float64).reshape(-1, 1)
+            m = np.where(c > 0, s / np.maximum(c, 1e-30), 1.0)
+            out[name] = m.astype(np.float32).reshape(-1)
+        return out
+
+
+def write_imatrix(path: str | Path, im: IMatrix) -> Path:
+    """Write `im` in llama.cpp's GGUF imatrix format (temp name, then rename)."""
+    import gguf
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    w = gguf.GGUFWriter(tmp, "imatrix")
+    w.kv_data[0].pop("general.architecture", None)  # llama-imatrix files carry no architecture
+    w.add_string("general.type", "imatrix")
+    if im.datasets:
+        w.add_array(KEY_DATASETS, list(im.datasets))
+    else:
+        w.add_key_value(KEY_DATASETS, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+    w.add_uint32(KEY_CHUNK_COUNT, int(im.chunk_count))
+    w.add_uint32(KEY_CHUNK_SIZE, int(im.chunk_size))
+    for name in sorted(im.sums):
+        s = np.ascontiguousarray(im.sums[name], dtype=np.float32)
+        c = np.ascontiguousarray(np.asarray(im.counts[name], dtype=np.float32).reshape(-1, 1))
+        w.add_tensor(f"{name}.in_sum2", s)
+        w.add_tensor(f"{name}.counts", c)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def _read_gguf(path: Path) -> IMatrix:
+    import gguf
+
+    try:
+        r = gguf.GGUFReader(path, "r")
+    except Exception as e:  # noqa: BLE001
+        raise FormatError(f"{path}: not a readable GGUF imatrix ({e})") from e
+    f = r.fields
+    if KEY_CHUNK_COUNT not in f or KEY_CHUNK_SIZE not in f:
+        raise FormatError(f"{path}: GGUF without imatrix.chunk_count / imatrix.chunk_size (not an imatrix file)")
+    ds = f.get(KEY_DATASETS)
+    im = IMatrix(datasets=list(ds.contents()) if ds is not None and len(ds.data) else [],
+                 chunk_count=int(f[KEY_CHUNK_COUNT].contents()), chunk_size=int(f[KEY_CHUNK_SIZE].contents()))
+    tens = {t.name: t for t in r.tensors}
+    for tname, t in tens.items():
+        if not tname.endswith(".in_sum2"):
+            continue
+        base = tname[: -len(".in_sum2")]
+        c = tens.get(base + ".counts")
+        if c is None:
+            raise FormatError(f"{path}: {tname} has no matching {base}.counts")
+        s = np.asarray(t.data, dtype=np.float32).reshape(-1, int(t.shape[0]))
+        cnt = np.asarray(c.data, dtype=np.float32).reshape(-1)
+        if cnt.shape[0] != s.shape[0]:
+            raise FormatError(f"{path}: {base}: {s.shape[0]} matrices but {cnt.shape[0]} counts")
+        im.sums[base], im.counts[base] = s.astype(np.float64), cnt.astype(np.float64)
+    return im
+
+
+def _read_legacy(path: Path) -> IMatrix:
+    data = path.read_bytes()
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        size = struct.calcsize(fmt)
+        if pos + size > len(data):
+            raise FormatError(f"{path}: truncated legacy imatrix at byte {pos}")
+        v = struct.unpack_from(fmt, data, pos)
+        pos += size
+        return v
+
+    (n,) = take("<i")
+    if n < 0:
+        raise FormatError(f"{path}: negative entry count {n}")
+    im = IMatrix()
+    for _ in range(n):
+        (ln,) = take("<i")
+        name = data[pos:pos + ln].decode("utf-8")
+        pos += ln
+        ncall, nval = take("<ii")
+        vals = np.frombuffer(data, dtype="<f4", count=nval, offset=pos).astype(np.float64)
+        pos += 4 * nval
+        # stored values are mean·ncall; keep means with count = ncall (per-expert counts are not stored)
+        im.sums[name] = vals.reshape(1, -1)
+        im.counts[name] = np.array([float(max(ncall, 1))])
+    if pos + 8 <= len(data):
+        (im.chunk_count,) = take("<i")
+        (dl,) = take("<i")
+        im.datasets = [data[pos:pos + dl].decode("utf-8", "replace")] if dl > 0 else []
+    return im
+
+
+def read_imatrix(path: str | Path) -> IMatrix:
+    """Read a GGUF imatrix or a legacy `.dat` (detected by the GGUF magic)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such imatrix file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    return _read_gguf(path) if magic == b"GGUF" else _read_legacy(path)

@@ -104,3 +104,67 @@ def compare(reports, plot, markdown_out, as_json) -> None:
         _print_json({"rows": res["rows"], "plot": res["plot"]})
     else:
         click.echo(res["markdown"], nl=False)
+
+
+@main.command()
+@click.argument("model")
+@click.argument("out")
+@click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), default="exl3", show_default=True, help="Output format.")
+@click.option("--bpw", type=float, default=None, help="Target bits per weight of the budgeted tensors.")
+@click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB).")
+@click.option("--override", "overrides", multiple=True, help="PATTERN=BITS per-tensor override (repeatable).")
+@click.option("--calibration", multiple=True, type=click.Path(), help="Calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
+@click.option("--rows", type=int, default=64, show_default=True, help="Calibration rows.")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration row.")
+@click.option("--device", default=None, help="cuda|cpu [default: cuda when available].")
+@click.option("--shard-size", default=None, help="Max shard size (EXL3 default 8GiB).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion in OUT.")
+@click.option("--head-bits", type=float, default=6, show_default=True, help="EXL3 lm_head bits (16 = fp16).")
+@click.option("--mtp-bits", type=float, default=4, show_default=True, help="EXL3 bits of the NextN block.")
+@click.option("--vision-bits", type=float, default=None, help="Quantize the vision tower (EXL3) [default: source precision].")
+@click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_reports_errors
+def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, device, shard_size, resume, head_bits,
+            mtp_bits, vision_bits, no_mtp, as_json, **extra) -> None:
+    """Convert MODEL (glm5_next dir / hub id, or a DFlash2 drafter) to OUT (EXL3 directory or .gguf)."""
+    from mixq.convert.api import convert as run
+
+    if fmt == "exl3":
+        opts = dict(bpw=bpw, size=size, overrides=overrides, calibration=list(calibration) or None, rows=rows,
+                    seq_len=seq_len, device=device, resume=resume, head_bits=head_bits, mtp_bits=mtp_bits,
+                    vision_bits=vision_bits, include_mtp=not no_mtp)
+        if shard_size is not None:
+            opts["shard_size"] = shard_size
+    else:
+        opts = dict(bpw=bpw, size=size, no_mtp=no_mtp, **extra)
+        if shard_size is not None:
+            opts["shard_size"] = shard_size
+    res = run(model, out, fmt, **opts)
+    d = res.to_dict() if hasattr(res, "to_dict") else res
+    if as_json:
+        _print_json(d)
+    else:
+        click.echo(res.summary() if hasattr(res, "summary") else json.dumps(d, indent=2, default=str))
+
+
+@main.command()
+@click.argument("path")
+@click.option("--no-decode", is_flag=True, help="Skip decoding the quantized tensors.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_reports_errors
+def verify(path, no_decode, as_json) -> None:
+    """Re-read a converted output (EXL3 dir or .gguf); exit 1 listing the problems."""
+    from mixq.convert.api import verify as run
+
+    rep = run(path, decode=not no_decode)
+    if as_json:
+        _print_json(rep)
+    else:
+        for p in rep["problems"]:
+            click.echo(f"problem: {p}")
+        n = len(rep["problems"])
+        status = "OK" if not n else f"{n} problem(s)"
+        click.echo(f"{path}: {status} ({rep.get('tensors', '?')} tensors, {rep.get('quantized', '?')} decoded)")
+    if rep["problems"]:
+        sys.exit(1)

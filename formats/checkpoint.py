@@ -247,6 +247,9 @@ def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[in
     if tuple(scale_inv.shape) != want:
         raise FormatError(f"{name}: scale_inv shape {tuple(scale_inv.shape)} does not match "
                           f"{tuple(w.shape)} in {br}x{bc} blocks (want {want})")
+    if r % br == 0 and c % bc == 0:  # common case: broadcast the scales over whole tiles, no expanded copy
+        tiles = w.float().reshape(*w.shape[:-2], r // br, br, c // bc, bc)
+        return (tiles * scale_inv.float()[..., :, None, :, None]).reshape(w.shape)
     s = scale_inv.float().repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)[..., :r, :c]
     return w.float() * s
 

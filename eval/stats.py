@@ -114,19 +114,19 @@ class KLAccumulator:
 def summarize(kld: np.ndarray, nll: np.ndarray, nll_ref: np.ndarray, dp: np.ndarray, n_same_top: int) -> dict[str, float | int]:
     """Summary statistics from per-token arrays (float64); keys as in the `mixq eval` JSON plus their errors."""
     n = len(kld)
-    mu_nll, s_nll = mean_and_uncertainty(nll.sum(), (nll * nll).sum(), n)
-    mu_ref, s_ref = mean_and_uncertainty(nll_ref.sum(), (nll_ref * nll_ref).sum(), n)
-    cov = covariance((nll * nll_ref).sum(), nll.sum(), nll_ref.sum(), n)
+    mu_nll, s_nll = mean_and_uncertainty(float(nll.sum()), float((nll * nll).sum()), n)
+    mu_ref, s_ref = mean_and_uncertainty(float(nll_ref.sum()), float((nll_ref * nll_ref).sum()), n)
+    cov = covariance(float((nll * nll_ref).sum()), float(nll.sum()), float(nll_ref.sum()), n)
     ppl, ppl_ref = math.exp(mu_nll), math.exp(mu_ref)
     u_ppl, u_ref = ppl * s_nll, ppl_ref * s_ref
     dppl_var = u_ppl**2 + u_ref**2 - 2.0 * ppl * ppl_ref * cov
-    kld_mu, kld_err = mean_and_uncertainty(kld.sum(), (kld * kld).sum(), n)
+    kld_mu, kld_err = mean_and_uncertainty(float(kld.sum()), float((kld * kld).sum()), n)
     dp2 = dp * dp
-    dp2_mu, dp2_err = mean_and_uncertainty(dp2.sum(), (dp2 * dp2).sum(), n)
+    dp2_mu, dp2_err = mean_and_uncertainty(float(dp2.sum()), float((dp2 * dp2).sum()), n)
     rms = math.sqrt(dp2_mu)
     top1 = n_same_top / n
     ks = np.sort(kld)
-    return {
+    pinned = {  # the `mixq eval` JSON keys, in the pinned order (issue 7 §2)
         "kld_mean": kld_mu,
         "kld_mean_err": kld_err,
         "kld_median": median(ks),
@@ -134,18 +134,21 @@ def summarize(kld: np.ndarray, nll: np.ndarray, nll_ref: np.ndarray, dp: np.ndar
         "kld_p99": percentile(ks, 0.99),
         "kld_p999": percentile(ks, 0.999),
         "kld_max": float(ks[-1]),
-        "kld_min": float(ks[0]),
         "top1": top1,
-        "top1_err": math.sqrt(top1 * (1 - top1) / (n - 1)) if n > 1 else 0.0,
         "ppl_ref": ppl_ref,
-        "ppl_ref_err": u_ref,
         "ppl": ppl,
-        "ppl_err": u_ppl,
         "dppl": ppl - ppl_ref,
-        "dppl_err": math.sqrt(dppl_var) if dppl_var > 0 else 0.0,
-        "ln_ppl_ratio": mu_nll - mu_ref,
         "rms_dp": rms,
-        "rms_dp_err": 0.5 * dp2_err / rms if rms > 0 else 0.0,
-        "dp_mean": float(dp.mean()),
         "positions": n,
     }
+    extra = {  # llama-perplexity's other printed statistics
+        "kld_min": float(ks[0]),
+        "top1_err": math.sqrt(top1 * (1 - top1) / (n - 1)) if n > 1 else 0.0,
+        "ppl_ref_err": u_ref,
+        "ppl_err": u_ppl,
+        "dppl_err": math.sqrt(dppl_var) if dppl_var > 0 else 0.0,
+        "ln_ppl_ratio": mu_nll - mu_ref,
+        "rms_dp_err": 0.5 * dp2_err / rms if rms > 0 else 0.0,
+        "dp_mean": float(dp.mean()),
+    }
+    return {**pinned, **extra}

@@ -150,13 +150,14 @@ def _check_unused(ovs: Sequence[Override]) -> None:
 def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | None = None, qtype: str | None = None,
                overrides: Sequence[str | tuple[str, str]] = (), head_bits: float = 6, mtp_bits: float = 4,
                vision_bits: float | None = None, include_mtp: bool = True,
-               measure: Mapping[str, Mapping[float, float]] | None = None) -> Plan:
+               measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = "k") -> Plan:
     """Plan every tensor of ``ckpt`` for ``fmt`` ("exl3" | "gguf").
 
     Targets (at most one): ``bpw`` (EXL3: exllamav3's ``bits`` convention; GGUF: bytes·8/elements of the
     budgeted tensors), ``size`` (bytes of the main model files, headers included; "108GB" / "100GiB" accepted),
     ``qtype`` (GGUF only: a llama-quantize mix name such as "Q4_K_M", reproduced exactly). None: role defaults.
-    ``measure``: per-unit error curves {unit key: {bits: error}} for the sensitivity solver (EXL3)."""
+    ``measure``: per-unit error curves {unit key: {bits: error}} for the sensitivity solver (EXL3).
+    ``gguf_ladder``: custom GGUF candidate types, "k" (Q2_K..Q8_0, what mixq writes) or "iq" (adds IQ2_XXS..IQ4_XS)."""
     if isinstance(ckpt, (str, Path)):
         from mixq.formats.checkpoint import open_checkpoint
         ckpt = open_checkpoint(ckpt)
@@ -172,7 +173,7 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
                          vision_bits=vision_bits, include_mtp=include_mtp, measure=measure)
     if fmt == "gguf":
         return _plan_gguf(ckpt, bpw=bpw, size=size_b, qtype=qtype, overrides=ovs, head_bits=head_bits,
-                         mtp_bits=mtp_bits, include_mtp=include_mtp)
+                         mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder)
     raise InputError(f"--format {fmt!r}: exl3 or gguf")
 
 
@@ -418,7 +419,7 @@ def _kv_bytes(ckpt, n_layer_all: int) -> int:
     return gm.estimate_kv_bytes(n_layer_all, vocab, tb, mb, tpl)
 
 
-def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp) -> Plan:
+def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k") -> Plan:
     from mixq.formats.gguf_names import gguf_tensors
 
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
@@ -453,7 +454,7 @@ def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, includ
                 t = gm.bits_to_type(head_bits)
                 types[i] = gm.fallback(t, ne0) if gm.is_quantized_type(t) else t
             elif s.role in _BUDGET_ROLES:
-                lad = gm.ladder(ne0)
+                lad = gm.ladder(ne0, kind=ladder)
                 unit_types[s.name] = {gm.type_bpw(t): t for t in lad}
                 units.append(al.Unit(key=s.name, role=s.role, numel=_numel(s.shape),
                                      levels=tuple(gm.type_bpw(t) for t in lad),
@@ -476,6 +477,8 @@ def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, includ
                     raise PlanError(f"--size {size / 1e9:.3f} GB: the fixed-type tensors alone take "
                                     f"{(fixed_bytes + header) / 1e9:.3f} GB")
             what = f"--bpw {bpw}" if bpw is not None else f"--size {size / 1e9:.3f} GB"
+            if ladder == "k":
+                what += " with K-quants (Q2_K is the smallest; --gguf-ladder iq adds IQ2_XXS..IQ4_XS)"
             levels = al.allocate(units, budget, default_bits=role_bits, what=what)
         else:
             levels = {u.key: role_bits[u.role] if u.fixed is None else u.fixed for u in units}

@@ -266,7 +266,12 @@ def mix_types(tensors: Sequence[tuple[str, tuple[int, ...], str]], mix: str, ctx
 
 
 # --- custom (role-based) GGUF ladders --------------------------------------------------------------------------
-GGUF_LADDER: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
+GGUF_LADDER: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # what mixq's encoders write
+# "iq": adds the i-quants llama-quantize writes (IQ2_*/IQ3_XXS need an importance matrix there); this is the
+# only way below 2.625 bpw, i.e. to put a 321B model into ~108 GB (as the Unsloth UD-Q2_K_XL mixes do)
+GGUF_LADDER_IQ: tuple[str, ...] = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K", "IQ3_XXS", "Q3_K", "IQ4_XS", "Q4_K",
+                                   "Q5_K", "Q6_K", "Q8_0")
+LADDERS = {"k": GGUF_LADDER, "iq": GGUF_LADDER_IQ}
 GGUF_ROLE_TYPES = {"routed_expert": "Q4_K", "attn": "Q6_K", "shared_expert": "Q6_K", "lm_head": "Q6_K",
                    "dense_mlp": "Q5_K"}
 BITS_TO_TYPE = {2: "Q2_K", 3: "Q3_K", 4: "Q4_K", 5: "Q5_K", 6: "Q6_K", 8: "Q8_0"}
@@ -284,13 +289,15 @@ def bits_to_type(bits: float) -> str:
     return BITS_TO_TYPE[b]
 
 
-def ladder(ne0: int, floor: str | None = None) -> list[str]:
-    """The custom-mix candidate types of a tensor with rows of ``ne0``, after the shape fallback, deduplicated,
-    ascending in bits per weight; ``floor`` drops every type below it."""
+def ladder(ne0: int, floor: str | None = None, kind: str = "k") -> list[str]:
+    """The custom-mix candidate types of a tensor with rows of ``ne0``, after the shape fallback, deduplicated
+    (by type and by bits per weight), ascending; ``floor`` drops every type below it; ``kind``: "k" or "iq"."""
+    if kind not in LADDERS:
+        raise PlanError(f"GGUF ladder {kind!r}: use one of {', '.join(LADDERS)}")
     out: list[str] = []
-    for t in GGUF_LADDER:
+    for t in LADDERS[kind]:
         f = fallback(t, ne0)
-        if f not in out:
+        if f not in out and all(type_bpw(f) != type_bpw(o) for o in out):
             out.append(f)
     out.sort(key=type_bpw)
     if floor:

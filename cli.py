@@ -168,3 +168,47 @@ def verify(path, no_decode, as_json) -> None:
         click.echo(f"{path}: {status} ({rep.get('tensors', '?')} tensors, {rep.get('quantized', '?')} decoded)")
     if rep["problems"]:
         sys.exit(1)
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--from-config", type=click.Path(), help="Plan from a config.json alone (shapes, no weights).")
+@click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), required=True, help="Output format.")
+@click.option("--bpw", type=float, help="Target bits per weight (EXL3: exllamav3's bits convention).")
+@click.option("--size", help="Target total bytes of the model files: 108GB (10^9) or 100GiB (2^30).")
+@click.option("--type", "qtype", help="GGUF: a llama-quantize mix (Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, Q8_0).")
+@click.option("--override", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF); role, glob or regex.")
+@click.option("--head-bits", type=float, default=6, show_default=True, help="lm_head bits (16 = unquantized).")
+@click.option("--mtp-bits", type=float, default=4, show_default=True, help="NextN block bits.")
+@click.option("--vision-bits", type=float, help="EXL3 vision tower bits (default: source precision).")
+@click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
+@click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default="k", show_default=True,
+              help="Custom GGUF candidate types: K-quants, or K-quants plus IQ2_XXS..IQ4_XS.")
+@click.option("--measure", type=click.Path(), help="JSON of measured error curves {unit: {bits: error}}.")
+@click.option("--fit", help="Memory to fit (weights + cache + reserve), e.g. 121GB.")
+@click.option("--context", help="Context length for --fit, e.g. 262144 or 256K.")
+@click.option("--cache", help="Cache type: llama.cpp f16/q8_0/q4_0/...; exllamav3 fp16/q8/q6/q4.")
+@click.option("--reserve", help="Compute/scratch reserve for --fit (default 4GB).")
+@click.option("--mmproj", is_flag=True, help="--fit: also hold the GGUF vision projector file.")
+@click.option("--devices", help="--fit: split layers over cards, e.g. 64GB,64GB.")
+@click.option("--seqs", type=int, default=1, show_default=True, help="--fit: parallel sequences (cache slots).")
+@click.option("--per-tensor/--summary", default=True, help="Show the per-tensor table (layers collapsed).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan (or fit) as JSON.")
+@_reports_errors
+def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bits, vision_bits, no_mtp, gguf_ladder,
+         measure, fit, context, cache, reserve, mmproj, devices, seqs, per_tensor, as_json) -> None:
+    """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting."""
+    from mixq.convert.fit import run_plan
+
+    res = run_plan(model, fmt, from_config=from_config, bpw=bpw, size=size, qtype=qtype, overrides=override,
+                   head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=not no_mtp,
+                   gguf_ladder=gguf_ladder, measure=measure, fit=fit, context=context, cache=cache,
+                   reserve=reserve, mmproj=mmproj, devices=devices, n_seq=seqs)
+    if as_json:
+        _print_json(res.to_dict())
+    elif hasattr(res, "headroom"):
+        click.echo(res.format(per_tensor=per_tensor))
+    else:
+        from mixq.convert.planning import format_plan
+
+        click.echo(format_plan(res, per_tensor=per_tensor))

@@ -1,0 +1,149 @@
+"""Job state of a conversion, for `--resume`: which stages are finished, their part files and hashes, the
+calibration state after the last finished stage, and a fingerprint of every setting that changes the output.
+
+Layout (inside the output directory, removed when the conversion completes):
+  .mixq-job/job.json            {"fingerprint", "settings", "done": [{"stage", "file", "sha256", "bytes", ...}]}
+  .mixq-job/parts/<stage>.safetensors
+  .mixq-job/state.<stage>.safetensors   calibration hidden state after the last finished calibrated stage
+Each file is written under a temporary name and renamed, and job.json is updated last, so a kill at any point
+leaves either the old or the new consistent state.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from mixq.errors import InputError
+from mixq.formats.exl3_writer import _atomic_json, load_tensor, read_header, sha256_file, write_safetensors
+
+JOB_DIR = ".mixq-job"
+
+
+def fingerprint(settings: dict) -> str:
+    """sha256 of the canonical JSON of the settings (sorted keys)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_digest(path: str | Path) -> str:
+    return sha256_file(Path(path))
+
+
+class Job:
+    """The resumable state of one conversion into `out_dir`."""
+
+    def __init__(self, out_dir: Path, settings: dict) -> None:
+        self.out = Path(out_dir)
+        self.dir = self.out / JOB_DIR
+        self.path = self.dir / "job.json"
+        self.settings = settings
+        self.fp = fingerprint(settings)
+        self.done: list[dict] = []
+        self.extra: dict = {}
+
+    @classmethod
+    def open(cls, out_dir: str | Path, settings: dict, *, resume: bool) -> "Job":
+        """Start a job, or continue one with `resume`. InputError when OUT holds something else, when --resume
+        finds no job, or when the settings differ from the interrupted run."""
+        out = Path(out_dir)
+        job = cls(out, settings)
+        if out.exists() and not out.is_dir():
+            raise InputError(f"output {out} exists and is not a directory")
+        if job.path.exists():
+            if not resume:
+                raise InputError(f"{out} holds an unfinished conversion; pass --resume to continue it "
+                                 f"or remove the directory")
+            try:
+                data = json.loads(job.path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise InputError(f"{job.path}: unreadable job state ({e})") from None
+            if data.get("fingerprint") != job.fp:
+                diff = sorted(k for k in set(data.get("settings", {})) | set(settings)
+                              if json.dumps(data.get("settings", {}).get(k), sort_keys=True, default=str)
+                              != json.dumps(settings.get(k), sort_keys=True, default=str))
+                raise InputError(f"cannot resume {out}: settings differ from the interrupted run ({', '.join(diff)})")
+            job.done = list(data.get("done", []))
+            job.extra = dict(data.get("extra", {}))
+            job._drop_unverified()
+            return job
+        if out.exists() and any(out.iterdir()):
+            if resume and (out / "config.json").exists():
+                raise InputError(f"{out} already holds a finished conversion; nothing to resume")
+            raise InputError(f"output directory {out} is not empty" + ("" if not resume else " and has no job"))
+        if resume:
+            raise InputError(f"nothing to resume in {out}: no {JOB_DIR}/job.json")
+        job.dir.mkdir(parents=True, exist_ok=True)
+        job._save()
+        return job
+
+    def _drop_unverified(self) -> None:
+        """Keep the finished stages whose part files are intact; drop everything after the first bad one."""
+        keep = []
+        for d in self.done:
+            p = self.dir / "parts" / d["file"]
+            if not p.exists() or p.stat().st_size != d["bytes"] or file_digest(p) != d["sha256"]:
+                break
+            keep.append(d)
+        self.done = keep
+
+    def _save(self) -> None:
+        _atomic_json(self.path, {"fingerprint": self.fp, "settings": self.settings, "done": self.done,
+                                 "extra": self.extra})
+
+    def is_done(self, stage: str) -> bool:
+        return any(d["stage"] == stage for d in self.done)
+
+    def _state_path(self, stage: str) -> Path:
+        return self.dir / f"state.{stage}.safetensors"
+
+    def record(self, stage: str, part, *, state: dict[str, torch.Tensor] | None = None, **info) -> None:
+        """Mark a stage finished (its part is on disk). The calibration state after it is written first, then
+        job.json, then older states are removed: a kill anywhere leaves a state matching job.json."""
+        if state is not None:
+            tensors = {k: v.contiguous() for k, v in state.items() if v is not None}
+            write_safetensors(self._state_path(stage), tensors, metadata={"after": stage})
+            info["state_after"] = stage
+        self.done.append({"stage": stage, "file": part.file, "sha256": part.sha256, "bytes": part.bytes, **info})
+        self._save()
+        if state is not None:
+            for p in self.dir.glob("state.*.safetensors"):
+                if p.name != self._state_path(stage).name:
+                    p.unlink(missing_ok=True)
+
+    def load_state(self) -> tuple[str | None, dict[str, torch.Tensor] | None]:
+        """(stage, tensors) of the calibration state saved after the last finished calibrated stage."""
+        want = next((d["stage"] for d in reversed(self.done) if d.get("state_after")), None)
+        if want is None:
+            return None, None
+        p = self._state_path(want)
+        if not p.exists():
+            raise InputError(f"cannot resume: calibration state {p} is missing")
+        start, header = read_header(p)
+        return want, {n: load_tensor(p, n, start, header) for n in header if n != "__metadata__"}
+
+    def part_info(self, stage: str) -> dict:
+        return next(d for d in self.done if d["stage"] == stage)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def rss_peak_mib() -> float:
+    """Peak resident set size of this process in MiB (Linux ru_maxrss is KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def sleep_hook() -> None:
+    """Test hook: MIXQ_DEBUG_STAGE_SLEEP seconds of sleep after each finished stage, so a test can kill -9 a
+    conversion mid-way deterministically enough."""
+    s = os.environ.get("MIXQ_DEBUG_STAGE_SLEEP")
+    if s:
+        import time
+
+        time.sleep(float(s))

@@ -1,0 +1,327 @@
+"""Streaming EXL3 conversion of a glm5_next checkpoint: plan → per stage (embedding, each decoder layer with its
+calibration Hessians, head, NextN, vision) quantize + write a part → compile the output directory → summary.
+
+Each decoder layer is calibrated on the hidden states of the already quantized previous layers (the quantized
+weights are handed back to the calibrator), as exllamav3 does. The NextN block and the vision tower are
+quantized without calibration. Only one layer's weights and Hessians are held at a time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mixq.errors import InputError, PlanError
+from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
+from mixq.formats.exl3_writer import (EXL3_VERSION, Exl3Writer, check_free_space, exl3_config, tensor_storage_entry)
+
+from .job import JOB_DIR, Job, file_digest, rss_peak_mib, sleep_hook
+
+DEFAULT_ROWS = 64
+DEFAULT_SEQ_LEN = 512
+DEFAULT_SHARD = 8192 * 2**20
+
+
+@dataclass
+class ConvertResult:
+    out: str
+    bytes: int
+    bits: float               # quantization_config.bits (budgeted Linears, padded numel, head excluded)
+    head_bits: float | None
+    seconds: float
+    peak_rss_mib: float
+    shards: list[str]
+    tensors: int
+    quantized: int
+    fallbacks: list[str] = field(default_factory=list)
+    resumed_stages: int = 0
+    device: str = "cpu"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [
+            f"EXL3 written to {self.out}",
+            f"  size      {self.bytes / 2**20:.2f} MiB in {len(self.shards)} shard(s)",
+            f"  bits      {self.bits:.2f} bpw (budgeted Linears), head {self.head_bits}",
+            f"  tensors   {self.tensors} ({self.quantized} quantized Linears)",
+            f"  time      {self.seconds:.1f} s on {self.device}" + (f", resumed after {self.resumed_stages} stages"
+                                                                  if self.resumed_stages else ""),
+            f"  peak RSS  {self.peak_rss_mib:.0f} MiB",
+            f"  fallbacks {len(self.fallbacks)}" + (f" (no Hessian: {', '.join(self.fallbacks[:4])}"
+                                                    + (", ..." if len(self.fallbacks) > 4 else "") + ")"
+                                                    if self.fallbacks else ""),
+        ]
+        return "\n".join(lines)
+
+
+def parse_bytes(s: int | str) -> int:
+    """'8GiB', '512MiB', '2G', '1000000' -> bytes (K/M/G/T = powers of 1024, with or without 'iB')."""
+    if isinstance(s, int):
+        return s
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(s), re.I)
+    if not m:
+        raise InputError(f"size {s!r}: expected a number with an optional K/M/G/T suffix")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def _is_drafter(model) -> bool:
+    import json
+
+    cfg = Path(str(model)) / "config.json"
+    try:
+        return "DFlash2DraftModel" in (json.loads(cfg.read_text()).get("architectures") or [])
+    except (OSError, ValueError):
+        return False
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def unit_bits(units: list[Exl3Unit], plan) -> dict[str, float]:
+    """Trellis bits of every trellis unit from the plan (a fused unit takes the highest of its sources)."""
+    by_hf = {}
+    for t in plan.tensors:
+        for n in t.hf_names or [t.name]:
+            by_hf[n] = t.bits
+        by_hf.setdefault(t.name, t.bits)
+    out = {}
+    for u in units:
+        if u.kind != "trellis":
+            continue
+        bits = [by_hf.get(n) for n in u.hf_names]
+        if any(b is None for b in bits):
+            missing = u.hf_names[bits.index(None)]
+            raise PlanError(f"the plan has no trellis bits for {missing} (EXL3 unit {u.key})")
+        out[u.key] = float(max(bits))
+    return out
+
+
+def achieved_bits(units: list[Exl3Unit], bits: dict[str, float], key: str = "bits") -> float | None:
+    """Σ rate·numel / Σ numel over the trellis units of one budget key (padded numel, as exllamav3 reports)."""
+    num = den = 0
+    for u in units:
+        if u.kind == "trellis" and u.bits_key == key:
+            k, n = u.padded
+            num += bits[u.key] * k * n
+            den += k * n
+    return round(num / den, 2) if den else None
+
+
+def quantize_unit(u: Exl3Unit, w: torch.Tensor, bits: float, hessian: torch.Tensor | None, *, seed: int,
+                  codebook: str, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Trellis-quantize one Linear unit. Returns ({stored tensor: tensor}, dequantized weight (out, in) fp32)."""
+    from mixq.quant import trellis
+
+    out_f, in_f = u.shape
+    k, n = u.padded
+    wp = torch.zeros(n, k, dtype=torch.float32, device=device)
+    wp[:out_f, :in_f] = w.to(device)
+    hp = None
+    if hessian is not None:
+        hp = torch.zeros(k, k, dtype=torch.float32, device=device)
+        hp[:in_f, :in_f] = hessian.to(device)
+        if k > in_f:  # padded inputs are always zero; a unit diagonal keeps the LDL well defined
+            idx = torch.arange(in_f, k, device=device)
+            hp[idx, idx] = hp.diagonal()[:in_f].mean().clamp_min(1e-6)
+    q = trellis.quantize(wp, bits, hessian=hp, codebook=codebook, seed=seed)
+    t = q.tensors()
+    stored = {f"{u.key}.trellis": t["trellis"].to(torch.int16).cpu().contiguous(),
+              f"{u.key}.suh": t["suh"].to(torch.float16).cpu().contiguous(),
+              f"{u.key}.svh": t["svh"].to(torch.float16).cpu().contiguous()}
+    marker = "mul1" if "mul1" in t else "mcg" if "mcg" in t else None
+    if marker:
+        stored[f"{u.key}.{marker}"] = t[marker].to(torch.int32).cpu().reshape(())
+    deq = q.dequantize().float()[:out_f, :in_f].cpu()
+    return stored, deq
+
+
+def _raw_tensors(u: Exl3Unit, w: torch.Tensor, fetch) -> dict[str, torch.Tensor]:
+    from mixq.formats.exl3_writer import torch_dtype
+
+    if u.kind == "fp16_linear":
+        d = {f"{u.key}.weight": w.to(torch.float16).contiguous()}
+        if u.bias:
+            d[f"{u.key}.bias"] = fetch(u.bias).to(torch.float16).contiguous()
+        return d
+    return {u.key: w.to(torch_dtype(u.dtype)).contiguous()}
+
+
+def _settings(ckpt, plan_bits: dict, *, calibration_files, rows, seq_len, codebook, device, shard_size,
+              vision_bits, include_mtp, head_bits, mtp_bits) -> dict:
+    files = sorted((p.name, p.stat().st_size) for p in Path(ckpt.path).glob("*.safetensors"))
+    return {
+        "mixq_exl3": 1, "model": str(Path(ckpt.path).resolve()), "source_files": files,
+        "plan_bits": plan_bits, "calibration": [file_digest(f) for f in (calibration_files or [])],
+        "rows": rows, "seq_len": seq_len, "codebook": codebook, "device": torch.device(device).type,
+        "shard_size": shard_size, "vision_bits": vision_bits, "include_mtp": include_mtp,
+        "head_bits": head_bits, "mtp_bits": mtp_bits,
+    }
+
+
+def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None = None, overrides=(),
+                 calibration=None, rows: int = DEFAULT_ROWS, seq_len: int = DEFAULT_SEQ_LEN,
+                 device: str | None = None, shard_size: int | str = DEFAULT_SHARD, resume: bool = False,
+                 head_bits: float = 6, mtp_bits: float = 4, vision_bits: float | None = None,
+                 include_mtp: bool = True, codebook: str = "mul1", batch_rows: int = 4,
+                 progress: bool = True) -> ConvertResult:
+    """Convert a glm5_next checkpoint (dir or hub id) to an EXL3 directory `out`. See the module docstring."""
+    from tqdm.auto import tqdm
+
+    from mixq.convert.planning import plan_model
+    from mixq.formats.checkpoint import open_checkpoint
+
+    t0 = time.time()
+    if _is_drafter(model):
+        from .drafter import convert_drafter
+
+        return convert_drafter(model, out, bits=bpw or 6.0, device=device, shard_size=shard_size, resume=resume,
+                               codebook=codebook, progress=progress)
+    ckpt = open_checkpoint(model)
+    if ckpt.config.get("model_type") != "glm5_next":
+        raise InputError(f"{ckpt.path}: model_type {ckpt.config.get('model_type')!r} is not glm5_next")
+    if bpw is None and size is None:
+        raise InputError("give a target: --bpw or --size")
+    device = torch.device(device or default_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda requested but CUDA is not available")
+    shard_bytes = parse_bytes(shard_size)
+    if isinstance(size, str):
+        size = parse_bytes(size)
+    plan = plan_model(ckpt, "exl3", bpw=bpw, size=size, overrides=overrides, head_bits=head_bits,
+                      mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=include_mtp)
+    units = exl3_layout(ckpt, vision_bits=vision_bits, include_mtp=include_mtp)
+    bits = unit_bits(units, plan)
+    settings = _settings(ckpt, bits, calibration_files=calibration, rows=rows, seq_len=seq_len,
+                         codebook=codebook, device=device, shard_size=shard_bytes, vision_bits=vision_bits,
+                         include_mtp=include_mtp, head_bits=head_bits, mtp_bits=mtp_bits)
+    out = Path(out)
+    job = Job.open(out, settings, resume=resume)
+    resumed = len(job.done)
+    check_free_space(out, 2 * plan.total_bytes, "conversion (parts + shards)")
+    writer = Exl3Writer(out, job.dir, shard_size=shard_bytes)
+    stages = stage_order(units)
+    by_stage: dict[str, list[Exl3Unit]] = {s: [] for s in stages}
+    for u in units:
+        by_stage[u.stage].append(u)
+    seeds = {u.key: i for i, u in enumerate(units)}
+    fallbacks: list[str] = list(job.extra.get("fallbacks", []))
+
+    def fetch(n: str) -> torch.Tensor:
+        return ckpt.get(n, dtype=torch.float32)
+
+    bar = tqdm(total=len(stages), desc="exl3", unit="stage", disable=not progress, initial=resumed)
+
+    def run_stage(stage: str, stats: dict | None):
+        """Quantize/copy the units of one stage and write its part; returns (PartInfo, {HF name: the stored
+        weight as the model will see it (dequantized / fp16-rounded)})."""
+        written, replaced = [], {}
+        inner = tqdm(by_stage[stage], desc=stage, leave=False, disable=not progress, unit="t")
+        for u in inner:
+            w = u.assemble(fetch)
+            if u.kind == "trellis":
+                acc = None if stats is None else stats.get(u.hf_names[0])
+                h = acc.hessian() if acc is not None else None
+                if h is None and stats is not None:
+                    fallbacks.append(u.key)
+                tensors, deq = quantize_unit(u, w, bits[u.key], h, seed=seeds[u.key], codebook=codebook,
+                                             device=device)
+                if u.bias:
+                    b = torch.zeros(u.padded[1], dtype=torch.float16)
+                    b[: u.shape[0]] = fetch(u.bias).half()
+                    tensors[f"{u.key}.bias"] = b
+                replaced.update(u.split_back(deq))
+            else:
+                tensors = _raw_tensors(u, w, fetch)
+                stored = next(iter(tensors.values())).float()
+                replaced.update(u.split_back(stored))
+            written.append((u.key, tensors))
+        part = writer.write_part(stage, written)
+        return part, replaced
+
+    # calibrated stages: decoder layers and the head, in order, resuming after the last finished one
+    layer_stages = [s for s in stages if s.startswith("layer.")]
+    todo_calibrated = [s for s in layer_stages + ["head"] if s in by_stage and not job.is_done(s)]
+    for stage in ["embed"]:
+        if stage in by_stage and not job.is_done(stage):
+            part, _ = run_stage(stage, None)
+            job.record(stage, part)
+            bar.update(1)
+            sleep_hook()
+    if todo_calibrated:
+        from .calibration import LayerCalibrator, calibration_rows, load_tokenizer
+
+        state_stage, state = job.load_state()
+        start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
+        ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                               vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0])
+        cal = LayerCalibrator(ckpt, ids, device=device, batch_rows=batch_rows, start_layer=start, state=state)
+        for st in cal.stages():
+            stage = f"layer.{st.layer}" if st.layer is not None else "head"
+            if job.is_done(stage):  # the head of a run killed after all layers but before the head
+                continue
+            part, replaced = run_stage(stage, st.stats)
+            if st.layer is not None:
+                st.advance(replaced)
+            job.extra["fallbacks"] = fallbacks
+            job.record(stage, part, state=cal.state() if st.layer is not None else None)
+            bar.update(1)
+            sleep_hook()
+            del st
+    for stage in stages:
+        if not job.is_done(stage):  # NextN and vision: uncalibrated
+            part, _ = run_stage(stage, None)
+            job.record(stage, part)
+            bar.update(1)
+            sleep_hook()
+    bar.close()
+
+    # compile the directory
+    achieved = achieved_bits(units, bits, "bits")
+    head = achieved_bits(units, bits, "head_bits")
+    qc = {"quant_method": "exl3", "version": EXL3_VERSION, "bits": achieved if achieved is not None else 0.0,
+          "head_bits": (int(head) if head is not None and head == int(head) else head) if head else 16,
+          "calibration": {"rows": rows, "cols": seq_len}, "out_scales": "auto", "codebook": codebook,
+          "quantizer": "mixq"}
+    if any(u.bits_key == "mtp_bits" for u in units):
+        qc["mtp_bits"] = achieved_bits(units, bits, "mtp_bits")
+    if any(u.bits_key == "vision_bits" and u.kind == "trellis" for u in units):
+        qc["vision_bits"] = achieved_bits(units, bits, "vision_bits")
+    man = compile_exl3(writer, units, bits, stages, ckpt.config, Path(ckpt.path), qc, job, fallbacks)
+    job.cleanup()
+    return ConvertResult(out=str(out), bytes=man["total_bytes"], bits=qc["bits"], head_bits=qc["head_bits"],
+                         seconds=time.time() - t0, peak_rss_mib=rss_peak_mib(), shards=sorted(man["shards"]),
+                         tensors=len(man["tensors"]), quantized=sum(u.kind == "trellis" for u in units),
+                         fallbacks=fallbacks, resumed_stages=resumed, device=device.type)
+
+
+def compile_exl3(writer: Exl3Writer, units: list[Exl3Unit], bits: dict[str, float], stages: list[str],
+                 source_config: dict, source_dir: Path, qc: dict, job: Job, fallbacks: list[str]) -> dict:
+    """config.json, quantization_config.json (tensor_storage), manifest (units, expected tensors), shards."""
+    config = exl3_config(source_config, qc)
+    storage: dict[str, dict] = {}
+    for u in units:
+        mod = u.key if u.kind != "raw" else (u.key.rsplit(".", 1)[0] if u.key.endswith((".weight", ".bias"))
+                                             else u.key)
+        entry = tensor_storage_entry(u.tensor_specs(bits.get(u.key)), bits.get(u.key))
+        if mod in storage:
+            storage[mod]["stored_tensors"].update(entry["stored_tensors"])
+        else:
+            storage[mod] = entry
+    manifest = {
+        "format": "exl3", "writer": "mixq", "fingerprint": job.fp,
+        "units": [dict(key=u.key, kind=u.kind, hf_names=u.hf_names, shape=list(u.shape), role=u.role,
+                       stage=u.stage, bits_key=u.bits_key, dtype=u.dtype, bias=u.bias, pad_to=u.pad_to,
+                       split=u.split, src_shapes=[list(s) for s in u.src_shapes], bits=bits.get(u.key))
+                  for u in units],
+        "expected": {n: {"shape": list(s), "dtype": d} for u in units
+                     for n, (s, d) in u.tensor_specs(bits.get(u.key)).items()},
+        "fallbacks": fallbacks,
+    }
+    return writer.finalize(stages, source_dir=source_dir, config=config, tensor_storage=storage, manifest=manifest)

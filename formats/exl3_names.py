@@ -1,0 +1,201 @@
+"""The EXL3 layout of a glm5_next checkpoint: which output units exist, their keys, sources and storage.
+
+One `Exl3Unit` is what one exllamav3 module stores: a quantized Linear (`<key>.trellis/.suh/.svh/.mul1[/.bias]`),
+an unquantized fp16 Linear (`<key>.weight`), or a raw tensor in fp32 / fp16 / its source dtype.
+Conventions (../shared/reference/exl3-format.md §1.4-1.6, §6.1-6.2, §7):
+  * KDA `q_proj/k_proj/v_proj` -> one fused Linear `self_attn.qkv_proj` (output columns [q | k | v]);
+  * `q_conv1d/k_conv1d/v_conv1d` -> `self_attn.conv1d.weight` (concatenated on dim 0); `A_log` reshaped to (H,);
+  * MLA `kv_b_proj`, indexer `wk` / `weights_proj`, KDA `b/f_a/f_b/g_a/g_b` -> fp16 (out, in);
+  * mHC `hc_*`, kpool ape, e-score bias (unless fp16 source) -> fp32; norms/embedding/conv/A_log -> source dtype
+    (fp32 -> fp16); quantized Linears padded to multiples of 128 on both sides (`eh_proj` is `pad_to=1`).
+Storage policy per HF tensor comes from the one architecture table (`formats/glm5next.classify`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from mixq.errors import FormatError
+
+PAD = 128
+MUL1_MARKER = 0x83DCD12D - (1 << 32)  # int32 scalar bit pattern of the MUL1 multiplier (reference §1.4)
+MCG_MARKER = 0xCBAC1FED - (1 << 32)
+
+_FUSED_QKV = re.compile(r"(.*\.layers\.\d+\.self_attn\.)(q|k|v)_proj\.weight")
+_FUSED_CONV = re.compile(r"(.*\.layers\.\d+\.self_attn\.)(q|k|v)_conv1d\.weight")
+
+
+def pad_up(n: int, to: int = PAD) -> int:
+    return -(-int(n) // to) * to
+
+
+@dataclass
+class Exl3Unit:
+    """One output unit. `kind`: "trellis" | "fp16_linear" | "raw"."""
+
+    key: str                       # module key (trellis / fp16 Linear) or the full tensor name (raw)
+    kind: str
+    hf_names: list[str]            # source tensors, in concatenation order
+    shape: tuple[int, ...]         # assembled logical shape (HF orientation (out, in) for Linears)
+    role: str
+    stage: str                     # "embed" | "layer.{i}" | "head" | "mtp.{i}" | "vision"
+    bits_key: str | None = None    # "bits" | "head_bits" | "mtp_bits" | "vision_bits" for trellis units
+    dtype: str | None = None       # raw / fp16: "float16" | "float32" | "bfloat16"
+    bias: str | None = None        # HF bias tensor of a Linear (vision), stored as <key>.bias fp16
+    pad_to: int = PAD
+    split: list[int] = field(default_factory=list)  # dim-0 sizes of hf_names when concatenated
+    src_shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    @property
+    def padded(self) -> tuple[int, int]:
+        """(k, n) = padded (in, out) of a Linear."""
+        out, inp = self.shape
+        return pad_up(inp, self.pad_to), pad_up(out, self.pad_to)
+
+    def tensor_specs(self, bits: float | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every stored tensor: name -> (shape, dtype name)."""
+        if self.kind == "trellis":
+            if bits is None:
+                raise ValueError(f"{self.key}: bits needed for a trellis unit")
+            k, n = self.padded
+            width = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
+            d = {f"{self.key}.trellis": ((k // 16, n // 16, width), "int16"),
+                 f"{self.key}.suh": ((k,), "float16"), f"{self.key}.svh": ((n,), "float16"),
+                 f"{self.key}.mul1": ((), "int32")}
+            if self.bias:
+                d[f"{self.key}.bias"] = ((n,), "float16")
+            return d
+        if self.kind == "fp16_linear":
+            d = {f"{self.key}.weight": (self.shape, "float16")}
+            if self.bias:
+                d[f"{self.key}.bias"] = ((self.shape[0],), "float16")
+            return d
+        return {self.key: (self.shape, self.dtype or "float16")}
+
+    def assemble(self, fetch) -> torch.Tensor:
+        """The source tensor of the unit in float32 (fetch: HF name -> tensor)."""
+        parts = [fetch(n).float() for n in self.hf_names]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        return t.reshape(self.shape)
+
+    def split_back(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inverse of `assemble`: the unit's (dequantized) tensor -> {HF name: tensor in its source shape}."""
+        if len(self.hf_names) == 1:
+            src = self.src_shapes[0]
+            if t.dim() == 2 and len(src) == 2 and tuple(t.shape) != tuple(src):
+                t = t[: src[0], : src[1]]  # a padded fp16 Linear (DFlash2 selector projection)
+            return {self.hf_names[0]: t.reshape(src)}
+        chunks = torch.split(t, self.split, 0)
+        return {n: c.reshape(s) for n, c, s in zip(self.hf_names, chunks, self.src_shapes)}
+
+
+def _raw_dtype(policy: str, source_dtype: str, name: str) -> str:
+    if policy == "fp32":
+        # e_score_correction_bias keeps fp16 when the source is fp16 (reference §1.5)
+        return "float16" if (source_dtype == "float16" and name.endswith("e_score_correction_bias")) else "float32"
+    if policy == "fp16":
+        return "float16"
+    # native: bf16 / fp16 kept, anything else (fp32, fp8 dequantized) -> fp16
+    return source_dtype if source_dtype in ("bfloat16", "float16") else "float16"
+
+
+def _stage(info, name: str) -> str:
+    if info.role == "vision":
+        return "vision"
+    if info.layer is None:
+        return "embed" if info.role == "embed" else "head"
+    return f"mtp.{info.layer}" if info.mtp else f"layer.{info.layer}"
+
+
+def exl3_layout(ckpt, *, vision_bits: float | None = None, include_mtp: bool = True) -> list[Exl3Unit]:
+    """All output units of the checkpoint, in checkpoint order within each stage.
+
+    ckpt: a Checkpoint (`names()`, `shape()`, `source_dtype()`, `info()`).
+    vision_bits None keeps the vision tower at source precision (raw copies under the source names)."""
+    names = ckpt.names()
+    have = set(names)
+    units: list[Exl3Unit] = []
+    fused_done: set[str] = set()
+    bias_of_linear: set[str] = set()
+    for name in names:
+        if name in fused_done or name in bias_of_linear:
+            continue
+        info = ckpt.info(name)
+        if info.mtp and not include_mtp:
+            continue
+        stage = _stage(info, name)
+        shape = tuple(ckpt.shape(name))
+        m = _FUSED_QKV.fullmatch(name)
+        if m and info.exl3 == "trellis":
+            srcs = [f"{m.group(1)}{c}_proj.weight" for c in "qkv"]
+            missing = [s for s in srcs if s not in have]
+            if missing:
+                raise FormatError(f"KDA layer needs q/k/v_proj to fuse qkv_proj; missing {missing[0]}")
+            shapes = [tuple(ckpt.shape(s)) for s in srcs]
+            if len({s[1] for s in shapes}) != 1:
+                raise FormatError(f"{m.group(1)}q/k/v_proj: input widths differ {shapes}")
+            fused_done.update(srcs)
+            units.append(Exl3Unit(f"{m.group(1)}qkv_proj", "trellis", srcs, (sum(s[0] for s in shapes), shapes[0][1]),
+                                  info.role, stage, info.exl3_bits_key, split=[s[0] for s in shapes],
+                                  src_shapes=shapes))
+            continue
+        m = _FUSED_CONV.fullmatch(name)
+        if m:
+            srcs = [f"{m.group(1)}{c}_conv1d.weight" for c in "qkv"]
+            missing = [s for s in srcs if s not in have]
+            if missing:
+                raise FormatError(f"KDA layer needs q/k/v_conv1d to fuse conv1d; missing {missing[0]}")
+            shapes = [tuple(ckpt.shape(s)) for s in srcs]
+            fused_done.update(srcs)
+            fused = (sum(s[0] for s in shapes),) + shapes[0][1:]
+            units.append(Exl3Unit(f"{m.group(1)}conv1d.weight", "raw", srcs, fused, info.role, stage,
+                                  dtype=_raw_dtype(info.exl3, ckpt.source_dtype(name), name),
+                                  split=[s[0] for s in shapes], src_shapes=shapes))
+            continue
+        dtype_src = ckpt.source_dtype(name)
+        if name.endswith("self_attn.A_log"):
+            n = 1
+            for d in shape:
+                n *= d
+            units.append(Exl3Unit(name, "raw", [name], (n,), info.role, stage,
+                                  dtype=_raw_dtype(info.exl3, dtype_src, name), src_shapes=[shape]))
+            continue
+        quantize = info.exl3 == "trellis" and not (info.role == "vision" and vision_bits is None)
+        is_linear = name.endswith(".weight") and len(shape) == 2
+        if quantize:
+            key = name[: -len(".weight")]
+            bias = key + ".bias" if key + ".bias" in have else None
+            if bias:
+                bias_of_linear.add(bias)
+            pad_to = 1 if key.endswith("eh_proj") else PAD
+            units.append(Exl3Unit(key, "trellis", [name], shape, info.role, stage, info.exl3_bits_key,
+                                  bias=bias, pad_to=pad_to, src_shapes=[shape]))
+        elif info.exl3 == "fp16" and is_linear and info.role != "attn_param":
+            units.append(Exl3Unit(name[: -len(".weight")], "fp16_linear", [name], shape, info.role, stage,
+                                  dtype="float16", src_shapes=[shape]))
+        else:
+            units.append(Exl3Unit(name, "raw", [name], shape, info.role, stage,
+                                  dtype=_raw_dtype(info.exl3, dtype_src, name), src_shapes=[shape]))
+    return units
+
+
+def stage_order(units: list[Exl3Unit]) -> list[str]:
+    """Stages in processing (and file) order: embed, layers, head, NextN, vision."""
+    def rank(s: str) -> tuple:
+        kind, _, idx = s.partition(".")
+        base = {"embed": 0, "layer": 1, "head": 2, "mtp": 3, "vision": 4}[kind]
+        return (base, int(idx) if idx else 0)
+    return sorted({u.stage for u in units}, key=rank)
+
+
+def hf_names_of_key(units: list[Exl3Unit]) -> dict[str, Exl3Unit]:
+    """HF tensor name -> the unit that stores it."""
+    out = {}
+    for u in units:
+        for n in u.hf_names:
+            out[n] = u
+        if u.bias:
+            out[u.bias] = u
+    return out

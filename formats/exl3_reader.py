@@ -1,0 +1,173 @@
+"""Reads an EXL3 directory written by mixq: dequantized HF-named weights, and a full verification.
+
+`read_exl3(path)` returns {HF checkpoint tensor name: float32 tensor} — quantized Linears decoded
+(W = diag(suh)·H·Ŵ·H·diag(svh), padding cropped, fused qkv_proj / conv1d split back, A_log reshaped back), fp16 /
+fp32 / native tensors converted — ready for transformers' glm5_next weight loading (helper E's evaluator).
+`verify_exl3(path)` re-reads every shard and lists problems (missing / unexpected tensors, wrong shape or dtype,
+bad hashes, undecodable or non-finite quantized tensors).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mixq.errors import FormatError, InputError
+from mixq.formats.exl3_names import MCG_MARKER, MUL1_MARKER, Exl3Unit
+from mixq.formats.exl3_writer import MANIFEST, load_tensor, read_header, sha256_file
+
+
+def _load_json(p: Path, what: str) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FormatError(f"{p.parent}: not an EXL3 directory written by mixq ({p.name} missing)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise FormatError(f"{p}: unreadable {what} ({e})") from None
+
+
+def _units(manifest: dict) -> list[Exl3Unit]:
+    out = []
+    for d in manifest["units"]:
+        out.append(Exl3Unit(key=d["key"], kind=d["kind"], hf_names=list(d["hf_names"]), shape=tuple(d["shape"]),
+                            role=d["role"], stage=d["stage"], bits_key=d.get("bits_key"), dtype=d.get("dtype"),
+                            bias=d.get("bias"), pad_to=d.get("pad_to", 128), split=list(d.get("split") or []),
+                            src_shapes=[tuple(s) for s in d.get("src_shapes") or [d["shape"]]]))
+    return out
+
+
+class Exl3Dir:
+    """An opened EXL3 directory: config, manifest, and lazy access to every stored tensor."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise InputError(f"{self.path}: not a directory")
+        self.config = _load_json(self.path / "config.json", "config.json")
+        qc = self.config.get("quantization_config") or {}
+        if qc.get("quant_method") != "exl3":
+            raise FormatError(f"{self.path}/config.json: quantization_config.quant_method is not 'exl3'")
+        self.manifest = _load_json(self.path / MANIFEST, "manifest")
+        self.units = _units(self.manifest)
+        self.bits = {d["key"]: d.get("bits") for d in self.manifest["units"]}
+        self._headers: dict[str, tuple[int, dict]] = {}
+        self.where: dict[str, str] = {}
+        for shard in sorted(self.manifest.get("shards", {})):
+            p = self.path / shard
+            if not p.exists():
+                continue
+            start, header = read_header(p)
+            self._headers[shard] = (start, header)
+            for n in header:
+                if n != "__metadata__":
+                    self.where[n] = shard
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shard = self.where.get(name)
+        if shard is None:
+            raise FormatError(f"{self.path}: tensor {name!r} is not in any shard")
+        start, header = self._headers[shard]
+        return load_tensor(self.path / shard, name, start, header)
+
+    def unit_tensors(self, u: Exl3Unit) -> dict[str, torch.Tensor]:
+        return {n: self.tensor(n) for n in u.tensor_specs(self.bits.get(u.key))}
+
+    def dequantize(self, u: Exl3Unit, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The unit's weight as the model sees it, float32, logical (unpadded) shape."""
+        t = self.unit_tensors(u)
+        if u.kind == "trellis":
+            w = decode_linear(t, u.key, device=device)
+            return w[: u.shape[0], : u.shape[1]].float().cpu()
+        return next(iter(t.values())).float().reshape(u.shape)
+
+
+def decode_linear(t: dict[str, torch.Tensor], key: str, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Dequantize one EXL3 Linear from its stored tensors -> padded HF-orientation weight (n, k) float32."""
+    from mixq.quant import trellis
+
+    trel = t[f"{key}.trellis"]
+    if trel.dtype != torch.int16 or trel.dim() != 3:
+        raise FormatError(f"{key}.trellis: expected a 3-D int16 tensor, got {tuple(trel.shape)} {trel.dtype}")
+    marker = "mul1" if f"{key}.mul1" in t else "mcg" if f"{key}.mcg" in t else None
+    if marker:
+        want = MUL1_MARKER if marker == "mul1" else MCG_MARKER
+        if int(t[f"{key}.{marker}"].item()) != want:
+            raise FormatError(f"{key}.{marker}: marker value {int(t[f'{key}.{marker}'].item())} != {want}")
+    parts = {"trellis": trel.to(device), "suh": t[f"{key}.suh"].to(device), "svh": t[f"{key}.svh"].to(device)}
+    if marker:
+        parts[marker] = t[f"{key}.{marker}"]
+    k, n = 16 * trel.shape[0], 16 * trel.shape[1]
+    q = trellis.from_tensors(parts, (n, k))
+    return q.dequantize().float()
+
+
+def read_exl3(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """{HF checkpoint name: float32 tensor} of every tensor stored in the EXL3 directory `path`."""
+    d = Exl3Dir(path)
+    out: dict[str, torch.Tensor] = {}
+    for u in d.units:
+        out.update(u.split_back(d.dequantize(u, device)))
+        if u.bias:
+            out[u.bias] = d.tensor(f"{u.key}.bias").float()[: u.shape[0]]
+    return out
+
+
+def verify_exl3(path: str | Path, *, decode: bool = True, device: str | torch.device = "cpu") -> dict:
+    """Re-read an EXL3 directory; returns {"ok", "problems": [...], "tensors", "shards", "quantized", "bytes"}."""
+    problems: list[str] = []
+    d = Exl3Dir(path)
+    shards = d.manifest.get("shards", {})
+    for shard, info in sorted(shards.items()):
+        p = d.path / shard
+        if not p.exists():
+            problems.append(f"shard {shard} is missing")
+            continue
+        if p.stat().st_size != info.get("bytes"):
+            problems.append(f"shard {shard}: {p.stat().st_size} bytes, manifest says {info.get('bytes')}")
+        elif sha256_file(p) != info.get("sha256"):
+            problems.append(f"shard {shard}: sha256 mismatch")
+    on_disk = {p.name for p in d.path.glob("*.safetensors")}
+    for extra in sorted(on_disk - set(shards)):
+        problems.append(f"unexpected file {extra}")
+    if len(shards) > 1:
+        idx = d.path / "model.safetensors.index.json"
+        if not idx.exists():
+            problems.append("model.safetensors.index.json missing (several shards)")
+        else:
+            wm = _load_json(idx, "index").get("weight_map", {})
+            for n, s in d.where.items():
+                if wm.get(n) != s:
+                    problems.append(f"index maps {n} to {wm.get(n)}, it is in {s}")
+    if not (d.path / "quantization_config.json").exists():
+        problems.append("quantization_config.json missing")
+    expected = d.manifest.get("expected", {})
+    for n, spec in expected.items():
+        shard = d.where.get(n)
+        if shard is None:
+            problems.append(f"tensor {n} missing")
+            continue
+        e = d._headers[shard][1][n]
+        from mixq.formats.exl3_writer import DTYPES
+
+        if list(e["shape"]) != list(spec["shape"]) or e["dtype"] != DTYPES[spec["dtype"]][0]:
+            problems.append(f"tensor {n}: stored {e['dtype']} {e['shape']}, planned {spec['dtype']} {spec['shape']}")
+    for n in sorted(set(d.where) - set(expected)):
+        problems.append(f"unexpected tensor {n}")
+    quantized = 0
+    if decode:
+        for u in d.units:
+            if u.kind != "trellis" or any(n not in d.where for n in u.tensor_specs(d.bits.get(u.key))):
+                continue
+            try:
+                w = d.dequantize(u, device)
+            except (FormatError, ValueError, RuntimeError) as e:
+                problems.append(f"{u.key}: does not decode ({e})")
+                continue
+            quantized += 1
+            if not bool(torch.isfinite(w).all()):
+                problems.append(f"{u.key}: decodes to non-finite values")
+    return {"ok": not problems, "problems": problems, "path": str(d.path), "tensors": len(d.where),
+            "shards": len(shards), "quantized": quantized,
+            "bytes": sum(int(s.get("bytes", 0)) for s in shards.values()),
+            "bits": d.config["quantization_config"].get("bits")}

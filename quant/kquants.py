@@ -1,0 +1,101 @@
+"""ggml block encoders: ``quantize(x, qtype, imatrix=None)`` -> bytes in ggml's block layout.
+
+Pinned by issue 6. Without an importance matrix the bytes equal ggml's reference quantizer
+(``quantize_row_*_ref``); with one they equal ggml's importance path (``quantize_*`` with
+``quant_weights``), which for Q8_0 ignores it. Q2_K…Q6_K and the importance paths of the legacy
+32-weight types are our vectorised numpy ports (:mod:`kquants_blocks`, :mod:`kquants_legacy`);
+the legacy reference paths and Q8_0 come from gguf-py, which is bit-exact for them.
+The imatrix is a per-column vector of length n (for an expert tensor: that expert's slice).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from ..errors import InputError
+from . import kquants_blocks as kb
+from . import kquants_legacy as kl
+
+# weights per encoding chunk: big enough to amortise numpy call overhead, small enough for memory
+CHUNK_WEIGHTS = 1 << 20
+
+_KQUANTS: dict[str, Callable[[np.ndarray, np.ndarray | None], np.ndarray]] = {
+    "Q2_K": kb.encode_q2_k, "Q3_K": kb.encode_q3_k, "Q4_K": kb.encode_q4_k,
+    "Q5_K": kb.encode_q5_k, "Q6_K": kb.encode_q6_k,
+}
+_LEGACY_IMATRIX: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "Q4_0": kl.encode_q4_0, "Q4_1": kl.encode_q4_1, "Q5_0": kl.encode_q5_0, "Q5_1": kl.encode_q5_1,
+}
+SUPPORTED = tuple(_KQUANTS) + ("Q8_0",) + tuple(_LEGACY_IMATRIX)
+
+
+def _ggml_type(qtype: str) -> GGMLQuantizationType:
+    if qtype not in SUPPORTED:
+        raise InputError(f"unsupported quantization type {qtype!r}; supported: {', '.join(SUPPORTED)}")
+    return GGMLQuantizationType[qtype]
+
+
+def block_size(qtype: str) -> int:
+    """Weights per block (32 for Q8_0/Q4_0/…, 256 for K-quants)."""
+    return GGML_QUANT_SIZES[_ggml_type(qtype)][0]
+
+
+def type_size(qtype: str) -> int:
+    """Bytes per block."""
+    return GGML_QUANT_SIZES[_ggml_type(qtype)][1]
+
+
+def row_bytes(qtype: str, n: int) -> int:
+    """Bytes of one encoded row of n weights."""
+    return n // block_size(qtype) * type_size(qtype)
+
+
+def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    _ggml_type(qtype)
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise InputError(f"kquants.quantize: expected a 2-D (rows, n) array, got shape {x.shape}")
+    n = x.shape[1]
+    bs = block_size(qtype)
+    if n == 0 or n % bs:
+        raise InputError(f"kquants.quantize: row length {n} is not a positive multiple of {bs} ({qtype})")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
+        if imatrix.shape != (n,):
+            raise InputError(f"kquants.quantize: imatrix has {imatrix.size} values, row length is {n}")
+        if not np.all(np.isfinite(imatrix)):
+            raise InputError("kquants.quantize: imatrix contains non-finite values")
+    return x, imatrix
+
+
+def _encode_rows(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> np.ndarray:
+    R, n = x.shape
+    if qtype in _KQUANTS:
+        xs = x.reshape(R * (n // 256), 256)
+        qw = None
+        if imatrix is not None:
+            qw = np.broadcast_to(imatrix.reshape(1, n // 256, 256), (R, n // 256, 256)).reshape(-1, 256)
+        return _KQUANTS[qtype](xs, qw).reshape(R, -1)
+    if imatrix is not None and qtype in _LEGACY_IMATRIX:
+        return _LEGACY_IMATRIX[qtype](x, imatrix)
+    return np.asarray(gguf_quants.quantize(x, GGMLQuantizationType[qtype]), dtype=np.uint8).reshape(R, -1)
+
+
+def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Encode float32 rows ``x`` (rows, n) as ``qtype``; returns uint8 (rows, bytes_per_row).
+
+    ``imatrix`` (n,) selects ggml's importance-weighted path (mean of squared activations per
+    column, as llama-imatrix stores it). The output is readable by ``gguf.quants.dequantize``.
+    """
+    x, imatrix = _check(x, qtype, imatrix)
+    R, n = x.shape
+    out = np.empty((R, row_bytes(qtype, n)), dtype=np.uint8)
+    step = max(1, CHUNK_WEIGHTS // n)
+    with np.errstate(all="ignore"):  # ggml's searches divide by zero on degenerate blocks, then mask
+        for r0 in range(0, R, step):
+            out[r0:r0 + step] = _encode_rows(x[r0:r0 + step], qtype, imatrix)
+    return out

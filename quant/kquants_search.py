@@ -1,0 +1,254 @@
+"""Scale searches of ggml's K-quant encoders, vectorised over blocks in float32 numpy.
+
+Every array here has the element index on axis 0 and any number of batch axes after it
+(blocks, sub-blocks, super-blocks). Bit-exactness with ggml needs its float32 evaluation order:
+products are evaluated left to right, sums are accumulated sequentially in element order
+(``np.add.reduce`` over axis 0 of such an array does exactly that, not a pairwise sum), and
+rounding uses ggml's "add 1.5*2^23" trick, reproduced bit for bit by :func:`nearest_int`.
+Loops run over the few candidate scales (and coordinate-descent positions), never over blocks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+GROUP_MAX_EPS = F32(1e-15)
+_MAGIC = F32(12582912.0)  # 1.5 * 2**23
+
+
+def f32(v: float | int) -> np.float32:
+    """A float32 constant (keeps every operation in float32, as C does with float literals)."""
+    return F32(v)
+
+
+def nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int: round half to even via the float32 magic-number trick (int32 result).
+
+    Reproduced through the bit pattern rather than np.rint so that out-of-range inputs (which
+    ggml never asserts in release builds) give ggml's value too.
+    """
+    t = np.asarray(v, dtype=F32) + _MAGIC
+    return (t.view(np.int32) & 0x007FFFFF) - 0x00400000
+
+
+def fp16_round(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Round float32 to IEEE half (round to nearest even); return (half array, its float32 value)."""
+    h = np.asarray(v, dtype=F32).astype(np.float16)
+    return h, h.astype(F32)
+
+
+def seq_sum(a: np.ndarray) -> np.ndarray:
+    """Sequential float32 sum over axis 0 (the element index), as a C loop ``s = 0; s += a[i]`` does.
+
+    Written as a loop of whole-slice adds: ``np.add.reduce`` switches to pairwise summation when
+    the reduced axis ends up innermost (e.g. a single block), which changes the rounding.
+    """
+    s = np.zeros(a.shape[1:], dtype=F32)
+    for i in range(a.shape[0]):
+        s += a[i]
+    return s
+
+
+def seq_sum_from_first(a: np.ndarray) -> np.ndarray:
+    """Sequential sum seeded with a[0] (C: ``s = a[0]; for i >= 1: s += a[i]``).
+
+    Differs from :func:`seq_sum` (seeded with +0) only when every term is -0.0.
+    """
+    s = seq_sum(a)
+    all_neg_zero = np.all((a == 0) & np.signbit(a), axis=0)
+    return np.where(all_neg_zero, f32(-0.0), s)
+
+
+def _take0(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """a[idx[...], ...] along axis 0 for an index array shaped like a[0]."""
+    return np.take_along_axis(a, idx[None], axis=0)[0]
+
+
+def first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(amax, signed value) of the first element with the largest |x| along axis 0."""
+    ax = np.abs(x)
+    idx = np.argmax(ax, axis=0)
+    return _take0(ax, idx), _take0(x, idx)
+
+
+def make_qx_quants(x: np.ndarray, nmax: int, qw: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric signed search (ggml make_qx_quants with rmse_type=1): returns (scale, L in [0, 2*nmax)).
+
+    Weights are ``qw`` if given, else x*x. Scale is signed (the largest-|x| element maps to -nmax).
+    """
+    amax, mx = first_absmax(x)
+    zero = amax < GROUP_MAX_EPS
+    mx = np.where(zero, f32(1), mx)
+    w = x * x if qw is None else qw
+    wx = w * x
+    lo, hi = -nmax, nmax - 1
+
+    def levels(iscale):
+        return np.clip(nearest_int(iscale * x), lo, hi)
+
+    def sums(l):
+        lf = l.astype(F32)
+        return seq_sum(wx * lf), seq_sum(w * lf * lf)
+
+    iscale = f32(-nmax) / mx
+    L = levels(iscale)
+    sumlx, suml2 = sums(L)
+    scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        iscale = -(f32(nmax) + f32(0.1) * f32(step)) / mx
+        l = levels(iscale)
+        sumlx, suml2 = sums(l)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        L = np.where(better, l, L)
+        scale = np.where(better, sumlx / suml2, scale)
+        best = np.where(better, scale * sumlx, best)
+    L = np.where(zero, 0, L + nmax)
+    scale = np.where(zero, f32(0), scale)
+    return scale.astype(F32), L.astype(np.int32)
+
+
+def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml make_q3_quants with do_rmse: rounding at -nmax/max, then 5 coordinate-descent sweeps.
+
+    Returns (scale, L in [0, 2*nmax)); all-zero blocks give (0, L=0).
+    """
+    amax, mx = first_absmax(x)
+    zero = amax < GROUP_MAX_EPS
+    mx = np.where(zero, f32(1), mx)
+    lo, hi = -nmax, nmax - 1
+    iscale = f32(-nmax) / mx
+    L = np.clip(nearest_int(iscale * x), lo, hi)
+    w = x * x
+    wx = w * x
+    Lf = L.astype(F32)
+    sumlx = seq_sum(wx * Lf)
+    suml2 = seq_sum(w * Lf * Lf)
+    n = x.shape[0]
+    for _ in range(5):
+        # A block whose sweep changes nothing would change nothing in later sweeps either, so
+        # running all 5 sweeps for every block equals ggml's per-block early exit.
+        for i in range(n):
+            xi, wi, wxi = x[i], w[i], wx[i]
+            li = Lf[i]
+            slx = sumlx - wxi * li
+            sl2 = suml2 - wi * li * li
+            new = np.clip(nearest_int(xi * sl2 / slx), lo, hi)
+            newf = new.astype(F32)
+            slx2 = slx + wxi * newf
+            sl22 = sl2 + wi * newf * newf
+            ok = (slx > 0) & (new != L[i]) & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            L[i] = np.where(ok, new, L[i])
+            Lf[i] = np.where(ok, newf, li)
+            sumlx = np.where(ok, slx2, sumlx)
+            suml2 = np.where(ok, sl22, suml2)
+    scale = np.where(suml2 > 0, sumlx / suml2, f32(0))
+    L = np.where(zero, 0, L + nmax)
+    scale = np.where(zero, f32(0), scale)
+    return scale.astype(F32), L.astype(np.int32)
+
+
+def make_qkx_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
+                    use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric weighted search (ggml make_qkx2_quants / make_qkx3_quants with weights given).
+
+    Returns (scale, the_min >= 0, L in [0, nmax]); the block decodes as scale*L - the_min.
+    """
+    mn = _take0(x, np.argmin(x, axis=0))  # first occurrence, as the strict '<' scan keeps
+    mx = _take0(x, np.argmax(x, axis=0))
+    sum_w = seq_sum_from_first(w)
+    sum_x = seq_sum_from_first(w * x)
+    mn = np.where(mn > 0, f32(0), mn)
+    degenerate = ~(mx > mn)  # qkx2 tests max == min, qkx3 max <= min: equal once min <= max holds
+    rng = np.where(degenerate, f32(1), mx - mn)
+    xm = x - mn
+
+    def err_sum(scale, mn_, l):
+        diff = scale * l.astype(F32) + mn_ - x
+        diff = np.abs(diff) if use_mad else diff * diff
+        return seq_sum(w * diff)
+
+    iscale = f32(nmax) / rng
+    scale = f32(1) / iscale
+    L = np.clip(nearest_int(iscale * xm), 0, nmax)
+    best = err_sum(scale, mn, L)
+    cur_min = mn
+    for step in range(nstep + 1):
+        # ggml updates its running min when a candidate wins, and later candidates are
+        # placed relative to that updated min
+        iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (mx - cur_min)
+        l = np.clip(nearest_int(iscale * (x - cur_min)), 0, nmax)
+        lf = l.astype(F32)
+        wl = w * lf
+        sum_l = seq_sum(wl)
+        sum_l2 = seq_sum(wl * lf)
+        sum_xl = seq_sum(wl * x)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        pos = this_min > 0
+        this_min = np.where(pos, f32(0), this_min)
+        this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+        cur = err_sum(this_scale, this_min, l)
+        better = (D > 0) & (cur < best)
+        L = np.where(better, l, L)
+        best = np.where(better, cur, best)
+        scale = np.where(better, this_scale, scale)
+        cur_min = np.where(better, this_min, cur_min)
+    scale = np.where(degenerate, f32(0), scale)
+    the_min = -np.where(degenerate, mn, cur_min)
+    L = np.where(degenerate, 0, L)
+    return scale.astype(F32), the_min.astype(F32), L.astype(np.int32)
+
+
+def make_qp_quants(x: np.ndarray, nmax: int, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml make_qp_quants: quantise non-negative values (sub-block scales) to [0, nmax] with weights.
+
+    Returns (scale, L as uint8).
+    """
+    mx = np.maximum(np.max(x, axis=0), f32(0))
+    zero = mx < GROUP_MAX_EPS
+    mx = np.where(zero, f32(1), mx)
+    wx = qw * x
+
+    def mse(scale, l):
+        diff = x - scale * l.astype(F32)
+        return seq_sum(qw * diff * diff)
+
+    iscale = f32(nmax) / mx
+    best = mse(f32(1) / iscale, nearest_int(iscale * x) & 0xFF)  # stored as uint8 in ggml
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (f32(0.1) * f32(step) + f32(nmax)) / mx
+        l = np.minimum(nmax, nearest_int(iscale_is * x))
+        cur = mse(f32(1) / iscale_is, l)
+        better = cur < best
+        best = np.where(better, cur, best)
+        iscale = np.where(better, iscale_is, iscale)
+    l = np.minimum(nmax, nearest_int(iscale * x))
+    lf = l.astype(F32)
+    sumlx = seq_sum(wx * lf)
+    suml2 = seq_sum(qw * lf * lf)
+    L = l & 0xFF
+    Lf = L.astype(F32)
+    for _ in range(5):
+        for i in range(x.shape[0]):
+            wi, wxi, li = qw[i], wx[i], Lf[i]
+            slx = sumlx - wxi * li
+            sl2 = suml2 - wi * li * li
+            new = np.minimum(nmax, nearest_int(x[i] * sl2 / slx))
+            newf = new.astype(F32)
+            slx2 = slx + wxi * newf
+            sl22 = sl2 + wi * newf * newf
+            ok = (slx > 0) & (sl2 > 0) & (new != L[i]) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            L[i] = np.where(ok, new & 0xFF, L[i])
+            Lf[i] = L[i].astype(F32)
+            sumlx = np.where(ok, slx2, sumlx)
+            suml2 = np.where(ok, sl22, suml2)
+    scale = np.where(suml2 > 0, sumlx / suml2, f32(0))
+    scale = np.where(zero, f32(0), scale)
+    L = np.where(zero, 0, L)
+    return scale.astype(F32), L.astype(np.uint8)

@@ -50,7 +50,7 @@ def exl3_padded_numel(out_features: int, in_features: int) -> int:
 def exl3_trellis_bytes(out_features: int, in_features: int, bits: float) -> int:
     """Bytes of ``<key>.trellis``: int16 (k/16, n/16, 16·K); half rates use 16·⌊K⌋+8 = 16·K words (§1.4)."""
     words = int(round(16 * bits))
-    if words != 16 * bits or not 1 <= bits <= 8:
+    if float(bits) not in EXL3_RATES:
         raise PlanError(f"EXL3 bitrate {bits} is not one of {EXL3_RATES}")
     return (pad128(in_features) // 16) * (pad128(out_features) // 16) * words * 2
 

@@ -150,7 +150,7 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
 
 
 def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = None, size: int | str | None = None,
-                 imatrix: str | Path | None = None, tensor_type=(), output_tensor_type: str | None = None,
+                 imatrix=None, tensor_type=(), output_tensor_type: str | None = None,
                  token_embedding_type: str | None = None, no_mtp: bool = False, shard_size: int | str = 0,
                  tokenizer_pre: str | None = None, chat_template: str | None = None, progress: bool = True) -> dict:
     """Convert `model` (dir or hub id) to the GGUF `out` (.gguf). Returns a summary dict (files, types, bytes)."""
@@ -169,9 +169,9 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
                          include_mtp=include_mtp)
     imx = None
     if imatrix is not None:
-        from mixq.formats.imatrix_file import read_imatrix
+        from mixq.formats.imatrix_file import IMatrix, read_imatrix
 
-        imx = read_imatrix(imatrix).means()
+        imx = (imatrix if isinstance(imatrix, IMatrix) else read_imatrix(imatrix)).means()
     n_vocab = ckpt.shape(next(s for s in specs if s.name == "token_embd.weight").hf_names[0])[0]
     tmeta = tokenizer_metadata(ckpt.path, n_vocab, tokenizer_pre)
     label = qtype.upper() if qtype else None
@@ -179,7 +179,7 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     if imx is not None:
         from mixq.formats.gguf_writer import KV
 
-        kv += [KV("quantize.imatrix.file", "STRING", str(imatrix)),
+        kv += [KV("quantize.imatrix.file", "STRING", str(imatrix) if isinstance(imatrix, (str, Path)) else "mixq"),
                KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
     outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(specs, types)]
     by_name = {s.name: s for s in specs}
@@ -203,6 +203,50 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     params = sum(int(np.prod(t.shape)) for t in outs)
     return {"files": [str(f) for f in files], "tensors": len(outs), "types": counts, "bytes": total,
             "bpw": 8.0 * total / max(params, 1), "tokenizer_pre": tmeta.pre, "mtp": include_mtp}
+
+
+def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
+                    datasets: list[str] | None = None, progress: bool = True):
+    """Importance matrix of `model` from a calibration forward (convert/calibration, layer by layer), keyed by
+    GGUF tensor name as llama-imatrix keys it: Σx² per input column and the row count, one vector per expert
+    for `*_exps`. Differences to llama-imatrix: every calibration token passes through every routed expert
+    (so expert counts equal the token count, none is left at 0), and output.weight is always included.
+    Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix."""
+    import torch
+    from tqdm import tqdm
+
+    from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import gguf_tensors
+    from mixq.formats.imatrix_file import IMatrix
+
+    ckpt = open_checkpoint(model)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                           vocab_size=int(ckpt.text_config["vocab_size"]))
+    specs = [s for s in gguf_tensors(ckpt, include_mtp=False)
+             if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != "token_embd.weight"]
+    by_hf: dict[str, list] = {}
+    for s in specs:
+        for e, h in enumerate(s.hf_names):
+            by_hf.setdefault(h, []).append((s, e))
+    im = IMatrix(datasets=list(datasets or [str(c) for c in (calibration or ["builtin"])]),
+                 chunk_count=int(ids.shape[0]), chunk_size=int(ids.shape[1]))
+    pending: dict[str, dict[int, tuple]] = {}
+    cal = LayerCalibrator(ckpt, ids, device=dev, full=False)
+    for stage in tqdm(cal.stages(), total=ckpt.num_hidden_layers + 1, desc="imatrix", disable=not progress):
+        for hf, acc in stage.stats.items():
+            for s, e in by_hf.get(hf, []):
+                if acc.count == 0 or acc.dim != s.shape[-1]:
+                    continue
+                pending.setdefault(s.name, {})[e] = (acc.sum_sq.cpu().numpy(), acc.count)
+    for s in specs:
+        got = pending.get(s.name)
+        if not got or len(got) != len(s.hf_names):
+            continue
+        im.add(s.name, np.stack([got[e][0] for e in range(len(s.hf_names))]),
+               np.array([got[e][1] for e in range(len(s.hf_names))], dtype=np.float64))
+    return im
 
 
 def parse_size(s: int | str) -> int:

@@ -62,3 +62,77 @@ def tiny_fp8_model(tmp_path_factory) -> Path:
     from mixq.formats.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "fp8", fp8=True, shards=2)
+
+
+# --- broken checkpoints: every bad-input case of issue 2 §7 -------------------------------------------------
+BAD_INPUTS = ("truncated", "lying_header", "missing_shard", "index_absent_tensor", "not_glm5next",
+              "unknown_tensor", "missing_path", "file_not_dir")
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    for p in [dst, *dst.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return dst
+
+
+def _rewrite_header(f: Path, fn) -> None:
+    import json
+    import struct
+
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    fn(header)
+    new = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+def _edit_json(f: Path, fn) -> None:
+    import json
+
+    d = json.loads(f.read_text())
+    fn(d)
+    f.write_text(json.dumps(d))
+
+
+@pytest.fixture(params=BAD_INPUTS)
+def bad_checkpoint(request, tmp_path):
+    """(kind, path, fragment): a broken copy of a tiny checkpoint and the file/tensor its error must name."""
+    kind = request.param
+    L = "model.language_model.layers"
+    if kind in ("missing_shard", "index_absent_tensor"):
+        d = _copy_model(request.getfixturevalue("tiny_fp8_model"), tmp_path / kind)
+    elif kind not in ("missing_path", "file_not_dir"):
+        d = _copy_model(request.getfixturevalue("tiny_model"), tmp_path / kind)
+    if kind == "truncated":  # data offsets point past the end of the file
+        f = d / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        return kind, d, "model.safetensors"
+    if kind == "lying_header":  # shape x dtype disagrees with data_offsets
+        _rewrite_header(d / "model.safetensors", lambda h: h["lm_head.weight"].__setitem__("shape", [8192, 129]))
+        return kind, d, "lm_head.weight"
+    if kind == "missing_shard":
+        (d / "model-00002-of-00002.safetensors").unlink()
+        return kind, d, "model-00002-of-00002.safetensors"
+    if kind == "index_absent_tensor":
+        _edit_json(d / "model.safetensors.index.json", lambda i: i["weight_map"].__setitem__(
+            f"{L}.0.mlp.ghost.weight", "model-00001-of-00002.safetensors"))
+        return kind, d, "ghost"
+    if kind == "not_glm5next":
+        def to_llama(c):
+            c.update(model_type="llama", architectures=["LlamaForCausalLM"])
+            c["text_config"]["model_type"] = "llama"
+        _edit_json(d / "config.json", to_llama)
+        return kind, d, "config.json"
+    if kind == "unknown_tensor":  # a tensor no rule of the architecture table knows
+        _rewrite_header(d / "model.safetensors", lambda h: h.__setitem__(
+            f"{L}.1.self_attn.new_proj.weight", h.pop(f"{L}.1.self_attn.b_proj.weight")))
+        return kind, d, "new_proj"
+    if kind == "missing_path":
+        return kind, tmp_path / "no-such-model", "no-such-model"
+    f = tmp_path / "model.bin"  # file_not_dir
+    f.write_bytes(b"x")
+    return kind, f, "model.bin"

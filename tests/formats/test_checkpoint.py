@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 
 import pytest
 import torch
@@ -50,7 +49,8 @@ def _assert_e4m3_close(bf16, fp8, names):
 
 def _one_per_kind(names):
     """One tensor per name pattern (expert 0 of each layer only): every FP8 kind, a fraction of the bytes."""
-    return [n for n in names if ".experts." not in n or ".experts.0." in n]
+    big = ("embed_tokens", "lm_head")  # 2M-element BF16 pass-through tensors; one small BF16 check suffices
+    return [n for n in names if (".experts." not in n or ".experts.0." in n) and not any(b in n for b in big)]
 
 
 def test_k256_fp8_dequantises_to_bf16_within_e4m3(k256_model, k256_fp8_model):
@@ -120,13 +120,6 @@ def test_mini_config_shapes_equal_the_real_files(mini_model):
 
 
 # --- configs ----------------------------------------------------------------------------------------------
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    for p in [dst, *dst.iterdir()]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    return dst
-
-
 def _edit_config(d, fn):
     cfg = json.loads((d / "config.json").read_text())
     fn(cfg)
@@ -134,7 +127,10 @@ def _edit_config(d, fn):
 
 
 def test_flat_config_and_layer_type_spellings(tiny_model, tmp_path):
-    d = _copy(tiny_model, tmp_path / "flat")
+    d = tmp_path / "flat"
+    d.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copyfile(tiny_model / f, d / f)
 
     def flatten(cfg):
         t = cfg.pop("text_config")
@@ -149,63 +145,8 @@ def test_flat_config_and_layer_type_spellings(tiny_model, tmp_path):
 
 
 # --- bad input: one InputError/FormatError naming the file or tensor ------------------------------------
-def _rewrite_header(f, fn):
-    raw = f.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    fn(header)
-    new = json.dumps(header).encode()
-    f.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
-
-
-def make_bad(kind: str, tiny_model, tiny_fp8_model, tmp_path):
-    """A broken copy of a tiny checkpoint; returns (path, expected message fragment)."""
-    if kind == "truncated":
-        d = _copy(tiny_model, tmp_path / kind)
-        f = d / "model.safetensors"
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-        return d, "model.safetensors"
-    if kind == "lying_header":
-        d = _copy(tiny_model, tmp_path / kind)
-        _rewrite_header(d / "model.safetensors",
-                        lambda h: h["lm_head.weight"].__setitem__("shape", [8192, 129]))
-        return d, "lm_head.weight"
-    if kind == "missing_shard":
-        d = _copy(tiny_fp8_model, tmp_path / kind)
-        (d / "model-00002-of-00002.safetensors").unlink()
-        return d, "model-00002-of-00002.safetensors"
-    if kind == "index_absent_tensor":
-        d = _copy(tiny_fp8_model, tmp_path / kind)
-        idx = json.loads((d / "model.safetensors.index.json").read_text())
-        idx["weight_map"][f"{L}.0.mlp.ghost.weight"] = "model-00001-of-00002.safetensors"
-        (d / "model.safetensors.index.json").write_text(json.dumps(idx))
-        return d, "ghost"
-    if kind == "not_glm5next":
-        d = _copy(tiny_model, tmp_path / kind)
-        _edit_config(d, lambda c: (c.__setitem__("model_type", "llama"), c.pop("architectures"),
-                                   c["text_config"].__setitem__("model_type", "llama")))
-        return d, "llama"
-    if kind == "unknown_tensor":
-        d = _copy(tiny_model, tmp_path / kind)
-        _rewrite_header(d / "model.safetensors", lambda h: h.__setitem__(
-            f"{L}.1.self_attn.new_proj.weight", h.pop(f"{L}.1.self_attn.b_proj.weight")))
-        return d, "new_proj"
-    if kind == "missing_path":
-        return tmp_path / "no-such-model", "no-such-model"
-    if kind == "file_not_dir":
-        f = tmp_path / "model.bin"
-        f.write_bytes(b"x")
-        return f, "model.bin"
-    raise ValueError(kind)
-
-
-BAD = ["truncated", "lying_header", "missing_shard", "index_absent_tensor", "not_glm5next", "unknown_tensor",
-       "missing_path", "file_not_dir"]
-
-
-@pytest.mark.parametrize("kind", BAD)
-def test_bad_input_raises_naming_file_or_tensor(kind, tiny_model, tiny_fp8_model, tmp_path):
-    path, fragment = make_bad(kind, tiny_model, tiny_fp8_model, tmp_path)
+def test_bad_input_raises_naming_file_or_tensor(bad_checkpoint):
+    kind, path, fragment = bad_checkpoint
     with pytest.raises((InputError, FormatError)) as e:
         open_checkpoint(path)
     assert fragment in str(e.value) and "\n" not in str(e.value)

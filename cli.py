@@ -123,6 +123,12 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--mtp-bits", type=float, default=4, show_default=True, help="EXL3 bits of the NextN block.")
 @click.option("--vision-bits", type=float, default=None, help="Quantize the vision tower (EXL3) [default: source precision].")
 @click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
+@click.option("--type", "qtype", default=None, help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).")
+@click.option("--imatrix", type=click.Path(), default=None, help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).")
+@click.option("--tensor-type", "tensor_type", multiple=True, help="GGUF: REGEX=TYPE on GGUF tensor names (repeatable; first match wins).")
+@click.option("--output-tensor-type", default=None, help="GGUF: type of output.weight.")
+@click.option("--token-embedding-type", default=None, help="GGUF: type of token_embd.weight.")
+@click.option("--tokenizer-pre", default=None, help="GGUF: force tokenizer.ggml.pre (e.g. gpt-2, glm4).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, device, shard_size, resume, head_bits,

@@ -129,7 +129,12 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
     else:
         types = _planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp)
     rx = []
-    for pat, t in tensor_type:
+    for item in tensor_type:
+        if isinstance(item, str):
+            if "=" not in item:
+                raise InputError(f"--tensor-type {item!r}: expected REGEX=TYPE")
+            item = tuple(item.rsplit("=", 1))
+        pat, t = item
         try:
             rx.append((re.compile(pat), t.upper()))
         except re.error as e:
@@ -253,8 +258,9 @@ def parse_size(s: int | str) -> int:
     """'10G', '500M', '123456' -> bytes (powers of 1000 as gguf-split does for M/G)."""
     if isinstance(s, int):
         return s
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(s), re.I)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(s), re.I)
     if not m:
-        raise InputError(f"size {s!r}: expected a number with optional K/M/G/T suffix")
-    mult = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}[m.group(2).upper()]
+        raise InputError(f"size {s!r}: expected a number with optional K/M/G/T (or KiB/MiB/GiB/TiB) suffix")
+    base = 1024 if m.group(3) else 1000
+    mult = base ** "_KMGT".index(m.group(2).upper() or "_")
     return int(float(m.group(1)) * mult)

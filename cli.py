@@ -218,3 +218,19 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
         from mixq.convert.planning import format_plan
 
         click.echo(format_plan(res, per_tensor=per_tensor))
+
+
+@main.command()
+@click.option("--out", "out_dir", default="mixq-demo", show_default=True, type=click.Path(),
+              help="Directory for the tiny checkpoint and every step's output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the demo report as JSON.")
+@_reports_errors
+def demo(out_dir: str, as_json: bool) -> None:
+    """Write a tiny random glm5_next checkpoint and run every pipeline step on it."""
+    from mixq.convert.demo import format_demo, run_demo
+
+    report = run_demo(out_dir)
+    if as_json:
+        _print_json(report)
+    else:
+        click.echo(format_demo(report))

@@ -220,5 +220,6 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
     types: dict[str, int] = {}
     for e in g.tensors.values():
         types[e.qtype] = types.get(e.qtype, 0) + 1
+    quantized = sum(n for t, n in types.items() if t not in ("F32", "F16", "BF16"))
     return {"path": str(g.paths[0]), "files": [str(p) for p in g.paths], "tensors": len(g.tensors),
-            "bytes": n_bytes, "types": types, "problems": problems, "ok": not problems}
+            "quantized": quantized if decode else 0, "bytes": n_bytes, "types": types, "problems": problems, "ok": not problems}

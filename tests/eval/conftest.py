@@ -14,6 +14,17 @@ CTX = 128  # > index_topk + kpool - 1 = 67: the DSA indexer runs sparse in the s
 WINDOWS = 2
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Run eval tests on one intra-op thread, restored afterwards: on a shared, oversubscribed CPU the
+    OpenMP workers of a 2-thread pool spin against each other (a 128-token mini forward went from 0.27 s
+    to 7 s), and a fixed thread count keeps float reductions reproducible."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def write_noisy_copy(src: Path, dst: Path, sigma: float, seed: int = 0) -> Path:
     """A copy of `src` whose ≥2-D weights are multiplied by (1 + sigma·N(0,1)), stored in BF16."""
     ck = open_checkpoint(src)
@@ -46,8 +57,13 @@ def first_run(mini_model, heldout_text, noisy_candidates, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("run1")
     ref_file = out / "ref.safetensors"
-    report = evaluate(
-        mini_model, [mini_model, *noisy_candidates], heldout_text, ctx=CTX, windows=WINDOWS,
-        save_ref=ref_file, json_out=out / "report.json", markdown_out=out / "report.md", progress=False,
-    )
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # session fixtures run outside the per-test thread pinning
+    try:
+        report = evaluate(
+            mini_model, [mini_model, *noisy_candidates], heldout_text, ctx=CTX, windows=WINDOWS,
+            save_ref=ref_file, json_out=out / "report.json", markdown_out=out / "report.md", progress=False,
+        )
+    finally:
+        torch.set_num_threads(old)
     return report, ref_file, out

@@ -390,6 +390,8 @@ def checkpoint_from_config(config_path: str | os.PathLike) -> Checkpoint:
     tc["layer_types"] = ["indexed_attention" if x != "linear_attention" else x for x in lt]
     try:
         shapes = _meta_state_shapes(c)
+        if not isinstance(config.get("vision_config"), dict):  # text-only config: no vision tower to plan
+            shapes = {k: v for k, v in shapes.items() if "visual." not in k}
         shapes.update(_nextn_shapes(c, tc, lt))
     except InputError:
         raise

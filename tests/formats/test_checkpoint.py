@@ -158,3 +158,28 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(InputError, match="nobody-xyz/none-such-model.*Hugging Face hub"):
         open_checkpoint("nobody-xyz/none-such-model")
+
+
+def test_flat_text_only_config_shapes(mini_model, tmp_path):
+    cfg = json.loads((mini_model / "config.json").read_text())["text_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    meta, real = checkpoint_from_config(tmp_path / "config.json"), open_checkpoint(mini_model)
+    assert {n: meta.shape(n) for n in meta.names()} == {n: real.shape(n) for n in real.names() if "visual." not in n}
+
+
+def test_fp16_fp32_single_file(tiny_model, tmp_path):
+    from safetensors.torch import save_file
+
+    src = open_checkpoint(tiny_model)
+    names = src.names()
+    tensors = {n: src.get(n, torch.float16 if i % 2 else torch.float32) for i, n in enumerate(names)}
+    d = tmp_path / "mixed"
+    d.mkdir()
+    shutil.copyfile(tiny_model / "config.json", d / "config.json")
+    save_file(tensors, str(d / "model.safetensors"))
+    ck = open_checkpoint(d)
+    assert sorted(ck.names()) == sorted(names)
+    assert {ck.source_dtype(n) for n in names} == {"float16", "float32"}
+    for n in names[:20]:
+        assert torch.equal(ck.get(n), tensors[n].float()), n
+    assert ck.nbytes(names[0]) == 4 * src.numel(names[0]) and ck.nbytes(names[1]) == 2 * src.numel(names[1])

@@ -157,7 +157,8 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
 def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = None, size: int | str | None = None,
                  imatrix=None, tensor_type=(), output_tensor_type: str | None = None,
                  token_embedding_type: str | None = None, no_mtp: bool = False, shard_size: int | str = 0,
-                 tokenizer_pre: str | None = None, chat_template: str | None = None, progress: bool = True) -> dict:
+                 tokenizer_pre: str | None = None, chat_template: str | Path | None = None,
+                 fix_chat_template: bool = False, progress: bool = True) -> dict:
     """Convert `model` (dir or hub id) to the GGUF `out` (.gguf). Returns a summary dict (files, types, bytes)."""
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
@@ -179,6 +180,15 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
         imx = (imatrix if isinstance(imatrix, IMatrix) else read_imatrix(imatrix)).means()
     n_vocab = ckpt.shape(next(s for s in specs if s.name == "token_embd.weight").hf_names[0])[0]
     tmeta = tokenizer_metadata(ckpt.path, n_vocab, tokenizer_pre)
+    tmpl_report = None
+    if chat_template is not None and not Path(chat_template).is_file():
+        raise InputError(f"{chat_template}: no such chat template file")
+    tmpl = Path(chat_template).read_text(encoding="utf-8") if chat_template is not None else tmeta.chat_template
+    if tmpl:
+        from mixq.formats.chat_template import prepare_template
+
+        tmpl_report = prepare_template(tmpl, fix=fix_chat_template)
+        tmpl = tmpl_report.pop("template")
     label = qtype.upper() if qtype else None
     kv = glm5next_kv(ckpt, include_mtp=include_mtp, file_type=label)
     if imx is not None:
@@ -198,7 +208,7 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
                              f"{(x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]}")
         return encode(x, t.qtype, w)
 
-    files = write_gguf(out, kv, outs, produce, tokenizer=lambda w: add_tokenizer(w, tmeta, chat_template),
+    files = write_gguf(out, kv, outs, produce, tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl),
                        shard_size=parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size or 0),
                        progress=progress)
     counts: dict[str, int] = {}
@@ -207,7 +217,8 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     total = sum(t.nbytes for t in outs)
     params = sum(int(np.prod(t.shape)) for t in outs)
     return {"files": [str(f) for f in files], "tensors": len(outs), "types": counts, "bytes": total,
-            "bpw": 8.0 * total / max(params, 1), "tokenizer_pre": tmeta.pre, "mtp": include_mtp}
+            "bpw": 8.0 * total / max(params, 1), "tokenizer_pre": tmeta.pre, "mtp": include_mtp,
+            "chat_template": tmpl_report}
 
 
 def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,

@@ -129,6 +129,8 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--output-tensor-type", default=None, help="GGUF: type of output.weight.")
 @click.option("--token-embedding-type", default=None, help="GGUF: type of token_embd.weight.")
 @click.option("--tokenizer-pre", default=None, help="GGUF: force tokenizer.ggml.pre (e.g. gpt-2, glm4).")
+@click.option("--chat-template", type=click.Path(), default=None, help="GGUF: embed this Jinja file as tokenizer.chat_template.")
+@click.option("--fix-chat-template", is_flag=True, help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, device, shard_size, resume, head_bits,

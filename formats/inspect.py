@@ -72,7 +72,14 @@ def _human(n: float, unit: str = "") -> str:
 
 
 def _runs(items: list[str]) -> str:
-    """Compress a list into 'a×3 b×1 ...' runs."""
+    """Compress a list into 'a×3 b×1' runs; a repeating pattern becomes '(a×3 b×1)×11 a×1'."""
+    n = len(items)
+    for p in range(2, n // 2 + 1):
+        reps = n // p
+        if reps >= 2 and items[: p * reps] == items[:p] * reps and items[p * reps:] == items[: n - p * reps]:
+            if len(set(items[:p])) > 1:
+                tail = _runs(items[p * reps:]) if p * reps < n else ""
+                return f"({_runs(items[:p])})×{reps}" + (f" {tail}" if tail else "")
     out: list[list] = []
     for x in items:
         if out and out[-1][0] == x:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mixq.errors import InputError
+from mixq.errors import FormatError, InputError
 from mixq.eval import candidates as cands
 from mixq.eval import reference as refm
 from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter
@@ -130,6 +130,8 @@ def evaluate(
                 t0 = time.perf_counter()
                 logits = scorer(window)
                 secs[i] += time.perf_counter() - t0
+                if not bool(torch.isfinite(logits).all()):
+                    raise FormatError(f"{cand_list[i].path}: non-finite logits in window {w}")
                 if logits.shape[-1] != lp.shape[-1]:
                     raise InputError(f"{cand_list[i].path}: vocabulary {logits.shape[-1]} differs from the reference {lp.shape[-1]}")
                 accs[i].add(token_quantities(lp.to(logits.device), logits, targets))

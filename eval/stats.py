@@ -111,15 +111,20 @@ class KLAccumulator:
         return summarize(kld, nll, nll_ref, dp, same)
 
 
+def _exp(x: float) -> float:
+    """exp that gives inf instead of raising (a broken candidate can have a mean NLL in the thousands)."""
+    return math.exp(x) if x < 709.0 else math.inf
+
+
 def summarize(kld: np.ndarray, nll: np.ndarray, nll_ref: np.ndarray, dp: np.ndarray, n_same_top: int) -> dict[str, float | int]:
     """Summary statistics from per-token arrays (float64); keys as in the `mixq eval` JSON plus their errors."""
     n = len(kld)
     mu_nll, s_nll = mean_and_uncertainty(float(nll.sum()), float((nll * nll).sum()), n)
     mu_ref, s_ref = mean_and_uncertainty(float(nll_ref.sum()), float((nll_ref * nll_ref).sum()), n)
     cov = covariance(float((nll * nll_ref).sum()), float(nll.sum()), float(nll_ref.sum()), n)
-    ppl, ppl_ref = math.exp(mu_nll), math.exp(mu_ref)
+    ppl, ppl_ref = _exp(mu_nll), _exp(mu_ref)
     u_ppl, u_ref = ppl * s_nll, ppl_ref * s_ref
-    dppl_var = u_ppl**2 + u_ref**2 - 2.0 * ppl * ppl_ref * cov
+    dppl_var = u_ppl**2 + u_ref**2 - 2.0 * ppl * ppl_ref * cov if math.isfinite(ppl) else math.inf
     kld_mu, kld_err = mean_and_uncertainty(float(kld.sum()), float((kld * kld).sum()), n)
     dp2 = dp * dp
     dp2_mu, dp2_err = mean_and_uncertainty(float(dp2.sum()), float((dp2 * dp2).sum()), n)

@@ -131,6 +131,8 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--tokenizer-pre", default=None, help="GGUF: force tokenizer.ggml.pre (e.g. gpt-2, glm4).")
 @click.option("--chat-template", type=click.Path(), default=None, help="GGUF: embed this Jinja file as tokenizer.chat_template.")
 @click.option("--fix-chat-template", is_flag=True, help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).")
+@click.option("--mmproj", type=click.Path(), default=None, help="GGUF: also write the vision projector to this .gguf.")
+@click.option("--mmproj-type", type=click.Choice(["F16", "Q8_0"], case_sensitive=False), default="F16", show_default=True, help="GGUF: mmproj matrix type.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, device, shard_size, resume, head_bits,

@@ -158,7 +158,8 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
                  imatrix=None, tensor_type=(), output_tensor_type: str | None = None,
                  token_embedding_type: str | None = None, no_mtp: bool = False, shard_size: int | str = 0,
                  tokenizer_pre: str | None = None, chat_template: str | Path | None = None,
-                 fix_chat_template: bool = False, progress: bool = True) -> dict:
+                 fix_chat_template: bool = False, mmproj: str | Path | None = None, mmproj_type: str = "F16",
+                 progress: bool = True) -> dict:
     """Convert `model` (dir or hub id) to the GGUF `out` (.gguf). Returns a summary dict (files, types, bytes)."""
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
@@ -211,6 +212,11 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     files = write_gguf(out, kv, outs, produce, tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl),
                        shard_size=parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size or 0),
                        progress=progress)
+    mm = None
+    if mmproj is not None:
+        from mixq.formats.mmproj import write_mmproj
+
+        mm = write_mmproj(model, mmproj, mmproj_type, progress=progress)
     counts: dict[str, int] = {}
     for t in outs:
         counts[t.qtype] = counts.get(t.qtype, 0) + 1
@@ -218,7 +224,7 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     params = sum(int(np.prod(t.shape)) for t in outs)
     return {"files": [str(f) for f in files], "tensors": len(outs), "types": counts, "bytes": total,
             "bpw": 8.0 * total / max(params, 1), "tokenizer_pre": tmeta.pre, "mtp": include_mtp,
-            "chat_template": tmpl_report}
+            "chat_template": tmpl_report, "mmproj": mm}
 
 
 def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,

@@ -189,7 +189,7 @@ def shard_names(path: Path, n: int) -> list[Path]:
 
 def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
                produce: Callable[[TensorOut], np.ndarray], *, tokenizer: Callable[[Any], None] | None = None,
-               shard_size: int = 0, shard_max_tensors: int = 0, progress: bool = True) -> list[Path]:
+               shard_size: int = 0, shard_max_tensors: int = 0, progress: bool = True, arch: str = ARCH) -> list[Path]:
     """Write a GGUF (or shards) and return the final paths.
 
     `produce(t)` returns the tensor's data: float32/float16 arrays for F32/F16, otherwise the raw ggml bytes
@@ -205,7 +205,7 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
     path.parent.mkdir(parents=True, exist_ok=True)
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.stem}.partial-", dir=path.parent))
     try:
-        w = gguf.GGUFWriter(tmpdir / path.name, ARCH, split_max_size=int(shard_size),
+        w = gguf.GGUFWriter(tmpdir / path.name, arch, split_max_size=int(shard_size),
                             split_max_tensors=int(shard_max_tensors))
         # GGUFWriter already wrote general.architecture in its constructor
         add_kv(w, [k for k in kv if k.key != "general.architecture"])

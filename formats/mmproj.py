@@ -1,0 +1,159 @@
+"""The vision projector GGUF (mmproj) of a glm5_next checkpoint, as llama.cpp's mtmd loader reads it
+(`general.architecture = clip`, `clip.projector_type = glm5v`). Facts: ../shared/reference/gguf-glm5-next.md §4,
+checked against the vendored loader (tools/mtmd/clip.cpp, clip-impl.h key and tensor names).
+
+Matrices are F16 (default) or Q8_0 (when the row length allows), conv kernels F16, biases and norms F32.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from mixq.errors import InputError
+from mixq.formats.gguf_writer import KV, TensorOut, ggml_type, write_gguf
+
+# checkpoint suffix after `visual.` -> mmproj tensor name ({i} = block index, {s} = weight/bias)
+_RULES = [
+    (r"blocks\.(\d+)\.attn\.qkv\.(weight|bias)", "v.blk.{i}.attn_qkv.{s}"),
+    (r"blocks\.(\d+)\.attn\.proj\.(weight|bias)", "v.blk.{i}.attn_out.{s}"),
+    (r"blocks\.(\d+)\.attn\.q_norm\.(weight|bias)", "v.blk.{i}.attn_q_norm.{s}"),
+    (r"blocks\.(\d+)\.attn\.k_norm\.(weight|bias)", "v.blk.{i}.attn_k_norm.{s}"),
+    (r"blocks\.(\d+)\.mlp\.gate_proj\.(weight|bias)", "v.blk.{i}.ffn_gate.{s}"),
+    (r"blocks\.(\d+)\.mlp\.up_proj\.(weight|bias)", "v.blk.{i}.ffn_up.{s}"),
+    (r"blocks\.(\d+)\.mlp\.down_proj\.(weight|bias)", "v.blk.{i}.ffn_down.{s}"),
+    (r"blocks\.(\d+)\.norm1\.(weight|bias)", "v.blk.{i}.ln1.{s}"),
+    (r"blocks\.(\d+)\.norm2\.(weight|bias)", "v.blk.{i}.ln2.{s}"),
+    (r"patch_embed\.proj\.(bias)", "v.patch_embd.{s}"),
+    (r"post_layernorm\.(weight|bias)", "v.post_ln.{s}"),
+    (r"downsample\.(weight|bias)", "mm.patch_merger.{s}"),
+    (r"merger\.proj\.(weight|bias)", "mm.model.fc.{s}"),
+    (r"merger\.gate_proj\.(weight|bias)", "mm.gate.{s}"),
+    (r"merger\.up_proj\.(weight|bias)", "mm.up.{s}"),
+    (r"merger\.down_proj\.(weight|bias)", "mm.down.{s}"),
+    (r"merger\.post_projection_norm\.(weight|bias)", "mm.post_norm.{s}"),
+]
+_RES = [(re.compile(p + r"\Z"), t) for p, t in _RULES]
+PATCH = "patch_embed.proj.weight"  # Conv3d (out, in, temporal=2, p, p): split into two 2-D patch kernels
+
+
+def _visual_suffix(name: str) -> str | None:
+    m = re.match(r"(?:model\.)?visual\.(.+)\Z", name)
+    return m.group(1) if m else None
+
+
+def mmproj_tensors(ckpt) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(mmproj name, HF name, numpy shape, part) for every vision tensor; part selects a temporal slice."""
+    out = []
+    for name in ckpt.names():
+        suf = _visual_suffix(name)
+        if suf is None:
+            continue
+        shape = tuple(ckpt.shape(name))
+        if suf == PATCH:
+            if len(shape) != 5 or shape[2] != 2:
+                raise InputError(f"{name}: expected a Conv3d kernel with temporal size 2, got {shape}")
+            sub = (shape[0], shape[1], shape[3], shape[4])
+            out += [("v.patch_embd.weight", name, sub, "t0"), ("v.patch_embd.weight.1", name, sub, "t1")]
+            continue
+        for rx, tmpl in _RES:
+            m = rx.match(suf)
+            if m:
+                g = m.groups()
+                gname = tmpl.format(i=g[0], s=g[1]) if len(g) == 2 else tmpl.format(s=g[0])
+                out.append((gname, name, shape, "all"))
+                break
+        else:
+            raise InputError(f"{name}: vision tensor with no mmproj mapping")
+    if not out:
+        raise InputError(f"{ckpt.path}: checkpoint has no vision tower (model.visual.*)")
+    return out
+
+
+def _storage(gname: str, shape: tuple[int, ...], outtype: str) -> str:
+    if len(shape) == 1 or gname.endswith(".bias") or "norm" in gname or ".ln" in gname:
+        return "F32"
+    if len(shape) != 2:
+        return "F16"  # conv kernels (patch embedding, patch merger)
+    if outtype == "Q8_0" and shape[-1] % 32 == 0:
+        return "Q8_0"
+    return "F16"
+
+
+def mmproj_kv(ckpt, model_dir: Path, ftype: str) -> list[KV]:
+    """clip.* keys the glm5v loader reads (types as clip.cpp's get_u32/get_f32/get_bool/get_arr_f32 expect)."""
+    vc = ckpt.config.get("vision_config")
+    if not vc:
+        raise InputError(f"{model_dir}: config.json has no vision_config")
+    pp: dict = {}
+    for fname in ("preprocessor_config.json", "processor_config.json"):
+        f = Path(model_dir) / fname
+        if f.is_file():
+            d = json.loads(f.read_text())
+            pp = d.get("image_processor", d)
+            break
+    patch, merge = int(vc["patch_size"]), int(vc.get("spatial_merge_size", 2))
+    v = "clip.vision."
+    kv = [
+        KV("general.type", "STRING", "mmproj"), KV("general.name", "STRING", Path(model_dir).name),
+        KV("general.file_type", "UINT32", 1 if ftype == "F16" else 7),
+        KV("clip.projector_type", "STRING", "glm5v"),
+        KV("clip.has_vision_encoder", "BOOL", True),
+        KV("clip.use_silu", "BOOL", vc.get("hidden_act", "silu") == "silu"),
+        KV(v + "projection_dim", "UINT32", int(vc["out_hidden_size"])),
+        KV(v + "image_size", "UINT32", int(vc["image_size"])),
+        KV(v + "patch_size", "UINT32", patch),
+        KV(v + "embedding_length", "UINT32", int(vc["hidden_size"])),
+        KV(v + "feed_forward_length", "UINT32", int(vc["intermediate_size"])),
+        KV(v + "block_count", "UINT32", int(vc["depth"])),
+        KV(v + "attention.head_count", "UINT32", int(vc["num_heads"])),
+        KV(v + "spatial_merge_size", "UINT32", merge),
+        KV(v + "attention.layer_norm_epsilon", "FLOAT32", float(vc.get("rms_norm_eps", 1e-5))),
+        KV(v + "swiglu_clamp", "FLOAT32", float(vc.get("swiglu_limit", 0.0))),
+        KV(v + "image_mean", "ARRAY", [float(x) for x in pp.get("image_mean", [0.48145466, 0.4578275, 0.40821073])],
+           "FLOAT32"),
+        KV(v + "image_std", "ARRAY", [float(x) for x in pp.get("image_std", [0.26862954, 0.26130258, 0.27577711])],
+           "FLOAT32"),
+    ]
+    # the loader takes pixel limits; processors give token limits: one token = (patch * merge)^2 pixels
+    px = (patch * merge) ** 2
+    if "min_image_tokens" in pp:
+        kv.append(KV(v + "image_min_pixels", "UINT32", int(pp["min_image_tokens"]) * px))
+    if "max_image_tokens" in pp:
+        kv.append(KV(v + "image_max_pixels", "UINT32", int(pp["max_image_tokens"]) * px))
+    return kv
+
+
+def write_mmproj(model, out, outtype: str = "F16", progress: bool = True) -> dict:
+    """Write the vision tower of `model` as a glm5v mmproj GGUF at `out` (F16 default, or Q8_0)."""
+    import gguf
+
+    from mixq.formats.checkpoint import open_checkpoint
+
+    outtype = outtype.upper()
+    if outtype not in ("F16", "Q8_0"):
+        raise InputError(f"mmproj type must be F16 or Q8_0, not {outtype}")
+    ckpt = open_checkpoint(model)
+    rows = mmproj_tensors(ckpt)
+    kv = mmproj_kv(ckpt, ckpt.path, outtype)
+    outs = [TensorOut(g, shape, _storage(g, shape, outtype)) for g, _, shape, _ in rows]
+    src = {g: (h, part) for g, h, _, part in rows}
+
+    def produce(t: TensorOut) -> np.ndarray:
+        h, part = src[t.name]
+        x = ckpt.get(h).numpy().astype(np.float32)
+        if part in ("t0", "t1"):
+            x = np.ascontiguousarray(x[:, :, 0 if part == "t0" else 1])
+        if t.qtype == "F32":
+            return x
+        if t.qtype == "F16":
+            return x.astype(np.float16)
+        return gguf.quants.quantize(x, ggml_type(t.qtype))
+
+    files = write_gguf(out, kv, outs, produce, arch="clip", progress=progress)
+    types: dict[str, int] = {}
+    for t in outs:
+        types[t.qtype] = types.get(t.qtype, 0) + 1
+    return {"files": [str(f) for f in files], "tensors": len(outs), "types": types}

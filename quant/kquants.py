@@ -82,6 +82,10 @@ def _encode_rows(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> np.nd
         return _KQUANTS[qtype](xs, qw).reshape(R, -1)
     if imatrix is not None and qtype in _LEGACY_IMATRIX:
         return _LEGACY_IMATRIX[qtype](x, imatrix)
+    if qtype in ("Q4_0", "Q5_0"):
+        # ggml's scan keeps max = +0.0 for an all-(-0.0) block, gguf-py takes the -0.0 itself;
+        # adding +0.0 turns -0.0 into +0.0 and changes nothing else
+        x = x + np.float32(0)
     return np.asarray(gguf_quants.quantize(x, GGMLQuantizationType[qtype]), dtype=np.uint8).reshape(R, -1)
 
 

@@ -104,21 +104,25 @@ def compare_markdown(rows: list[dict]) -> str:
 
 
 def plot_kld_vs_size(rows: list[dict], out: Path) -> None:
-    """KLD (log y) against bits per weight, one series per reference model, written as PNG."""
+    """KLD (log y) against bits per reference weight, one series per model and format, written as PNG (zero KLD is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    # one series per (model, format): quants of one format form a curve; HF checkpoints are lone points
     for ref in dict.fromkeys(r["reference"] for r in rows):
-        pts = sorted((r for r in rows if r["reference"] == ref and r["kld_mean"] > 0), key=lambda r: r["bpw"])
-        if not pts:
-            continue
-        xs, ys = [r["bpw"] for r in pts], [r["kld_mean"] for r in pts]
-        ax.plot(xs, ys, marker="o", label=_name(ref))
-        for r, x, y in zip(pts, xs, ys):
-            ax.annotate(r["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for fmt in dict.fromkeys(r["format"] for r in rows if r["reference"] == ref):
+            pts = sorted((r for r in rows if r["reference"] == ref and r["format"] == fmt and r["kld_mean"] > 0),
+                         key=lambda r: r["bpw"])
+            if not pts:
+                continue
+            xs, ys = [r["bpw"] for r in pts], [r["kld_mean"] for r in pts]
+            ax.plot(xs, ys, marker="o", linestyle="-" if fmt != "hf" else "none", label=f"{_name(ref)} {fmt}")
+            for r, x, y in zip(pts, xs, ys):
+                ax.annotate(Path(r["name"]).stem if r["format"] == "gguf" else r["name"], (x, y),
+                            textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_yscale("log")
     ax.set_xlabel("size (bits per reference weight)")
     ax.set_ylabel("mean KL divergence to reference (nats)")

@@ -238,3 +238,23 @@ def demo(out_dir: str, as_json: bool) -> None:
         _print_json(report)
     else:
         click.echo(format_demo(report))
+
+
+@main.command()
+@click.argument("model")
+@click.argument("out")
+@click.option("--calibration", multiple=True, type=click.Path(), help="Calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
+@click.option("--rows", type=int, default=64, show_default=True, help="Calibration rows.")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration row.")
+@click.option("--device", default=None, help="cuda|cpu [default: cuda when available].")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_reports_errors
+def imatrix(model, out, calibration, rows, seq_len, device, as_json) -> None:
+    """Collect an importance matrix of MODEL and write it as a llama.cpp GGUF imatrix file OUT."""
+    from mixq.convert.gguf_pipeline import make_imatrix
+
+    d = make_imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device)
+    if as_json:
+        _print_json(d)
+    else:
+        click.echo(f"{d['file']}: {d['entries']} entries, {d['chunks']} chunks of {d['chunk_size']} tokens")

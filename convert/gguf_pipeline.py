@@ -75,8 +75,8 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.n
             try:
                 out.append(np.asarray(kquants.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
                 continue
-            except (NotImplementedError, KeyError, ValueError):
-                pass
+            except (NotImplementedError, KeyError, ValueError, InputError):
+                pass  # type not in mixq's encoders: gguf-py below, or a clear error
         if w is not None and q in ("Q8_0", "BF16"):  # these ignore the imatrix in ggml too
             w = None
         if w is not None or q not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"):
@@ -269,6 +269,17 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
         im.add(s.name, np.stack([got[e][0] for e in range(len(s.hf_names))]),
                np.array([got[e][1] for e in range(len(s.hf_names))], dtype=np.float64))
     return im
+
+
+def make_imatrix(model, out, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
+                 progress: bool = True) -> dict:
+    """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format."""
+    from mixq.formats.imatrix_file import write_imatrix
+
+    im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress)
+    path = write_imatrix(out, im)
+    return {"file": str(path), "entries": len(im.sums), "chunks": im.chunk_count, "chunk_size": im.chunk_size,
+            "datasets": im.datasets}
 
 
 def parse_size(s: int | str) -> int:

@@ -99,3 +99,40 @@ def test_sharded_gguf_loads(mini_model, tmp_path, windows):
         a.close()
         b.close()
     assert torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("qtype,ftype", [("Q4_K_M", 15), ("Q2_K", 10)])
+def test_same_as_llama_quantize(qtype, ftype, k256_model, tmp_path, windows, reference):
+    """llama.cpp's own quantizer (C API llama_model_quantize, no imatrix) applied to mixq's BF16 file (the
+    converter's layout) vs mixq's direct conversion: same types per tensor, and mixq's KLD is no higher."""
+    from mixq.formats.gguf_reader import read_gguf
+
+    bf16 = tmp_path / "bf16.gguf"
+    convert_gguf(k256_model, bf16, qtype="BF16", progress=False)
+    theirs = tmp_path / f"llama-{qtype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(bf16).encode(), str(theirs).encode(), params)
+    assert rc == 0
+    ours = tmp_path / f"mixq-{qtype}.gguf"
+    convert_gguf(k256_model, ours, qtype=qtype, progress=False)
+    ga, gb = read_gguf(ours), read_gguf(theirs)
+    assert set(ga.tensors) == set(gb.tensors)
+    type_diff = {n: (ga.tensors[n].qtype, gb.tensors[n].qtype) for n in ga.tensors
+                 if ga.tensors[n].qtype != gb.tensors[n].qtype}
+    same_bytes = sum(bool((ga.tensors[n].raw() == gb.tensors[n].raw()).all()) for n in ga.tensors if n not in type_diff)
+    ref = reference(k256_model)
+    klds = {}
+    for tag, path in (("mixq", ours), ("llama-quantize", theirs)):
+        sc = LlamaCppScorer(path, ctx=CTX, first=0, cache_type="f32")
+        try:
+            klds[tag] = _kld(ref, sc(windows))
+        finally:
+            sc.close()
+    rec = dict(model="k256", qtype=qtype, klds=klds, type_diff=type_diff, same_bytes=same_bytes,
+               tensors=len(ga.tensors))
+    _record(**rec)
+    print(rec)
+    assert not type_diff, rec
+    assert klds["mixq"] <= klds["llama-quantize"] * 1.02 + 1e-6, rec

@@ -40,9 +40,13 @@ def fp16_round(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def seq_sum(a: np.ndarray) -> np.ndarray:
     """Sequential float32 sum over axis 0 (the element index), as a C loop ``s = 0; s += a[i]`` does.
 
-    Written as a loop of whole-slice adds: ``np.add.reduce`` switches to pairwise summation when
-    the reduced axis ends up innermost (e.g. a single block), which changes the rounding.
+    ``np.add.reduce`` over axis 0 of a C-contiguous array with two or more blocks adds whole slices
+    in order (the blocks form the inner loop); with a single block the reduced axis becomes the
+    inner loop and numpy sums pairwise, which rounds differently, so that case loops explicitly.
+    The recorded-digest tests pin this behaviour.
     """
+    if a.ndim > 1 and a[0].size > 1:
+        return np.add.reduce(np.ascontiguousarray(a), axis=0)
     s = np.zeros(a.shape[1:], dtype=F32)
     for i in range(a.shape[0]):
         s += a[i]
@@ -59,16 +63,25 @@ def seq_sum_from_first(a: np.ndarray) -> np.ndarray:
     return np.where(all_neg_zero, f32(-0.0), s)
 
 
-def _take0(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """a[idx[...], ...] along axis 0 for an index array shaped like a[0]."""
-    return np.take_along_axis(a, idx[None], axis=0)[0]
-
-
 def first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(amax, signed value) of the first element with the largest |x| along axis 0."""
     ax = np.abs(x)
-    idx = np.argmax(ax, axis=0)
-    return _take0(ax, idx), _take0(x, idx)
+    amax = np.max(ax, axis=0)
+    val = np.zeros_like(amax)
+    for i in range(x.shape[0] - 1, -1, -1):  # backwards, so the first match is written last
+        np.copyto(val, x[i], where=ax[i] == amax)
+    return amax, val
+
+
+def first_min(x: np.ndarray) -> np.ndarray:
+    """Minimum along axis 0 as a strict '<' scan from x[0] finds it (the sign of a zero minimum is
+    that of its first occurrence, which np.min does not promise)."""
+    mn = np.min(x, axis=0)
+    z = mn == 0
+    if z.any():
+        xz = x[:, z]
+        mn[z] = xz[np.argmax(xz == 0, axis=0), np.arange(xz.shape[1])]
+    return mn
 
 
 def make_qx_quants(x: np.ndarray, nmax: int, qw: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -150,57 +163,95 @@ def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     return scale.astype(F32), L.astype(np.int32)
 
 
+def _levels(v: np.ndarray, lo: float, hi: float, out: np.ndarray, exact: bool) -> np.ndarray:
+    """clip(nearest_int(v), lo, hi) as float32, written into ``out``.
+
+    For |v| < 2^22, (v + 1.5*2^23) - 1.5*2^23 is exactly nearest_int(v) in float, which saves the
+    int round trip; ``exact`` takes ggml's bit trick instead (callers set it when some |v| may be
+    out of that range, where ggml's result is not a rounding).
+    """
+    if exact:
+        np.copyto(out, np.clip(nearest_int(v), lo, hi), casting="unsafe")
+        return out
+    np.add(v, _MAGIC, out=out)
+    np.subtract(out, _MAGIC, out=out)
+    np.minimum(out, f32(hi), out=out)
+    np.maximum(out, f32(lo), out=out)
+    return out
+
+
+_SAFE_RANGE = F32(4.0e6)
+
+
 def make_qkx_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
                     use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Asymmetric weighted search (ggml make_qkx2_quants / make_qkx3_quants with weights given).
 
     Returns (scale, the_min >= 0, L in [0, nmax]); the block decodes as scale*L - the_min.
     """
-    mn = _take0(x, np.argmin(x, axis=0))  # first occurrence, as the strict '<' scan keeps
-    mx = _take0(x, np.argmax(x, axis=0))
+    mn = first_min(x)
+    mx = np.max(x, axis=0)  # the sign of a zero max never matters below
     sum_w = seq_sum_from_first(w)
     sum_x = seq_sum_from_first(w * x)
     mn = np.where(mn > 0, f32(0), mn)
     degenerate = ~(mx > mn)  # qkx2 tests max == min, qkx3 max <= min: equal once min <= max holds
-    rng = np.where(degenerate, f32(1), mx - mn)
-    xm = x - mn
+    one = f32(1)
+    v, lf, wl, tmp = (np.empty_like(x) for _ in range(4))
 
     def err_sum(scale, mn_, l):
-        diff = scale * l.astype(F32) + mn_ - x
-        diff = np.abs(diff) if use_mad else diff * diff
-        return seq_sum(w * diff)
+        np.multiply(l, scale, out=tmp)
+        np.add(tmp, mn_, out=tmp)
+        np.subtract(tmp, x, out=tmp)
+        if use_mad:
+            np.abs(tmp, out=tmp)
+        else:
+            np.multiply(tmp, tmp, out=tmp)
+        np.multiply(tmp, w, out=tmp)
+        return seq_sum(tmp)
 
-    iscale = f32(nmax) / rng
-    scale = f32(1) / iscale
-    L = np.clip(nearest_int(iscale * xm), 0, nmax)
+    def levels_at(iscale, cur_min, out):
+        # |iscale * (x - min)| stays near nmax unless a block is (nearly) degenerate
+        spread = np.maximum(mx - cur_min, cur_min - mn)
+        exact = not bool(np.all(np.abs(iscale * spread) < _SAFE_RANGE))
+        np.subtract(x, cur_min, out=v)
+        np.multiply(v, iscale, out=v)
+        return _levels(v, 0, nmax, out, exact)
+
+    iscale = f32(nmax) / np.where(degenerate, one, mx - mn)
+    scale = one / iscale
+    L = levels_at(iscale, mn, np.empty_like(x))
     best = err_sum(scale, mn, L)
     cur_min = mn
     for step in range(nstep + 1):
         # ggml updates its running min when a candidate wins, and later candidates are
         # placed relative to that updated min
-        iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / (mx - cur_min)
-        l = np.clip(nearest_int(iscale * (x - cur_min)), 0, nmax)
-        lf = l.astype(F32)
-        wl = w * lf
+        den = np.where(degenerate, one, mx - cur_min)
+        iscale = (f32(rmin) + f32(rdelta) * f32(step) + f32(nmax)) / den
+        levels_at(iscale, cur_min, lf)
+        np.multiply(w, lf, out=wl)
         sum_l = seq_sum(wl)
-        sum_l2 = seq_sum(wl * lf)
-        sum_xl = seq_sum(wl * x)
+        np.multiply(wl, lf, out=tmp)
+        sum_l2 = seq_sum(tmp)
+        np.multiply(wl, x, out=tmp)
+        sum_xl = seq_sum(tmp)
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
         pos = this_min > 0
         this_min = np.where(pos, f32(0), this_min)
         this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-        cur = err_sum(this_scale, this_min, l)
-        better = (D > 0) & (cur < best)
-        L = np.where(better, l, L)
-        best = np.where(better, cur, best)
-        scale = np.where(better, this_scale, scale)
-        cur_min = np.where(better, this_min, cur_min)
+        cur = err_sum(this_scale, this_min, lf)
+        better = (D > 0) & (cur < best) & ~degenerate
+        if better.any():
+            np.copyto(L, lf, where=better[None])
+            best = np.where(better, cur, best)
+            scale = np.where(better, this_scale, scale)
+            cur_min = np.where(better, this_min, cur_min)
     scale = np.where(degenerate, f32(0), scale)
     the_min = -np.where(degenerate, mn, cur_min)
-    L = np.where(degenerate, 0, L)
-    return scale.astype(F32), the_min.astype(F32), L.astype(np.int32)
+    Li = L.astype(np.int32)
+    Li[:, degenerate] = 0
+    return scale.astype(F32), the_min.astype(F32), Li
 
 
 def make_qp_quants(x: np.ndarray, nmax: int, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,256 @@
+"""QTIP-style trellis quantizer producing EXL3 Linear tensors (issue 3; facts in reference exl3-format.md §1.4-3.6).
+
+Pipeline per Linear (W = HF weightᵀ, (k, n) = (in, out), zero-padded to multiples of 128):
+random signs + per-channel RMS scales on both sides, blockwise 128-point Hadamards (incoherence), a global scale
+picked on a few sample tiles, tail-biting Viterbi per 16×16 tile (LDLQ error feedback when a Hessian is given),
+then a least-squares refit of the channel scales. Everything runs on the weight's device, batched over tiles and
+over stacked experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FormatError, InputError
+from . import codebooks as cb
+from .hadamard import had_both, had_cols, had_rows, random_signs
+from .ldlq import block_ldl, damp, ldlq
+from .viterbi import encode_tiles, viterbi_free
+
+PAD = 128
+REL_DAMP = 0.025
+# LDLQ feedback widens the quantizer's input a little at low rates (reference §3.5); applied in the scale search.
+LDLQ_DRIFT = {1.0: 1.08, 1.5: 1.035, 2.0: 1.018, 2.5: 1.009, 3.0: 1.004}
+# Starting points of the global scale search (target std / codebook std), measured on N(0,1) tiles (bench/trellis.py).
+SCALE_PRIOR = {1.0: 0.97, 1.5: 0.95, 2.0: 0.94, 2.5: 0.93, 3.0: 0.92, 3.5: 0.91, 4.0: 0.90,
+               5.0: 0.90, 6.0: 0.90, 7.0: 0.90, 8.0: 0.90}
+
+
+@dataclass
+class QuantizedLinear:
+    """One EXL3-quantized Linear: the stored tensors plus the HF shape (out, in)."""
+    trellis: torch.Tensor  # int16 (k/16, n/16, 16K)
+    suh: torch.Tensor      # fp16 (k,)
+    svh: torch.Tensor      # fp16 (n,)
+    codebook: str
+    shape: tuple[int, int]
+
+    @property
+    def bits(self) -> float:
+        """Bitrate K = trellis.shape[-1] / 16 (int-valued float for integer rates)."""
+        return self.trellis.shape[-1] / 16
+
+    def rotated(self) -> torch.Tensor:
+        """Ŵ (k, n): the decoded codebook values in the rotated basis (fp16-exact, float32)."""
+        states = cb.unpack_states(self.trellis, self.bits)
+        return cb.matrix_from_tiles(cb.decode_states(states, self.codebook))
+
+    def dequantize(self) -> torch.Tensor:
+        """HF-layout float32 weight (out, in): W = diag(suh)·Hₖ·Ŵ·Hₙ·diag(svh), transposed and unpadded."""
+        w = had_both(self.rotated())
+        w = w * self.suh.float().unsqueeze(1) * self.svh.float().unsqueeze(0)
+        out_f, in_f = self.shape
+        return w[:in_f, :out_f].t().contiguous()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The EXL3 per-Linear tensors (without the key prefix): trellis, suh, svh and the codebook marker."""
+        t = {"trellis": self.trellis, "suh": self.suh, "svh": self.svh}
+        if self.codebook in cb.MARKER_VALUES:
+            t[self.codebook] = torch.tensor(cb.MARKER_VALUES[self.codebook], dtype=torch.int32)
+        return t
+
+
+def from_tensors(tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> QuantizedLinear:
+    """Rebuild a QuantizedLinear from stored tensors (keys without prefix) and the HF shape (out, in)."""
+    for key in ("trellis", "suh", "svh"):
+        if key not in tensors:
+            raise FormatError(f"EXL3 Linear is missing its '{key}' tensor (have {sorted(tensors)})")
+    markers = [m for m in ("mul1", "mcg") if m in tensors]
+    if len(markers) > 1:
+        raise FormatError("EXL3 Linear carries both 'mul1' and 'mcg' codebook markers")
+    codebook = markers[0] if markers else "3inst"
+    if markers:
+        val = tensors[codebook]
+        if val.numel() != 1 or int(val.reshape(-1)[0].to(torch.int64)) != cb.MARKER_VALUES[codebook]:
+            raise FormatError(f"EXL3 '{codebook}' marker holds {val.tolist()}, expected {cb.MARKER_VALUES[codebook]}")
+    trellis, suh, svh = tensors["trellis"], tensors["suh"], tensors["svh"]
+    if trellis.dim() != 3 or trellis.dtype != torch.int16:
+        raise FormatError(f"EXL3 trellis must be 3-D int16, got {tuple(trellis.shape)} {trellis.dtype}")
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    bits = trellis.shape[2] / 16
+    try:
+        cb.check_bits(bits, codebook)
+    except InputError as exc:
+        raise FormatError(f"EXL3 trellis last dim {trellis.shape[2]}: {exc}") from None
+    if tuple(suh.shape) != (k,) or tuple(svh.shape) != (n,):
+        raise FormatError(f"EXL3 suh/svh shapes {tuple(suh.shape)}/{tuple(svh.shape)} do not match trellis k={k}, n={n}")
+    out_f, in_f = (int(s) for s in shape)
+    if not (0 < in_f <= k and 0 < out_f <= n and k - in_f < PAD and n - out_f < PAD):
+        raise FormatError(f"HF shape {(out_f, in_f)} does not fit trellis padded (in, out) = ({k}, {n})")
+    return QuantizedLinear(trellis.to(torch.int16), suh.to(torch.float16), svh.to(torch.float16), codebook,
+                           (out_f, in_f))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoder
+
+def _pad_to(n: int) -> int:
+    return -(-n // PAD) * PAD
+
+
+def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3):
+        raise InputError(f"trellis.quantize expects a (out, in) or (E, out, in) weight tensor, got "
+                         f"{getattr(weight, 'shape', type(weight))}")
+    stacked = weight.dim() == 3
+    w = weight if stacked else weight.unsqueeze(0)
+    if w.shape[1] == 0 or w.shape[2] == 0 or w.shape[0] == 0:
+        raise InputError(f"trellis.quantize: empty weight of shape {tuple(weight.shape)}")
+    if not bool(torch.isfinite(w).all()):
+        raise InputError(f"trellis.quantize: weight of shape {tuple(weight.shape)} has non-finite values")
+    h = None
+    if hessian is not None:
+        h = hessian if stacked else hessian.unsqueeze(0)
+        in_f = w.shape[2]
+        if tuple(h.shape) != (w.shape[0], in_f, in_f):
+            raise InputError(f"trellis.quantize: hessian shape {tuple(hessian.shape)} does not match weight "
+                             f"{tuple(weight.shape)} (need (in, in) per weight)")
+        h = h.to(device=w.device, dtype=torch.float64)
+        if not bool(torch.isfinite(h).all()):
+            raise InputError("trellis.quantize: hessian has non-finite values")
+        # an empty/degenerate capture falls back to the Hessian-free path (as the reference does)
+        if float(torch.diagonal(h, dim1=-2, dim2=-1).mean()) < 1e-20:
+            h = None
+    return w.float(), h, stacked
+
+
+def _regularize(w: torch.Tensor, s_in: torch.Tensor, s_out: torch.Tensor, cb_std: float):
+    """(E, k, n) → rotated W_r with row RMS ≈ cb_std, plus su (E, k) and sv (E, n) with W = su·Hₖ·W_r·Hₙ·sv."""
+    sigma = w.square().mean(1).sqrt()  # column RMS (E, n)
+    zero_col = sigma <= 1e-30
+    mean_sigma = sigma.mean(1, keepdim=True).clamp_min(1e-30)
+    sigma = torch.where(zero_col, torch.full_like(sigma, 0.1), sigma / mean_sigma)
+    sv = s_out * sigma
+    wr = had_cols(w / sv.unsqueeze(1))
+    rho = wr.square().mean(2).sqrt()  # row RMS (E, k)
+    rho = torch.where(rho <= 1e-30, torch.full_like(rho, 0.1), rho)
+    su = s_in * rho / cb_std
+    wr = had_rows(wr / su.unsqueeze(2))
+    return wr, su, sv, zero_col
+
+
+def _sample_tiles(tiles: torch.Tensor, count: int) -> torch.Tensor:
+    """Deterministic spread of sample tiles from (E, T, 256): evenly spaced plus the highest-RMS ones."""
+    flat = tiles.reshape(-1, 256)
+    n = flat.shape[0]
+    if n <= count:
+        return flat
+    spread = torch.linspace(0, n - 1, count // 2, device=flat.device).round().long()
+    loud = flat.square().sum(1).topk(count - count // 2).indices
+    return flat[torch.cat([spread, loud])]
+
+
+def _global_scale(tiles: torch.Tensor, table: torch.Tensor, bits: float, drift: float, count: int = 12) -> float:
+    """Pick g for W_r ← g·W_r: free-start Viterbi MSE at three scales around the prior, parabola through them."""
+    sample = _sample_tiles(tiles, count) * drift
+    g0 = SCALE_PRIOR.get(bits, 0.9)
+    gs = [g0 * f for f in (0.9, 1.0, 1.1)]
+    batch = torch.cat([sample * g for g in gs], 0)
+    mse = viterbi_free(batch, table, bits).view(3, -1).mean(1)
+    err = [float(mse[i]) / gs[i] ** 2 for i in range(3)]  # error in the unscaled basis
+    a = err[0] - 2 * err[1] + err[2]
+    if a <= 0:
+        return gs[min(range(3), key=lambda i: err[i])]
+    step = 0.5 * (err[0] - err[2]) / a  # vertex offset in units of the grid step
+    step = max(-1.0, min(1.0, step))
+    return g0 * (1.0 + 0.1 * step)
+
+
+def _refit(w: torch.Tensor, q: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, h: torch.Tensor | None,
+           rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squares refit of channel scales in the original basis (trellis untouched): columns then rows."""
+    hh = h.float() if h is not None else None
+    for _ in range(rounds):
+        hq = torch.bmm(hh, q) if hh is not None else q
+        hw = torch.bmm(hh, w) if hh is not None else w
+        c = (hq * w).sum(1) / (hq * q).sum(1)  # (E, n)
+        c = torch.where(torch.isfinite(c) & (c > 0), c, torch.ones_like(c))
+        sv, q = sv * c, q * c.unsqueeze(1)
+        hq = hq * c.unsqueeze(1)
+        rhs = (q * hw).sum(2)  # (E, k)
+        if hh is not None:
+            gram = torch.bmm(q, q.transpose(1, 2)) * hh
+            gram = gram + 1e-6 * torch.diagonal(gram, dim1=1, dim2=2).mean(1).clamp_min(1e-30)[:, None, None] * \
+                torch.eye(gram.shape[1], device=gram.device)
+            r = torch.linalg.solve(gram.double(), rhs.double().unsqueeze(2)).squeeze(2).float()
+        else:
+            r = rhs / q.square().sum(2)
+        r = torch.where(torch.isfinite(r) & (r > 0), r, torch.ones_like(r))
+        su, q = su * r, q * r.unsqueeze(2)
+    return su, sv
+
+
+def quantize(weight: torch.Tensor, bits: float, hessian: torch.Tensor | None = None, codebook: str = "mul1",
+             seed: int = 0) -> QuantizedLinear | list[QuantizedLinear]:
+    """Quantize an HF (out, in) weight — or a stacked (E, out, in) batch with (E, in, in) Hessians — to EXL3.
+
+    hessian: Σ x·xᵀ over calibration tokens (in, in); enables LDLQ and a Hessian-weighted scale refit.
+    Returns a QuantizedLinear, or a list of E of them for stacked input. Deterministic for a given seed/device.
+    """
+    codebook = cb.canonical_codebook(codebook)
+    bits = cb.check_bits(bits, codebook)
+    w, h, stacked = _check_inputs(weight, hessian)
+    dev = w.device
+    e, out_f, in_f = w.shape
+    k, n = _pad_to(in_f), _pad_to(out_f)
+    wk = torch.zeros(e, k, n, device=dev)
+    wk[:, :in_f, :out_f] = w.transpose(1, 2)
+    hk = None
+    if h is not None:
+        hk = torch.zeros(e, k, k, device=dev, dtype=torch.float64)
+        hk[:, :in_f, :in_f] = h
+        hk = damp(hk, REL_DAMP)
+
+    gen = torch.Generator().manual_seed(int(seed))
+    s_in = torch.stack([random_signs(k, gen) for _ in range(e)]).to(dev)
+    s_out = torch.stack([random_signs(n, gen) for _ in range(e)]).to(dev)
+    table = cb.codebook_table(codebook, dev)
+    wr, su, sv, zero_col = _regularize(wk, s_in, s_out, cb.CODEBOOK_STD[codebook])
+
+    tiles = cb.tiles_from_matrix(wr)  # (E, k/16, n/16, 256)
+    drift = LDLQ_DRIFT.get(bits, 1.0) if hk is not None else 1.0
+    g = _global_scale(tiles, table, bits, drift)
+    wr, tiles, su = wr * g, tiles * g, su / g
+
+    tk, tn = k // 16, n // 16
+    if hk is None:
+        states = encode_tiles(tiles.reshape(-1, 256), table, bits).view(e, tk, tn, 256)
+    else:
+        # LDLQ on the Hessian of W_r: Hₖ·diag(su)·H·diag(su)·Hₖ (the rotation and input scales are part of W)
+        hr = had_both((su.double().unsqueeze(2) * hk * su.double().unsqueeze(1)).float())
+        lmat = block_ldl(hr, REL_DAMP)
+        states = torch.zeros(e, tk, tn, 256, dtype=torch.int64, device=dev)
+
+        def quant_strip(target: torch.Tensor, b: int) -> torch.Tensor:
+            st = encode_tiles(cb.tiles_from_matrix(target).reshape(-1, 256), table, bits).view(e, 1, tn, 256)
+            states[:, b:b + 1] = st
+            return cb.matrix_from_tiles(table[st])
+
+        ldlq(wr, lmat, quant_strip)
+
+    qr = cb.matrix_from_tiles(table[states])
+    q = had_both(qr) * su.unsqueeze(2) * sv.unsqueeze(1)
+    su, sv = _refit(wk, q, su, sv, hk)
+    sv = torch.where(zero_col, torch.zeros_like(sv), sv)
+    trellis = cb.pack_states(states, bits)
+    out = []
+    for i in range(e):
+        out.append(QuantizedLinear(trellis[i].contiguous(), _to_fp16(su[i]), _to_fp16(sv[i]), codebook,
+                                   (out_f, in_f)))
+    return out if stacked else out[0]
+
+
+def _to_fp16(v: torch.Tensor) -> torch.Tensor:
+    """fp16 with magnitudes kept inside the normal-ish range (huge values clamp, tiny ones stay subnormal)."""
+    return v.clamp(-65504.0, 65504.0).to(torch.float16)

@@ -114,32 +114,65 @@ def achieved_bits(units: list[Exl3Unit], bits: dict[str, float], key: str = "bit
     return round(num / den, 2) if den else None
 
 
-def quantize_unit(u: Exl3Unit, w: torch.Tensor, bits: float, hessian: torch.Tensor | None, *, seed: int,
-                  codebook: str, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Trellis-quantize one Linear unit. Returns ({stored tensor: tensor}, dequantized weight (out, in) fp32)."""
-    from mixq.quant import trellis
-
-    out_f, in_f = u.shape
-    k, n = u.padded
-    wp = torch.zeros(n, k, dtype=torch.float32, device=device)
-    wp[:out_f, :in_f] = w.to(device)
-    hp = None
-    if hessian is not None:
-        hp = torch.zeros(k, k, dtype=torch.float32, device=device)
-        hp[:in_f, :in_f] = hessian.to(device)
-        if k > in_f:  # padded inputs are always zero; a unit diagonal keeps the LDL well defined
-            idx = torch.arange(in_f, k, device=device)
-            hp[idx, idx] = hp.diagonal()[:in_f].mean().clamp_min(1e-6)
-    q = trellis.quantize(wp, bits, hessian=hp, codebook=codebook, seed=seed)
+def _stored(u: Exl3Unit, q) -> dict[str, torch.Tensor]:
     t = q.tensors()
     stored = {f"{u.key}.trellis": t["trellis"].to(torch.int16).cpu().contiguous(),
               f"{u.key}.suh": t["suh"].to(torch.float16).cpu().contiguous(),
               f"{u.key}.svh": t["svh"].to(torch.float16).cpu().contiguous()}
-    marker = "mul1" if "mul1" in t else "mcg" if "mcg" in t else None
-    if marker:
-        stored[f"{u.key}.{marker}"] = t[marker].to(torch.int32).cpu().reshape(())
-    deq = q.dequantize().float()[:out_f, :in_f].cpu()
+    for marker in ("mul1", "mcg"):
+        if marker in t:
+            stored[f"{u.key}.{marker}"] = t[marker].to(torch.int32).cpu().reshape(())
+    return stored
+
+
+def quantize_unit(u: Exl3Unit, w: torch.Tensor, bits: float, hessian: torch.Tensor | None, *, seed: int,
+                  codebook: str, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Trellis-quantize one Linear unit (HF (out, in) weight; the quantizer pads to 128).
+    Returns ({stored tensor: tensor}, dequantized weight (out, in) float32 on the CPU)."""
+    (stored, deq), = quantize_batch([u], [w], bits, [hessian], seed=seed, codebook=codebook, device=device)
     return stored, deq
+
+
+def quantize_batch(units: list[Exl3Unit], ws: list[torch.Tensor], bits: float,
+                   hessians: list[torch.Tensor | None], *, seed: int, codebook: str,
+                   device: torch.device) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """Quantize same-shape units at one rate in one stacked call (MoE experts), with per-unit Hessians
+    (all given or all None). Encoder-speed device only: every unit is still stored as its own Linear."""
+    from mixq.quant import trellis
+
+    w = torch.stack([x.float() for x in ws]).to(device)
+    h = None
+    if hessians[0] is not None:
+        h = torch.stack([x.float() for x in hessians]).to(device)
+    qs = trellis.quantize(w if len(ws) > 1 else w[0], bits, hessian=h if (h is None or len(ws) > 1) else h[0],
+                          codebook=codebook, seed=seed)
+    qs = qs if isinstance(qs, list) else [qs]
+    return [(_stored(u, q), q.dequantize().float().cpu()) for u, q in zip(units, qs)]
+
+
+MAX_BATCH = 16
+MAX_BATCH_ELEMS = 1 << 26  # weights + Hessians per stacked call
+
+
+def batches(items: list[tuple[Exl3Unit, bool]], bits: dict[str, float]) -> list[list[int]]:
+    """Group the indices of trellis units (with a flag: has a Hessian) into stacked calls: same shape, same
+    rate, same Hessian presence, consecutive in stage order, at most MAX_BATCH per call."""
+    groups: dict[tuple, list[int]] = {}
+    order: list[tuple] = []
+    for i, (u, has_h) in enumerate(items):
+        key = (u.shape, bits[u.key], has_h)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(i)
+    out = []
+    for key in order:
+        idx = groups[key]
+        out_f, in_f = key[0]
+        per = out_f * in_f + (in_f * in_f if key[2] else 0)
+        step = max(1, min(MAX_BATCH, MAX_BATCH_ELEMS // max(per, 1)))
+        out.extend(idx[i:i + step] for i in range(0, len(idx), step))
+    return out
 
 
 def _raw_tensors(u: Exl3Unit, w: torch.Tensor, fetch) -> dict[str, torch.Tensor]:
@@ -194,6 +227,9 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
     shard_bytes = parse_bytes(shard_size)
     if isinstance(size, str):
         size = parse_bytes(size)
+    for f in calibration or []:
+        if not Path(f).is_file():
+            raise InputError(f"calibration file not found: {f}")
     plan = plan_model(ckpt, "exl3", bpw=bpw, size=size, overrides=overrides, head_bits=head_bits,
                       mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=include_mtp)
     units = exl3_layout(ckpt, vision_bits=vision_bits, include_mtp=include_mtp)
@@ -221,27 +257,43 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
     def run_stage(stage: str, stats: dict | None):
         """Quantize/copy the units of one stage and write its part; returns (PartInfo, {HF name: the stored
         weight as the model will see it (dequantized / fp16-rounded)})."""
-        written, replaced = [], {}
-        inner = tqdm(by_stage[stage], desc=stage, leave=False, disable=not progress, unit="t")
-        for u in inner:
-            w = u.assemble(fetch)
+        written: dict[str, dict] = {}
+        replaced: dict[str, torch.Tensor] = {}
+        stage_units = by_stage[stage]
+        trellis_units, hs = [], []
+        h_cache: dict[int, torch.Tensor | None] = {}  # experts share accumulators: finalise each once
+        for u in stage_units:
             if u.kind == "trellis":
                 acc = None if stats is None else stats.get(u.hf_names[0])
-                h = acc.hessian() if acc is not None else None
+                if acc is not None and id(acc) not in h_cache:
+                    h_cache[id(acc)] = acc.hessian()
+                h = h_cache[id(acc)] if acc is not None else None
                 if h is None and stats is not None:
                     fallbacks.append(u.key)
-                tensors, deq = quantize_unit(u, w, bits[u.key], h, seed=seeds[u.key], codebook=codebook,
-                                             device=device)
+                trellis_units.append(u)
+                hs.append(h)
+        groups = batches([(u, h is not None) for u, h in zip(trellis_units, hs)], bits)
+        inner = tqdm(total=len(stage_units), desc=stage, leave=False, disable=not progress, unit="t")
+        for g in groups:
+            us = [trellis_units[i] for i in g]
+            res = quantize_batch(us, [u.assemble(fetch) for u in us], bits[us[0].key], [hs[i] for i in g],
+                                 seed=seeds[us[0].key], codebook=codebook, device=device)
+            for u, (tensors, deq) in zip(us, res):
                 if u.bias:
                     b = torch.zeros(u.padded[1], dtype=torch.float16)
                     b[: u.shape[0]] = fetch(u.bias).half()
                     tensors[f"{u.key}.bias"] = b
                 replaced.update(u.split_back(deq))
-            else:
-                tensors = _raw_tensors(u, w, fetch)
-                stored = next(iter(tensors.values())).float()
-                replaced.update(u.split_back(stored))
-            written.append((u.key, tensors))
+                written[u.key] = tensors
+            inner.update(len(us))
+        for u in stage_units:
+            if u.kind != "trellis":
+                tensors = _raw_tensors(u, u.assemble(fetch), fetch)
+                replaced.update(u.split_back(next(iter(tensors.values())).float()))
+                written[u.key] = tensors
+                inner.update(1)
+        inner.close()
+        written = [(u.key, written[u.key]) for u in stage_units]  # parts keep the layout order
         part = writer.write_part(stage, written)
         return part, replaced
 

@@ -1,0 +1,360 @@
+"""End-to-end EXL3 conversion of a tiny random glm5_next checkpoint: verify, read back, transformers forward,
+kill -9 + --resume byte-identical, bad input, and the DFlash2 drafter.
+
+The trellis encoder (quant/trellis.py, tested on its own in tests/quant) needs minutes per tiny model on 2 shared
+CPU cores, so the default-suite tests here swap in FAKE_TRELLIS: a deterministic stand-in with the same API and
+tensor layout whose output depends on the weight and on the calibration Hessian (so calibration state, resume
+and byte-identity are still exercised). The real encoder runs end to end in the `slow` test at the bottom.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # the resume test compares bytes with a 1-thread subprocess
+
+ROWS, SEQ = 4, 32
+ARGS = ["--bpw", "4.0", "--rows", str(ROWS), "--seq-len", str(SEQ), "--device", "cpu", "--shard-size", "3MiB"]
+
+FAKE_TRELLIS = """
+import torch
+
+class QL:
+    def __init__(self, trellis, suh, svh, shape):
+        self.trellis, self.suh, self.svh, self.shape = trellis, suh, svh, tuple(shape)
+    @property
+    def bits(self):
+        return self.trellis.shape[-1] / 16
+    def dequantize(self):
+        out_f, in_f = self.shape
+        return torch.outer(self.suh.float(), self.svh.float())[:in_f, :out_f].t().contiguous()
+    def tensors(self):
+        return {"trellis": self.trellis, "suh": self.suh, "svh": self.svh,
+                "mul1": torch.tensor(0x83DCD12D - (1 << 32), dtype=torch.int32)}
+
+def _one(w, bits, h):
+    out_f, in_f = w.shape
+    k, n = -(-in_f // 128) * 128, -(-out_f // 128) * 128
+    wk = torch.zeros(k, n, dtype=torch.float64)
+    wk[:in_f, :out_f] = w.t().double()
+    s = torch.ones(k, dtype=torch.float64)
+    if h is not None:  # Hessian-weighted rank-1 fit: the output depends on the calibration statistics
+        s[:in_f] = h.double().diagonal().clamp_min(1e-12).sqrt()
+    a = wk * s[:, None]
+    v = torch.ones(n, dtype=torch.float64)
+    for _ in range(12):
+        u = a @ v
+        v = a.t() @ u
+        v = v / v.norm().clamp_min(1e-30)
+    u = (a @ v) / s
+    width = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
+    codes = (wk.flatten() * 4096).round().remainder(65536).to(torch.int64)
+    need = (k // 16) * (n // 16) * width
+    codes = codes.repeat(need // codes.numel() + 1)[:need]
+    trellis = (codes - 32768).to(torch.int16).view(k // 16, n // 16, width)
+    return QL(trellis, u.to(torch.float16), v.to(torch.float16), (out_f, in_f))
+
+def quantize(weight, bits, hessian=None, codebook="mul1", seed=0):
+    if weight.dim() == 3:
+        return [_one(weight[i], bits, None if hessian is None else hessian[i]) for i in range(weight.shape[0])]
+    return _one(weight, bits, hessian)
+
+def from_tensors(tensors, shape):
+    return QL(tensors["trellis"], tensors["suh"], tensors["svh"], shape)
+"""
+
+
+def _fake_module() -> types.ModuleType:
+    m = types.ModuleType("mixq.quant.trellis")
+    exec(FAKE_TRELLIS, m.__dict__)
+    return m
+
+
+@pytest.fixture(scope="module")
+def fake_trellis(tmp_path_factory):
+    """Swap in FAKE_TRELLIS in this process; returns a dir whose sitecustomize.py does it in subprocesses."""
+    import mixq.quant
+
+    mp = pytest.MonkeyPatch()
+    fake = _fake_module()
+    mp.setitem(sys.modules, "mixq.quant.trellis", fake)
+    mp.setattr(mixq.quant, "trellis", fake, raising=False)
+    d = tmp_path_factory.mktemp("fake_trellis")
+    (d / "sitecustomize.py").write_text(
+        "import sys, types\n"
+        "import mixq.quant\n"
+        f"src = {FAKE_TRELLIS!r}\n"
+        "m = types.ModuleType('mixq.quant.trellis')\n"
+        "exec(src, m.__dict__)\n"
+        "sys.modules['mixq.quant.trellis'] = m\n"
+        "mixq.quant.trellis = m\n")
+    yield d
+    mp.undo()
+
+
+def _env(site: Path | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TQDM_DISABLE="1")
+    paths = ([str(site)] if site else []) + [str(Path(__file__).resolve().parents[3])] + sys.path
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def _run(*args):
+    """In-process CLI run (click's runner keeps the exit code and both streams)."""
+    from click.testing import CliRunner
+
+    from mixq.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def _cli(*args, env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mixq", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_exl3(tiny_model, tmp_path_factory, fake_trellis):
+    from mixq.convert.api import convert
+
+    out = tmp_path_factory.mktemp("exl3") / "tiny-4.0"
+    res = convert(tiny_model, out, "exl3", bpw=4.0, rows=ROWS, seq_len=SEQ, device="cpu", shard_size="3MiB",
+                  progress=False)
+    return out, res
+
+
+def test_convert_verify_and_plan_coverage(tiny_model, tiny_exl3):
+    from mixq.convert.api import verify
+    from mixq.convert.planning import plan_model
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.exl3_names import exl3_layout
+
+    out, res = tiny_exl3
+    rep = verify(out)
+    assert rep["ok"], rep["problems"]
+    ck = open_checkpoint(tiny_model)
+    units = exl3_layout(ck)
+    assert rep["quantized"] == sum(u.kind == "trellis" for u in units) == res.quantized > 0
+    plan = plan_model(ck, "exl3", bpw=4.0)
+    stored = set(json.loads((out / "mixq_manifest.json").read_text())["tensors"])
+    by_hf = {n: u for u in units for n in u.hf_names}
+    for t in plan.tensors:  # every planned tensor is stored (under its EXL3 key)
+        u = by_hf[t.hf_names[0]]
+        assert set(u.tensor_specs(t.bits if u.kind == "trellis" else None)) <= stored, t.name
+        if u.kind == "trellis":
+            k, n = u.padded
+            assert tuple(ck.shape(t.hf_names[0])) == t.shape
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "exl3" and abs(qc["bits"] - 4.0) <= 0.1 and qc["head_bits"] == 6
+    assert qc["mtp_bits"] == 4 and "vision_bits" not in qc
+    assert cfg["text_config"]["layer_types"] == ["linear_attention"] * 3 + ["deepseek_sparse_attention"]
+    ts = json.loads((out / "quantization_config.json").read_text())["tensor_storage"]
+    qkv = ts["model.language_model.layers.0.self_attn.qkv_proj"]
+    assert qkv["quant_format"] == "exl3" and qkv["mul1_multiplier"] == 2212286765
+    assert qkv["stored_tensors"]["model.language_model.layers.0.self_attn.qkv_proj.trellis"]["dtype"] == "torch.int16"
+    assert len(res.shards) >= 2 and all((out / s).stat().st_size <= 3 * 2**20 for s in res.shards)
+    assert (out / "model.safetensors.index.json").exists() and (out / "tokenizer.json").exists()
+    assert not (out / ".mixq-job").exists()
+    assert res.seconds > 0 and res.peak_rss_mib > 0 and "peak RSS" in res.summary()
+
+
+def test_read_back_and_transformers_forward(tiny_model, tiny_exl3):
+    from mixq.eval.reference import build_model
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.exl3_reader import read_exl3
+
+    out, _ = tiny_exl3
+    ck = open_checkpoint(tiny_model)
+    w = read_exl3(out)
+    assert set(w) == set(ck.names())
+    for n in ck.names():
+        src = ck.get(n)
+        assert w[n].shape == src.shape, n
+        info = ck.info(n)
+        if info.exl3 == "trellis" and not (info.role == "vision"):
+            assert bool(torch.isfinite(w[n]).all()) and w[n].abs().sum() > 0, n
+        elif ck.source_dtype(n) == "bfloat16" and (info.exl3 in ("native", "fp32") or info.role == "vision"):
+            assert torch.equal(w[n], src), n  # bf16 kept (vision at source precision)
+        else:
+            torch.testing.assert_close(w[n], src.half().float(), rtol=0, atol=0)  # fp16 rounding only
+    model = build_model(out, w, torch.device("cpu"))
+    ids = torch.randint(0, 8192, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, 24, 8192) and bool(torch.isfinite(logits).all())
+    assert logits.abs().max() > 0
+
+
+def test_verify_reports_corruption_and_exits_1(tiny_exl3, tmp_path):
+    import shutil
+
+    out, res = tiny_exl3
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    shard = bad / res.shards[0]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    man = json.loads((bad / "mixq_manifest.json").read_text())
+    victim = next(n for n in man["expected"] if n.endswith(".suh"))
+    man["expected"][victim]["shape"] = [7]
+    (bad / "mixq_manifest.json").write_text(json.dumps(man))
+    r = _run("verify", str(bad))
+    assert r.exit_code == 1, r.output
+    assert "sha256 mismatch" in r.output and victim in r.output
+    r = _run("verify", str(tmp_path / "nowhere"))
+    assert r.exit_code == 2 and "error" in r.stderr and isinstance(r.exception, SystemExit)
+    assert _run("verify", str(out)).exit_code == 0
+
+
+def test_kill9_then_resume_is_byte_identical(tiny_model, tiny_exl3, fake_trellis, tmp_path):
+    ref, res = tiny_exl3
+    out = tmp_path / "killed"
+    env = dict(_env(fake_trellis), MIXQ_DEBUG_STAGE_SLEEP="0.5")
+    p = subprocess.Popen([sys.executable, "-m", "mixq", "convert", str(tiny_model), str(out), *ARGS],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    job = out / ".mixq-job" / "job.json"
+    deadline = time.time() + 300
+    done = 0
+    while time.time() < deadline and p.poll() is None:
+        try:
+            done = len(json.loads(job.read_text())["done"])
+        except (OSError, ValueError, KeyError):
+            done = 0
+        if done >= 3:  # embed + two decoder layers finished
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "conversion ended before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (out / "config.json").exists()  # no complete-looking output
+    r = _run("convert", str(tiny_model), str(out), *ARGS)  # without --resume: refuses
+    assert r.exit_code == 2 and "--resume" in r.stderr
+    r = _cli("convert", str(tiny_model), str(out), *ARGS, "--resume", "--json", env=_env(fake_trellis))
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    assert summary["resumed_stages"] >= 3
+    for name in res.shards + ["config.json", "quantization_config.json", "model.safetensors.index.json"]:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    assert not (out / ".mixq-job").exists()
+
+
+def test_bad_input_exits_2(tiny_model, tmp_path):
+    cases = [
+        (["convert", str(tmp_path / "missing"), str(tmp_path / "o1"), "--bpw", "4"], "missing"),
+        (["convert", str(tiny_model), str(tmp_path / "o2")], "--bpw"),
+        (["convert", str(tiny_model), str(tmp_path / "o3"), "--bpw", "4", "--resume"], "nothing to resume"),
+        (["convert", str(tiny_model), str(tmp_path / "o4"), "--bpw", "4", "--calibration",
+          str(tmp_path / "nope.txt")], "calibration file"),
+        (["convert", str(tiny_model), str(tmp_path / "o5"), "--bpw", "4", "--shard-size", "lots"], "size"),
+    ]
+    for args, needle in cases:
+        r = _run(*args)
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (args, r.output[-500:])
+        assert needle in r.stderr, r.stderr[-500:]
+
+
+def _tiny_drafter(d: Path, hidden: int = 128, layers: int = 1, vocab: int = 512, rank: int = 32) -> Path:
+    """A random DFlash2DraftModel checkpoint with the tensor names and config keys of reference §6.3."""
+    from safetensors.torch import save_file
+
+    d.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: (torch.randn(*s, generator=g) * 0.05).to(torch.bfloat16)  # noqa: E731
+    kernel, group, inter = 2, 16, 256
+    t = {"fc.weight": r(hidden, 2 * hidden), "hidden_norm.weight": r(hidden) + 1, "norm.weight": r(hidden) + 1,
+         "candidate_selector.hidden_projection.weight": r(rank, hidden),
+         "candidate_selector.predecessor_codebook": r(vocab, rank),
+         "candidate_selector.successor_codebook": r(vocab, rank)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        for c in "qkvo":
+            t[f"{p}self_attn.{c}_proj.weight"] = r(hidden, hidden)
+        t[f"{p}self_attn.q_norm.weight"] = r(64) + 1
+        t[f"{p}self_attn.k_norm.weight"] = r(64) + 1
+        t[f"{p}mlp.gate_proj.weight"] = r(inter, hidden)
+        t[f"{p}mlp.up_proj.weight"] = r(inter, hidden)
+        t[f"{p}mlp.down_proj.weight"] = r(hidden, inter)
+        for conv in ("attention_conv", "mlp_conv"):
+            t[f"{p}{conv}.kernel_projection.weight"] = r(2 * kernel * hidden // group, hidden)
+            t[f"{p}{conv}.base_kernel"] = r(2, kernel, hidden)
+        t[f"{p}input_layernorm.weight"] = r(hidden) + 1
+        t[f"{p}post_attention_layernorm.weight"] = r(hidden) + 1
+    save_file(t, str(d / "model.safetensors"))
+    cfg = {"architectures": ["DFlash2DraftModel"], "model_type": "dflash2", "hidden_size": hidden,
+           "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
+           "intermediate_size": inter, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+           "dflash_config": {"conv_kernel_size": kernel, "conv_group_size": group, "selector_rank": rank,
+                             "selector_top_k": 8, "mask_token_id": 1, "target_layer_ids": [1, 2],
+                             "block_size": 8, "layer_types": ["full_attention"] * layers}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_dflash2_drafter_at_6_bpw(tmp_path, fake_trellis):
+    from mixq.convert.api import convert, verify
+    from mixq.formats.exl3_reader import read_exl3
+
+    src = _tiny_drafter(tmp_path / "drafter")
+    out = tmp_path / "drafter-exl3"
+    res = convert(src, out, "exl3", device="cpu", progress=False)
+    assert res.bits == 6.0 and res.quantized == 1 + 4 + 3 + 2
+    rep = verify(out)
+    assert rep["ok"], rep["problems"]
+    from mixq.formats.exl3_writer import read_header
+
+    _, hdr = read_header(out / "model.safetensors")
+    assert hdr["fc.trellis"]["shape"] == [16, 8, 96] and hdr["fc.trellis"]["dtype"] == "I16"
+    kp = "layers.0.attention_conv.kernel_projection"
+    assert hdr[f"{kp}.trellis"]["shape"] == [8, 8, 96]  # output 32 padded to 128
+    assert hdr["candidate_selector.hidden_projection.weight"] == {**hdr["candidate_selector.hidden_projection.weight"],
+                                                                  "dtype": "F16", "shape": [128, 128]}
+    assert hdr["candidate_selector.predecessor_codebook"]["dtype"] == "BF16"
+    assert hdr["layers.0.mlp_conv.base_kernel"]["shape"] == [2, 2, 128]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["bits"] == 6.0 and cfg["architectures"] == ["DFlash2DraftModel"]
+    from safetensors.torch import load_file
+
+    srcw = load_file(str(src / "model.safetensors"))
+    back = read_exl3(out)
+    assert set(back) == set(srcw)
+    assert back["fc.weight"].shape == (128, 256) and back["layers.0.mlp_conv.kernel_projection.weight"].shape == (32, 128)
+    assert torch.equal(back["candidate_selector.hidden_projection.weight"],
+                       srcw["candidate_selector.hidden_projection.weight"].half().float())
+
+
+@pytest.mark.slow
+def test_real_trellis_end_to_end(tmp_path):
+    """The real encoder on a minimal tiny model (KDA + DSA layer, 2 experts, NextN, vocab 512): verify passes,
+    weights come back within the 4-bit error, the dequantized model runs in transformers."""
+    from mixq.convert.api import convert, verify
+    from mixq.eval.reference import build_model
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.exl3_reader import read_exl3
+    from mixq.formats.tiny import write_tiny_checkpoint
+
+    src = write_tiny_checkpoint(tmp_path / "src", layer_types=("linear_attention", "deepseek_sparse_attention"),
+                                vision=False, vocab=512)
+    out = tmp_path / "exl3"
+    res = convert(src, out, "exl3", bpw=4.0, rows=ROWS, seq_len=SEQ, device="cpu", progress=False)
+    assert verify(out)["ok"] and abs(res.bits - 4.0) <= 0.1 and not res.fallbacks
+    ck = open_checkpoint(src)
+    w = read_exl3(out)
+    for n in ck.names():
+        if ck.info(n).exl3 == "trellis":
+            rel = ((w[n] - ck.get(n)).norm() / ck.get(n).norm()).item()
+            assert rel < 0.2, (n, rel)
+    model = build_model(out, w, torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(torch.randint(0, 512, (1, 16))).logits
+    assert bool(torch.isfinite(logits).all())

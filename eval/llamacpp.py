@@ -50,8 +50,8 @@ class LlamaCppScorer:
         cp.type_k = cp.type_v = CACHE_TYPES[cache_type]
         # quantized V caches need flash attention in llama.cpp; keep it off otherwise (it adds ≈3e-4 error)
         cp.flash_attn_type = 1 if cache_type == "q8_0" else 0
-        if n_threads:
-            cp.n_threads = cp.n_threads_batch = n_threads
+        # the same thread count as torch (OMP_NUM_THREADS / torch.set_num_threads), one knob for both engines
+        cp.n_threads = cp.n_threads_batch = int(n_threads or torch.get_num_threads())
         self.lctx = L.llama_init_from_model(self.model, cp)
         if not self.lctx:
             L.llama_model_free(self.model)

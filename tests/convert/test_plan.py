@@ -88,3 +88,20 @@ def test_glm53_fit_121gb_262k(flash):
 def test_cli_impossible_fit_exit_2(mini_model):
     r = CliRunner().invoke(main, ["plan", str(mini_model), "--format", "exl3", "--fit", "1GB", "--context", "4096"])
     assert r.exit_code == 2 and "leave nothing" in r.output
+
+
+def test_measure_curves_drive_the_allocation(mini_model):
+    from mixq.convert.planning import _exl3_group
+
+    ck = open_checkpoint(mini_model)
+    base = plan_model(ck, "exl3", bpw=4.0)
+    keys = {_exl3_group(ck.info(t.name), t.name) for t in base.tensors
+            if t.type == "trellis" and ck.info(t.name).exl3_bits_key == "bits"}
+    # measured (absolute errors per unit): experts far more sensitive than everything else -> they get the bits
+    curves = {k: {b: (1e4 if k.endswith(".experts") else 1.0) * 2 ** (-2 * b) for b in (2, 3, 4, 5, 6)}
+              for k in keys}
+    p = plan_model(ck, "exl3", bpw=4.0, measure=curves)
+    assert abs(p.bpw - 4.0) <= 0.02
+    assert _avg(p, "routed_expert") > _avg(p, "attn")
+    with pytest.raises(PlanError, match="no error curve"):
+        plan_model(ck, "exl3", bpw=4.0, measure={k: v for k, v in list(curves.items())[1:]})

@@ -17,6 +17,7 @@ from gguf import quants as gguf_quants
 
 from ..errors import InputError
 from . import kquants_blocks as kb
+from . import kquants_iq4
 from . import kquants_legacy as kl
 
 # weights per encoding chunk: numpy call overhead vs. working set (64K weights measured fastest: arrays stay in cache)
@@ -24,7 +25,7 @@ CHUNK_WEIGHTS = 1 << 16
 
 _KQUANTS: dict[str, Callable[[np.ndarray, np.ndarray | None], np.ndarray]] = {
     "Q2_K": kb.encode_q2_k, "Q3_K": kb.encode_q3_k, "Q4_K": kb.encode_q4_k,
-    "Q5_K": kb.encode_q5_k, "Q6_K": kb.encode_q6_k,
+    "Q5_K": kb.encode_q5_k, "Q6_K": kb.encode_q6_k, "IQ4_XS": kquants_iq4.encode_iq4_xs,
 }
 _LEGACY_IMATRIX: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "Q4_0": kl.encode_q4_0, "Q4_1": kl.encode_q4_1, "Q5_0": kl.encode_q5_0, "Q5_1": kl.encode_q5_1,
@@ -103,3 +104,22 @@ def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np
         for r0 in range(0, R, step):
             out[r0:r0 + step] = _encode_rows(x[r0:r0 + step], qtype, imatrix)
     return out
+
+
+def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Encode a stack of matrices (E, rows, n), e.g. routed experts, as llama-quantize does.
+
+    ``imatrix`` is (E, n) or flat (E*n,) as stored in imatrix files: expert e uses its own slice.
+    Returns uint8 (E, rows, bytes_per_row).
+    """
+    x = np.asarray(x)
+    if x.ndim != 3:
+        raise InputError(f"kquants.quantize_stacked: expected (E, rows, n), got shape {x.shape}")
+    E, _, n = x.shape
+    im = None
+    if imatrix is not None:
+        im = np.asarray(imatrix, dtype=np.float32)
+        if im.size != E * n:
+            raise InputError(f"kquants.quantize_stacked: imatrix has {im.size} values, expected {E}x{n}")
+        im = im.reshape(E, n)
+    return np.stack([quantize(x[e], qtype, None if im is None else im[e]) for e in range(E)])

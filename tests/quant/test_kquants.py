@@ -18,7 +18,7 @@ from mixq.errors import InputError
 from mixq.quant import kquants, kquants_ggml
 
 DIGESTS = Path(__file__).resolve().parent.parent / "data" / "kquants_digests.json"
-TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 N = 512
 # k256 fixture tensors: two routed experts, a dense MLP down (n=768), two attention matrices
 REAL = {
@@ -155,7 +155,7 @@ def test_output_layout_decodes_with_gguf_py():
 
     x = np.random.default_rng(3).standard_normal((4, 512)).astype(np.float32)
     # rms error of a Gaussian at each type, loose upper bounds (ordered by bits)
-    bounds = {"Q2_K": 0.45, "Q3_K": 0.22, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025, "Q8_0": 0.008,
+    bounds = {"Q2_K": 0.45, "Q3_K": 0.22, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025, "IQ4_XS": 0.1, "Q8_0": 0.008,
               "Q4_0": 0.12, "Q4_1": 0.1, "Q5_0": 0.06, "Q5_1": 0.05}
     for t, bound in bounds.items():
         q = kquants.quantize(x, t)
@@ -178,6 +178,19 @@ def test_sizes_and_bad_input():
         kquants.quantize(x, "Q4_K", np.ones(128, np.float32))
     with pytest.raises(InputError, match="2-D"):
         kquants.quantize(np.zeros(256, np.float32), "Q4_K")
+
+
+def test_stacked_experts_use_their_own_imatrix_slice():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 4, 256)).astype(np.float32)
+    im = rng.random((3, 256)).astype(np.float32)
+    q = kquants.quantize_stacked(x, "Q4_K", im.reshape(-1))
+    assert q.shape == (3, 4, 144)
+    for e in range(3):
+        assert np.array_equal(q[e], kquants.quantize(x[e], "Q4_K", im[e]))
+    assert not np.array_equal(q[1], kquants.quantize(x[1], "Q4_K", im[0]))
+    with pytest.raises(InputError, match="imatrix"):
+        kquants.quantize_stacked(x, "Q4_K", im[:2])
 
 
 def test_chunking_does_not_change_bytes(monkeypatch):

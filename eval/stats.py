@@ -23,15 +23,26 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.to(torch.float32), dim=-1)
 
 
+ROW_CHUNK = 64  # rows per float64 pass: bounds temporaries to ~64·vocab·8 bytes (80 MB at GLM-5.3's 154,880)
+
+
 def token_quantities(ref_logprobs: torch.Tensor, cand_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-position quantities for scored rows.
 
-    ref_logprobs: (n, vocab) reference log-probabilities (`log_probs` of the reference logits); cand_logits: (n, vocab) candidate logits (any
-    normalisation); targets: (n,) the true next tokens. Returns float64 tensors kld, nll, nll_ref, dp and a
-    bool tensor same_top, all of shape (n,).
+    ref_logprobs: (n, vocab) reference log-probabilities (`log_probs` of the reference logits); cand_logits:
+    (n, vocab) candidate logits (any normalisation); targets: (n,) the true next tokens. Returns float64
+    tensors kld, nll, nll_ref, dp and a bool tensor same_top, all of shape (n,), on the CPU.
     """
     if ref_logprobs.shape != cand_logits.shape:
         raise ValueError(f"reference {tuple(ref_logprobs.shape)} and candidate {tuple(cand_logits.shape)} shapes differ")
+    parts = [
+        _rows(ref_logprobs[i : i + ROW_CHUNK], cand_logits[i : i + ROW_CHUNK], targets[i : i + ROW_CHUNK])
+        for i in range(0, ref_logprobs.shape[0], ROW_CHUNK)
+    ]
+    return {k: torch.cat([p[k] for p in parts]) for k in ("kld", "nll", "nll_ref", "dp", "same_top")}
+
+
+def _rows(ref_logprobs: torch.Tensor, cand_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     # Both sides normalised in float32 (as llama.cpp does), products and sums in float64: identical logits
     # give exactly zero, and stored float32 reference log-probs reproduce the on-the-fly numbers bit for bit.
     lp = ref_logprobs.to(torch.float32).to(torch.float64)

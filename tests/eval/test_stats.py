@@ -98,3 +98,14 @@ def test_accumulator_concatenates_windows():
     assert s["positions"] == 60 and s["kld_mean"] > 0
     with pytest.raises(ValueError):
         KLAccumulator().summary()
+
+
+def test_row_chunks_do_not_change_results():
+    from mixq.eval import stats
+
+    g = torch.Generator().manual_seed(3)
+    ref, cand = torch.randn(150, 40, generator=g) * 3, torch.randn(150, 40, generator=g) * 3
+    tgt = torch.randint(0, 40, (150,), generator=g)
+    whole = stats._rows(log_probs(ref), cand, tgt)
+    chunked = token_quantities(log_probs(ref), cand, tgt)  # 64 + 64 + 22 rows
+    assert all(torch.equal(whole[k], chunked[k]) for k in whole)

@@ -85,7 +85,8 @@ def default_device() -> str:
 
 
 def unit_bits(units: list[Exl3Unit], plan) -> dict[str, float]:
-    """Trellis bits of every trellis unit from the plan (a fused unit takes the highest of its sources)."""
+    """Trellis bits of every trellis unit from the plan (a fused unit takes the highest of its sources).
+    A head / vision unit planned at 16 bits (or unquantized) becomes an fp16 Linear."""
     by_hf = {}
     for t in plan.tensors:
         for n in t.hf_names or [t.name]:
@@ -96,6 +97,9 @@ def unit_bits(units: list[Exl3Unit], plan) -> dict[str, float]:
         if u.kind != "trellis":
             continue
         bits = [by_hf.get(n) for n in u.hf_names]
+        if all(b is None or b >= 16 for b in bits) and u.bits_key in ("head_bits", "vision_bits"):
+            u.kind, u.dtype = "fp16_linear", "float16"  # --head-bits 16 / --vision-bits 16: stored fp16
+            continue
         if any(b is None for b in bits):
             missing = u.hf_names[bits.index(None)]
             raise PlanError(f"the plan has no trellis bits for {missing} (EXL3 unit {u.key})")

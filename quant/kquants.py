@@ -64,6 +64,8 @@ def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.nd
     if n == 0 or n % bs:
         raise InputError(f"kquants.quantize: row length {n} is not a positive multiple of {bs} ({qtype})")
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.all(np.isfinite(x)):
+        raise InputError("kquants.quantize: the tensor contains NaN or infinite values")
     if imatrix is not None:
         imatrix = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
         if imatrix.shape != (n,):

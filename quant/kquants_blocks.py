@@ -51,7 +51,7 @@ def _pack_2bit(L: np.ndarray) -> np.ndarray:
 
 def _pos_max(v: np.ndarray) -> np.ndarray:
     """max(0, max over sub-blocks) as ggml's strict '>' scan from +0 gives it (never -0.0)."""
-    m = np.max(v, axis=0)
+    m = np.fmax.reduce(v, axis=0)  # NaN-skipping, like the scan
     return np.where(m > 0, m, f32(0))
 
 

@@ -66,10 +66,11 @@ def seq_sum_from_first(a: np.ndarray) -> np.ndarray:
 def first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(amax, signed value) of the first element with the largest |x| along axis 0."""
     ax = np.abs(x)
-    amax = np.max(ax, axis=0)
+    # ggml's strict '>' scan from 0 skips NaN (which overflowing inputs can produce)
+    amax = np.fmax(np.fmax.reduce(ax, axis=0), f32(0))
     val = np.zeros_like(amax)
     for i in range(x.shape[0] - 1, -1, -1):  # backwards, so the first match is written last
-        np.copyto(val, x[i], where=ax[i] == amax)
+        np.copyto(val, x[i], where=(ax[i] == amax) & (amax > 0))
     return amax, val
 
 
@@ -91,36 +92,37 @@ def make_qx_quants(x: np.ndarray, nmax: int, qw: np.ndarray | None = None) -> tu
     """
     amax, mx = first_absmax(x)
     zero = amax < GROUP_MAX_EPS
-    mx = np.where(zero, f32(1), mx)
+    mx = np.where(zero, f32(1), mx)  # |iscale * x| <= nmax + 1 then holds for every block
     w = x * x if qw is None else qw
     wx = w * x
-    lo, hi = -nmax, nmax - 1
+    v, lf, tmp = (np.empty_like(x) for _ in range(3))
 
-    def levels(iscale):
-        return np.clip(nearest_int(iscale * x), lo, hi)
+    def sums(iscale, out):
+        np.multiply(x, iscale, out=v)
+        _levels(v, -nmax, nmax - 1, out, False)
+        np.multiply(wx, out, out=tmp)
+        sumlx = seq_sum(tmp)
+        np.multiply(w, out, out=tmp)
+        np.multiply(tmp, out, out=tmp)
+        return sumlx, seq_sum(tmp)
 
-    def sums(l):
-        lf = l.astype(F32)
-        return seq_sum(wx * lf), seq_sum(w * lf * lf)
-
-    iscale = f32(-nmax) / mx
-    L = levels(iscale)
-    sumlx, suml2 = sums(L)
+    L = np.empty_like(x)
+    sumlx, suml2 = sums(f32(-nmax) / mx, L)
     scale = np.where(suml2 != 0, sumlx / suml2, f32(0))
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        iscale = -(f32(nmax) + f32(0.1) * f32(step)) / mx
-        l = levels(iscale)
-        sumlx, suml2 = sums(l)
+        sumlx, suml2 = sums(-(f32(nmax) + f32(0.1) * f32(step)) / mx, lf)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = np.where(better, l, L)
-        scale = np.where(better, sumlx / suml2, scale)
-        best = np.where(better, scale * sumlx, best)
-    L = np.where(zero, 0, L + nmax)
+        if better.any():
+            np.copyto(L, lf, where=better[None])
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    Li = L.astype(np.int32) + nmax
+    Li[:, zero] = 0
     scale = np.where(zero, f32(0), scale)
-    return scale.astype(F32), L.astype(np.int32)
+    return scale.astype(F32), Li
 
 
 def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:

@@ -42,7 +42,9 @@ def tricky_rows() -> tuple[np.ndarray, dict[str, slice]]:
     out[:, ::97] = 1e4
     out[1, 5] = -3e5
     cases["outliers"] = out
-    cases["tiny"] = np.stack([g[0] * 1e-15, g[1] * 1e-30, g[2] * 1e-12])
+    cases["tiny"] = np.stack([g[0] * 1e-15, g[1] * 1e-30, g[2] * 1e-12, g[3] * 1e-40])
+    # squares overflow float32: ggml's sums become inf/NaN and its scans skip NaN
+    cases["overflow"] = np.stack([g[0] * 1e18, np.where(np.arange(N) % 61 == 3, 3e38, g[1])])
     cases["ints"] = rng.integers(-3, 4, (2, N))
     cases["halves"] = rng.integers(-8, 9, (2, N)) * 0.5
     sparse = g[:2].copy()
@@ -176,6 +178,8 @@ def test_sizes_and_bad_input():
         kquants.quantize(np.zeros((2, 96), np.float32), "Q4_K")
     with pytest.raises(InputError, match="imatrix"):
         kquants.quantize(x, "Q4_K", np.ones(128, np.float32))
+    with pytest.raises(InputError, match="NaN"):
+        kquants.quantize(np.full((1, 256), np.nan, np.float32), "Q4_K")
     with pytest.raises(InputError, match="2-D"):
         kquants.quantize(np.zeros(256, np.float32), "Q4_K")
 

@@ -118,7 +118,14 @@ def exl3_layout(ckpt, *, vision_bits: float | None = None, include_mtp: bool = T
     have = set(names)
     units: list[Exl3Unit] = []
     fused_done: set[str] = set()
+    # biases of quantized Linears are stored as <key>.bias with their Linear (they may sort before the weight)
     bias_of_linear: set[str] = set()
+    for name in names:
+        if name.endswith(".bias") and name[:-5] + ".weight" in have:
+            wi = ckpt.info(name[:-5] + ".weight")
+            if wi.exl3 == "trellis" and not (wi.role == "vision" and vision_bits is None) \
+                    and not (wi.mtp and not include_mtp):
+                bias_of_linear.add(name)
     for name in names:
         if name in fused_done or name in bias_of_linear:
             continue
@@ -167,8 +174,6 @@ def exl3_layout(ckpt, *, vision_bits: float | None = None, include_mtp: bool = T
         if quantize:
             key = name[: -len(".weight")]
             bias = key + ".bias" if key + ".bias" in have else None
-            if bias:
-                bias_of_linear.add(bias)
             pad_to = 1 if key.endswith("eh_proj") else PAD
             units.append(Exl3Unit(key, "trellis", [name], shape, info.role, stage, info.exl3_bits_key,
                                   bias=bias, pad_to=pad_to, src_shapes=[shape]))

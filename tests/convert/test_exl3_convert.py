@@ -358,3 +358,21 @@ def test_real_trellis_end_to_end(tmp_path):
     with torch.no_grad():
         logits = model(torch.randint(0, 512, (1, 16))).logits
     assert bool(torch.isfinite(logits).all())
+
+
+def test_head16_vision_bits_and_no_mtp(tiny_model, fake_trellis, tmp_path):
+    from mixq.convert.api import convert, verify
+    from mixq.formats.exl3_writer import read_header
+
+    out = tmp_path / "v"
+    res = convert(tiny_model, out, "exl3", bpw=4.0, rows=2, seq_len=16, device="cpu", head_bits=16,
+                  vision_bits=6, include_mtp=False, progress=False)
+    assert verify(out)["ok"]
+    _, hdr = read_header(out / res.shards[0])
+    assert hdr["lm_head.weight"]["dtype"] == "F16" and hdr["lm_head.weight"]["shape"] == [8192, 128]
+    assert "lm_head.trellis" not in hdr
+    qkv = "model.visual.blocks.0.attn.qkv"
+    assert hdr[f"{qkv}.trellis"]["shape"][-1] == 96 and hdr[f"{qkv}.bias"]["dtype"] == "F16"
+    assert not [n for n in hdr if ".layers.4." in n]  # no NextN block
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["head_bits"] == 16 and qc["vision_bits"] == 6 and "mtp_bits" not in qc

@@ -40,7 +40,8 @@ def _logged_sizes(gguf: str, n_ctx: int, n_seq: int, ggml_type: int) -> dict[str
     rs = re.findall(r"llama_memory_recurrent: size =\s*([\d.]+) MiB.*?R \(f32\):\s*([\d.]+) MiB, S \(f32\):\s*"
                     r"([\d.]+) MiB", log)
     assert kv and rs, log[-3000:]
-    return {"kv": sum(kv) * _MIB, "r": float(rs[0][1]) * _MIB, "s": float(rs[0][2]) * _MIB}
+    return {"kv": sum(kv) * _MIB, "rs": float(rs[0][0]) * _MIB, "r": float(rs[0][1]) * _MIB,
+            "s": float(rs[0][2]) * _MIB}
 
 
 @pytest.fixture(scope="module")
@@ -61,5 +62,6 @@ def test_llama_cpp_reports_the_predicted_cache(k256_gguf, k256_model, n_ctx, cac
     got = _logged_sizes(k256_gguf, n_ctx, n_seq, ggml_type)
     want = llama_cpp_cache(geo, n_ctx, cache_type=cache, n_seq=n_seq)
     assert got["kv"] == pytest.approx(want.mla + want.indexer, rel=0.02)
+    assert got["rs"] == pytest.approx(want.recurrent + want.conv, rel=0.02)
     assert got["s"] == pytest.approx(want.recurrent, rel=0.02)
-    assert got["r"] == pytest.approx(want.conv, rel=0.02)
+    assert got["r"] == pytest.approx(want.conv, abs=0.0051 * _MIB)  # logged with 2 decimals in MiB

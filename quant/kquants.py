@@ -101,7 +101,8 @@ def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np
     x, imatrix = _check(x, qtype, imatrix)
     R, n = x.shape
     out = np.empty((R, row_bytes(qtype, n)), dtype=np.uint8)
-    step = max(1, CHUNK_WEIGHTS // n)
+    # Q3_K's reference search is dominated by per-element descent steps on small arrays
+    step = max(1, CHUNK_WEIGHTS * (2 if qtype == "Q3_K" and imatrix is None else 1) // n)
     with np.errstate(all="ignore"):  # ggml's searches divide by zero on degenerate blocks, then mask
         for r0 in range(0, R, step):
             out[r0:r0 + step] = _encode_rows(x[r0:r0 + step], qtype, imatrix)

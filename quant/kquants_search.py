@@ -125,6 +125,57 @@ def make_qx_quants(x: np.ndarray, nmax: int, qw: np.ndarray | None = None) -> tu
     return scale.astype(F32), Li
 
 
+def _descent(x: np.ndarray, w: np.ndarray, L: np.ndarray, sumlx: np.ndarray, suml2: np.ndarray,
+             lo: int | None, hi: int, qp: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's coordinate descent of make_q3_quants (qp=False) / make_qp_quants (qp=True).
+
+    Up to 5 sweeps over the elements; each tries the level that is optimal for the other levels'
+    current sums and keeps it if the weighted fit improves. A block that changes nothing in a
+    sweep is done (ggml stops it there), so later sweeps run on the still-changing blocks only.
+    make_qp stores levels as uint8, hence the wrap.
+    """
+    shape = x.shape
+    n = shape[0]
+    x = x.reshape(n, -1)
+    w = w.reshape(n, -1)
+    L = np.ascontiguousarray(L, dtype=np.int32).reshape(n, -1)
+    sumlx = np.array(sumlx, dtype=F32).reshape(-1)
+    suml2 = np.array(suml2, dtype=F32).reshape(-1)
+    wx = w * x
+    idx = None
+    for _ in range(5):
+        if idx is None:
+            xa, wa, wxa, La, sa, s2a = x, w, wx, L, sumlx, suml2
+        else:
+            xa, wa, wxa, La, sa, s2a = x[:, idx], w[:, idx], wx[:, idx], L[:, idx], sumlx[idx], suml2[idx]
+        changed = np.zeros(sa.shape, dtype=bool)
+        for i in range(n):
+            li = La[i].astype(F32)
+            slx = sa - wxa[i] * li
+            sl2 = s2a - wa[i] * li * li
+            new = np.minimum(nearest_int(xa[i] * sl2 / slx), hi)
+            if lo is not None:
+                new = np.maximum(new, lo)
+            newf = new.astype(F32)
+            slx2 = slx + wxa[i] * newf
+            sl22 = sl2 + wa[i] * newf * newf
+            gate = (slx > 0) & (sl2 > 0) if qp else (slx > 0) & (sl22 > 0)
+            ok = gate & (new != La[i]) & (slx2 * slx2 * s2a > sa * sa * sl22)
+            La[i] = np.where(ok, new & 0xFF if qp else new, La[i])
+            sa = np.where(ok, slx2, sa)
+            s2a = np.where(ok, sl22, s2a)
+            changed |= ok
+        if idx is None:
+            sumlx, suml2 = sa, s2a
+            idx = np.nonzero(changed)[0]
+        else:
+            L[:, idx], sumlx[idx], suml2[idx] = La, sa, s2a
+            idx = idx[changed]
+        if idx.size == 0:
+            break
+    return L.reshape(shape), sumlx.reshape(shape[1:]), suml2.reshape(shape[1:])
+
+
 def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """ggml make_q3_quants with do_rmse: rounding at -nmax/max, then 5 coordinate-descent sweeps.
 
@@ -141,24 +192,7 @@ def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     Lf = L.astype(F32)
     sumlx = seq_sum(wx * Lf)
     suml2 = seq_sum(w * Lf * Lf)
-    n = x.shape[0]
-    for _ in range(5):
-        # A block whose sweep changes nothing would change nothing in later sweeps either, so
-        # running all 5 sweeps for every block equals ggml's per-block early exit.
-        for i in range(n):
-            xi, wi, wxi = x[i], w[i], wx[i]
-            li = Lf[i]
-            slx = sumlx - wxi * li
-            sl2 = suml2 - wi * li * li
-            new = np.clip(nearest_int(xi * sl2 / slx), lo, hi)
-            newf = new.astype(F32)
-            slx2 = slx + wxi * newf
-            sl22 = sl2 + wi * newf * newf
-            ok = (slx > 0) & (new != L[i]) & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
-            L[i] = np.where(ok, new, L[i])
-            Lf[i] = np.where(ok, newf, li)
-            sumlx = np.where(ok, slx2, sumlx)
-            suml2 = np.where(ok, sl22, suml2)
+    L, sumlx, suml2 = _descent(x, w, L, sumlx, suml2, lo, hi, qp=False)
     scale = np.where(suml2 > 0, sumlx / suml2, f32(0))
     L = np.where(zero, 0, L + nmax)
     scale = np.where(zero, f32(0), scale)
@@ -285,22 +319,7 @@ def make_qp_quants(x: np.ndarray, nmax: int, qw: np.ndarray) -> tuple[np.ndarray
     lf = l.astype(F32)
     sumlx = seq_sum(wx * lf)
     suml2 = seq_sum(qw * lf * lf)
-    L = l & 0xFF
-    Lf = L.astype(F32)
-    for _ in range(5):
-        for i in range(x.shape[0]):
-            wi, wxi, li = qw[i], wx[i], Lf[i]
-            slx = sumlx - wxi * li
-            sl2 = suml2 - wi * li * li
-            new = np.minimum(nmax, nearest_int(x[i] * sl2 / slx))
-            newf = new.astype(F32)
-            slx2 = slx + wxi * newf
-            sl22 = sl2 + wi * newf * newf
-            ok = (slx > 0) & (sl2 > 0) & (new != L[i]) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
-            L[i] = np.where(ok, new & 0xFF, L[i])
-            Lf[i] = L[i].astype(F32)
-            sumlx = np.where(ok, slx2, sumlx)
-            suml2 = np.where(ok, sl22, suml2)
+    L, sumlx, suml2 = _descent(x, qw, l & 0xFF, sumlx, suml2, None, nmax, qp=True)
     scale = np.where(suml2 > 0, sumlx / suml2, f32(0))
     scale = np.where(zero, f32(0), scale)
     L = np.where(zero, 0, L)

@@ -24,7 +24,7 @@ def bf16_gguf(request, mini_model, tmp_path_factory):
     return model, out
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K", "Q3_K_M"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q2_K", "Q3_K_M", "Q5_K_M", "Q6_K", "Q8_0"])
 def test_types_equal_llama_quantize(bf16_gguf, mix, tmp_path):
     import gguf
     import llama_cpp

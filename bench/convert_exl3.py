@@ -1,4 +1,4 @@
-"""Measure `mixq convert` to EXL3 on the CPU: glm5next-mini at several bpw targets (issue 5, "Must show").
+"""Measure `mixq convert` to EXL3: glm5next-mini at several bpw targets (issue 5, "Must show"; CPU by default).
 
 For each target: the conversion runs in its own process (`python -m mixq convert ... --json`), so its wall time and
 peak RSS (ru_maxrss of that child) are its own; then `mixq verify`, the plan coverage, quantization_config.bits
@@ -22,12 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 
-def convert_child(model: Path, out: Path, bpw: float, rows: int, seq_len: int, calibration: Path) -> dict:
+def convert_child(model: Path, out: Path, bpw: float, rows: int, seq_len: int, calibration: Path,
+                  device: str = "cpu", extra: tuple = ()) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t = time.time()
     cmd = [sys.executable, "-m", "mixq", "convert", str(model), str(out), "--format", "exl3", "--bpw", str(bpw),
-           "--rows", str(rows), "--seq-len", str(seq_len), "--device", "cpu", "--calibration", str(calibration),
-           "--json"]
+           "--rows", str(rows), "--seq-len", str(seq_len), "--device", device, "--calibration", str(calibration),
+           "--json", *extra]
     if (out / ".mixq-job").exists():
         cmd.append("--resume")
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TQDM_DISABLE="1"))
@@ -50,6 +51,8 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--device", default="cpu", help="conversion and evaluation device (cpu | cuda)")
+    ap.add_argument("--no-mtp", action="store_true", help="leave the NextN block out (faster)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     targets = args.bpw or [4.0, 2.0]
@@ -65,19 +68,20 @@ def main() -> int:
     for bpw in targets:
         out = args.out / f"{args.model.name}-{bpw}"
         if not (out / "config.json").exists():
-            conv = convert_child(args.model, out, bpw, args.rows, args.seq_len, SHARED / "data" / "calibration.txt")
+            conv = convert_child(args.model, out, bpw, args.rows, args.seq_len, SHARED / "data" / "calibration.txt",
+                                 args.device, ("--no-mtp",) if args.no_mtp else ())
         else:
             conv = {"wall_s": None, "child_peak_rss_mib": None, "note": "existing output reused"}
         rep = verify(out)
-        plan = plan_model(ck, "exl3", bpw=bpw)
-        units = {n: u for u in exl3_layout(ck) for n in u.hf_names}
+        plan = plan_model(ck, "exl3", bpw=bpw, include_mtp=not args.no_mtp)
+        units = {n: u for u in exl3_layout(ck, include_mtp=not args.no_mtp) for n in u.hf_names}
         stored = set(json.loads((out / "mixq_manifest.json").read_text())["tensors"])
         missing = [t.name for t in plan.tensors
                    if not set(units[t.hf_names[0]].tensor_specs(t.bits if units[t.hf_names[0]].kind == "trellis"
                                                                 else None)) <= stored]
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         ev = evaluate(args.model, [out], SHARED / "data" / "heldout.txt", ctx=args.ctx, windows=args.windows,
-                      device="cpu", progress=False)
+                      device=args.device, progress=False)
         c = ev["candidates"][0]
         rows.append({"bpw_target": bpw, "bits": qc["bits"], "bits_ok": abs(qc["bits"] - bpw) <= 0.1,
                      "verify_ok": rep["ok"], "problems": rep["problems"][:5], "planned_missing": missing[:5],

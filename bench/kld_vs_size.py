@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# the fixtures: $MIXQ_SHARED, else ../shared next to the repo, else shared/ inside it (device-machine copies)
+SHARED = Path(os.environ.get("MIXQ_SHARED") or next(
+    (p for p in (REPO.parent / "shared", REPO / "shared") if (p / "models").is_dir()), REPO.parent / "shared"))
 MODELS = {"k256": SHARED / "models" / "glm5next-k256", "mini": SHARED / "models" / "glm5next-mini"}
 HELDOUT = SHARED / "data" / "heldout.txt"
 CALIBRATION = SHARED / "data" / "calibration.txt"
@@ -87,6 +89,24 @@ if imx:
     p.imatrix = ctypes.cast(arr, ctypes.POINTER(L.llama_model_imatrix_data))
 rc = L.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p))
 sys.exit(1 if rc else 0)
+"""
+
+
+# `mixq eval` with one workaround: llama-quantize drops the trailing 1 of ssm_conv1d's 4-D GGUF shape
+# ([4,1,C,1] -> [4,1,C]; data unchanged) and mixq.formats.gguf_reader's conv inverse expects the 4-D form.
+_EVAL_PY = r"""
+import sys
+import mixq.formats.gguf_names as names
+import mixq.formats.gguf_reader as reader
+_orig = names.unbuild_tensor
+def unbuild(spec, t, hf_shapes=None):
+    if spec.transform == "conv" and len(spec.shape) == 3:
+        return {spec.hf_names[0]: t.reshape(tuple(spec.shape))}
+    return _orig(spec, t, hf_shapes)
+reader.unbuild_tensor = unbuild
+from mixq.cli import main
+sys.argv[0] = "mixq"
+main()
 """
 
 
@@ -217,10 +237,15 @@ class Bench:
         for i in range(0, len(rows), self.a.chunk):
             chunk = rows[i: i + self.a.chunk]
             tmp = self.wdir(model) / "_eval_chunk.json"
-            cmd = mixq("eval", MODELS[model], *[self.artifact(r) for r in chunk], "--ref-logits", ref, "--json", tmp)
+            args = ["eval", MODELS[model], *[self.artifact(r) for r in chunk], "--ref-logits", ref, "--json", tmp]
+            cmd = py(_EVAL_PY, *args) if any(r.group == "llamacpp" for r in chunk) else mixq(*args)
             if self.a.device:
                 cmd += ["--device", self.a.device]
-            secs = run(cmd, stdout=subprocess.DEVNULL)
+            try:
+                secs = run(cmd, stdout=subprocess.DEVNULL)
+            except subprocess.CalledProcessError as e:
+                log(f"{model}: eval of {', '.join(r.id for r in chunk)} FAILED ({e}); rows skipped")
+                continue
             rep = json.loads(tmp.read_text())
             common = {k: v for k, v in rep.items() if k != "candidates"}
             for r, c in zip(chunk, rep["candidates"]):
@@ -234,6 +259,21 @@ class Bench:
                 os.replace(t, out)
                 log(f"{r.model} {r.id}: {c['bytes']} bytes, KLD {c['kld_mean']:.4g}, top-1 {c['top1']:.4f}")
             tmp.unlink(missing_ok=True)
+
+    def parity(self, model: str) -> None:
+        """For each llama.cpp row, how many tensors differ (type or raw bytes) from mixq's file of the same type
+        and imatrix; written into the row's report as bench.vs_mixq."""
+        for r in self.rows(model):
+            rep_p, mine = self.report(r), self.artifact(Row(model, "mixq-gguf", r.quant, r.imatrix))
+            if r.group != "llamacpp" or not rep_p.is_file() or not mine.is_file() or not self.artifact(r).is_file():
+                continue
+            rep = json.loads(rep_p.read_text())
+            b = rep["candidates"][0].setdefault("bench", {})
+            if "vs_mixq" in b:
+                continue
+            b["vs_mixq"] = tensor_parity(self.artifact(r), mine)
+            rep_p.write_text(json.dumps(rep, indent=2) + "\n")
+            log(f"{model} {r.id} vs mixq: {b['vs_mixq']['differ']} of {b['vs_mixq']['tensors']} tensors differ")
 
     def rows(self, model: str) -> list[Row]:
         out = []
@@ -264,6 +304,24 @@ class Bench:
                 ready = []
         if ready:
             self.evaluate(model, ready, secs)
+        self.parity(model)
+
+
+def tensor_parity(a: Path, b: Path) -> dict:
+    """Tensors of GGUF `a` whose ggml type or raw bytes differ from `b`'s (shapes may differ only by trailing 1s,
+    which llama-quantize drops)."""
+    import gguf
+    import numpy as np
+
+    ta = {t.name: t for t in gguf.GGUFReader(a).tensors}
+    tb = {t.name: t for t in gguf.GGUFReader(b).tensors}
+    differ = sorted(set(ta) ^ set(tb))
+    for n in sorted(set(ta) & set(tb)):
+        x, y = ta[n], tb[n]
+        if x.tensor_type != y.tensor_type or not np.array_equal(np.asarray(x.data).view(np.uint8).reshape(-1),
+                                                                np.asarray(y.data).view(np.uint8).reshape(-1)):
+            differ.append(n)
+    return {"tensors": len(ta), "differ": len(differ), "names": differ[:20]}
 
 
 # ---- tables and plot ---------------------------------------------------------------------------------------
@@ -287,16 +345,21 @@ def _quant_order(r: dict) -> tuple:
     return (1 if q != "BF16" else 3, GGUF_TYPES.index(q) if q in GGUF_TYPES else 99)
 
 
+def _parity(r: dict) -> str:
+    v = r.get("vs_mixq")
+    return "" if not v else f"{v['differ']} of {v['tensors']}"
+
+
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| method | quant | imatrix | bytes | bpw | KLD mean ± err | KLD p99 | top-1 % | ΔPPL | convert s |",
-             "|---|---|:-:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | quant | imatrix | bytes | bpw | KLD mean ± err | KLD p99 | top-1 % | ΔPPL | convert s | tensors ≠ mixq |",
+             "|---|---|:-:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     order = {"mixq-gguf": 0, "llamacpp": 1, "mixq-exl3": 2}
     for r in sorted(rows, key=lambda r: (_quant_order(r), order[r["group"]], r["imatrix"])):
         cs = r.get("convert_seconds")
         lines.append(
             f"| {r['method']} | {r['quant']} | {'yes' if r['imatrix'] else 'no'} | {r['bytes']:,} | {r['bpw']:.3f} | "
             f"{r['kld_mean']:.4g} ± {r['kld_mean_err']:.2g} | {r['kld_p99']:.3g} | {100 * r['top1']:.2f} | "
-            f"{r['dppl']:+.4f} | {'' if cs is None else f'{cs:.0f}'} |")
+            f"{r['dppl']:+.4f} | {'' if cs is None else f'{cs:.0f}'} | {_parity(r)} |")
     return "\n".join(lines) + "\n"
 
 

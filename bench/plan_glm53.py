@@ -70,14 +70,15 @@ def main() -> None:
               f"exllamav3 q8 {e.total / 1e9:7.3f} GB")
         report["cache"][n] = {"llama_cpp_q8_0": c.to_dict(), "exllamav3_q8": e.to_dict()}
     print()
-    for fmt, kw in (("gguf", {"cache": "q8_0", "gguf_ladder": "iq"}), ("exl3", {"cache": "q8"})):
+    for fmt, kw in (("gguf", {"cache": "q8_0", "gguf_ladder": "k"}), ("gguf", {"cache": "q8_0", "gguf_ladder": "iq"}),
+                    ("exl3", {"cache": "q8"})):
         f = fit_plan(ck, fmt, fit="121GB", context=262144, devices="64GB,64GB", **kw)
-        print(f"=== {fmt.upper()} --fit 121GB --context 262144 --cache {kw['cache']}")
+        print(f"=== {fmt.upper()} --fit 121GB --context 262144 {' '.join(f'--{k} {v}' for k, v in kw.items())}")
         print(f.format(per_tensor=False))
         print("  budgeted tensors (layers collapsed):")
         print("\n".join(_budget_rows(f.plan)))
         print()
-        report[f"{fmt}_fit_121GB_262K"] = {k: v for k, v in f.to_dict().items() if k != "plan"} | {
+        report[f"{fmt}_{kw.get('gguf_ladder', '')}_fit_121GB_262K"] = {k: v for k, v in f.to_dict().items() if k != "plan"} | {
             "plan_bpw": f.plan.bpw, "roles": f.plan.roles}
     c = llama_cpp_cache(geo, 262144, cache_type="q8_0")
     print(f"UD-Q2_K_XL ({UD_Q2_K_XL / 1e9:.2f} GB) on 121 GB at 262K/q8_0: 121 - weights = "

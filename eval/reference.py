@@ -77,7 +77,12 @@ def build_model(model_dir: Path, weights: dict[str, torch.Tensor], device: torch
     cls = getattr(transformers, arch, None)
     if cls is None:
         raise InputError(f"{model_dir}: architecture {arch!r} is not in transformers {transformers.__version__}")
-    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    # the weights arrive dequantized (e.g. an FP8 release as REF): build the plain float model, without the
+    # quantization_config that real FP8 configs carry at the top level and in text_config
+    plain = {k: v for k, v in cfg_dict.items() if k != "quantization_config"}
+    if isinstance(plain.get("text_config"), dict):
+        plain["text_config"] = {k: v for k, v in plain["text_config"].items() if k != "quantization_config"}
+    config = cls.config_class.from_dict(plain)
     sd = {k: v.to(torch.float32) for k, v in drop_mtp(weights, num_hidden_layers(cfg_dict)).items()}
     with _quiet_transformers():
         model = cls.from_pretrained(None, config=config, state_dict=sd, dtype=torch.float32)

@@ -23,9 +23,14 @@ def test_gguf_q4_k_m_file_matches_plan(model, tmp_path, mini_model):
 
 
 def test_exl3_file_matches_plan(tmp_path, mini_model):
+    import struct
+
     from mixq.convert.api import convert
 
-    convert(mini_model, tmp_path / "out", "exl3", bpw=3.05, progress=False)
+    convert(mini_model, tmp_path / "out", "exl3", bpw=3.05, rows=4, seq_len=64, progress=False)
     plan = plan_model(mini_model, "exl3", bpw=3.05)
-    written = sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors"))
+    shards = list((tmp_path / "out").glob("*.safetensors"))
+    written = sum(f.stat().st_size for f in shards)
+    headers = sum(8 + struct.unpack("<Q", f.open("rb").read(8))[0] for f in shards)
+    assert written - headers == sum(t.bytes for t in plan.tensors)  # tensor data: exact
     assert abs(plan.total_bytes / written - 1) < 0.005

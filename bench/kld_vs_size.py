@@ -394,19 +394,23 @@ def plot(all_rows: dict[str, list[dict]], out: Path) -> None:
 
     models = [m for m, rs in all_rows.items() if rs]
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), dpi=120, squeeze=False)
-    style = {("mixq-gguf", False): ("mixq GGUF", "C0", "o", "-"), ("mixq-gguf", True): ("mixq GGUF + imatrix", "C0", "s", "--"),
-             ("llamacpp", False): ("llama.cpp quantizer", "C1", "o", "-"),
-             ("llamacpp", True): ("llama.cpp quantizer + imatrix", "C1", "s", "--"),
-             ("mixq-exl3", False): ("mixq EXL3", "C2", "^", "-")}
+    # llama.cpp's rows sit on top of mixq's when the bytes are identical: hollow, larger markers keep both visible
+    style = {("mixq-gguf", False): ("mixq GGUF", "C0", "o", "-", 5),
+             ("mixq-gguf", True): ("mixq GGUF + imatrix", "C2", "s", "-", 5),
+             ("llamacpp", False): ("llama.cpp quantizer", "C1", "o", ":", 10),
+             ("llamacpp", True): ("llama.cpp quantizer + imatrix", "C3", "s", ":", 10),
+             ("mixq-exl3", False): ("mixq EXL3", "C4", "^", "-", 6)}
     for ax, m in zip(axes[0], models):
         rs = [r for r in all_rows[m] if r["quant"] != "BF16" and r["kld_mean"] > 0]
-        for key, (label, color, marker, ls) in style.items():
+        for key, (label, color, marker, ls, size) in style.items():
             pts = sorted((r for r in rs if (r["group"], r["imatrix"]) == key), key=lambda r: r["bytes"])
             if not pts:
                 continue
             xs = [r["bytes"] / 1e6 for r in pts]
             ys = [r["kld_mean"] for r in pts]
-            ax.plot(xs, ys, marker=marker, color=color, linestyle=ls, label=label, markersize=5)
+            hollow = key[0] == "llamacpp"
+            ax.plot(xs, ys, marker=marker, color=color, linestyle=ls, label=label, markersize=size,
+                    markerfacecolor="none" if hollow else color, linewidth=1 if hollow else 1.5)
             if key in (("mixq-gguf", False), ("mixq-exl3", False)):
                 for r, x, y in zip(pts, xs, ys):
                     ax.annotate(r["quant"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)

@@ -376,3 +376,17 @@ def test_head16_vision_bits_and_no_mtp(tiny_model, fake_trellis, tmp_path):
     assert not [n for n in hdr if ".layers.4." in n]  # no NextN block
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["head_bits"] == 16 and qc["vision_bits"] == 6 and "mtp_bits" not in qc
+
+
+def test_fp8_source_keeps_original_quantization_config(tiny_fp8_model, fake_trellis, tmp_path):
+    from mixq.convert.api import convert, verify
+    from mixq.formats.exl3_reader import Exl3Dir
+
+    out = tmp_path / "fp8"
+    convert(tiny_fp8_model, out, "exl3", bpw=4.0, rows=2, seq_len=16, device="cpu", progress=False)
+    assert verify(out)["ok"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "exl3" and qc["original_quantization_config"]["quant_method"] == "fp8"
+    d = Exl3Dir(out)
+    assert not [n for n in d.where if n.endswith("scale_inv")]
+    assert d.tensor("model.language_model.layers.3.self_attn.kv_b_proj.weight").dtype == torch.float16

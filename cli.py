@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from mixq.errors import MixqError
+from mixq.errors import InputError, MixqError
 
 
 def _reports_errors(fn):
@@ -141,6 +141,11 @@ def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, d
     from mixq.convert.api import convert as run
 
     if fmt == "exl3":
+        ctx = click.get_current_context()
+        given = [k for k in extra if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            opt = next((p.opts[0] for p in ctx.command.params if p.name == given[0]), given[0])
+            raise InputError(f"{opt} applies to --format gguf only")
         opts = dict(bpw=bpw, size=size, overrides=overrides, calibration=list(calibration) or None, rows=rows,
                     seq_len=seq_len, device=device, resume=resume, head_bits=head_bits, mtp_bits=mtp_bits,
                     vision_bits=vision_bits, include_mtp=not no_mtp)

@@ -257,6 +257,7 @@ def test_bad_input_exits_2(tiny_model, tmp_path):
         (["convert", str(tiny_model), str(tmp_path / "o4"), "--bpw", "4", "--calibration",
           str(tmp_path / "nope.txt")], "calibration file"),
         (["convert", str(tiny_model), str(tmp_path / "o5"), "--bpw", "4", "--shard-size", "lots"], "size"),
+        (["convert", str(tiny_model), str(tmp_path / "o6"), "--bpw", "4", "--type", "Q4_K_M"], "gguf only"),
     ]
     for args, needle in cases:
         r = _run(*args)

@@ -8,6 +8,8 @@ over stacked experts.
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +24,34 @@ PAD = 128
 REL_DAMP = 0.025
 # LDLQ feedback widens the quantizer's input a little at low rates (reference §3.5); applied in the scale search.
 LDLQ_DRIFT = {1.0: 1.08, 1.5: 1.035, 2.0: 1.018, 2.5: 1.009, 3.0: 1.004}
-# Starting points of the global scale search (target std / codebook std), measured on N(0,1) tiles (bench/trellis.py).
-SCALE_PRIOR = {1.0: 0.97, 1.5: 0.95, 2.0: 0.94, 2.5: 0.93, 3.0: 0.92, 3.5: 0.91, 4.0: 0.90,
-               5.0: 0.90, 6.0: 0.90, 7.0: 0.90, 8.0: 0.90}
+# Starting points of the global scale search (g for W_r ← g·W_r), the values the wide GPU search picked on N(0,1)
+# 256×1024 (bench/trellis.py on an H200); the CPU search refines them ±7% on a few tiles.
+SCALE_PRIOR = {
+    "mul1": {1.0: 1.10, 1.5: 1.016, 2.0: 0.98, 2.5: 0.95, 3.0: 0.936, 3.5: 0.912, 4.0: 0.897, 5.0: 0.868,
+             6.0: 0.832, 7.0: 0.80, 8.0: 0.777},
+    "3inst": {1.0: 1.125, 2.0: 0.98, 3.0: 0.935, 4.0: 0.895, 5.0: 0.865, 6.0: 0.807, 7.0: 0.752, 8.0: 0.728},
+}
+SCALE_PRIOR["mcg"] = SCALE_PRIOR["3inst"]
+LAST_SCALE: list[float] = []  # global scales chosen by the latest quantize calls (diagnostics)
+
+
+# Seconds spent per encoder phase, accumulated over calls while PROFILE is true (bench/trellis.py reads it).
+PROFILE = False
+TIMINGS: dict[str, float] = {}
+
+
+@contextmanager
+def _phase(name: str, device: torch.device):
+    if not PROFILE:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    TIMINGS[name] = TIMINGS.get(name, 0.0) + time.perf_counter() - t0
 
 
 @dataclass
@@ -141,30 +168,33 @@ def _regularize(w: torch.Tensor, s_in: torch.Tensor, s_out: torch.Tensor, cb_std
 
 
 def _sample_tiles(tiles: torch.Tensor, count: int) -> torch.Tensor:
-    """Deterministic spread of sample tiles from (E, T, 256): evenly spaced plus the highest-RMS ones."""
+    """Deterministic, evenly spread sample of tiles from (E, ..., 256) (unbiased for the total MSE)."""
     flat = tiles.reshape(-1, 256)
     n = flat.shape[0]
     if n <= count:
         return flat
-    spread = torch.linspace(0, n - 1, count // 2, device=flat.device).round().long()
-    loud = flat.square().sum(1).topk(count - count // 2).indices
-    return flat[torch.cat([spread, loud])]
+    return flat[torch.linspace(0, n - 1, count, device=flat.device).round().long()]
 
 
-def _global_scale(tiles: torch.Tensor, table: torch.Tensor, bits: float, drift: float, count: int = 12) -> float:
-    """Pick g for W_r ← g·W_r: free-start Viterbi MSE at three scales around the prior, parabola through them."""
-    sample = _sample_tiles(tiles, count) * drift
-    g0 = SCALE_PRIOR.get(bits, 0.9)
-    gs = [g0 * f for f in (0.9, 1.0, 1.1)]
+def _global_scale(tiles: torch.Tensor, table: torch.Tensor, bits: float, drift: float, codebook: str) -> float:
+    """Pick g for W_r ← g·W_r: free-start Viterbi MSE of sample tiles on a grid around the prior, then a parabola
+    through the best grid point and its neighbours. Many tiles and a wide grid on a GPU, a few on the CPU."""
+    gpu = tiles.is_cuda
+    sample = _sample_tiles(tiles, 256 if gpu else 12) * drift
+    g0 = SCALE_PRIOR[codebook].get(bits, 0.9)
+    step = 0.05 if gpu else 0.07
+    factors = [1 + step * i for i in (range(-4, 5) if gpu else range(-1, 2))]
+    gs = [g0 * f for f in factors]
     batch = torch.cat([sample * g for g in gs], 0)
-    mse = viterbi_free(batch, table, bits).view(3, -1).mean(1)
-    err = [float(mse[i]) / gs[i] ** 2 for i in range(3)]  # error in the unscaled basis
-    a = err[0] - 2 * err[1] + err[2]
+    mse = viterbi_free(batch, table, bits).view(len(gs), -1).mean(1).tolist()
+    err = [mse[i] / gs[i] ** 2 for i in range(len(gs))]  # error in the unscaled basis
+    i = min(range(len(gs)), key=lambda j: err[j])
+    i = min(max(i, 1), len(gs) - 2)
+    a = err[i - 1] - 2 * err[i] + err[i + 1]
     if a <= 0:
-        return gs[min(range(3), key=lambda i: err[i])]
-    step = 0.5 * (err[0] - err[2]) / a  # vertex offset in units of the grid step
-    step = max(-1.0, min(1.0, step))
-    return g0 * (1.0 + 0.1 * step)
+        return gs[min(range(len(gs)), key=lambda j: err[j])]
+    off = max(-1.0, min(1.0, 0.5 * (err[i - 1] - err[i + 1]) / a))
+    return g0 * (factors[i] + step * off)
 
 
 def _refit(w: torch.Tensor, q: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, h: torch.Tensor | None,
@@ -212,38 +242,46 @@ def quantize(weight: torch.Tensor, bits: float, hessian: torch.Tensor | None = N
         hk[:, :in_f, :in_f] = h
         hk = damp(hk, REL_DAMP)
 
-    gen = torch.Generator().manual_seed(int(seed))
-    s_in = torch.stack([random_signs(k, gen) for _ in range(e)]).to(dev)
-    s_out = torch.stack([random_signs(n, gen) for _ in range(e)]).to(dev)
-    table = cb.codebook_table(codebook, dev)
-    wr, su, sv, zero_col = _regularize(wk, s_in, s_out, cb.CODEBOOK_STD[codebook])
-
-    tiles = cb.tiles_from_matrix(wr)  # (E, k/16, n/16, 256)
-    drift = LDLQ_DRIFT.get(bits, 1.0) if hk is not None else 1.0
-    g = _global_scale(tiles, table, bits, drift)
-    wr, tiles, su = wr * g, tiles * g, su / g
+    with _phase("regularize", dev):
+        gen = torch.Generator().manual_seed(int(seed))
+        s_in = torch.stack([random_signs(k, gen) for _ in range(e)]).to(dev)
+        s_out = torch.stack([random_signs(n, gen) for _ in range(e)]).to(dev)
+        table = cb.codebook_table(codebook, dev)
+        wr, su, sv, zero_col = _regularize(wk, s_in, s_out, cb.CODEBOOK_STD[codebook])
+        tiles = cb.tiles_from_matrix(wr)  # (E, k/16, n/16, 256)
+    with _phase("scale_search", dev):
+        drift = LDLQ_DRIFT.get(bits, 1.0) if hk is not None else 1.0
+        g = _global_scale(tiles, table, bits, drift, codebook)
+        LAST_SCALE[:] = [g]
+        wr, tiles, su = wr * g, tiles * g, su / g
 
     tk, tn = k // 16, n // 16
     if hk is None:
-        states = encode_tiles(tiles.reshape(-1, 256), table, bits).view(e, tk, tn, 256)
+        with _phase("viterbi", dev):
+            states = encode_tiles(tiles.reshape(-1, 256), table, bits).view(e, tk, tn, 256)
     else:
-        # LDLQ on the Hessian of W_r: Hₖ·diag(su)·H·diag(su)·Hₖ (the rotation and input scales are part of W)
-        hr = had_both((su.double().unsqueeze(2) * hk * su.double().unsqueeze(1)).float())
-        lmat = block_ldl(hr, REL_DAMP)
+        with _phase("ldl", dev):
+            # LDLQ on the Hessian of W_r: Hₖ·diag(su)·H·diag(su)·Hₖ (the rotation and input scales are part of W)
+            hr = had_both((su.double().unsqueeze(2) * hk * su.double().unsqueeze(1)).float())
+            lmat = block_ldl(hr, REL_DAMP)
         states = torch.zeros(e, tk, tn, 256, dtype=torch.int64, device=dev)
 
         def quant_strip(target: torch.Tensor, b: int) -> torch.Tensor:
-            st = encode_tiles(cb.tiles_from_matrix(target).reshape(-1, 256), table, bits).view(e, 1, tn, 256)
+            with _phase("viterbi", dev):
+                st = encode_tiles(cb.tiles_from_matrix(target).reshape(-1, 256), table, bits).view(e, 1, tn, 256)
             states[:, b:b + 1] = st
             return cb.matrix_from_tiles(table[st])
 
-        ldlq(wr, lmat, quant_strip)
+        with _phase("ldlq_total", dev):
+            ldlq(wr, lmat, quant_strip)
 
-    qr = cb.matrix_from_tiles(table[states])
-    q = had_both(qr) * su.unsqueeze(2) * sv.unsqueeze(1)
-    su, sv = _refit(wk, q, su, sv, hk)
-    sv = torch.where(zero_col, torch.zeros_like(sv), sv)
-    trellis = cb.pack_states(states, bits)
+    with _phase("refit", dev):
+        qr = cb.matrix_from_tiles(table[states])
+        q = had_both(qr) * su.unsqueeze(2) * sv.unsqueeze(1)
+        su, sv = _refit(wk, q, su, sv, hk)
+        sv = torch.where(zero_col, torch.zeros_like(sv), sv)
+    with _phase("pack", dev):
+        trellis = cb.pack_states(states, bits)
     out = []
     for i in range(e):
         out.append(QuantizedLinear(trellis[i].contiguous(), _to_fp16(su[i]), _to_fp16(sv[i]), codebook,

@@ -210,7 +210,8 @@ def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw
              head_bits: float = 6, mtp_bits: float = 4, vision_bits: float | None = None, include_mtp: bool = True,
              gguf_ladder: str = "k", measure: str | None = None, fit: str | None = None,
              context: str | int | None = None, cache: str | None = None, reserve: str | None = None,
-             mmproj: bool = False, devices: str | None = None, n_seq: int = 1) -> Plan | FitResult:
+             mmproj: bool = False, devices: str | None = None, n_seq: int = 1,
+             calibration: Sequence[str] = ()) -> Plan | FitResult:
     """What ``mixq plan`` runs: open MODEL (or build shapes from --from-config), then plan or fit."""
     import json
     from pathlib import Path
@@ -221,7 +222,13 @@ def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw
         raise InputError("give either MODEL or --from-config CONFIG.json")
     ckpt = open_checkpoint(model) if model is not None else checkpoint_from_config(from_config)
     curves = None
-    if measure is not None:
+    if measure == "proxy":
+        from mixq.convert.planning import measure_proxy
+
+        if fmt != "exl3":
+            raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
+        curves = measure_proxy(ckpt, calibration or None)
+    elif measure is not None:
         try:
             raw = json.loads(Path(measure).read_text())
             curves = {k: {float(b): float(e) for b, e in v.items()} for k, v in raw.items()}

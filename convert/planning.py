@@ -494,3 +494,33 @@ def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, includ
     num = sum(t.bytes * 8 for t in bud)
     den = sum(_numel(t.shape) for t in bud)
     return Plan("gguf", total, num / den if den else 0.0, tensors, role_summary(tensors))
+
+
+# --- sensitivity proxy (--measure without a curves file) ---------------------------------------------------
+def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int = 16, seq_len: int = 256,
+                  device: str = "cpu") -> dict[str, dict[float, float]]:
+    """Per-unit error curves {unit key: {bits: error}} for the EXL3 sensitivity solver, from one calibration pass.
+
+    Proxy of the Hessian-weighted loss E[tr(ΔW·H·ΔWᵀ)]: after the random-Hadamard incoherence transform the
+    trellis error is close to i.i.d. with variance D(K)·mean(W²), so the loss is D(K)·mean(W²)·out·tr(H) with
+    tr(H) = Σx² / N over all N calibration tokens (an expert's Σx² covers only the tokens routed to it, which
+    weights it by its routing frequency) and D(K) = 2^(−2K), the rate–distortion slope the trellis tracks
+    (issue 3). Not a per-rate trellis measurement: every unit's curve has the same shape, only its weight is
+    measured."""
+    from mixq.convert.calibration import calibrate, calibration_rows, load_tokenizer
+
+    tok = load_tokenizer(ckpt.path)
+    ids = calibration_rows(tok, calibration, rows=rows, seq_len=seq_len)
+    n_tokens = int(ids.numel())
+    weight: dict[str, float] = {}
+    for stage in calibrate(ckpt, ids, full=False, device=device):
+        for name, acc in stage.stats.items():
+            info = ckpt.info(name)
+            if info.exl3 != "trellis" or info.exl3_bits_key != "bits":
+                continue
+            w = ckpt.get(name)
+            tr_h = float(acc.sum_sq.sum()) / max(1, n_tokens)
+            key = _exl3_group(info, name)
+            weight[key] = weight.get(key, 0.0) + float(w.square().mean()) * w.shape[0] * tr_h
+        stage.advance()
+    return {k: {b: v * 2.0 ** (-2 * b) for b in al.EXL3_RATES} for k, v in weight.items()}

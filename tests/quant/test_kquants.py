@@ -232,6 +232,33 @@ def test_live_all_experts_of_a_layer_equal_ggml(k256_model):
             assert np.array_equal(kquants.quantize(x, t, imx), kquants_ggml.ggml_quantize(x, t, imx)), t
 
 
+@needs_ggml
+@pytest.mark.slow
+def test_live_every_matrix_of_k256_equal_ggml(k256_model):
+    """Every 2-D tensor of the k256 fixture (incl. NextN), every type its width allows, +-imatrix."""
+    import torch
+    from safetensors import safe_open
+
+    checked = 0
+    for path in sorted(k256_model.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                t = f.get_slice(name)
+                shape = t.get_shape()
+                if len(shape) != 2 or shape[1] % 32:
+                    continue
+                x = f.get_tensor(name).to(torch.float32).numpy()
+                im = real_imatrix(x.shape[1])
+                for q in kquants.SUPPORTED:
+                    if x.shape[1] % kquants.block_size(q):
+                        continue
+                    for imx in (None, im):
+                        ok = np.array_equal(kquants.quantize(x, q, imx), kquants_ggml.ggml_quantize(x, q, imx))
+                        assert ok, (name, q, imx is not None)
+                        checked += 1
+    assert checked > 1000
+
+
 if __name__ == "__main__" and "--record" in sys.argv:
     record(Path(__file__).resolve().parents[3] / "shared" / "models" / "glm5next-k256")
     print("wrote", DIGESTS)

@@ -18,6 +18,8 @@ from mixq.errors import InputError
 from mixq.quant import kquants, kquants_ggml
 
 DIGESTS = Path(__file__).resolve().parent.parent / "data" / "kquants_digests.json"
+# the generated edge-case rows and imatrices themselves, so the check does not depend on numpy's RNG streams
+INPUTS = DIGESTS.with_name("kquants_tricky_inputs.npz")
 TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 N = 512
 # k256 fixture tensors: two routed experts, a dense MLP down (n=768), two attention matrices
@@ -112,11 +114,26 @@ def _real_set(model_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     return xs, {k: sha(v) for k, v in xs.items()}
 
 
+def load_tricky() -> tuple[np.ndarray, dict[str, slice], dict[str, np.ndarray | None]]:
+    """The recorded edge-case rows, their case slices and the imatrices (tests/data)."""
+    z = np.load(INPUTS)
+    where = {str(k): slice(int(a), int(b)) for k, a, b in zip(z["case_names"], z["case_start"], z["case_stop"])}
+    imats: dict[str, np.ndarray | None] = {"none": None}
+    imats.update({str(k): z["imatrix_" + str(k)] for k in z["imatrix_names"]})
+    return z["x"], where, imats
+
+
 def record(model_dir: Path) -> None:
-    """Write tests/data/kquants_digests.json from ggml's own quantizer."""
+    """Write tests/data/kquants_digests.json (and the edge-case inputs) from ggml's own quantizer."""
     x, where = tricky_rows()
+    imats = tricky_imatrices()
+    names = [k for k in imats if imats[k] is not None]
+    np.savez_compressed(INPUTS, x=x, case_names=np.array(list(where)),
+                        case_start=np.array([sl.start for sl in where.values()]),
+                        case_stop=np.array([sl.stop for sl in where.values()]),
+                        imatrix_names=np.array(names), **{"imatrix_" + k: imats[k] for k in names})
     data = {"inputs": {"tricky": sha(x)}, "outputs": {}}
-    data["outputs"].update(_digests_of(kquants_ggml.ggml_quantize, x, where, tricky_imatrices(), "tricky"))
+    data["outputs"].update(_digests_of(kquants_ggml.ggml_quantize, x, where, imats, "tricky"))
     xs, input_shas = _real_set(model_dir)
     data["inputs"].update(input_shas)
     for k, a in xs.items():
@@ -135,9 +152,10 @@ def _mismatches(expected: dict, got: dict) -> list[str]:
 
 
 def test_tricky_rows_match_recorded_ggml(digests):
-    x, where = tricky_rows()
-    assert sha(x) == digests["inputs"]["tricky"], "input generator changed; re-record"
-    got = _digests_of(kquants.quantize, x, where, tricky_imatrices(), "tricky")
+    x, where, imats = load_tricky()
+    assert sha(x) == digests["inputs"]["tricky"]
+    assert len(imats) == 4 and set(where) >= {"zeros", "negzero", "overflow", "tiny", "bf16"}
+    got = _digests_of(kquants.quantize, x, where, imats, "tricky")
     assert len(got) == len(TYPES) * 4 * len(where)
     assert _mismatches(digests["outputs"], got) == []
 

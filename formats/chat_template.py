@@ -8,7 +8,9 @@ source in that tree:
                 C++ lexer reads digits-dot-digits as one float literal (lexer.cpp `consume_numeric`), so `x.0.1`
                 becomes member `0.1`, and the runtime accepts a static member only as an identifier or an
                 integer literal (runtime.cpp `member_expression::execute_impl`: "Static member property must be
-                an identifier"). Fix: rewrite every `.N` member access to `[N]` (same meaning in jinja2).
+                an identifier"). Tested with that engine compiled from the vendored sources: a single `x.0`
+                renders, a chained `x.0.1` is refused; older engines (minja) refuse `x.0` too, so every `.N` is
+                flagged. Fix: rewrite every `.N` member access to `[N]` (same meaning in jinja2).
   statement     `{% do %}`, `{% with %}`, `{% include %}`, `{% import %}`, `{% from %}`, `{% extends %}`,
                 `{% block %}`, `{% raw %}`, `{% autoescape %}`, `{% trans %}`: the parser knows only set, if, for,
                 macro, call, filter, break, continue, generation (parser.cpp `parse_jinja_statement`:

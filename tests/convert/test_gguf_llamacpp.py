@@ -189,3 +189,76 @@ def test_same_as_llama_quantize(qtype, ftype, k256_model, tmp_path, windows, ref
     print(rec)
     assert not type_diff, rec
     assert klds["mixq"] <= klds["llama-quantize"] * 1.02 + 1e-6, rec
+
+
+def test_imatrix_lowers_kld(k256_model, calibration_text, heldout_text, tmp_path):
+    """An importance matrix from calibration.txt lowers llama.cpp's KLD of mixq's Q4_K_M and Q2_K on k256."""
+    from mixq.convert.gguf_pipeline import collect_imatrix
+
+    tok = load_tokenizer(k256_model)
+    ids = tokenize_text(tok, heldout_text, need_tokens=6 * CTX)
+    wins = [torch.tensor(ids[i * CTX:(i + 1) * CTX]) for i in range(1, 5)]  # 4 windows, 1024 scored tokens
+    ck = open_checkpoint(k256_model)
+    model = build_model(k256_model, {n: ck.get(n) for n in ck.names()}, torch.device("cpu"))
+    refs = [scored_logits(model, w, 0).cpu() for w in wins]
+    del model
+    im = collect_imatrix(k256_model, [calibration_text], rows=16, seq_len=256, progress=False)
+    rec = {}
+    for qtype in ("Q4_K_M", "Q2_K"):
+        for tag, imx in (("plain", None), ("imatrix", im)):
+            out = tmp_path / f"{qtype}-{tag}.gguf"
+            convert_gguf(k256_model, out, qtype=qtype, imatrix=imx, progress=False)
+            sc = LlamaCppScorer(out, ctx=CTX, first=0, cache_type="f32")
+            try:
+                rec[f"{qtype}/{tag}"] = sum(_kld(r, sc(w)) for r, w in zip(refs, wins)) / len(wins)
+            finally:
+                sc.close()
+    _record(model="k256", test="imatrix", **rec)
+    print(rec)
+    assert rec["Q4_K_M/imatrix"] < rec["Q4_K_M/plain"], rec
+    assert rec["Q2_K/imatrix"] < rec["Q2_K/plain"], rec
+
+
+_CONVERTER_WRAPPER = """
+import sys
+V = sys.argv.pop(1)
+sys.path[:0] = [V + "/gguf-py", V]
+import conversion.base as base
+orig = base.TextModel.get_vocab_base_pre
+def pre(self, tok):  # the fixtures' pre-tokenizer hash is unknown to the converter: use gpt-2 (reference sheet)
+    try:
+        return orig(self, tok)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+convert_hf_to_gguf.main()
+"""
+
+
+@pytest.mark.parametrize("name", ["mini", "k256"])
+def test_bf16_equals_llamacpp_converter(name, request, tmp_path):
+    """mixq's BF16 GGUF vs the vendored llama.cpp converter's (--outtype bf16): same tensors, types, shapes and
+    bytes; same KVs apart from cosmetic general.* names."""
+    import subprocess
+    import sys
+
+    src = os.environ.get("MIXQ_LLAMA_CPP_SRC", "/work/vendor/llama_cpp_python-0.3.36/vendor/llama.cpp")
+    if not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
+        pytest.skip("vendored llama.cpp sources not available (MIXQ_LLAMA_CPP_SRC)")
+    model_dir = request.getfixturevalue(f"{name}_model")
+    theirs, ours = tmp_path / "conv.gguf", tmp_path / "mixq.gguf"
+    (tmp_path / "wrap.py").write_text(_CONVERTER_WRAPPER)
+    subprocess.run([sys.executable, str(tmp_path / "wrap.py"), src, str(model_dir), "--outtype", "bf16",
+                    "--outfile", str(theirs)], check=True, capture_output=True)
+    convert_gguf(model_dir, ours, qtype="BF16", progress=False)
+    a, b = read_gguf(ours), read_gguf(theirs)
+    assert set(a.tensors) == set(b.tensors)
+    for n, e in a.tensors.items():
+        f = b.tensors[n]
+        assert (e.qtype, e.shape) == (f.qtype, f.shape), n
+        assert bytes(e.raw().view("uint8")) == bytes(f.raw().view("uint8")), n
+    cosmetic = {"general.name", "general.basename", "general.size_label", "GGUF.kv_count"}
+    keys = (set(a.kv) | set(b.kv)) - cosmetic
+    assert {k for k in keys if a.kv.get(k) != b.kv.get(k)} == set()

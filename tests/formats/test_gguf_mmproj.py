@@ -59,3 +59,48 @@ def test_mmproj_keys_and_tensors(mini_model, tmp_path, outtype):
     fc = torch.from_numpy(g.tensors["mm.model.fc.weight"].dequantize())
     ref = open_checkpoint(mini_model).get("model.visual.merger.proj.weight")
     assert torch.allclose(fc, ref, atol=ref.abs().max().item() / 100)
+
+
+@pytest.mark.slow
+def test_mmproj_loads_and_encodes_in_llamacpp(mini_model, tmp_path):
+    """llama-cpp-python 0.3.36's multimodal path (mtmd) loads the mmproj next to the text GGUF, warms up, and
+    encodes an image into finite embeddings of the text width; F16 and Q8_0 projectors agree."""
+    import ctypes
+
+    L = pytest.importorskip("llama_cpp")
+    M = pytest.importorskip("llama_cpp.mtmd_cpp")
+    from mixq.convert.gguf_pipeline import convert_gguf
+
+    text = tmp_path / "m.gguf"
+    convert_gguf(mini_model, text, qtype="BF16", no_mtp=True, mmproj=tmp_path / "mm-f16.gguf", progress=False)
+    write_mmproj(mini_model, tmp_path / "mm-q8.gguf", "Q8_0", progress=False)
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(text).encode(), L.llama_model_default_params())
+    assert model
+    img = (np.random.default_rng(0).random((56, 56, 3)) * 255).astype(np.uint8)
+    embs = []
+    try:
+        for mm in ("mm-f16.gguf", "mm-q8.gguf"):
+            p = M.mtmd_context_params_default()
+            p.use_gpu, p.n_threads, p.warmup, p.print_timings = False, 2, True, False
+            ctx = M.mtmd_init_from_file(str(tmp_path / mm).encode(), model, p)
+            assert ctx and M.mtmd_support_vision(ctx)
+            bm = M.mtmd_bitmap_init(56, 56, (ctypes.c_uint8 * img.size).from_buffer_copy(img.tobytes()))
+            chunks = M.mtmd_input_chunks_init()
+            s = b"look: " + M.mtmd_default_marker() + b" done"
+            t = M.mtmd_input_text()
+            t.text, t.text_len, t.add_special, t.parse_special = s, len(s), False, True
+            assert M.mtmd_tokenize(ctx, chunks, ctypes.byref(t), (M.mtmd_bitmap_p_ctypes * 1)(bm), 1) == 0
+            ch = next(M.mtmd_input_chunks_get(chunks, i) for i in range(M.mtmd_input_chunks_size(chunks))
+                      if M.mtmd_input_chunk_get_type(M.mtmd_input_chunks_get(chunks, i)) != 0)
+            n = M.mtmd_input_chunk_get_n_tokens(ch)
+            assert M.mtmd_encode_chunk(ctx, ch) == 0
+            embs.append(np.ctypeslib.as_array(M.mtmd_get_output_embd(ctx), shape=(n, 128)).copy())
+            M.mtmd_input_chunks_free(chunks)
+            M.mtmd_bitmap_free(bm)
+            M.mtmd_free(ctx)
+    finally:
+        L.llama_model_free(model)
+    a, b = embs
+    assert a.shape == (16, 128) and np.isfinite(a).all() and a.std() > 0  # 56x56 -> 4x4 merged patches
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()

@@ -262,3 +262,68 @@ def test_bf16_equals_llamacpp_converter(name, request, tmp_path):
     cosmetic = {"general.name", "general.basename", "general.size_label", "GGUF.kv_count"}
     keys = (set(a.kv) | set(b.kv)) - cosmetic
     assert {k for k in keys if a.kv.get(k) != b.kv.get(k)} == set()
+
+
+_QUANTIZE_STUBS = r'''
+// build-info and two common.cpp helpers that llama-quantize references (no --override-kv in these tests)
+#include <cstdio>
+#include <vector>
+#include "llama.h"
+int llama_build_number(void) { return 0; }
+const char * llama_commit(void) { return "llama-cpp-python-0.3.36"; }
+const char * llama_compiler(void) { return "g++"; }
+const char * llama_build_target(void) { return "x86_64"; }
+const char * llama_build_info(void) { return "vendored"; }
+void llama_print_build_info(const char * v, FILE * f) { std::fprintf(f, "build: %s\n", v ? v : ""); }
+bool string_parse_kv_override(const char *, std::vector<llama_model_kv_override> &) { return false; }
+bool tty_can_use_colors() { return false; }
+'''
+
+
+@pytest.fixture(scope="module")
+def llama_quantize(tmp_path_factory):
+    """The vendored llama-quantize tool, compiled from its few sources and linked against llama-cpp-python's
+    own libllama/libggml (the same llama.cpp), so no full cmake build is needed."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    src = Path(os.environ.get("MIXQ_LLAMA_CPP_SRC", "/work/vendor/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+    if not (src / "tools" / "quantize" / "quantize.cpp").is_file() or shutil.which("g++") is None:
+        pytest.skip("vendored llama.cpp sources (MIXQ_LLAMA_CPP_SRC) or g++ not available")
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    exe = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mixq" / "llama-quantize"
+    if not exe.is_file():
+        d = tmp_path_factory.mktemp("lq")
+        (d / "stubs.cpp").write_text(_QUANTIZE_STUBS)
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        srcs = [src / "tools/quantize/main.cpp", src / "tools/quantize/quantize.cpp", src / "common/imatrix-loader.cpp",
+                src / "common/log.cpp", src / "common/json.cpp", d / "stubs.cpp"]
+        inc = [f"-I{src / p}" for p in ("include", "ggml/include", "common", "vendor", "tools/quantize")]
+        subprocess.run(["g++", "-std=c++17", "-O1", "-w", *inc, *map(str, srcs), f"-L{lib}", "-lllama", "-lggml-base",
+                        "-lggml", f"-Wl,-rpath,{lib}", "-lpthread", "-o", str(exe)], check=True)
+    return exe
+
+
+def test_imatrix_file_matches_llama_quantize(k256_model, calibration_text, tmp_path, llama_quantize):
+    """mixq's imatrix file is accepted by llama.cpp's llama-quantize, and llama-quantize --imatrix on mixq's BF16
+    file gives exactly the bytes of mixq's own imatrix-weighted Q4_K_M and Q2_K."""
+    import subprocess
+
+    from mixq.convert.gguf_pipeline import make_imatrix
+
+    imf = tmp_path / "imatrix.gguf"
+    make_imatrix(k256_model, imf, [calibration_text], rows=4, seq_len=128, progress=False)
+    bf16 = tmp_path / "bf16.gguf"
+    convert_gguf(k256_model, bf16, qtype="BF16", progress=False)
+    for qtype in ("Q4_K_M", "Q2_K"):
+        theirs, ours = tmp_path / f"lq-{qtype}.gguf", tmp_path / f"mixq-{qtype}.gguf"
+        subprocess.run([str(llama_quantize), "--imatrix", str(imf), str(bf16), str(theirs), qtype, "2"],
+                       check=True, capture_output=True)
+        convert_gguf(k256_model, ours, qtype=qtype, imatrix=imf, progress=False)
+        a, b = read_gguf(ours), read_gguf(theirs)
+        assert b.kv["quantize.imatrix.entries_count"] > 50
+        diff = [n for n in a.tensors if a.tensors[n].qtype != b.tensors[n].qtype
+                or bytes(a.tensors[n].raw().view("uint8")) != bytes(b.tensors[n].raw().view("uint8"))]
+        _record(model="k256", test="imatrix-vs-llama-quantize", qtype=qtype, differing_tensors=diff)
+        assert diff == [], (qtype, diff)

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -84,12 +83,6 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.n
         out.append(gguf.quants.quantize(rows, ggml_type(q)))
     res = np.stack(out)
     return res.reshape(x.shape[:-1] + (res.shape[-1],))
-
-
-@dataclass
-class TypedTensor:
-    spec: object   # GGUFTensorSpec
-    qtype: str
 
 
 def _pure_types(specs, outtype: str) -> list[str]:

@@ -1,0 +1,52 @@
+"""convert_gguf through the CLI: llama-quantize-style overrides, shape fallback, shards, verify, bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mixq.cli import main
+from mixq.convert.gguf_pipeline import fallback_type, parse_size
+from mixq.errors import InputError
+from mixq.formats.gguf_reader import read_gguf
+
+
+def test_fallback_and_sizes():
+    # llama-quantize's fallback for rows that are not a multiple of 256 (gguf-glm5-next.md §3.4)
+    assert fallback_type("Q4_K", 128) == "Q5_0" and fallback_type("Q6_K", 384) == "Q8_0"
+    assert fallback_type("Q2_K", 64) == "Q4_0" and fallback_type("Q4_K", 512) == "Q4_K"
+    assert fallback_type("Q8_0", 48) == "F16"
+    assert parse_size("2M") == 2_000_000 and parse_size("1GiB") == 2**30 and parse_size(5) == 5
+    with pytest.raises(InputError):
+        parse_size("lots")
+
+
+def test_cli_convert_overrides_shards_verify(mini_model, tmp_path):
+    out = tmp_path / "m.gguf"
+    args = ["convert", str(mini_model), str(out), "--format", "gguf", "--type", "Q8_0", "--no-mtp",
+            "--tensor-type", r"ffn_(up|gate)_exps=Q4_0", "--tensor-type", r"ssm_f_a=Q4_0",
+            "--token-embedding-type", "Q4_0", "--output-tensor-type", "Q6_K", "--shard-size", "2M", "--json"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output[res.output.index("{"):])
+    files = summary["files"]
+    assert len(files) >= 2 and files[0].endswith(f"-00001-of-0000{len(files)}.gguf")
+    g = read_gguf(files[0])
+    t = {n: e.qtype for n, e in g.tensors.items()}
+    assert t["blk.1.ffn_up_exps.weight"] == "Q4_0" and t["blk.1.ffn_down_exps.weight"] == "Q8_0"
+    assert t["token_embd.weight"] == "Q4_0"
+    assert t["output.weight"] == "Q8_0"  # Q6_K needs rows of 256: falls back as llama-quantize does
+    assert t["blk.0.ssm_f_a.weight"] == "BF16"  # glm5-next exclusion: never quantized, even when a regex matches
+    assert t["blk.0.attn_norm.weight"] == "F32"
+    res = CliRunner().invoke(main, ["verify", files[0]])
+    assert res.exit_code == 0 and "OK" in res.output
+
+
+def test_cli_bad_input_is_one_line(mini_model, tmp_path):
+    res = CliRunner().invoke(main, ["convert", str(mini_model), str(tmp_path / "x.gguf"), "--format", "gguf",
+                                    "--type", "Q8_0", "--tensor-type", "no-equals-sign"])
+    assert res.exit_code == 2 and "REGEX=TYPE" in res.output
+    assert not list(tmp_path.iterdir())  # nothing half-written
+    res = CliRunner().invoke(main, ["verify", str(tmp_path / "missing.gguf")])
+    assert res.exit_code == 2

@@ -119,3 +119,23 @@ def test_shards_and_split_keys(tmp_path):
 def test_bad_output_name(tmp_path):
     with pytest.raises(InputError):
         write_gguf(tmp_path / "x.bin", [], [], lambda t: None)
+
+
+def test_glm53_metadata_from_config(flash_config):
+    """KVs for the real GLM-5.3-Flash config match the reference sheet's GLM-5.3 column (gguf-glm5-next.md §1.2)."""
+    from mixq.formats.checkpoint import checkpoint_from_config
+    from mixq.formats.gguf_writer import glm5next_kv
+
+    kv = {k.key: k.value for k in glm5next_kv(checkpoint_from_config(flash_config))}
+    p = "glm5-next."
+    want = {"block_count": 46, "embedding_length": 4096, "feed_forward_length": 12288, "attention.head_count": 64,
+            "expert_count": 288, "expert_used_count": 8, "vocab_size": 154880, "kda.head_dim": 128,
+            "attention.q_lora_rank": 1536, "attention.kv_lora_rank": 512, "attention.key_length": 512,
+            "attention.key_length_mla": 256, "attention.value_length_mla": 256, "attention.indexer.head_count": 32,
+            "attention.indexer.key_length": 128, "attention.indexer.top_k": 2048, "attention.indexer.kpool": 16,
+            "leading_dense_block_count": 3, "expert_feed_forward_length": 2048, "nextn_predict_layers": 1,
+            "rope.dimension_count": 0, "hyper_connection.count": 4}
+    assert {k: kv[p + k] for k in want} == want
+    assert kv[p + "attention.head_count_kv"] == [0, 0, 0, 1] * 11 + [0, 1]
+    assert len(kv[p + "attention.indexer.types"]) == 45 and len(kv[p + "swiglu_clamp_exp"]) == 46
+    assert kv[p + "kda.gate_lower_bound"] == -5.0 and kv[p + "expert_weights_scale"] == 2.5

@@ -74,12 +74,16 @@ def read_tools(path: Path = TOOLS_TXT) -> dict[str, Path]:
 
 
 def find_tool(name: str) -> Path | None:
-    """Path of a built llama.cpp tool (TOOLS.txt first, then the default build dir)."""
+    """Path of a built llama.cpp tool: TOOLS.txt, the default build dir, then ~/.cache/mixq/NAME (the quick build
+    linked against llama-cpp-python's libllama that tests/convert/test_gguf_llamacpp.py makes)."""
     p = read_tools().get(name)
     if p:
         return p
-    q = BUILD / "bin" / name
-    return q if q.is_file() else None
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mixq" / name
+    for q in (BUILD / "bin" / name, cache):
+        if q.is_file():
+            return q
+    return None
 
 
 def write_tools(paths: dict[str, Path], path: Path = TOOLS_TXT) -> None:

@@ -251,6 +251,8 @@ class Bench:
             for r, c in zip(chunk, rep["candidates"]):
                 c["bench"] = {"model": r.model, "group": r.group, "method": METHOD[r.group], "quant": r.quant,
                               "imatrix": r.imatrix, "convert_seconds": convert_secs.get(r),
+                              "calibration_rows": (self.a.exl3_rows if r.group == "mixq-exl3"
+                                                   else self.a.imatrix_rows if r.imatrix else None),
                               "eval_chunk_seconds": secs, "eval_chunk_size": len(chunk)}
                 out = self.report(r)
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -183,8 +183,9 @@ class Bench:
         return f
 
     def _note(self, model: str, key: str, value) -> None:
-        """Side facts (imatrix time, tool paths) kept in bench/results/<model>/_meta.json."""
-        p = self.results / model / "_meta.json"
+        """Side facts (imatrix time, quantizer used) kept in bench/results/<model>.meta.json, so that
+        `mixq compare bench/results/<model>/*.json` reads only reports."""
+        p = self.results / f"{model}.meta.json"
         p.parent.mkdir(parents=True, exist_ok=True)
         meta = json.loads(p.read_text()) if p.is_file() else {}
         meta[key] = value

@@ -461,9 +461,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="GGUF rows without / with the imatrix")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the BF16 GGUF baseline row")
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--windows", type=int, default=16, help="windows of --ctx tokens (second half scored)")
+    ap.add_argument("--windows", type=int, default=4,
+                    help="windows of --ctx tokens, second half scored (4 = the published rows; keep it equal across rows)")
     ap.add_argument("--device", default=None, help="cpu | cuda for eval, imatrix and EXL3 [default: mixq's choice]")
-    ap.add_argument("--imatrix-rows", type=int, default=64, help="calibration rows of 512 tokens for the imatrix")
+    ap.add_argument("--imatrix-rows", type=int, default=32,
+                    help="calibration rows of 512 tokens for the imatrix (published: 32 for k256, 64 for mini)")
     ap.add_argument("--exl3-rows", type=int, default=64, help="calibration rows for EXL3 Hessians")
     ap.add_argument("--threads", type=int, default=2, help="threads for llama.cpp's quantizer")
     ap.add_argument("--chunk", type=int, default=4, help="candidates per `mixq eval` call")

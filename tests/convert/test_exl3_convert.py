@@ -354,7 +354,8 @@ def test_real_trellis_end_to_end(tmp_path):
     for n in ck.names():
         if ck.info(n).exl3 == "trellis":
             rel = ((w[n] - ck.get(n)).norm() / ck.get(n).norm()).item()
-            assert rel < 0.2, (n, rel)
+            assert rel < 0.35, (n, rel)  # 3.5-7 bits; LDLQ trades weight error for output error (random
+            # weights at 3.5 bits: ~0.1-0.25; an undecodable or misordered tensor would be ~1.4)
     model = build_model(out, w, torch.device("cpu"))
     with torch.no_grad():
         logits = model(torch.randint(0, 512, (1, 16))).logits

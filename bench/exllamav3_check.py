@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+SHARED = Path(os.environ.get("MIXQ_SHARED") or REPO.parent / "shared")
 
 
 def windows(model_dir: Path, text: Path, ctx: int, n: int) -> torch.Tensor:
@@ -84,7 +85,7 @@ def check(model_dir: Path, exl3_dir: Path, *, bpw: float, ctx: int, n_windows: i
 
         t = time.time()
         res = convert(model_dir, exl3_dir, "exl3", bpw=bpw, device="cuda",
-                      calibration=[SHARED / "data" / "calibration.txt"], rows=250, seq_len=2048)
+                      calibration=[SHARED / "data" / "calibration.txt"], rows=64, seq_len=512)
         print(res.summary(), f"\n(converted in {time.time() - t:.0f} s)", file=sys.stderr)
     ids = windows(model_dir, text, ctx, n_windows)
     first = ctx // 2  # score the second half of each window, as llama-perplexity does

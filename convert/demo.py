@@ -22,8 +22,54 @@ def _step_inspect(ctx: dict) -> dict:
             "roles": {r: v["tensors"] for r, v in d["roles"].items()}, "file": str(ctx["out"] / "inspect.json")}
 
 
+def _step_plan(ctx: dict) -> dict:
+    from mixq.convert.planning import plan_model
+    from mixq.formats.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(ctx["model"])
+    exl3 = plan_model(ckpt, "exl3", bpw=3.05)
+    gguf = plan_model(ckpt, "gguf", qtype="Q8_0")
+    (ctx["out"] / "plan-exl3.json").write_text(json.dumps(exl3.to_dict(), indent=2) + "\n")
+    return {"exl3_bpw": round(exl3.bpw, 3), "exl3_bytes": exl3.total_bytes, "gguf_q8_0_bytes": gguf.total_bytes}
+
+
+def _step_convert_gguf(ctx: dict) -> dict:
+    from mixq.convert.gguf_pipeline import convert_gguf
+
+    out = ctx["out"] / "tiny-Q8_0.gguf"
+    convert_gguf(ctx["model"], out, qtype="Q8_0", progress=False)
+    ctx["gguf"] = out
+    return {"file": str(out), "bytes": out.stat().st_size}
+
+
+def _step_verify(ctx: dict) -> dict:
+    from mixq.convert.api import verify
+
+    rep = verify(ctx["gguf"])
+    return {"problems": len(rep.get("problems", []))}
+
+
+def _step_eval(ctx: dict) -> dict:
+    from mixq.convert.calibration import BUILTIN_TEXT
+    from mixq.eval.api import evaluate
+
+    if not (ctx["model"] / "tokenizer.json").is_file():
+        return {"skipped": "the tiny checkpoint has no tokenizer (../shared/models/glm5next-mini absent)"}
+    text = ctx["out"] / "demo-text.txt"
+    text.write_text(BUILTIN_TEXT * 4)
+    rep = evaluate(ctx["model"], [ctx["gguf"]], text, ctx=128, windows=2, progress=False,
+                   json_out=ctx["out"] / "eval.json")
+    c = rep["candidates"][0]
+    return {"kld_mean": c["kld_mean"], "top1": c["top1"], "positions": c["positions"]}
+
+
+# EXL3 conversion is left out of the demo: the trellis Viterbi needs a GPU to be quick (minutes per layer on CPU).
 STEPS: list[tuple[str, Callable[[dict], dict]]] = [
     ("inspect", _step_inspect),
+    ("plan", _step_plan),
+    ("convert", _step_convert_gguf),
+    ("verify", _step_verify),
+    ("eval", _step_eval),
 ]
 
 

@@ -165,7 +165,8 @@ def unbuild_tensor(spec: GGUFTensorSpec, t: torch.Tensor, hf_shapes: dict[str, t
     if tr == "none":
         return {name: t}
     if tr == "conv":
-        return {name: t.reshape(spec.shape[1:])}
+        # HF keeps (channels, 1, kernel); mixq writes (1, channels, 1, kernel), llama-quantize may keep 3-D
+        return {name: t.reshape(-1, 1, spec.shape[-1])}
     if tr == "neg_exp":
         # A_log = log(-ssm_a); values are negative by construction
         a = torch.log(-t.float())

@@ -103,3 +103,18 @@ def test_glm53_shapes_from_config(flash_config):
     assert by["token_embd.weight"].shape == (154880, 4096)
     assert by["blk.3.indexer_compressor_ape.weight"].shape == (16, 128)
     assert not any(s.layer == 45 for s in gguf_tensors(ckpt, include_mtp=False))
+
+
+def test_unbuild_conv_accepts_3d_and_4d_layouts():
+    """llama-quantize may store ssm_conv1d as 3-D (c, 1, k) where mixq writes (1, c, 1, k): both read back."""
+    import torch
+
+    from mixq.formats.gguf_reader import spec_from_gguf
+    from mixq.formats.gguf_names import unbuild_tensor
+
+    w = torch.arange(12 * 4, dtype=torch.float32).reshape(12, 1, 4)
+    for shape in [(1, 12, 1, 4), (12, 1, 4)]:
+        spec = spec_from_gguf("blk.0.ssm_conv1d_q.weight", shape)
+        (name, back), = unbuild_tensor(spec, w.reshape(shape)).items()
+        assert name.endswith("layers.0.self_attn.q_conv1d.weight")
+        assert torch.equal(back, w)

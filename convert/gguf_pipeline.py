@@ -70,12 +70,10 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.n
     for e in range(mats.shape[0]):
         w = None if imx is None else imx[e if imx.shape[0] > 1 else 0]
         rows = mats[e]
-        if kquants is not None:
-            try:
-                out.append(np.asarray(kquants.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
-                continue
-            except (NotImplementedError, KeyError, ValueError, InputError):
-                pass  # type not in mixq's encoders: gguf-py below, or a clear error
+        if kquants is not None and q in kquants.SUPPORTED:
+            # errors (non-finite weights, bad widths) propagate: never hide them behind another encoder
+            out.append(np.asarray(kquants.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
+            continue
         if w is not None and q in ("Q8_0", "BF16"):  # these ignore the imatrix in ggml too
             w = None
         if w is not None or q not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"):
@@ -200,7 +198,10 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
         if w is not None and w.size != (x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]:
             raise InputError(f"imatrix entry {t.name} has {w.size} values, tensor needs "
                              f"{(x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]}")
-        return encode(x, t.qtype, w)
+        try:
+            return encode(x, t.qtype, w)
+        except InputError as e:
+            raise InputError(f"{spec.hf_names[0]} -> {t.name} ({t.qtype}): {e}") from None
 
     files = write_gguf(out, kv, outs, produce, tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl),
                        shard_size=parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size or 0),

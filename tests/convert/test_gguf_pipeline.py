@@ -50,3 +50,26 @@ def test_cli_bad_input_is_one_line(mini_model, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing half-written
     res = CliRunner().invoke(main, ["verify", str(tmp_path / "missing.gguf")])
     assert res.exit_code == 2
+
+
+def test_non_finite_weight_is_one_line_naming_the_tensor(tiny_model, tmp_path):
+    """A NaN in a quantized weight must stop the conversion with the tensor's name, not fall back silently."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "nan-model"
+    shutil.copytree(tiny_model, src)
+    shard = next(p for p in sorted(src.glob("*.safetensors")) if "mtp" not in p.name)
+    sd = load_file(shard)
+    name = next(n for n in sd if n.endswith("mlp.experts.0.up_proj.weight") or n.endswith("q_proj.weight"))
+    sd[name] = sd[name].clone()
+    sd[name].view(-1)[3] = float("nan")
+    save_file(sd, shard, metadata={"format": "pt"})
+    out = tmp_path / "o.gguf"
+    r = CliRunner().invoke(main, ["convert", str(src), str(out), "--format", "gguf", "--type", "Q8_0"])
+    assert r.exit_code == 2, r.output
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("mixq: error")]  # the rest is the progress bar
+    assert len(err) == 1 and name in err[0] and "NaN" in err[0] and "Traceback" not in r.stderr
+    assert not out.exists()

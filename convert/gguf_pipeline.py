@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from mixq.errors import InputError, PlanError
+from mixq.quant.allocator import parse_size  # one size convention: GB = 10^9, GiB = 2^30
 
 PURE_FLOAT = ("F32", "F16", "BF16")
 # llama-quantize's shape fallback when the row length is not a multiple of 256 (gguf-glm5-next.md §3.4)
@@ -276,13 +277,3 @@ def make_imatrix(model, out, calibration=None, *, rows: int = 64, seq_len: int =
             "datasets": im.datasets}
 
 
-def parse_size(s: int | str) -> int:
-    """'10G', '500M', '123456' -> bytes (powers of 1000 as gguf-split does for M/G)."""
-    if isinstance(s, int):
-        return s
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", str(s), re.I)
-    if not m:
-        raise InputError(f"size {s!r}: expected a number with optional K/M/G/T (or KiB/MiB/GiB/TiB) suffix")
-    base = 1024 if m.group(3) else 1000
-    mult = base ** "_KMGT".index(m.group(2).upper() or "_")
-    return int(float(m.group(1)) * mult)

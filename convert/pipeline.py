@@ -59,15 +59,11 @@ class ConvertResult:
 
 
 def parse_bytes(s: int | str) -> int:
-    """'8GiB', '512MiB', '2G', '1000000' -> bytes (K/M/G/T = powers of 1024, with or without 'iB')."""
-    if isinstance(s, int):
-        return s
-    import re
+    """'8GiB', '512MB', '108GB', '1000000' -> bytes, with `mixq plan`'s convention (GB = 10^9, GiB = 2^30), so a
+    --size given to convert means the same bytes as the plan's."""
+    from mixq.quant.allocator import parse_size
 
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(s), re.I)
-    if not m:
-        raise InputError(f"size {s!r}: expected a number with an optional K/M/G/T suffix")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    return parse_size(s)
 
 
 def _is_drafter(model) -> bool:

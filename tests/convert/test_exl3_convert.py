@@ -392,3 +392,13 @@ def test_fp8_source_keeps_original_quantization_config(tiny_fp8_model, fake_trel
     d = Exl3Dir(out)
     assert not [n for n in d.where if n.endswith("scale_inv")]
     assert d.tensor("model.language_model.layers.3.self_attn.kv_b_proj.weight").dtype == torch.float16
+
+
+def test_size_strings_mean_the_same_bytes_in_plan_and_both_converters():
+    """`--size 108GB` / `--shard-size` must mean the plan's bytes (GB = 10^9, GiB = 2^30) for EXL3 and GGUF alike."""
+    from mixq.convert.gguf_pipeline import parse_size as gguf_size
+    from mixq.convert.pipeline import parse_bytes
+    from mixq.quant.allocator import parse_size
+
+    for s, b in [("108GB", 108 * 10**9), ("100GiB", 100 * 2**30), ("2G", 2 * 10**9), ("512MiB", 512 * 2**20)]:
+        assert parse_size(s) == parse_bytes(s) == gguf_size(s) == b

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixq.errors import InputError
+from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
 
 PREFIX = "model.language_model"
@@ -61,16 +62,6 @@ def read_calibration_texts(files: Sequence[str | Path] | None) -> list[str]:
     if not any(d.strip() for d in docs):
         raise InputError("calibration files contain no text")
     return docs
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The checkpoint's own tokenizer (tokenizer.json etc. in the model directory)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
-        raise InputError(f"cannot load the tokenizer of {model_dir}: {e}") from None
 
 
 def calibration_rows(tokenizer, files: Sequence[str | Path] | None = None, *, rows: int = 64,

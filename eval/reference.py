@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 
 DEFAULT_ARCH = "Glm5NextForConditionalGeneration"
 
@@ -87,15 +88,6 @@ def build_model(model_dir: Path, weights: dict[str, torch.Tensor], device: torch
     with _quiet_transformers():
         model = cls.from_pretrained(None, config=config, state_dict=sd, dtype=torch.float32)
     return model.to(device).eval()
-
-
-def load_tokenizer(model_dir: Path):
-    """The model's own tokenizer (tokenizer.json in the checkpoint directory)."""
-    from transformers import AutoTokenizer
-
-    if not (Path(model_dir) / "tokenizer.json").is_file():
-        raise InputError(f"{model_dir}: no tokenizer.json next to the reference model")
-    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def tokenize_text(tokenizer, text_path: Path, need_tokens: int | None = None) -> list[int]:

@@ -335,6 +335,19 @@ def open_checkpoint(path_or_repo: str | os.PathLike) -> Checkpoint:
 
 
 # --- shapes-only checkpoints (plan a 320B model from its config.json) -------------------------------------
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The checkpoint's own tokenizer (tokenizer.json in the model directory), via transformers."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise InputError(f"{model_dir}: no tokenizer.json in the model directory")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
+        raise InputError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
 def _meta_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Checkpoint-named tensor shapes of Glm5NextForConditionalGeneration built on the meta device."""
     import transformers

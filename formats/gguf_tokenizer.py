@@ -14,6 +14,7 @@ from hashlib import sha256
 from pathlib import Path
 
 from mixq.errors import InputError
+from mixq.formats.checkpoint import load_tokenizer as _load_tokenizer
 
 # The probe text llama.cpp's converter encodes (exercises whitespace runs, emoji, digits, CJK, Khmer, quotes).
 PROBE_TEXT = (
@@ -93,15 +94,6 @@ def choose_pre(tokenizer, model_dir: Path, override: str | None = None) -> tuple
     raise InputError(
         f"{model_dir}: unknown BPE pre-tokenizer (probe hash {h}); pass --tokenizer-pre NAME (e.g. glm4, gpt-2)"
     )
-
-
-def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # noqa: BLE001 - any loader failure is a user input problem here
-        raise InputError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
 
 
 def tokenizer_metadata(model_dir: str | Path, n_vocab: int, tokenizer_pre: str | None = None) -> TokenizerMeta:

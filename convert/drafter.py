@@ -93,7 +93,8 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
     """Convert a local DFlash2 drafter directory to EXL3 at `bits` (uncalibrated). Returns a ConvertResult."""
     from tqdm.auto import tqdm
 
-    from .pipeline import ConvertResult, achieved_bits, compile_exl3, default_device, parse_bytes, quantize_unit
+    from mixq.quant.device import pick_device
+    from .pipeline import ConvertResult, achieved_bits, compile_exl3, parse_bytes, quantize_unit
 
     t0 = time.time()
     path = Path(model)
@@ -106,7 +107,7 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
         raise InputError(f"{path}: architectures {config.get('architectures')} is not DFlash2DraftModel")
     src = _Source(path)
     units = drafter_layout(src)
-    dev = torch.device(device or default_device())
+    dev = pick_device(device)
     bitmap = {u.key: float(bits) for u in units if u.kind == "trellis"}
     settings = {"mixq_dflash2": 1, "model": str(path.resolve()), "bits": float(bits), "codebook": codebook,
                 "device": dev.type, "files": sorted((p.name, p.stat().st_size) for p in path.glob("*.safetensors")),

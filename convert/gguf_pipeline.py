@@ -17,6 +17,7 @@ import numpy as np
 
 from mixq.errors import InputError, PlanError
 from mixq.quant.allocator import parse_size  # one size convention: GB = 10^9, GiB = 2^30
+from mixq.quant.device import pick_device
 
 PURE_FLOAT = ("F32", "F16", "BF16")
 # llama-quantize's shape fallback when the row length is not a multiple of 256 (gguf-glm5-next.md §3.4)
@@ -229,7 +230,6 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
     for `*_exps`. Differences to llama-imatrix: every calibration token passes through every routed expert
     (so expert counts equal the token count, none is left at 0), and output.weight is always included.
     Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix."""
-    import torch
     from tqdm import tqdm
 
     from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
@@ -238,7 +238,7 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
     from mixq.formats.imatrix_file import IMatrix
 
     ckpt = open_checkpoint(model)
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = pick_device(device)
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                            vocab_size=int(ckpt.text_config["vocab_size"]))
     specs = [s for s in gguf_tensors(ckpt, include_mtp=False)

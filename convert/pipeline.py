@@ -16,6 +16,7 @@ import torch
 from mixq.errors import InputError, PlanError
 from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
 from mixq.formats.exl3_writer import (EXL3_VERSION, Exl3Writer, check_free_space, exl3_config, tensor_storage_entry)
+from mixq.quant.device import pick_device
 
 from .job import JOB_DIR, Job, file_digest, rss_peak_mib, sleep_hook
 
@@ -74,10 +75,6 @@ def _is_drafter(model) -> bool:
         return "DFlash2DraftModel" in (json.loads(cfg.read_text()).get("architectures") or [])
     except (OSError, ValueError):
         return False
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def unit_bits(units: list[Exl3Unit], plan) -> dict[str, float]:
@@ -221,7 +218,7 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
         raise InputError(f"{ckpt.path}: model_type {ckpt.config.get('model_type')!r} is not glm5_next")
     if bpw is None and size is None:
         raise InputError("give a target: --bpw or --size")
-    device = torch.device(device or default_device())
+    device = pick_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda requested but CUDA is not available")
     shard_bytes = parse_bytes(shard_size)

@@ -15,15 +15,9 @@ import torch
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
+from mixq.quant.device import pick_device  # noqa: F401 - re-exported for callers
 
 DEFAULT_ARCH = "Glm5NextForConditionalGeneration"
-
-
-def pick_device(device: str | None = None) -> torch.device:
-    """`device` if given, else cuda when present, else cpu."""
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @contextlib.contextmanager

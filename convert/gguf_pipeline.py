@@ -17,27 +17,17 @@ import numpy as np
 
 from mixq.errors import InputError, PlanError
 from mixq.quant.allocator import parse_size  # one size convention: GB = 10^9, GiB = 2^30
+from mixq.quant import gguf_mix
 from mixq.quant.device import pick_device
 
 PURE_FLOAT = ("F32", "F16", "BF16")
-# llama-quantize's shape fallback when the row length is not a multiple of 256 (gguf-glm5-next.md §3.4)
-_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
-             "IQ4_XS": "IQ4_NL", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
-
-
 def fallback_type(qtype: str, n: int) -> str:
-    """The type llama-quantize really uses for a row length `n`."""
-    import gguf
-
-    from mixq.formats.gguf_writer import ggml_type
-
-    block = gguf.GGML_QUANT_SIZES[ggml_type(qtype)][0]
-    if n % block == 0:
-        return qtype
-    alt = _FALLBACK.get(qtype.upper(), "F16")
-    if n % gguf.GGML_QUANT_SIZES[ggml_type(alt)][0] == 0:
-        return alt
-    return "F16"
+    """The type llama-quantize really uses for a row length `n` (quant.gguf_mix.fallback, the planner's rule);
+    a type with no listed fallback whose block does not divide `n` becomes F16, as llama-quantize's last resort."""
+    try:
+        return gguf_mix.fallback(qtype, n)
+    except PlanError:
+        return "F16"
 
 
 def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
@@ -46,7 +36,7 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.n
     `imatrix` is (n,) or, for stacked 3-D tensors, (E, n): one importance vector per expert/slice."""
     import gguf
 
-    from mixq.formats.gguf_writer import ggml_type
+    from mixq.quant.gguf_mix import ggml_type
 
     q = qtype.upper()
     x = np.ascontiguousarray(x, dtype=np.float32)

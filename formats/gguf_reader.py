@@ -179,7 +179,8 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
     """Check a GGUF: arch, tensor count, each tensor's byte size, data decodes to finite values; with `model`
     (the source checkpoint) also that exactly the expected tensors with the expected shapes are present.
     Returns a report dict; problems are listed in report["problems"] (empty = OK)."""
-    from mixq.formats.gguf_writer import ARCH, tensor_nbytes
+    from mixq.formats.gguf_writer import ARCH
+    from mixq.quant.gguf_mix import tensor_nbytes
 
     g = read_gguf(path)
     problems: list[str] = []
@@ -189,7 +190,7 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
     n_bytes = 0
     for name, e in g.tensors.items():
         try:
-            want = tensor_nbytes(e.shape, e.qtype)
+            want = tensor_nbytes(e.qtype, e.shape)
         except Exception as ex:  # noqa: BLE001
             problems.append(f"{name}: {ex}")
             continue

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from mixq.errors import FormatError, InputError
+from mixq.quant.gguf_mix import ggml_type, tensor_nbytes
 
 ARCH = "glm5-next"
 
@@ -40,28 +41,7 @@ class TensorOut:
 
     @property
     def nbytes(self) -> int:
-        return tensor_nbytes(self.shape, self.qtype)
-
-
-def ggml_type(qtype: str):
-    import gguf
-
-    try:
-        return gguf.GGMLQuantizationType[qtype.upper()]
-    except KeyError as e:
-        raise InputError(f"unknown ggml tensor type {qtype!r}") from e
-
-
-def tensor_nbytes(shape: tuple[int, ...], qtype: str) -> int:
-    """Bytes of a tensor of numpy `shape` in ggml type `qtype`; the row length must be a multiple of the block."""
-    import gguf
-
-    block, tsize = gguf.GGML_QUANT_SIZES[ggml_type(qtype)]
-    n = int(shape[-1]) if shape else 1
-    if n % block:
-        raise FormatError(f"row length {n} is not a multiple of the {qtype} block size {block}")
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    return rows * (n // block) * tsize
+        return tensor_nbytes(self.qtype, self.shape)
 
 
 def _file_type(ftype: str | None) -> int | None:

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from mixq.errors import InputError
-from mixq.formats.gguf_writer import KV, TensorOut, ggml_type, write_gguf
+from mixq.formats.gguf_writer import KV, TensorOut, write_gguf
+from mixq.quant.gguf_mix import ggml_type
 
 # checkpoint suffix after `visual.` -> mmproj tensor name ({i} = block index, {s} = weight/bias)
 _RULES = [

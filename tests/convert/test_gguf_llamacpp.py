@@ -36,6 +36,15 @@ def _kld(ref_logits: torch.Tensor, cand_logits: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
+def _llama_logits(path, *window_sets) -> list[torch.Tensor]:
+    """llama.cpp's logits (F32 KV cache) of each set of windows, from one scorer that is always closed."""
+    sc = LlamaCppScorer(path, ctx=CTX, first=0, cache_type="f32")
+    try:
+        return [sc(w) for w in window_sets]
+    finally:
+        sc.close()
+
+
 @pytest.fixture(scope="module")
 def windows(mini_model, heldout_text):
     tok = load_tokenizer(mini_model)  # both fixtures share the 8k tokenizer
@@ -83,11 +92,7 @@ def test_llamacpp_logits_vs_transformers(name, qtype, request, tmp_path, windows
     model_dir = request.getfixturevalue(f"{name}_model")
     out = tmp_path / f"{name}-{qtype}.gguf"
     summary = convert_gguf(model_dir, out, qtype=qtype, progress=False)
-    scorer = LlamaCppScorer(out, ctx=CTX, first=0, cache_type="f32")
-    try:
-        got = scorer(windows)
-    finally:
-        scorer.close()
+    got, = _llama_logits(out, windows)
     ref = reference(model_dir)
     kld = _kld(ref, got)
     top1 = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
@@ -100,11 +105,7 @@ def test_llamacpp_logits_vs_transformers(name, qtype, request, tmp_path, windows
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.nthread = {"Q8_0": 7, "Q4_K_M": 15}[qtype], 2
         assert llama_cpp.llama_model_quantize(str(bf16).encode(), str(theirs).encode(), params) == 0
-        sc = LlamaCppScorer(theirs, ctx=CTX, first=0, cache_type="f32")
-        try:
-            rec["kld_llama_quantize"] = _kld(ref, sc(windows))
-        finally:
-            sc.close()
+        rec["kld_llama_quantize"] = _kld(ref, _llama_logits(theirs, windows)[0])
     if qtype == "Q4_K_M":
         # llama.cpp's logits vs mixq's own dequantized weights in transformers, both run dense (see _dense_copy).
         # The same dequantized weights stored as an F32 GGUF isolate the file's meaning (must be ~0) from
@@ -118,11 +119,7 @@ def test_llamacpp_logits_vs_transformers(name, qtype, request, tmp_path, windows
                    tokenizer=lambda w: add_tokenizer(w, tokenizer_metadata(dense, e_vocab(g))), progress=False)
         deq = scored_logits(build_model(dense, read_gguf_weights(dout), torch.device("cpu")), windows, 0).cpu()
         for tag, p in (("kld_vs_dequant", dout), ("kld_f32_file_vs_dequant", f32)):
-            sc = LlamaCppScorer(p, ctx=CTX, first=0, cache_type="f32")
-            try:
-                rec[tag] = _kld(deq, sc(windows))
-            finally:
-                sc.close()
+            rec[tag] = _kld(deq, _llama_logits(p, windows)[0])
     rec["yardstick"] = YARDSTICK.get((name, qtype))
     _record(**rec)
     print(rec)
@@ -178,11 +175,7 @@ def test_same_as_llama_quantize(qtype, ftype, k256_model, tmp_path, windows, ref
     ref = reference(k256_model)
     klds = {}
     for tag, path in (("mixq", ours), ("llama-quantize", theirs)):
-        sc = LlamaCppScorer(path, ctx=CTX, first=0, cache_type="f32")
-        try:
-            klds[tag] = _kld(ref, sc(windows))
-        finally:
-            sc.close()
+        klds[tag] = _kld(ref, _llama_logits(path, windows)[0])
     rec = dict(model="k256", qtype=qtype, klds=klds, type_diff=type_diff, same_bytes=same_bytes,
                tensors=len(ga.tensors))
     _record(**rec)
@@ -208,11 +201,7 @@ def test_imatrix_lowers_kld(k256_model, calibration_text, heldout_text, tmp_path
         for tag, imx in (("plain", None), ("imatrix", im)):
             out = tmp_path / f"{qtype}-{tag}.gguf"
             convert_gguf(k256_model, out, qtype=qtype, imatrix=imx, progress=False)
-            sc = LlamaCppScorer(out, ctx=CTX, first=0, cache_type="f32")
-            try:
-                rec[f"{qtype}/{tag}"] = sum(_kld(r, sc(w)) for r, w in zip(refs, wins)) / len(wins)
-            finally:
-                sc.close()
+            rec[f"{qtype}/{tag}"] = sum(_kld(r, g) for r, g in zip(refs, _llama_logits(out, *wins))) / len(wins)
     _record(model="k256", test="imatrix", **rec)
     print(rec)
     assert rec["Q4_K_M/imatrix"] < rec["Q4_K_M/plain"], rec

@@ -1,0 +1,294 @@
+"""IQ2_XXS, IQ2_XS and IQ2_S encoders (256-weight super-blocks on an E8-style lattice grid), bit-exact with ggml.
+
+Each group of 8 weights is stored as |x| ≈ scale·(2l+1), l ∈ {0,1,2} per weight, restricted to a
+fixed codebook of allowed 8-tuples (256, 512 or 1024 of the 3^8 tuples), plus 8 sign bits (IQ2_S)
+or 7 sign bits with implied even parity (IQ2_XXS/XS, which flip the least important weight to
+make the parity even). ggml's search, reproduced here:
+
+- per sub-block (32 weights for XXS, 16 for XS/S) try a few candidate scales; round each weight to
+  a level; a tuple outside the codebook is replaced by the codebook entry that minimises the
+  weighted error among its nearest neighbours (by integer lattice distance, the closest one or two
+  distance shells, in ggml's (distance, index) order);
+- keep the candidate with the best weighted least-squares fit, refit, store 4-bit sub-block scales
+  relative to a super-block fp16 scale.
+
+The codebooks come from gguf-py at runtime (``gguf.quants.IQ2_*.grid``); the code map and the
+neighbour lists are derived from them on first use. Arrays are (element, sub-block) so that sums
+run in ggml's float32 order (see :mod:`kquants_search`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from gguf import quants as gguf_quants
+
+from ..errors import InputError
+from .kquants_search import F32, GROUP_MAX_EPS, f32, fp16_round, make_qp_quants, nearest_int, seq_sum
+
+GROUP_MAX_EPS_IQ2_S = F32(1e-8)
+_SHIFTS = (2 * np.arange(8, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """A lattice codebook and the tables ggml's search needs, derived from the gguf-py grid."""
+    levels: np.ndarray      # (N, 8) int64 levels 0..2 of each entry
+    pos: np.ndarray         # (N, 8) float32 odd values 2l+1 (the search works on these)
+    kmap: np.ndarray        # (4^8,) int64: packed 2-bit code -> entry index, -1 when not in the codebook
+    nb_row: np.ndarray      # (4^8,) int64: code -> row of nb (only for codes with levels <= 2 off the codebook)
+    nb: np.ndarray          # (rows, maxlen) int64 neighbour entries in ggml's order, -1 padded
+    nb_len: np.ndarray      # (rows,) number of neighbours
+
+
+@lru_cache(maxsize=None)
+def codebook(qtype: str) -> Codebook:
+    """Codebook tables for IQ2_XXS / IQ2_XS / IQ2_S (IQ2_S keeps only the nearest distance shell)."""
+    cls = getattr(gguf_quants, qtype)
+    cls.init_grid()
+    grid = np.asarray(cls.grid, dtype=np.float32).reshape(-1, 8)
+    values = np.asarray(cls.grid_map, dtype=np.float32)
+    levels = np.argmin(np.abs(grid[:, :, None] - values[None, None]), axis=2).astype(np.int64)
+    codes = (levels << _SHIFTS).sum(1)
+    kmap = np.full(4 ** 8, -1, dtype=np.int64)
+    kmap[codes] = np.arange(len(codes))
+    pos = (2 * levels + 1).astype(np.int64)
+
+    # every tuple with levels 0..2 (the only ones rounding produces) that is not in the codebook
+    all_l = (np.arange(3 ** 8)[:, None] // 3 ** np.arange(8)[None]) % 3
+    all_codes = (all_l << _SHIFTS).sum(1)
+    off = kmap[all_codes] < 0
+    q_l, q_codes = all_l[off], all_codes[off]
+    d2 = (((2 * q_l + 1)[:, None, :] - pos[None]) ** 2).sum(2)       # (rows, N) integer distances
+    order = np.argsort(d2 * len(codes) + np.arange(len(codes))[None], axis=1, kind="stable")
+    d2s = np.take_along_axis(d2, order, axis=1)
+    shell = np.concatenate([np.zeros((len(d2s), 1), np.int64), np.cumsum(d2s[:, 1:] != d2s[:, :-1], axis=1)], 1)
+    nwant = 1 if qtype == "IQ2_S" else 2
+    keep = shell < nwant
+    nb_len = keep.sum(1)
+    maxlen = int(nb_len.max())
+    nb = np.where(keep[:, :maxlen], order[:, :maxlen], -1)
+    nb_row = np.full(4 ** 8, -1, dtype=np.int64)
+    nb_row[q_codes] = np.arange(len(q_codes))
+    return Codebook(levels, pos.astype(F32), kmap, nb_row, nb, nb_len)
+
+
+def _round_levels(idv: np.ndarray, xval: np.ndarray) -> np.ndarray:
+    """ggml's level rounding: clamp(nearest_int(0.5*(id*x - 1)), 0, 2); idv broadcasts over elements."""
+    return np.clip(nearest_int(f32(0.5) * (idv * xval - f32(1))), 0, 2).astype(np.int64)
+
+
+def _snap(cb: Codebook, L: np.ndarray, xval: np.ndarray, waux: np.ndarray, scale: np.ndarray,
+          active: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Replace every active 8-group of levels that is off the codebook by its best neighbour.
+
+    L, xval, waux: (groups, 8, B); scale (B,); active (groups, B) or None for all.
+    Returns (L, entry index (groups, B), off-codebook mask). L is modified in place.
+    """
+    codes = (L << _SHIFTS[None, :, None]).sum(1)
+    gi = cb.kmap[codes]
+    off = gi < 0
+    sel = off if active is None else off & active
+    kk, bb = np.nonzero(sel)
+    if kk.size:
+        rows = cb.nb_row[codes[kk, bb]]
+        width = int(cb.nb_len[rows].max())
+        cand = cb.nb[rows, :width]
+        pts = cb.pos[np.maximum(cand, 0)]                      # (n, width, 8)
+        xv = xval[kk, :, bb]                                   # (n, 8)
+        wa = waux[kk, :, bb]
+        sc = scale[bb][:, None]
+        d2 = np.zeros(cand.shape, dtype=F32)
+        for i in range(8):
+            diff = sc * pts[:, :, i] - xv[:, i:i + 1]
+            d2 = d2 + wa[:, i:i + 1] * diff * diff
+        d2[cand < 0] = np.inf
+        best = cand[np.arange(len(cand)), np.argmin(d2, axis=1)]
+        gi[kk, bb] = best
+        L[kk, :, bb] = cb.levels[best]
+    return L, gi, off
+
+
+def _fit(w: np.ndarray, xval: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sum w·x·q, sum w·q²) with q = 2L+1, summed over the sub-block's elements in order."""
+    q = (2 * L + 1).astype(F32)
+    return seq_sum(w * xval * q), seq_sum(w * q * q)
+
+
+def _prepare(xs: np.ndarray, qw: np.ndarray | None, m: int, sigma_factor: int, parity: bool):
+    """Sub-block views (m, B) of x, |x| (parity-fixed), weights, sqrt(weights) and sign bytes (m/8, B)."""
+    S = xs.shape[0]
+    B = S * (256 // m)
+    x = np.ascontiguousarray(xs.reshape(B, m).T)
+    sumx2 = seq_sum(np.ascontiguousarray(xs.T) ** 2)
+    sigma2 = (f32(sigma_factor) * sumx2 if sigma_factor != 1 else sumx2) / f32(256)
+    sig = np.repeat(sigma2, 256 // m)[None]
+    if qw is not None:
+        w = np.ascontiguousarray(qw.reshape(B, m).T) * np.sqrt(sig + x * x)
+    else:
+        w = f32(0.25) * sig + x * x
+    waux = np.sqrt(w)
+    neg = x < 0
+    xval = np.where(neg, -x, x)
+    ng = m // 8
+    neg = neg.reshape(ng, 8, B)
+    if parity:
+        odd = (neg.sum(1) % 2) == 1                             # (ng, B)
+        imin = np.argmin((w * x * x).reshape(ng, 8, B), axis=1)  # first minimum, as ggml's strict scan
+        gk, gb = np.nonzero(odd)
+        xv = xval.reshape(ng, 8, B)
+        xv[gk, imin[gk, gb], gb] *= f32(-1)
+        neg[gk, imin[gk, gb], gb] ^= True
+    signs = (neg.astype(np.int64) << np.arange(8)[None, :, None]).sum(1)
+    if parity:
+        signs &= 127
+    return x, xval, w, waux, signs
+
+
+def _search_xs(cb: Codebook, xval, w, waux, eps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ2_XS / IQ2_S sub-block search (16 weights, 19 candidate scales). Returns (scale, L, zero)."""
+    m, B = xval.shape
+    g = lambda a: a.reshape(2, 8, B)
+    mx = np.max(xval, axis=0)
+    zero = mx < eps
+    mx = np.where(zero, f32(1), mx)
+    scale = mx / f32(5)
+    best = np.zeros(B, F32)
+    L = np.zeros((2, 8, B), np.int64)
+    on = np.ones((2, B), bool)
+    for step in range(-9, 10):
+        idv = (f32(5) + f32(step) * f32(0.1)) / mx
+        Laux = g(_round_levels(idv[None], xval))
+        Laux, _, off = _snap(cb, Laux, g(xval), g(waux), f32(1) / idv)
+        sumqx, sumq2 = _fit(w, xval, Laux.reshape(m, B))
+        better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        scale = np.where(better, sumqx / np.where(better, sumq2, f32(1)), scale)
+        best = np.where(better, scale * sumqx, best)
+        L = np.where(better[None, None], Laux, L)
+        on = np.where(better[None], ~off, on)
+    redo = (~on) & (scale > 0)[None]                          # off-codebook groups of the best fit
+    rb = redo.any(0)
+    if rb.any():
+        idv = f32(1) / np.where(scale > 0, scale, f32(1))
+        Lr = g(_round_levels(idv[None], xval))
+        Lr, _, _ = _snap(cb, Lr, g(xval), g(waux), scale, active=redo)
+        L = np.where(redo[:, None], Lr, L)
+        sumqx, sumq2 = _fit(w, xval, L.reshape(m, B))
+        upd = rb & (sumq2 > 0)
+        scale = np.where(upd, sumqx / np.where(upd, sumq2, f32(1)), scale)
+    return scale, L, zero
+
+
+def _search_xxs(cb: Codebook, xval, w, waux) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ2_XXS sub-block search (32 weights, scale seeded by make_qp_quants, 13 candidates)."""
+    m, B = xval.shape
+    g = lambda a: a.reshape(4, 8, B)
+    mx = np.max(xval, axis=0)
+    zero = mx < GROUP_MAX_EPS
+    scale, _ = make_qp_quants(xval, 4, w)
+    eff_max = scale * f32(3)
+    zero |= ~(eff_max > 0)
+    eff_max = np.where(zero, f32(1), eff_max)
+    best = np.zeros(B, F32)
+    L = np.zeros((4, 8, B), np.int64)
+    for step in range(-6, 7):
+        idv = (f32(5) + f32(step) * f32(0.1)) / eff_max
+        Laux = g(_round_levels(idv[None], xval))
+        Laux, _, _ = _snap(cb, Laux, g(xval), g(waux), f32(1) / idv)
+        sumqx, sumq2 = _fit(w, xval, Laux.reshape(m, B))
+        better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        scale = np.where(better, sumqx / np.where(better, sumq2, f32(1)), scale)
+        best = np.where(better, scale * sumqx, best)
+        L = np.where(better[None, None], Laux, L)
+    pos = scale > 0
+    if pos.any():
+        idv = f32(1) / np.where(pos, scale, f32(1))
+        Lr = g(_round_levels(idv[None], xval))
+        Lr, _, _ = _snap(cb, Lr, g(xval), g(waux), scale, active=np.broadcast_to(pos[None], (4, B)))
+        L = np.where(pos[None, None], Lr, L)
+        sumqx, sumq2 = _fit(w, xval, L.reshape(m, B))
+        upd = pos & (sumq2 > 0)
+        scale = np.where(upd, sumqx / np.where(upd, sumq2, f32(1)), scale)
+    return scale, L, zero
+
+
+def _finish(cb: Codebook, scale, L, zero, signs, S: int, nsub: int, sign_mask: int, d_factor=None):
+    """Common tail: sign flip for negative scales, entry indices, super-block fp16 d and 4-bit scales."""
+    negs = scale < 0
+    scale = np.where(negs, -scale, scale)
+    signs = np.where(negs[None], (~signs) & sign_mask, signs)
+    scale = np.where(zero, f32(0), scale)
+    gi = cb.kmap[(L << _SHIFTS[None, :, None]).sum(1)]
+    gi = np.where(zero[None], 0, gi)
+    signs = np.where(zero[None], 0, signs)
+    if np.any(gi < 0):
+        raise InputError("IQ2 encoder: a group left the codebook (internal error)")
+    sc = scale.reshape(S, nsub)
+    max_scale = np.max(sc, axis=1)
+    dead = max_scale == 0
+    d = np.where(dead, f32(1), max_scale) / f32(31)
+    h, _ = fp16_round(d if d_factor is None else d * f32(d_factor))
+    h = np.where(dead, np.float16(0), h)
+    ls = np.clip(nearest_int(f32(0.5) * ((f32(1) / d)[:, None] * sc - f32(1))), 0, 15)
+    ls = np.where(dead[:, None], 0, ls)
+    return gi, signs, h, ls, dead
+
+
+def encode_iq2_xxs(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    """IQ2_XXS blocks (66 bytes) of super-blocks xs (S, 256); qw (S, 256) importance is required."""
+    if qw is None:
+        raise InputError("IQ2_XXS needs an importance matrix (as in llama.cpp)")
+    cb = codebook("IQ2_XXS")
+    S = xs.shape[0]
+    _, xval, w, waux, signs = _prepare(xs, qw, 32, 1, parity=True)
+    scale, L, zero = _search_xxs(cb, xval, w, waux)
+    gi, signs, h, ls, dead = _finish(cb, scale, L, zero, signs, S, 8, 127)
+    gi = gi.reshape(4, S, 8).astype(np.uint32)
+    sg = signs.reshape(4, S, 8).astype(np.uint32)
+    w0 = gi[0] | (gi[1] << 8) | (gi[2] << 16) | (gi[3] << 24)
+    w1 = sg[0] | (sg[1] << 7) | (sg[2] << 14) | (sg[3] << 21) | (ls.astype(np.uint32) << 28)
+    q = np.stack([w0, w1], axis=2).reshape(S, 16)
+    q[dead] = 0
+    out = np.empty((S, 66), np.uint8)
+    out[:, 0:2] = h.astype("<f2").view(np.uint8).reshape(S, 2)
+    out[:, 2:] = q.astype("<u4").view(np.uint8).reshape(S, 64)
+    return out
+
+
+def encode_iq2_xs(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    """IQ2_XS blocks (74 bytes) of super-blocks xs (S, 256); qw (S, 256) importance is required."""
+    if qw is None:
+        raise InputError("IQ2_XS needs an importance matrix (as in llama.cpp)")
+    cb = codebook("IQ2_XS")
+    S = xs.shape[0]
+    _, xval, w, waux, signs = _prepare(xs, qw, 16, 1, parity=True)
+    scale, L, zero = _search_xs(cb, xval, w, waux, GROUP_MAX_EPS)
+    gi, signs, h, ls, dead = _finish(cb, scale, L, zero, signs, S, 16, 127)
+    q = (gi | (signs << 9)).reshape(2, S, 16).transpose(1, 2, 0).reshape(S, 32)
+    q[dead] = 0
+    out = np.empty((S, 74), np.uint8)
+    out[:, 0:2] = h.astype("<f2").view(np.uint8).reshape(S, 2)
+    out[:, 2:66] = q.astype("<u2").view(np.uint8).reshape(S, 64)
+    out[:, 66:74] = (ls[:, 0::2] | (ls[:, 1::2] << 4)).astype(np.uint8)
+    return out
+
+
+def encode_iq2_s(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    """IQ2_S blocks (82 bytes) of super-blocks xs (S, 256); qw (S, 256) optional importance."""
+    cb = codebook("IQ2_S")
+    S = xs.shape[0]
+    _, xval, w, waux, signs = _prepare(xs, qw, 16, 2, parity=False)
+    scale, L, zero = _search_xs(cb, xval, w, waux, GROUP_MAX_EPS_IQ2_S)
+    gi, signs, h, ls, dead = _finish(cb, scale, L, zero, signs, S, 16, 255, d_factor=0.9875)
+    gi = gi.reshape(2, S, 16).transpose(1, 2, 0).reshape(S, 32)   # group i8 = 2*ib + k
+    sg = signs.reshape(2, S, 16).transpose(1, 2, 0).reshape(S, 32)
+    hi = (gi >> 8).reshape(S, 8, 4) << (2 * np.arange(4))[None, None]
+    out = np.zeros((S, 82), np.uint8)
+    out[:, 0:2] = h.astype("<f2").view(np.uint8).reshape(S, 2)
+    out[:, 2:34] = (gi & 255).astype(np.uint8)
+    out[:, 34:66] = sg.astype(np.uint8)
+    out[:, 66:74] = hi.sum(2).astype(np.uint8)
+    out[:, 74:82] = (ls[:, 0::2] | (ls[:, 1::2] << 4)).astype(np.uint8)
+    out[dead] = 0
+    return out

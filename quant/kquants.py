@@ -22,7 +22,7 @@ from gguf import quants as gguf_quants
 
 from ..errors import InputError
 from . import kquants_blocks as kb
-from . import kquants_iq2, kquants_iq4
+from . import kquants_iq2, kquants_iq3, kquants_iq4
 from . import kquants_legacy as kl
 
 # weights per encoding chunk: numpy call overhead vs. working set (64K weights measured fastest: arrays stay in cache)
@@ -32,6 +32,7 @@ _KQUANTS: dict[str, Callable[[np.ndarray, np.ndarray | None], np.ndarray]] = {
     "Q2_K": kb.encode_q2_k, "Q3_K": kb.encode_q3_k, "Q4_K": kb.encode_q4_k,
     "Q5_K": kb.encode_q5_k, "Q6_K": kb.encode_q6_k, "IQ4_XS": kquants_iq4.encode_iq4_xs,
     "IQ2_XXS": kquants_iq2.encode_iq2_xxs, "IQ2_XS": kquants_iq2.encode_iq2_xs, "IQ2_S": kquants_iq2.encode_iq2_s,
+    "IQ3_XXS": kquants_iq3.encode_iq3_xxs, "IQ3_S": kquants_iq3.encode_iq3_s,
 }
 # ggml (and llama-quantize) refuse these without an importance matrix
 REQUIRES_IMATRIX = ("IQ2_XXS", "IQ2_XS")

@@ -199,9 +199,11 @@ def verify(path, no_decode, as_json) -> None:
 @click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
 @click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default="k", show_default=True,
               help="Custom GGUF candidate types: K-quants, or K-quants plus IQ2_XXS..IQ4_XS.")
-@click.option("--measure", is_flag=False, flag_value="proxy", default=None,
-              help="EXL3 sensitivity mode: alone, a calibration pass measures each unit's weight; or a JSON file "
-                   "of error curves {unit: {bits: error}}.")
+@click.option("--measure", is_flag=False, flag_value="trellis", default=None,
+              help="EXL3 sensitivity mode: alone, a calibration pass measures each unit's loss at every rate with "
+                   "the trellis quantizer; 'proxy' = the cheap Hessian-trace proxy; or a JSON file of error curves "
+                   "{unit: {bits: error}}.")
+@click.option("--measure-out", type=click.Path(), help="--measure: save the measured curves as JSON for reuse.")
 @click.option("--calibration", multiple=True, type=click.Path(exists=True), help="--measure: calibration text.")
 @click.option("--fit", help="Memory to fit (weights + cache + reserve), e.g. 121GB.")
 @click.option("--context", help="Context length for --fit, e.g. 262144 or 256K.")
@@ -214,14 +216,16 @@ def verify(path, no_decode, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (or fit) as JSON.")
 @_reports_errors
 def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bits, vision_bits, no_mtp, gguf_ladder,
-         measure, calibration, fit, context, cache, reserve, mmproj, devices, seqs, per_tensor, as_json) -> None:
+         measure, measure_out, calibration, fit, context, cache, reserve, mmproj, devices, seqs, per_tensor,
+         as_json) -> None:
     """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting."""
     from mixq.convert.fit import run_plan
 
     res = run_plan(model, fmt, from_config=from_config, bpw=bpw, size=size, qtype=qtype, overrides=override,
                    head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=not no_mtp,
                    gguf_ladder=gguf_ladder, measure=measure, fit=fit, context=context, cache=cache,
-                   reserve=reserve, mmproj=mmproj, devices=devices, n_seq=seqs, calibration=calibration)
+                   reserve=reserve, mmproj=mmproj, devices=devices, n_seq=seqs, calibration=calibration,
+                   measure_out=measure_out)
     if as_json:
         _print_json(res.to_dict())
     elif hasattr(res, "headroom"):

@@ -211,29 +211,15 @@ def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw
              gguf_ladder: str = "k", measure: str | None = None, fit: str | None = None,
              context: str | int | None = None, cache: str | None = None, reserve: str | None = None,
              mmproj: bool = False, devices: str | None = None, n_seq: int = 1,
-             calibration: Sequence[str] = ()) -> Plan | FitResult:
+             calibration: Sequence[str] = (), measure_out: str | None = None) -> Plan | FitResult:
     """What ``mixq plan`` runs: open MODEL (or build shapes from --from-config), then plan or fit."""
-    import json
-    from pathlib import Path
-
+    from mixq.convert.sensitivity import resolve_measure
     from mixq.formats.checkpoint import checkpoint_from_config, open_checkpoint
 
     if (model is None) == (from_config is None):
         raise InputError("give either MODEL or --from-config CONFIG.json")
     ckpt = open_checkpoint(model) if model is not None else checkpoint_from_config(from_config)
-    curves = None
-    if measure == "proxy":
-        from mixq.convert.planning import measure_proxy
-
-        if fmt != "exl3":
-            raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
-        curves = measure_proxy(ckpt, calibration or None)
-    elif measure is not None:
-        try:
-            raw = json.loads(Path(measure).read_text())
-            curves = {k: {float(b): float(e) for b, e in v.items()} for k, v in raw.items()}
-        except (OSError, ValueError, AttributeError) as e:
-            raise InputError(f"--measure {measure}: expected JSON {{unit: {{bits: error}}}} ({e})") from None
+    curves = resolve_measure(ckpt, measure, fmt, calibration=calibration or None, measure_out=measure_out)
     kw = dict(overrides=tuple(overrides), head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits,
               include_mtp=include_mtp, measure=curves, gguf_ladder=gguf_ladder)
     if fit is not None:

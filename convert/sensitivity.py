@@ -1,0 +1,255 @@
+"""`mixq plan --measure`: measure every budgeted EXL3 unit's proxy loss at every candidate bitrate.
+
+One calibration pass (``convert/calibration.py``, full Hessians, source weights) walks the decoder layer by
+layer; for every budgeted unit of the layer (the planner's units: one Linear, the fused KDA qkv, or all routed
+experts of the layer) ``quant/sensitivity.measure`` quantizes the weight with the trellis encoder at each rate
+(LDLQ with the same Hessian the EXL3 pipeline uses) and returns tr(ΔW·H·ΔWᵀ). The result is the curves
+``{unit key: {bits: loss}}`` that ``plan_model(measure=...)`` hands to the knapsack solver.
+
+Routed experts: the calibrator sends every token through every expert (the pipeline's LDLQ Hessian), but the
+model only feeds an expert its routed tokens, weighted by the gate. The loss of expert e therefore uses the
+routing-weighted Hessian R_e = Σ_t g_te²·x_t·x_tᵀ / N (N = all calibration tokens; x_t the expert's input, for
+down_proj its activation), captured here from the experts module's inputs. A few experts per layer are
+measured (uniformly among the routed ones) and the layer's total is scaled by routing mass Σ_e Σ_t g_te².
+
+Sampling (CPU default, ``SAMPLING["cpu"]``): 1 rotated 16-column strip per matrix and 2 experts per layer; on
+CUDA everything is encoded (exact). See quant/sensitivity.py for the estimator and tests/ for its accuracy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mixq.errors import InputError
+from mixq.quant import allocator as al
+from mixq.quant import sensitivity as qs
+from mixq.quant.device import pick_device
+
+DEFAULT_ROWS = 16
+DEFAULT_SEQ_LEN = 256
+# (strips per matrix, experts per layer): None = all
+SAMPLING: dict[str, tuple[int | None, int | None]] = {"cpu": (1, 2), "cuda": (None, None)}
+
+
+def budget_units(ckpt) -> dict[str, list]:
+    """The planner's budgeted EXL3 units (``bits`` key) -> their Exl3Units (from formats/exl3_names)."""
+    from mixq.convert.planning import _exl3_group
+    from mixq.formats.exl3_names import exl3_layout
+
+    groups: dict[str, list] = {}
+    for u in exl3_layout(ckpt, include_mtp=False):
+        if u.kind == "trellis" and u.bits_key == "bits":
+            n = u.hf_names[0]
+            groups.setdefault(_exl3_group(ckpt.info(n), n), []).append(u)
+    return groups
+
+
+class _RoutingCapture:
+    """Forward pre-hook on a layer's experts module: keeps the (tokens, hidden) input and the routing."""
+
+    def __init__(self) -> None:
+        self.x: list[torch.Tensor] = []
+        self.idx: list[torch.Tensor] = []
+        self.w: list[torch.Tensor] = []
+        self.module = None
+
+    def __call__(self, module, args) -> None:
+        x, idx, w = args[:3]
+        self.module = module
+        self.x.append(x.detach().float())
+        self.idx.append(idx.detach())
+        self.w.append(w.detach().float())
+
+    def clear(self) -> None:
+        self.x, self.idx, self.w = [], [], []
+
+    def routed(self, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x (T, hidden), dense gates (T, E))."""
+        x = torch.cat(self.x)
+        g = torch.zeros(x.shape[0], n_experts, dtype=x.dtype, device=x.device)
+        g.scatter_(1, torch.cat(self.idx).long(), torch.cat(self.w).to(x.dtype))
+        return x, g
+
+
+def _expert_act(module, e: int, x: torch.Tensor, limit: float) -> torch.Tensor:
+    """Expert e's down_proj input for tokens x (the glm5_next clamped SwiGLU, as the calibrator computes it)."""
+    gate, up = F.linear(x, module.gate_up_proj[e].to(x)).chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _pick(n: int, count: int | None, seed: int, candidates: torch.Tensor) -> list[int]:
+    """Deterministic uniform sample of ``count`` indices among ``candidates`` (all when count is None)."""
+    c = candidates.tolist()
+    if count is None or count >= len(c):
+        return c
+    gen = torch.Generator().manual_seed(seed)
+    return sorted(c[i] for i in torch.randperm(len(c), generator=gen)[:count].tolist())
+
+
+def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int = DEFAULT_ROWS,
+                   seq_len: int = DEFAULT_SEQ_LEN, rates: Sequence[float] = al.EXL3_RATES,
+                   device: str | None = None, strips: int | None | str = "auto",
+                   experts: int | None | str = "auto", scale_tiles: int = 4, seed: int = 0,
+                   progress: bool = True) -> dict[str, dict[float, float]]:
+    """Measured curves {unit key: {bits: proxy loss}} of every budgeted EXL3 unit of ``ckpt`` (module docstring).
+
+    strips / experts: "auto" = ``SAMPLING`` for the device; None = all; an int = that many rotated 16-column
+    strips per matrix / experts per layer."""
+    from tqdm.auto import tqdm
+
+    from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+    from mixq.formats.checkpoint import open_checkpoint
+
+    if isinstance(ckpt, (str, Path)):
+        ckpt = open_checkpoint(ckpt)
+    dev = pick_device(device)
+    auto = SAMPLING["cuda" if dev.type == "cuda" else "cpu"]
+    strips = auto[0] if strips == "auto" else strips
+    experts = auto[1] if experts == "auto" else experts
+    groups = budget_units(ckpt)
+    if not groups:
+        raise InputError(f"{ckpt.path}: no budgeted EXL3 Linears to measure")
+    by_layer: dict[int, list[str]] = {}
+    for key, us in groups.items():
+        by_layer.setdefault(ckpt.info(us[0].hf_names[0]).layer, []).append(key)
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                           vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0])
+    cal = LayerCalibrator(ckpt, ids, device=dev, full=True)
+    captures: dict[int, _RoutingCapture] = {}
+    for i, layer in enumerate(cal.skeleton.layers):
+        ex = getattr(getattr(layer, "mlp", None), "experts", None)
+        if ex is not None and hasattr(ex, "gate_up_proj"):
+            captures[i] = _RoutingCapture()
+            ex.register_forward_pre_hook(captures[i])
+    fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
+    curves: dict[str, dict[float, float]] = {}
+    bar = tqdm(total=len(groups), desc="measure", unit="unit", disable=not progress)
+    for stage in cal.stages():
+        if stage.layer is None:
+            break  # the head is not budgeted (head_bits)
+        cap = captures.get(stage.layer)
+        for key in by_layer.get(stage.layer, []):
+            us = groups[key]
+            if key.endswith(".experts"):
+                loss = _measure_experts(stage, us, cap, fetch, rates, strips, experts, scale_tiles,
+                                        seed + 1000 * stage.layer, dev)
+            else:
+                (u,) = us
+                acc = stage.stats.get(u.hf_names[0])
+                h = acc.hessian() if acc is not None else None
+                if h is None:
+                    raise InputError(f"{u.hf_names[0]}: calibration saw no input for this Linear; cannot measure")
+                w = u.assemble(fetch).to(dev)
+                loss = qs.measure(w, h.to(dev), rates, strips=strips, scale_tiles=scale_tiles, seed=seed)[:, 0]
+            curves[key] = {float(b): float(v) for b, v in zip(rates, loss.tolist())}
+            bar.update(1)
+        if cap is not None:
+            cap.clear()
+        stage.advance()
+    bar.close()
+    missing = set(groups) - set(curves)
+    if missing:
+        raise InputError(f"--measure: calibration did not reach {sorted(missing)[0]}")
+    return curves
+
+
+def _measure_experts(stage, us, cap: _RoutingCapture | None, fetch, rates, strips, experts, scale_tiles, seed,
+                     dev) -> torch.Tensor:
+    """Summed loss of all routed experts of one layer, from a routing-mass-scaled sample of experts."""
+    by = {}
+    for u in us:  # Exl3Units "...experts.{e}.{gate,up,down}_proj"
+        parts = u.key.rsplit(".", 2)
+        by.setdefault(int(parts[-2]), {})[parts[-1]] = u
+    n_exp = max(by) + 1
+    if cap is None or not cap.x:
+        raise InputError(f"{us[0].hf_names[0]}: no routing captured for this layer's experts")
+    x, g = cap.routed(n_exp)
+    n_tok = x.shape[0]
+    mass = g.square().sum(0).double()  # Σ_t g_te² per expert
+    picked = _pick(n_exp, experts, seed, (mass > 0).nonzero().squeeze(1))
+    if not picked:
+        return torch.zeros(len(rates), dtype=torch.float64)
+    limit = float(getattr(cap.module, "swiglu_limit", 10.0))
+    total = torch.zeros(len(rates), dtype=torch.float64)
+    gu_w, gu_h, gu_l, dn_w, dn_h, dn_l = [], [], [], [], [], []
+    for e in picked:
+        rows = g[:, e].nonzero().squeeze(1)
+        xe, ge = x[rows], g[rows, e:e + 1]
+        xg = (xe * ge).double()
+        r_gu = (xg.T @ xg / n_tok).float()
+        a = _expert_act(cap.module, e, xe, limit).double() * ge.double()
+        r_dn = (a.T @ a / n_tok).float()
+        for proj in ("gate_proj", "up_proj"):
+            u = by[e][proj]
+            gu_w.append(u.assemble(fetch))
+            gu_h.append(stage.stats[u.hf_names[0]].hessian())
+            gu_l.append(r_gu)
+        u = by[e]["down_proj"]
+        dn_w.append(u.assemble(fetch))
+        dn_h.append(stage.stats[u.hf_names[0]].hessian())
+        dn_l.append(r_dn)
+    for ws, hs, ls in ((gu_w, gu_h, gu_l), (dn_w, dn_h, dn_l)):
+        st = lambda t: torch.stack(t).to(dev)  # noqa: E731
+        total += qs.measure(st(ws), st(hs), rates, loss_hessian=st(ls), strips=strips, scale_tiles=scale_tiles,
+                            seed=seed).sum(1)
+    return total * float(mass.sum() / mass[picked].sum())
+
+
+# --- curves files ----------------------------------------------------------------------------------------------
+def save_curves(curves: Mapping[str, Mapping[float, float]], path: str | Path, meta: dict | None = None) -> None:
+    """Write {unit: {bits: loss}} as JSON (bits as strings), under a temporary name renamed at the end.
+    ``meta`` goes under the key "_meta" (ignored by ``load_curves``)."""
+    path = Path(path)
+    d = {k: {f"{float(b):g}": float(v) for b, v in sorted(c.items())} for k, c in curves.items()}
+    if meta:
+        d = {"_meta": meta, **d}
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(d, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise InputError(f"--measure-out {path}: cannot write ({e})") from None
+
+
+def load_curves(path: str | Path) -> dict[str, dict[float, float]]:
+    """Read a curves JSON {unit: {bits: error}} (a "_meta" entry is skipped)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        return {k: {float(b): float(e) for b, e in v.items()} for k, v in raw.items() if k != "_meta"}
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise InputError(f"--measure {path}: expected JSON {{unit: {{bits: error}}}} ({e})") from None
+
+
+def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequence[str] | None = None,
+                    measure_out: str | None = None, device: str | None = None,
+                    progress: bool = True) -> dict[str, dict[float, float]] | None:
+    """``--measure`` of ``mixq plan``: None -> None; "trellis" (the flag alone) -> ``measure_curves``;
+    "proxy" -> the Hessian-trace proxy (``planning.measure_proxy``); anything else -> a curves JSON file.
+    ``measure_out`` saves measured curves for a later ``--measure FILE``."""
+    if measure is None:
+        if measure_out:
+            raise InputError("--measure-out needs --measure")
+        return None
+    if measure in ("trellis", "proxy"):
+        if fmt != "exl3":
+            raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
+        t0 = time.time()
+        if measure == "proxy":
+            from mixq.convert.planning import measure_proxy
+
+            curves = measure_proxy(ckpt, calibration or None)
+        else:
+            curves = measure_curves(ckpt, calibration or None, device=device, progress=progress)
+        if measure_out:
+            save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
+                                                   "seconds": round(time.time() - t0, 1)})
+        return curves
+    if measure_out:
+        raise InputError("--measure-out saves measured curves; it does not apply to --measure FILE")
+    return load_curves(measure)

@@ -53,11 +53,21 @@ def encode_iq3_s(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     scale, L = search(cb, xval, w, waux, mx, mx / f32(15), 9, 0.2, "all_if_offgrid")
     gi, signs, h, ls, dead = finish(cb, scale, L, zero, signs, S, 8, 255, d_factor=1.033)
     g = _sub_major(gi, S).reshape(S, 8, 8)                        # (S, sub-block, group)
+    sg = _sub_major(signs, S).reshape(S, 8, 4)
+    # ggml advances its index and sign pointers only past non-zero sub-blocks (the high bits and
+    # scales are indexed by sub-block): later sub-blocks move up into the slots of zero ones
+    live = ~zero.reshape(S, 8)
+    slot = np.cumsum(live, axis=1) - 1
+    si, bi = np.nonzero(live)
+    lo = np.zeros((S, 8, 8), np.int64)
+    lo[si, slot[si, bi]] = g[si, bi] & 255
+    packed_signs = np.zeros((S, 8, 4), np.int64)
+    packed_signs[si, slot[si, bi]] = sg[si, bi]
     out = np.empty((S, 110), np.uint8)
     out[:, 0:2] = h.astype("<f2").view(np.uint8).reshape(S, 2)
-    out[:, 2:66] = (g & 255).reshape(S, 64).astype(np.uint8)
+    out[:, 2:66] = lo.reshape(S, 64).astype(np.uint8)
     out[:, 66:74] = ((g >> 8) << np.arange(8)[None, None]).sum(2).astype(np.uint8)
-    out[:, 74:106] = _sub_major(signs, S).astype(np.uint8)
+    out[:, 74:106] = packed_signs.reshape(S, 32).astype(np.uint8)
     out[:, 106:110] = (ls[:, 0::2] | (ls[:, 1::2] << 4)).astype(np.uint8)
     out[dead] = 0
     return out

@@ -267,7 +267,7 @@ def test_live_every_matrix_of_k256_equal_ggml(k256_model):
                     continue
                 x = f.get_tensor(name).to(torch.float32).numpy()
                 im = real_imatrix(x.shape[1])
-                for q in kquants.SUPPORTED:
+                for q in TYPES:  # the i-quant grid types: tests/quant/test_kquants_iq.py
                     if x.shape[1] % kquants.block_size(q):
                         continue
                     for imx in (None, im):

@@ -125,6 +125,7 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
 @click.option("--type", "qtype", default=None, help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).")
 @click.option("--imatrix", type=click.Path(), default=None, help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).")
+@click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default="k", show_default=True, help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.")
 @click.option("--tensor-type", "tensor_type", multiple=True, help="GGUF: REGEX=TYPE on GGUF tensor names (repeatable; first match wins).")
 @click.option("--output-tensor-type", default=None, help="GGUF: type of output.weight.")
 @click.option("--token-embedding-type", default=None, help="GGUF: type of token_embd.weight.")

@@ -21,6 +21,10 @@ from mixq.quant import gguf_mix
 from mixq.quant.device import pick_device
 
 PURE_FLOAT = ("F32", "F16", "BF16")
+# llama-quantize refuses these target types for a tensor without importance data (token_embd/output excepted)
+NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
+
+
 def fallback_type(qtype: str, n: int) -> str:
     """The type llama-quantize really uses for a row length `n` (quant.gguf_mix.fallback, the planner's rule);
     a type with no listed fallback whose block does not divide `n` becomes F16, as llama-quantize's last resort."""
@@ -86,11 +90,12 @@ def _pure_types(specs, outtype: str) -> list[str]:
     return out
 
 
-def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp) -> list[str]:
+def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k") -> list[str]:
     try:
         from mixq.convert.planning import plan_model
 
-        plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp)
+        plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
+                          gguf_ladder=gguf_ladder)
     except ImportError as e:
         if qtype and qtype.upper() in ("Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_1"):
             return _pure_types(specs, qtype.upper())
@@ -103,14 +108,15 @@ def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp) -> list[str]:
 
 
 def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=(), output_tensor_type=None,
-                 token_embedding_type=None, include_mtp=True) -> list[str]:
+                 token_embedding_type=None, include_mtp=True, gguf_ladder="k") -> list[str]:
     """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides."""
     if sum(v is not None for v in (qtype, bpw, size)) != 1:
         raise InputError("give exactly one of --type, --bpw, --size")
     if qtype is not None and qtype.upper() in PURE_FLOAT:
         types = _pure_types(specs, qtype.upper())
     else:
-        types = _planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp)
+        types = _planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
+                               gguf_ladder=gguf_ladder)
     rx = []
     for item in tensor_type:
         if isinstance(item, str):
@@ -142,8 +148,10 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
                  token_embedding_type: str | None = None, no_mtp: bool = False, shard_size: int | str = 0,
                  tokenizer_pre: str | None = None, chat_template: str | Path | None = None,
                  fix_chat_template: bool = False, mmproj: str | Path | None = None, mmproj_type: str = "F16",
-                 progress: bool = True) -> dict:
-    """Convert `model` (dir or hub id) to the GGUF `out` (.gguf). Returns a summary dict (files, types, bytes)."""
+                 gguf_ladder: str = "k", progress: bool = True) -> dict:
+    """Convert `model` (dir or hub id) to the GGUF `out` (.gguf). Returns a summary dict (files, types, bytes).
+
+    `gguf_ladder` ("k" | "iq") picks the planner's candidate types for --bpw/--size mixes."""
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
@@ -156,12 +164,18 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
         size = parse_size(size)
     types = assign_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, tensor_type=tensor_type,
                          output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
-                         include_mtp=include_mtp)
+                         include_mtp=include_mtp, gguf_ladder=gguf_ladder)
     imx = None
     if imatrix is not None:
         from mixq.formats.imatrix_file import IMatrix, read_imatrix
 
         imx = (imatrix if isinstance(imatrix, IMatrix) else read_imatrix(imatrix)).means()
+    for s, t in zip(specs, types):  # fail before writing anything, naming the first such tensor
+        if t in NEEDS_IMATRIX and s.name not in ("token_embd.weight", "output.weight") \
+                and (imx is None or imx.get(s.name) is None):
+            why = "the imatrix has no entry for it" if imx is not None else "no --imatrix given"
+            raise InputError(f"{s.name}: {t} needs an importance matrix ({why}; llama-quantize refuses it too); "
+                             "make one with `mixq imatrix`")
     n_vocab = ckpt.shape(next(s for s in specs if s.name == "token_embd.weight").hf_names[0])[0]
     tmeta = tokenizer_metadata(ckpt.path, n_vocab, tokenizer_pre)
     tmpl_report = None

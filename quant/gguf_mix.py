@@ -266,9 +266,10 @@ def mix_types(tensors: Sequence[tuple[str, tuple[int, ...], str]], mix: str, ctx
 
 
 # --- custom (role-based) GGUF ladders --------------------------------------------------------------------------
-GGUF_LADDER: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # what mixq's encoders write
-# "iq": adds the i-quants llama-quantize writes (IQ2_*/IQ3_XXS need an importance matrix there); this is the
-# only way below 2.625 bpw, i.e. to put a 321B model into ~108 GB (as the Unsloth UD-Q2_K_XL mixes do)
+GGUF_LADDER: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # K-quants (the default)
+# "iq": adds the i-quants (mixq.quant.kquants writes them all, bit-exact with ggml; IQ2_*/IQ3_XXS need an
+# importance matrix, as in llama-quantize); the only way below 2.625 bpw, i.e. to put a 321B model into ~108 GB
+# (as the Unsloth UD-Q2_K_XL mixes do)
 GGUF_LADDER_IQ: tuple[str, ...] = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K", "IQ3_XXS", "Q3_K", "IQ4_XS", "Q4_K",
                                    "Q5_K", "Q6_K", "Q8_0")
 LADDERS = {"k": GGUF_LADDER, "iq": GGUF_LADDER_IQ}

@@ -23,6 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from mixq.quant import kquants, kquants_ggml  # noqa: E402
 
 TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0", "Q5_0", "Q5_1"]
+# also: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (--types; the IQ2_XXS/XS rows run with an imatrix only)
 
 
 def _load_experts(model: Path, layer: int, proj: str) -> np.ndarray:
@@ -74,6 +75,10 @@ def main() -> None:
         im = np.exp(rng.standard_normal(x.shape[1])).astype(np.float32)
         for t in args.types.split(","):
             for imx in (None, im):
+                if imx is None and t in kquants.REQUIRES_IMATRIX:
+                    continue  # ggml aborts without one
+                # one-off table set-up (the i-quant codebooks / neighbour lists, on both sides) outside the timing
+                kquants.quantize(x[:1], t, imx), kquants_ggml.ggml_quantize(x[:1], t, imx)
                 c_m, w_m, a = _time(lambda: kquants.quantize(x, t, imx), args.repeat)
                 c_g, w_g, b = _time(lambda: kquants_ggml.ggml_quantize(x, t, imx), args.repeat)
                 mw = x.size / 1e6

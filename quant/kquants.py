@@ -4,12 +4,14 @@ Pinned by issue 6. Without an importance matrix the bytes equal ggml's reference
 (``quantize_row_*_ref``); with one they equal ggml's importance path (``quantize_*`` with
 ``quant_weights``), which for Q8_0 ignores it. Q2_K…Q6_K and the importance paths of the legacy
 32-weight types are our vectorised numpy ports (:mod:`kquants_blocks`, :mod:`kquants_legacy`);
-the legacy reference paths and Q8_0 come from gguf-py, which is bit-exact for them.
+the legacy reference paths and Q8_0 come from gguf-py, which is bit-exact for them. The lattice
+i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (:mod:`kquants_iq2`, :mod:`kquants_iq3`) take their
+codebooks from gguf-py; IQ2_XXS and IQ2_XS need an imatrix (ggml refuses them without one).
 The imatrix is a per-column vector of length n (for an expert tensor: that expert's slice).
 
 Verified byte for byte against libggml-base of llama-cpp-python 0.3.36 (x86-64, GGML_NATIVE=OFF)
 for every type here, with and without imatrix, on edge-case rows and on every 2-D tensor of the
-k256 and mini fixtures (tests/quant/test_kquants.py). Speed: about 2-3x ggml's single-thread
+k256 and mini fixtures (tests/quant/test_kquants.py; i-quants: tests/quant/test_kquants_iq.py). Speed: about 2-3x ggml's single-thread
 CPU time for the K-quants (bench/kquant_speed.py).
 """
 from __future__ import annotations

@@ -40,11 +40,14 @@ class Codebook:
     nlev: int               # levels per weight (3 or 8)
     shifts: np.ndarray      # (group,) bit offsets of the packed level code
     levels: np.ndarray      # (N, group) int64 levels of each entry
-    pos_t: np.ndarray       # (group, N) float32 odd values 2l+1 (the search works on these), element-major
+    values: np.ndarray      # (nlev,) float32 odd values 2l+1 the search compares against
     kmap: np.ndarray        # (2^(bits*group),) int64: packed code -> entry index, -1 when not in the codebook
     nb_row: np.ndarray      # packed code -> row of nb (codes off the codebook), else -1
     nb: np.ndarray          # (rows, maxlen) int64 neighbour entries in ggml's order, -1 padded
     nb_len: np.ndarray      # (rows,) number of neighbours
+    nb_head: np.ndarray     # (rows, maxlen) int32: neighbour's first `head` levels as one base-nlev number
+    nb_tail: np.ndarray     # (group-head, rows, maxlen) int32: neighbour's level i (i >= head) + i*nlev
+    head: int               # leading elements whose partial error sums are tabulated per group
 
 
 @lru_cache(maxsize=None)
@@ -78,7 +81,14 @@ def codebook(qtype: str) -> Codebook:
     nb = np.where(keep[:, :maxlen], order[:, :maxlen], -1)
     nb_row = np.full(len(kmap), -1, dtype=np.int64)
     nb_row[q_codes] = np.arange(len(q_codes))
-    return Codebook(group, nlev, shifts, levels, np.ascontiguousarray(pos.T, dtype=F32), kmap, nb_row, nb, nb_len)
+    head = 4 if group == 8 else 2                                     # 81 or 64 partial sums per group
+    nl = levels[np.maximum(nb, 0)]                                    # (rows, maxlen, group)
+    nb_head = np.zeros(nb.shape, np.int32)
+    for i in range(head):
+        nb_head = nb_head * nlev + nl[:, :, i].astype(np.int32)
+    nb_tail = np.stack([nl[:, :, i] + i * nlev for i in range(head, group)]).astype(np.int32)
+    return Codebook(group, nlev, shifts, levels, (2 * np.arange(nlev) + 1).astype(F32), kmap, nb_row, nb, nb_len,
+                    nb_head, nb_tail, head)
 
 
 def _round_levels(idv: np.ndarray, xval: np.ndarray, nlev: int) -> np.ndarray:
@@ -94,14 +104,23 @@ def _nearest(cb: Codebook, rows: np.ndarray, xv: np.ndarray, wa: np.ndarray, sc:
     """Codebook entry minimising sum_i wa_i (sc*p_i - x_i)^2 over each row's neighbour list.
 
     Sums run over the entry's elements in order and ties go to the earlier neighbour (ggml's strict '<').
+    Each term takes one of nlev values per element, so the terms are computed once per group, the running
+    sums over the first `head` elements once per level combination, and each neighbour gathers its prefix
+    and adds its remaining terms in order: the same float32 operations as the direct loop.
     """
+    n = len(rows)
     cand = cb.nb[rows, :width]
-    pts = cb.pos_t[:, np.maximum(cand, 0)]                 # (group, n, width)
-    sc = sc[:, None]
-    d2 = np.zeros(cand.shape, dtype=F32)
-    for i in range(cb.group):
-        diff = sc * pts[i] - xv[:, i:i + 1]
-        d2 += wa[:, i:i + 1] * diff * diff
+    diff = sc[:, None, None] * cb.values[None, None] - xv[:, :, None]   # (n, group, nlev)
+    terms = wa[:, :, None] * diff * diff
+    part = terms[:, 0]
+    for i in range(1, cb.head):
+        part = (part[:, :, None] + terms[:, i][:, None, :]).reshape(n, -1)
+    # flat 1-D gathers: row r's table starts at r * (table width)
+    d2 = part.ravel().take(cb.nb_head[rows, :width] + (np.arange(n, dtype=np.int32) * part.shape[1])[:, None])
+    flat = terms.ravel()
+    base = (np.arange(n, dtype=np.int32) * (cb.group * cb.nlev))[:, None]
+    for t in cb.nb_tail:
+        d2 += flat.take(t[rows, :width] + base)
     d2[cand < 0] = np.inf
     return cand[np.arange(len(cand)), np.argmin(d2, axis=1)]
 

@@ -503,10 +503,10 @@ def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int =
 
     Proxy of the Hessian-weighted loss E[tr(ΔW·H·ΔWᵀ)]: after the random-Hadamard incoherence transform the
     trellis error is close to i.i.d. with variance D(K)·mean(W²), so the loss is D(K)·mean(W²)·out·tr(H) with
-    tr(H) = Σx² / N over all N calibration tokens (an expert's Σx² covers only the tokens routed to it, which
-    weights it by its routing frequency) and D(K) = 2^(−2K), the rate–distortion slope the trellis tracks
-    (issue 3). Not a per-rate trellis measurement: every unit's curve has the same shape, only its weight is
-    measured."""
+    tr(H) = Σx² / N over all N calibration tokens (the calibrator sends every token through every expert, so
+    routing is not reflected) and D(K) = 2^(−2K), the rate–distortion slope the trellis tracks (issue 3). Not a
+    per-rate trellis measurement: every unit's curve has the same shape, only its weight is measured. This is
+    ``--measure proxy``; ``--measure`` alone measures with the trellis (``convert/sensitivity.py``)."""
     from mixq.convert.calibration import calibrate, calibration_rows, load_tokenizer
 
     tok = load_tokenizer(ckpt.path)

@@ -33,6 +33,7 @@ from mixq.quant.device import pick_device
 
 DEFAULT_ROWS = 16
 DEFAULT_SEQ_LEN = 256
+RATES: tuple[float, ...] = al.EXL3_RATES
 # (strips per matrix, experts per layer): None = all
 SAMPLING: dict[str, tuple[int | None, int | None]] = {"cpu": (1, 2), "cuda": (None, None)}
 
@@ -92,13 +93,14 @@ def _pick(n: int, count: int | None, seed: int, candidates: torch.Tensor) -> lis
     return sorted(c[i] for i in torch.randperm(len(c), generator=gen)[:count].tolist())
 
 
-def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int = DEFAULT_ROWS,
-                   seq_len: int = DEFAULT_SEQ_LEN, rates: Sequence[float] = al.EXL3_RATES,
+def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int | None = None,
+                   seq_len: int | None = None, rates: Sequence[float] | None = None,
                    device: str | None = None, strips: int | None | str = "auto",
                    experts: int | None | str = "auto", scale_tiles: int = 4, seed: int = 0,
                    progress: bool = True) -> dict[str, dict[float, float]]:
     """Measured curves {unit key: {bits: proxy loss}} of every budgeted EXL3 unit of ``ckpt`` (module docstring).
 
+    rows / seq_len / rates: None = ``DEFAULT_ROWS`` / ``DEFAULT_SEQ_LEN`` / ``RATES`` (read at call time).
     strips / experts: "auto" = ``SAMPLING`` for the device; None = all; an int = that many rotated 16-column
     strips per matrix / experts per layer."""
     from tqdm.auto import tqdm
@@ -106,6 +108,9 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
 
+    rows = DEFAULT_ROWS if rows is None else rows
+    seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
+    rates = tuple(RATES if rates is None else rates)
     if isinstance(ckpt, (str, Path)):
         ckpt = open_checkpoint(ckpt)
     dev = pick_device(device)
@@ -199,6 +204,22 @@ def _measure_experts(stage, us, cap: _RoutingCapture | None, fetch, rates, strip
         total += qs.measure(st(ws), st(hs), rates, loss_hessian=st(ls), strips=strips, scale_tiles=scale_tiles,
                             seed=seed).sum(1)
     return total * float(mass.sum() / mass[picked].sum())
+
+
+def predicted_loss(plan, curves: Mapping[str, Mapping[float, float]], ckpt) -> float:
+    """Σ over the budgeted units of ``plan`` (EXL3) of the curve value at the unit's planned bits: the total
+    error the solver predicts for that plan under ``curves``."""
+    from mixq.convert.planning import _exl3_group
+
+    levels: dict[str, float] = {}
+    for t in plan.tensors:
+        info = ckpt.info(t.name)
+        if t.bits is not None and info.exl3 == "trellis" and info.exl3_bits_key == "bits" and not info.mtp:
+            levels.setdefault(_exl3_group(info, t.name), t.bits)
+    missing = [k for k in levels if k not in curves]
+    if missing:
+        raise InputError(f"no curve for unit {missing[0]!r}")
+    return float(sum(curves[k][float(b)] for k, b in levels.items()))
 
 
 # --- curves files ----------------------------------------------------------------------------------------------

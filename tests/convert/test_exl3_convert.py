@@ -4,7 +4,7 @@ kill -9 + --resume byte-identical, bad input, and the DFlash2 drafter.
 The trellis encoder (quant/trellis.py, tested on its own in tests/quant) needs minutes per tiny model on 2 shared
 CPU cores, so the default-suite tests here swap in FAKE_TRELLIS: a deterministic stand-in with the same API and
 tensor layout whose output depends on the weight and on the calibration Hessian (so calibration state, resume
-and byte-identity are still exercised). The real encoder runs end to end in the `slow` test at the bottom.
+and byte-identity are still exercised). The real encoder runs end to end (about two minutes) in `test_real_trellis_end_to_end`.
 """
 from __future__ import annotations
 
@@ -334,7 +334,6 @@ def test_dflash2_drafter_at_6_bpw(tmp_path, fake_trellis):
                        srcw["candidate_selector.hidden_projection.weight"].half().float())
 
 
-@pytest.mark.slow
 def test_real_trellis_end_to_end(tmp_path):
     """The real encoder on a minimal tiny model (KDA + DSA layer, 2 experts, NextN, vocab 512): verify passes,
     weights come back within the 4-bit error, the dequantized model runs in transformers."""

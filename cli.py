@@ -134,6 +134,7 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--fix-chat-template", is_flag=True, help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).")
 @click.option("--mmproj", type=click.Path(), default=None, help="GGUF: also write the vision projector to this .gguf.")
 @click.option("--mmproj-type", type=click.Choice(["F16", "Q8_0"], case_sensitive=False), default="F16", show_default=True, help="GGUF: mmproj matrix type.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="GGUF: encoder worker processes (1 = in this process; output bytes do not depend on it) [default: all cores].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, device, shard_size, resume, head_bits,

@@ -10,7 +10,8 @@ FORMATS = ("exl3", "gguf")
 
 def convert(model, out, format: str = "exl3", **opts):
     """Convert `model` to `format` at `out`. EXL3 → `convert_exl3` (returns a ConvertResult);
-    GGUF → `mixq.convert.gguf_pipeline.convert_gguf` (returns its summary dict)."""
+    GGUF → `mixq.convert.gguf_pipeline.convert_gguf` (returns its summary dict; `threads=N` worker processes
+    encode the tensors, default all cores)."""
     fmt = str(format).lower()
     if fmt == "exl3":
         from .pipeline import convert_exl3

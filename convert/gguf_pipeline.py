@@ -5,11 +5,13 @@
   for mixes, or the converter's pure policy for F32/F16/BF16 (F32 pins per formats/glm5next);
 - llama-quantize options on GGUF names: `tensor_type` [(regex, TYPE)] (first match wins), `output_tensor_type`,
   `token_embedding_type`; never-quantized tensors (policy f32/keep) are left alone, as llama-quantize does;
-- encoders: mixq.quant.kquants (bit-exact ggml), falling back to gguf-py for types it lacks;
+- encoders: mixq.quant.kquants (bit-exact ggml), falling back to gguf-py for types it lacks, run on `threads`
+  worker processes by convert/gguf_workers (row blocks / expert slices; same bytes as one process);
 - the checkpoint is read lazily, one GGUF tensor at a time; output written under temp names, renamed at the end.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from mixq.errors import InputError, PlanError
 from mixq.quant.allocator import parse_size  # one size convention: GB = 10^9, GiB = 2^30
 from mixq.quant import gguf_mix
 from mixq.quant.device import pick_device
+from mixq.convert.gguf_workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
 
 PURE_FLOAT = ("F32", "F16", "BF16")
 # llama-quantize refuses these target types for a tensor without importance data (token_embd/output excepted)
@@ -32,51 +35,6 @@ def fallback_type(qtype: str, n: int) -> str:
         return gguf_mix.fallback(qtype, n)
     except PlanError:
         return "F16"
-
-
-def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
-    """Encode a float32 array (..., n) as ggml `qtype`: float arrays for F32/F16, raw block bytes otherwise.
-
-    `imatrix` is (n,) or, for stacked 3-D tensors, (E, n): one importance vector per expert/slice."""
-    import gguf
-
-    from mixq.quant.gguf_mix import ggml_type
-
-    q = qtype.upper()
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if q == "F32":
-        return x
-    if q == "F16":
-        return x.astype(np.float16)
-    if q in ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1") and imatrix is None:
-        return gguf.quants.quantize(x, ggml_type(q))
-    try:
-        from mixq.quant import kquants
-    except ImportError:
-        kquants = None
-    n = x.shape[-1]
-    # one (rows, n) matrix per expert / slice of a 3-D tensor
-    mats = x if x.ndim == 3 else x.reshape(1, -1, n)
-    imx = None
-    if imatrix is not None:
-        imx = np.asarray(imatrix, dtype=np.float32).reshape(-1, n)
-        if imx.shape[0] not in (1, mats.shape[0]):
-            raise InputError(f"imatrix has {imx.shape[0]} vectors for {mats.shape[0]} matrices")
-    out = []
-    for e in range(mats.shape[0]):
-        w = None if imx is None else imx[e if imx.shape[0] > 1 else 0]
-        rows = mats[e]
-        if kquants is not None and q in kquants.SUPPORTED:
-            # errors (non-finite weights, bad widths) propagate: never hide them behind another encoder
-            out.append(np.asarray(kquants.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
-            continue
-        if w is not None and q in ("Q8_0", "BF16"):  # these ignore the imatrix in ggml too
-            w = None
-        if w is not None or q not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"):
-            raise InputError(f"no encoder for {q}{' with imatrix' if w is not None else ''} (mixq.quant.kquants lacks it)")
-        out.append(gguf.quants.quantize(rows, ggml_type(q)))
-    res = np.stack(out)
-    return res.reshape(x.shape[:-1] + (res.shape[-1],))
 
 
 def _pure_types(specs, outtype: str) -> list[str]:
@@ -148,15 +106,18 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
                  token_embedding_type: str | None = None, no_mtp: bool = False, shard_size: int | str = 0,
                  tokenizer_pre: str | None = None, chat_template: str | Path | None = None,
                  fix_chat_template: bool = False, mmproj: str | Path | None = None, mmproj_type: str = "F16",
-                 gguf_ladder: str = "k", progress: bool = True) -> dict:
+                 gguf_ladder: str = "k", threads: int | None = None, progress: bool = True) -> dict:
     """Convert `model` (dir or hub id) to the GGUF `out` (.gguf). Returns a summary dict (files, types, bytes).
 
-    `gguf_ladder` ("k" | "iq") picks the planner's candidate types for --bpw/--size mixes."""
+    `gguf_ladder` ("k" | "iq") picks the planner's candidate types for --bpw/--size mixes. `threads` worker
+    processes encode the tensors (convert/gguf_workers; default os.cpu_count(), 1 = in this process); the
+    bytes do not depend on it."""
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
     from mixq.formats.gguf_writer import TensorOut, glm5next_kv, write_gguf
 
+    n_threads = _thread_count(threads)
     ckpt = open_checkpoint(model)
     include_mtp = not no_mtp
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
@@ -197,21 +158,21 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(specs, types)]
     by_name = {s.name: s for s in specs}
 
-    def produce(t: TensorOut) -> np.ndarray:
-        spec = by_name[t.name]
+    def load(name: str) -> tuple[np.ndarray, np.ndarray | None]:
+        spec, qt = by_name[name], qtypes[name]
         x = build_tensor(spec, ckpt.get).numpy()
-        w = None if imx is None or t.qtype in PURE_FLOAT else imx.get(t.name)
+        w = None if imx is None or qt in PURE_FLOAT else imx.get(name)
         if w is not None and w.size != (x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]:
-            raise InputError(f"imatrix entry {t.name} has {w.size} values, tensor needs "
+            raise InputError(f"imatrix entry {name} has {w.size} values, tensor needs "
                              f"{(x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]}")
-        try:
-            return encode(x, t.qtype, w)
-        except InputError as e:
-            raise InputError(f"{spec.hf_names[0]} -> {t.name} ({t.qtype}): {e}") from None
+        return x, w
 
-    files = write_gguf(out, kv, outs, produce, tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl),
-                       shard_size=parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size or 0),
-                       progress=progress)
+    qtypes = {t.name: t.qtype for t in outs}
+    items = [(t.name, t.qtype, f"{by_name[t.name].hf_names[0]} -> {t.name} ({t.qtype})") for t in outs]
+    with TensorEncoder(items, load, threads=n_threads) as enc:
+        files = write_gguf(out, kv, outs, lambda t: enc.get(t.name), tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl),
+                           shard_size=parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size or 0),
+                           progress=progress)
     mm = None
     if mmproj is not None:
         from mixq.formats.mmproj import write_mmproj
@@ -224,7 +185,19 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     params = sum(int(np.prod(t.shape)) for t in outs)
     return {"files": [str(f) for f in files], "tensors": len(outs), "types": counts, "bytes": total,
             "bpw": 8.0 * total / max(params, 1), "tokenizer_pre": tmeta.pre, "mtp": include_mtp,
-            "chat_template": tmpl_report, "mmproj": mm}
+            "chat_template": tmpl_report, "mmproj": mm, "threads": n_threads}
+
+
+def _thread_count(threads: int | None) -> int:
+    """Worker processes for the encoders: `threads`, or every core this process may run on when None."""
+    if threads is None:
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):  # not Linux
+            return max(1, os.cpu_count() or 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InputError(f"--threads {threads!r}: expected a positive whole number")
+    return threads
 
 
 def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,

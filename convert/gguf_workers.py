@@ -194,6 +194,7 @@ class TensorEncoder:
         self._stop = False
         self._pool: ProcessPoolExecutor | None = None
         self._source: tuple[np.ndarray, np.ndarray | None] | None = None
+        self._starts: list[Future] = []
 
     # -- public ---------------------------------------------------------------------------------------------
     def get(self, name: str) -> np.ndarray:
@@ -325,16 +326,9 @@ class TensorEncoder:
         ctx = multiprocessing.get_context("spawn")
         with _single_threaded_env():
             pool = ProcessPoolExecutor(self.threads, mp_context=ctx, initializer=_worker_init)
-            # spawn every worker now, while the environment says one thread (later spawns would not see it)
-            starts = [pool.submit(_ready) for _ in range(self.threads)]
-        try:
-            for f in starts:
-                f.result()
-        except BrokenProcessPool as e:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise MixqError("the GGUF encoder worker processes could not start; a Python script that converts "
-                            "must keep its top-level code under `if __name__ == \"__main__\":` (spawned workers "
-                            "import it), or pass threads=1") from e
+            # spawn every worker now, while the environment says one thread (later spawns would not see it);
+            # not waited for: the parent goes on reading and cutting tensors while the workers import
+            self._starts = [pool.submit(_ready) for _ in range(self.threads)]
         return pool
 
     def _result(self, f: Future, label: str) -> np.ndarray:
@@ -344,5 +338,9 @@ class TensorEncoder:
             raise self._broken(label) from e
 
     def _broken(self, label: str) -> MixqError:
+        if not all(f.done() and f.exception() is None for f in self._starts):
+            return MixqError("the GGUF encoder worker processes could not start; a Python script that converts "
+                             "must keep its top-level code under `if __name__ == \"__main__\":` (spawned workers "
+                             "import it), or pass threads=1")
         return MixqError(f"{label}: a GGUF encoder worker process died (out of memory?); "
                          f"retry with fewer --threads than {self.threads}")

@@ -149,3 +149,21 @@ def test_default_is_every_core(monkeypatch):
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     assert _thread_count(None) == 3 and _thread_count(5) == 5
+
+
+def test_unguarded_script_gets_one_clear_error(tmp_path):
+    """Spawned workers import the parent's __main__ script: one without the `if __name__ == "__main__":` idiom
+    cannot start them, and is told so in one line instead of a BrokenProcessPool from deep inside."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import numpy as np\nfrom mixq.convert.gguf_workers import TensorEncoder\n"
+                      "x = np.ones((4, 256), np.float32)\n"
+                      "with TensorEncoder([('t', 'Q8_0', 't')], lambda n: (x, None), threads=2) as enc:\n"
+                      "    enc.get('t')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("mixq.errors.MixqError: the GGUF encoder worker processes could not start")
+    assert "__main__" in last

@@ -1,0 +1,113 @@
+"""Wall time of a GGUF conversion at --threads 1 and N: glm5next-k256, Q4_K_M with IQ2_S routed experts + imatrix.
+
+    python bench/gguf_threads.py                       # threads 1 and 2, 2 alternating rounds, best of each
+    python bench/gguf_threads.py --threads 1,2,4 --rounds 3 --imatrix my.imatrix.gguf
+
+The row is bench/iq_ladder.py's "Q4_K_M, experts IQ2_S" file (`mixq convert --type Q4_K_M --tensor-type
+'blk\\.[0-3]\\.ffn_(gate|up|down)_exps=IQ2_S' --imatrix IMX`), where the i-quant encoders are ~85% of the time.
+Each run is a fresh `python -m mixq convert` (Python start, imports and worker spawn included). Printed per thread
+count: best wall seconds, CPU seconds of the process tree, the speedup over 1 thread, and whether the file's
+sha256 equals the 1-thread file. The machine's load average is printed too: on shared cores the speedup is a lower
+bound. Results go to bench/results/gguf-threads.json.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+MODEL = SHARED / "models" / "glm5next-k256"
+CALIBRATION = SHARED / "data" / "calibration.txt"
+EXPS = r"blk\.[0-3]\.ffn_(gate|up|down)_exps"
+
+
+def log(msg: str) -> None:
+    print(f"[gguf_threads {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def ensure_imatrix(path: Path, rows: int) -> Path:
+    """bench/iq_ladder.py's imatrix (mixq's, from data/calibration.txt); made once (~7 min on 2 cores)."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("partial-" + path.name)
+    code = ("import sys; from mixq.convert.gguf_pipeline import collect_imatrix; "
+            "from mixq.formats.imatrix_file import write_imatrix; "
+            "write_imatrix(sys.argv[4], collect_imatrix(sys.argv[1], [sys.argv[2]], rows=int(sys.argv[3]), seq_len=512))")
+    log(f"making the imatrix {path}")
+    subprocess.run([sys.executable, "-c", code, str(MODEL), str(CALIBRATION), str(rows), str(tmp)], check=True)
+    os.replace(tmp, path)
+    return path
+
+
+def convert(out: Path, imx: Path, threads: int, qtype: str) -> tuple[float, float, str]:
+    """One conversion in a fresh process: (wall s, CPU s of it and its workers, sha256 of the file)."""
+    cmd = [sys.executable, "-m", "mixq", "convert", str(MODEL), str(out), "--format", "gguf", "--type", "Q4_K_M",
+           "--tensor-type", f"{EXPS}={qtype}", "--imatrix", str(imx), "--threads", str(threads), "--json"]
+    c0, t0 = children_cpu(), time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall, cpu = time.perf_counter() - t0, children_cpu() - c0
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    out.unlink()
+    return wall, cpu, digest
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="1,2", help="thread counts to time (the first is the baseline)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best wall time of each count counts")
+    ap.add_argument("--type", dest="qtype", default="IQ2_S", help="routed-expert type")
+    ap.add_argument("--work", default=os.environ.get("MIXQ_BENCH_WORK", "/work/bench-work"))
+    ap.add_argument("--imatrix", default=None, help="imatrix file [default: WORK/k256/imatrix-r32.gguf, made if absent]")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gguf-threads.json"))
+    a = ap.parse_args(argv)
+    counts = [int(t) for t in a.threads.split(",") if t]
+    work = Path(a.work) / "k256-threads"
+    work.mkdir(parents=True, exist_ok=True)
+    imx = Path(a.imatrix) if a.imatrix else ensure_imatrix(Path(a.work) / "k256" / "imatrix-r32.gguf", 32)
+    runs: dict[int, list[dict]] = {n: [] for n in counts}
+    load0 = os.getloadavg()
+    for r in range(a.rounds):
+        for n in counts:
+            wall, cpu, digest = convert(work / f"k256-exps-{a.qtype}-t{n}.gguf", imx, n, a.qtype)
+            runs[n].append({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "sha256": digest,
+                            "load1": round(os.getloadavg()[0], 2)})
+            log(f"round {r + 1}: --threads {n}: {wall:.1f} s wall, {cpu:.1f} s CPU, load {os.getloadavg()[0]:.2f}")
+    base = min(x["wall_s"] for x in runs[counts[0]])
+    ref = runs[counts[0]][0]["sha256"]
+    rows = []
+    for n in counts:
+        best = min(runs[n], key=lambda x: x["wall_s"])
+        rows.append({"threads": n, "wall_s": best["wall_s"], "cpu_s": best["cpu_s"],
+                     "speedup": round(base / best["wall_s"], 2),
+                     "identical": all(x["sha256"] == ref for x in runs[n]), "runs": runs[n]})
+    res = {"model": "glm5next-k256", "row": f"Q4_K_M, experts {a.qtype}, imatrix {imx}", "cores": os.cpu_count(),
+           "load_before": [round(v, 2) for v in load0], "load_after": [round(v, 2) for v in os.getloadavg()],
+           "rows": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"k256, Q4_K_M with {a.qtype} experts + imatrix, {os.cpu_count()} cores, "
+          f"load average {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}")
+    print("| --threads | wall s (best) | CPU s | speedup | bytes identical to --threads 1 |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['threads']} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | {row['speedup']:.2f}x | "
+              f"{'yes' if row['identical'] else 'NO'} |")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

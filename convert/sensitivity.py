@@ -12,8 +12,9 @@ routing-weighted Hessian R_e = Σ_t g_te²·x_t·x_tᵀ / N (N = all calibration
 down_proj its activation), captured here from the experts module's inputs. A few experts per layer are
 measured (uniformly among the routed ones) and the layer's total is scaled by routing mass Σ_e Σ_t g_te².
 
-Sampling (CPU default, ``SAMPLING["cpu"]``): 1 rotated 16-column strip per matrix and 2 experts per layer; on
-CUDA everything is encoded (exact). See quant/sensitivity.py for the estimator and tests/ for its accuracy.
+Sampling (CPU default, ``SAMPLING["cpu"]``): per matrix 1 random rotated 16-column strip (plus a strip holding
+an outlier, if any) and 2 experts per layer; on CUDA everything is encoded (exact). quant/sensitivity.py has the
+estimator, docs/planning.md §3 its accuracy and cost.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from mixq.quant.device import pick_device
 DEFAULT_ROWS = 16
 DEFAULT_SEQ_LEN = 256
 RATES: tuple[float, ...] = al.EXL3_RATES
+EXPERT_BATCH_ELEMS = 1 << 27  # elements of weights + Hessians per stacked expert call
 # (strips per matrix, experts per layer): None = all
 SAMPLING: dict[str, tuple[int | None, int | None]] = {"cpu": (1, 2), "cuda": (None, None)}
 
@@ -200,9 +202,12 @@ def _measure_experts(stage, us, cap: _RoutingCapture | None, fetch, rates, strip
         dn_h.append(stage.stats[u.hf_names[0]].hessian())
         dn_l.append(r_dn)
     for ws, hs, ls in ((gu_w, gu_h, gu_l), (dn_w, dn_h, dn_l)):
-        st = lambda t: torch.stack(t).to(dev)  # noqa: E731
-        total += qs.measure(st(ws), st(hs), rates, loss_hessian=st(ls), strips=strips, scale_tiles=scale_tiles,
-                            seed=seed).sum(1)
+        per = ws[0].numel() + 2 * hs[0].numel()  # weight + LDLQ and loss Hessians per matrix
+        step = max(1, min(len(ws), EXPERT_BATCH_ELEMS // per))
+        for i in range(0, len(ws), step):  # stacked calls of bounded size (288 experts on GLM-5.3)
+            st = lambda t: torch.stack(t[i:i + step]).to(dev)  # noqa: E731
+            total += qs.measure(st(ws), st(hs), rates, loss_hessian=st(ls), strips=strips,
+                                scale_tiles=scale_tiles, seed=seed + i).sum(1)
     return total * float(mass.sum() / mass[picked].sum())
 
 

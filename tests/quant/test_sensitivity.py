@@ -35,10 +35,16 @@ def test_proxy_loss_is_output_mse():
     assert float(qs.proxy_loss(w, wq, h)) == pytest.approx(float(direct), rel=1e-9)
 
 
-def test_strip_sample_deterministic_and_spread():
-    a = qs.strip_sample(24, 3, seed=5)
-    assert a.tolist() == qs.strip_sample(24, 3, seed=5).tolist()
+def test_strip_sample_deterministic_spread_and_stratified():
+    a, wa = qs.strip_sample(24, 3, seed=5)
+    assert (a, wa) == qs.strip_sample(24, 3, seed=5)
     assert len(a) == 3 and a[0] < 8 <= a[1] < 16 <= a[2] < 24  # one per third
+    assert wa == [8.0] * 3  # each stands for 8 strips
+    peak = torch.full((24,), 3.6)
+    peak[20] = 4.95  # the outlier strip of mini's layers.1 qkv_proj (its loss is 3.4x the mean at K=6)
+    b, wb = qs.strip_sample(24, 1, seed=5, peak=peak)
+    assert b[0] == 20 and wb[0] == 1.0 and len(b) == 2 and b[1] != 20 and wb[1] == 23.0
+    assert sum(wb) == 24
 
 
 def test_measured_curve_decreases_and_matches_full_quantization(layer0):

@@ -7,8 +7,9 @@ The row is bench/iq_ladder.py's "Q4_K_M, experts IQ2_S" file (`mixq convert --ty
 'blk\\.[0-3]\\.ffn_(gate|up|down)_exps=IQ2_S' --imatrix IMX`), where the i-quant encoders are ~85% of the time.
 Each run is a fresh `python -m mixq convert` (Python start, imports and worker spawn included). Printed per thread
 count: best wall seconds, CPU seconds of the process tree, the speedup over 1 thread, and whether the file's
-sha256 equals the 1-thread file. The machine's load average is printed too: on shared cores the speedup is a lower
-bound. Results go to bench/results/gguf-threads.json.
+sha256 equals the 1-thread file. On shared cores the speedup is a lower bound, so the bench also measures the
+ceiling before and after: N copies of one single-threaded encoder loop started together vs one alone (N on N idle
+cores). Results go to bench/results/gguf-threads.json.
 """
 from __future__ import annotations
 
@@ -53,6 +54,23 @@ def ensure_imatrix(path: Path, rows: int) -> Path:
     return path
 
 
+PROBE = ("import sys, time, numpy as np; from mixq.quant import kquants; "
+         "x = np.random.default_rng(0).standard_normal((256, 2048)).astype(np.float32); kquants.quantize(x, 'Q4_K'); "
+         "t = time.perf_counter(); [kquants.quantize(x, 'Q4_K') for _ in range(int(sys.argv[1]))]; "
+         "print(time.perf_counter() - t)")
+
+
+def capacity(n: int, reps: int = 12) -> float:
+    """Cores this job really gets now: n copies of one single-threaded encoder loop started together vs one alone
+    (n on n idle cores; less when other jobs share them). The ceiling for the --threads n speedup."""
+    def timed(k: int) -> float:
+        ps = [subprocess.Popen([sys.executable, "-c", PROBE, str(reps)], stdout=subprocess.PIPE, text=True)
+              for _ in range(k)]
+        return max(float(p.communicate()[0]) for p in ps)
+    one = timed(1)
+    return round(n * one / timed(n), 2)
+
+
 def convert(out: Path, imx: Path, threads: int, qtype: str) -> tuple[float, float, str]:
     """One conversion in a fresh process: (wall s, CPU s of it and its workers, sha256 of the file)."""
     cmd = [sys.executable, "-m", "mixq", "convert", str(MODEL), str(out), "--format", "gguf", "--type", "Q4_K_M",
@@ -80,12 +98,17 @@ def main(argv=None) -> int:
     imx = Path(a.imatrix) if a.imatrix else ensure_imatrix(Path(a.work) / "k256" / "imatrix-r32.gguf", 32)
     runs: dict[int, list[dict]] = {n: [] for n in counts}
     load0 = os.getloadavg()
+    top = max(counts)
+    caps = [capacity(top)]
+    log(f"capacity before: {top} single-threaded encoders together ran {caps[0]:.2f}x one alone")
     for r in range(a.rounds):
         for n in counts:
             wall, cpu, digest = convert(work / f"k256-exps-{a.qtype}-t{n}.gguf", imx, n, a.qtype)
             runs[n].append({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "sha256": digest,
                             "load1": round(os.getloadavg()[0], 2)})
             log(f"round {r + 1}: --threads {n}: {wall:.1f} s wall, {cpu:.1f} s CPU, load {os.getloadavg()[0]:.2f}")
+    caps.append(capacity(top))
+    log(f"capacity after: {caps[1]:.2f}x")
     base = min(x["wall_s"] for x in runs[counts[0]])
     ref = runs[counts[0]][0]["sha256"]
     rows = []
@@ -95,12 +118,14 @@ def main(argv=None) -> int:
                      "speedup": round(base / best["wall_s"], 2),
                      "identical": all(x["sha256"] == ref for x in runs[n]), "runs": runs[n]})
     res = {"model": "glm5next-k256", "row": f"Q4_K_M, experts {a.qtype}, imatrix {imx}", "cores": os.cpu_count(),
+           "capacity": {"threads": top, "before": caps[0], "after": caps[1]},
            "load_before": [round(v, 2) for v in load0], "load_after": [round(v, 2) for v in os.getloadavg()],
            "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(f"k256, Q4_K_M with {a.qtype} experts + imatrix, {os.cpu_count()} cores, "
-          f"load average {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}")
+          f"load average {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}; {top} encoders together ran "
+          f"{caps[0]:.2f}x / {caps[1]:.2f}x one alone (before / after: the speedup ceiling here)")
     print("| --threads | wall s (best) | CPU s | speedup | bytes identical to --threads 1 |")
     print("|---|---|---|---|---|")
     for row in rows:

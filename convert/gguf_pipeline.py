@@ -137,24 +137,6 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
             why = "the imatrix has no entry for it" if imx is not None else "no --imatrix given"
             raise InputError(f"{s.name}: {t} needs an importance matrix ({why}; llama-quantize refuses it too); "
                              "make one with `mixq imatrix`")
-    n_vocab = ckpt.shape(next(s for s in specs if s.name == "token_embd.weight").hf_names[0])[0]
-    tmeta = tokenizer_metadata(ckpt.path, n_vocab, tokenizer_pre)
-    tmpl_report = None
-    if chat_template is not None and not Path(chat_template).is_file():
-        raise InputError(f"{chat_template}: no such chat template file")
-    tmpl = Path(chat_template).read_text(encoding="utf-8") if chat_template is not None else tmeta.chat_template
-    if tmpl:
-        from mixq.formats.chat_template import prepare_template
-
-        tmpl_report = prepare_template(tmpl, fix=fix_chat_template)
-        tmpl = tmpl_report.pop("template")
-    label = qtype.upper() if qtype else None
-    kv = glm5next_kv(ckpt, include_mtp=include_mtp, file_type=label)
-    if imx is not None:
-        from mixq.formats.gguf_writer import KV
-
-        kv += [KV("quantize.imatrix.file", "STRING", str(imatrix) if isinstance(imatrix, (str, Path)) else "mixq"),
-               KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
     outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(specs, types)]
     by_name = {s.name: s for s in specs}
 
@@ -170,6 +152,25 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     qtypes = {t.name: t.qtype for t in outs}
     items = [(t.name, t.qtype, f"{by_name[t.name].hf_names[0]} -> {t.name} ({t.qtype})") for t in outs]
     with TensorEncoder(items, load, threads=n_threads) as enc:
+        enc.start()  # workers spawn and build their code tables while the tokenizer and metadata are read
+        n_vocab = ckpt.shape(next(s for s in specs if s.name == "token_embd.weight").hf_names[0])[0]
+        tmeta = tokenizer_metadata(ckpt.path, n_vocab, tokenizer_pre)
+        tmpl_report = None
+        if chat_template is not None and not Path(chat_template).is_file():
+            raise InputError(f"{chat_template}: no such chat template file")
+        tmpl = Path(chat_template).read_text(encoding="utf-8") if chat_template is not None else tmeta.chat_template
+        if tmpl:
+            from mixq.formats.chat_template import prepare_template
+
+            tmpl_report = prepare_template(tmpl, fix=fix_chat_template)
+            tmpl = tmpl_report.pop("template")
+        label = qtype.upper() if qtype else None
+        kv = glm5next_kv(ckpt, include_mtp=include_mtp, file_type=label)
+        if imx is not None:
+            from mixq.formats.gguf_writer import KV
+
+            kv += [KV("quantize.imatrix.file", "STRING", str(imatrix) if isinstance(imatrix, (str, Path)) else "mixq"),
+                   KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
         files = write_gguf(out, kv, outs, lambda t: enc.get(t.name), tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl),
                            shard_size=parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size or 0),
                            progress=progress)

@@ -140,7 +140,15 @@ def _worker_encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None, label:
         raise InputError(f"{label}: {e}") from None
 
 
-def _ready() -> int:
+def _ready(warm: Sequence[str] = ()) -> int:
+    """First task of a worker: build the code tables of the i-quant types to come (~0.5-2 s each, once per
+    process) while the parent still reads metadata, instead of on the first real task."""
+    row = np.linspace(-1.0, 1.0, 256, dtype=np.float32).reshape(1, 256)
+    for q in warm:
+        try:
+            encode(row, q, np.ones(256, dtype=np.float32))
+        except Exception:  # only a warm-up: the real task reports any problem with its tensor's name
+            pass
     return os.getpid()
 
 
@@ -197,6 +205,11 @@ class TensorEncoder:
         self._starts: list[Future] = []
 
     # -- public ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the workers now (they import and build tables while the caller goes on); else on first use."""
+        if self.threads > 1 and self._pool is None and any(q not in LOCAL_TYPES for _, q, _ in self.items):
+            self._pool = self._start_pool()
+
     def get(self, name: str) -> np.ndarray:
         """Encoded data of tensor `name` (the next one in `items` order)."""
         i = self._pos.get(name)
@@ -328,7 +341,8 @@ class TensorEncoder:
             pool = ProcessPoolExecutor(self.threads, mp_context=ctx, initializer=_worker_init)
             # spawn every worker now, while the environment says one thread (later spawns would not see it);
             # not waited for: the parent goes on reading and cutting tensors while the workers import
-            self._starts = [pool.submit(_ready) for _ in range(self.threads)]
+            warm = sorted({q for _, q, _ in self.items if q.startswith("IQ")})
+            self._starts = [pool.submit(_ready, warm) for _ in range(self.threads)]
         return pool
 
     def _result(self, f: Future, label: str) -> np.ndarray:

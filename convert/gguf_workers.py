@@ -10,8 +10,11 @@
   workers never idle on small tensors. At most 2*N tasks are in the pool or finished but not yet assembled, and
   only one source tensor is being cut at a time (tasks carry copies of their rows), so peak memory stays near the
   one-process converter's: one float32 source tensor plus one encoded tensor plus 2*N tasks.
-- Workers are spawned (no fork of a process that holds torch / tqdm threads) with one BLAS/OpenMP thread each;
-  they import numpy, gguf and mixq.quant only. threads=1 runs everything in-process, as the converter always did.
+- Workers are spawned (no fork of a process that holds torch / tqdm threads) with one BLAS/OpenMP thread each, at
+  `start()` so that they import numpy, gguf and mixq.quant and build the i-quant code tables while the caller
+  still reads metadata. Like every spawn-based pool, a calling script needs `if __name__ == "__main__":` (the
+  workers import it); without it the caller gets one clear MixqError. threads=1 runs everything in-process, as
+  the converter always did.
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -134,6 +136,16 @@ def _worker_init() -> None:
         os.environ[k] = "1"
     # Ctrl-C goes to the whole process group: the parent stops the pool, workers must not die mid-queue
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a parent killed outright (SIGKILL, OOM killer) cannot stop us, and the task pipe never reports EOF (each worker
+    # holds both ends): leave when we are re-parented instead of encoding for no one
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def _worker_encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None, label: str) -> np.ndarray:

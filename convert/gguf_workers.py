@@ -200,7 +200,9 @@ class TensorEncoder:
 
     `load(name) -> (x, imatrix or None)` reads one source tensor (called once per tensor, in order). Encoder
     InputErrors come back as one line `"{label}: {message}"`; load errors propagate as raised, each when its
-    tensor is asked for, so the first failing tensor is the one reported, whatever the thread count."""
+    tensor is asked for, so the first failing tensor is the one reported, whatever the thread count.
+    Use as a context manager (`with TensorEncoder(...) as enc:`): leaving it stops the workers, killing them
+    when an exception leaves. `start()` spawns them early; otherwise the first task does."""
 
     def __init__(self, items: Sequence[tuple[str, str, str]], load: Callable[[str], tuple[np.ndarray, np.ndarray | None]],
                  threads: int = 1, task_weights: int | None = None):

@@ -16,15 +16,20 @@ SAMPLING_BOUND = 0.25
 
 @pytest.fixture(scope="module")
 def layer0(mini_model, calibration_text):
-    """(weights, Hessians) of mini's layer 0 from a short real calibration pass (4 rows x 64 tokens)."""
+    """(checkpoint, Hessians of layers 0-1) of mini from a short real calibration pass (4 rows x 64 tokens)."""
     from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
 
     ck = open_checkpoint(mini_model)
     ids = calibration_rows(load_tokenizer(ck.path), [str(calibration_text)], rows=4, seq_len=64,
                            vocab_size=ck.shape("model.language_model.embed_tokens.weight")[0])
-    stage = next(iter(LayerCalibrator(ck, ids, full=True).stages()))
-    return ck, {n: a.hessian() for n, a in stage.stats.items()}
+    hs = {}
+    for stage in LayerCalibrator(ck, ids, full=True).stages():
+        hs.update({n: a.hessian() for n, a in stage.stats.items()})
+        if stage.layer == 1:
+            break
+        stage.advance()
+    return ck, hs
 
 
 def test_proxy_loss_is_output_mse():
@@ -63,6 +68,25 @@ def test_measured_curve_decreases_and_matches_full_quantization(layer0):
     # exact mode is that very quantization
     exact = float(qs.measure(w, h, [4.0])[0, 0])
     assert exact == pytest.approx(actual, rel=1e-9)
+
+
+def test_column_plan_partial_blocks():
+    peak = torch.full((24,), 3.6)
+    idx, wt, exact = qs.column_plan(32, 1, 0, peak)  # r = 32 divides 128: sample the 2 unique strips
+    assert len(idx) == 1 and idx[0] in (0, 1) and wt == [2 * 16.0] and exact == []
+    idx, wt, exact = qs.column_plan(128 + 48, 1, 0, peak)  # r = 48: the partial block is encoded whole
+    assert len(idx) == 1 and idx[0] < 8 and wt == [8.0] and exact == list(range(8, 16))
+
+
+def test_partial_block_matches_full_quantization(layer0):
+    """A 64-row Linear (one half-filled 128 block): the sampled estimate keeps the loss of the correlated
+    rotated columns (a plain per-column sum would report about half)."""
+    ck, hs = layer0
+    name = "model.language_model.layers.1.mlp.shared_experts.gate_proj.weight"
+    w, h = ck.get(name), hs[name]
+    sampled = float(qs.measure(w, h, [4.0], strips=1)[0, 0])
+    actual = float(qs.proxy_loss(w, trellis.quantize(w, 4.0, hessian=h).dequantize(), h))
+    assert abs(sampled / actual - 1) < SAMPLING_BOUND, (sampled, actual)
 
 
 def test_stacked_routing_weighted_loss(layer0):

@@ -166,6 +166,7 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     return curves
 
 
+@torch.no_grad()
 def _measure_experts(stage, us, cap: _RoutingCapture | None, fetch, rates, strips, experts, scale_tiles, seed,
                      dev) -> torch.Tensor:
     """Summed loss of all routed experts of one layer, from a routing-mass-scaled sample of experts."""

@@ -95,6 +95,7 @@ def column_plan(out_f: int, count: int, seed: int, peak: torch.Tensor) -> tuple[
     return idx + [nf + j for j in pi], wt + [x * f for x in pw], []
 
 
+@torch.no_grad()
 def measure(weight: torch.Tensor, hessian: torch.Tensor | None, rates: Sequence[float], *,
             loss_hessian: torch.Tensor | None = None, strips: int | None = None, scale_tiles: int = 4,
             codebook: str = "mul1", seed: int = 0) -> torch.Tensor:

@@ -75,9 +75,10 @@ class _RoutingCapture:
     def routed(self, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x (T, hidden), dense gates (T, E))."""
         x = torch.cat(self.x)
-        g = torch.zeros(x.shape[0], n_experts, dtype=x.dtype, device=x.device)
+        # one spare column, as the calibrator's dense routing: an index == n_experts routes to no expert
+        g = torch.zeros(x.shape[0], n_experts + 1, dtype=x.dtype, device=x.device)
         g.scatter_(1, torch.cat(self.idx).long(), torch.cat(self.w).to(x.dtype))
-        return x, g
+        return x, g[:, :n_experts]
 
 
 def _expert_act(module, e: int, x: torch.Tensor, limit: float) -> torch.Tensor:

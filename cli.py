@@ -206,6 +206,10 @@ def verify(path, no_decode, as_json) -> None:
                    "the trellis quantizer; 'proxy' = the cheap Hessian-trace proxy; or a JSON file of error curves "
                    "{unit: {bits: error}}.")
 @click.option("--measure-out", type=click.Path(), help="--measure: save the measured curves as JSON for reuse.")
+@click.option("--measure-sample", default="auto", show_default=True,
+              help="--measure: STRIPS,EXPERTS sampled per matrix / per layer (e.g. 4,8), 'all', or 'auto' "
+                   "(1,2 on CPU; on CUDA all, or 8,16 beyond 2e9 budgeted weights).")
+@click.option("--device", help="--measure: cuda|cpu [default: cuda when available].")
 @click.option("--calibration", multiple=True, type=click.Path(exists=True), help="--measure: calibration text.")
 @click.option("--fit", help="Memory to fit (weights + cache + reserve), e.g. 121GB.")
 @click.option("--context", help="Context length for --fit, e.g. 262144 or 256K.")
@@ -218,8 +222,8 @@ def verify(path, no_decode, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (or fit) as JSON.")
 @_reports_errors
 def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bits, vision_bits, no_mtp, gguf_ladder,
-         measure, measure_out, calibration, fit, context, cache, reserve, mmproj, devices, seqs, per_tensor,
-         as_json) -> None:
+         measure, measure_out, measure_sample, device, calibration, fit, context, cache, reserve, mmproj, devices,
+         seqs, per_tensor, as_json) -> None:
     """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting."""
     from mixq.convert.fit import run_plan
 
@@ -227,7 +231,7 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
                    head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=not no_mtp,
                    gguf_ladder=gguf_ladder, measure=measure, fit=fit, context=context, cache=cache,
                    reserve=reserve, mmproj=mmproj, devices=devices, n_seq=seqs, calibration=calibration,
-                   measure_out=measure_out)
+                   measure_out=measure_out, measure_sample=measure_sample, device=device)
     if as_json:
         _print_json(res.to_dict())
     elif hasattr(res, "headroom"):

@@ -211,7 +211,8 @@ def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw
              gguf_ladder: str = "k", measure: str | None = None, fit: str | None = None,
              context: str | int | None = None, cache: str | None = None, reserve: str | None = None,
              mmproj: bool = False, devices: str | None = None, n_seq: int = 1,
-             calibration: Sequence[str] = (), measure_out: str | None = None) -> Plan | FitResult:
+             calibration: Sequence[str] = (), measure_out: str | None = None, measure_sample: str = "auto",
+             device: str | None = None) -> Plan | FitResult:
     """What ``mixq plan`` runs: open MODEL (or build shapes from --from-config), then plan or fit."""
     from mixq.convert.sensitivity import resolve_measure
     from mixq.formats.checkpoint import checkpoint_from_config, open_checkpoint
@@ -219,7 +220,8 @@ def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw
     if (model is None) == (from_config is None):
         raise InputError("give either MODEL or --from-config CONFIG.json")
     ckpt = open_checkpoint(model) if model is not None else checkpoint_from_config(from_config)
-    curves = resolve_measure(ckpt, measure, fmt, calibration=calibration or None, measure_out=measure_out)
+    curves = resolve_measure(ckpt, measure, fmt, calibration=calibration or None, measure_out=measure_out,
+                             sample=measure_sample, device=device)
     kw = dict(overrides=tuple(overrides), head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits,
               include_mtp=include_mtp, measure=curves, gguf_ladder=gguf_ladder)
     if fit is not None:

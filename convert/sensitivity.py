@@ -19,6 +19,7 @@ estimator, docs/planning.md §3 its accuracy and cost.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -37,7 +38,11 @@ DEFAULT_SEQ_LEN = 256
 RATES: tuple[float, ...] = al.EXL3_RATES
 EXPERT_BATCH_ELEMS = 1 << 27  # elements of weights + Hessians per stacked expert call
 # (strips per matrix, experts per layer): None = all
-SAMPLING: dict[str, tuple[int | None, int | None]] = {"cpu": (1, 2), "cuda": (None, None)}
+SAMPLING: dict[str, tuple[int | None, int | None]] = {"cpu": (1, 2), "cuda": (None, None),
+                                                      # CUDA, models whose budgeted weights exceed BIG_MODEL:
+                                                      # measuring all of them would cost one conversion per rate
+                                                      "cuda-big": (8, 16)}
+BIG_MODEL = 2_000_000_000
 
 
 def budget_units(ckpt) -> dict[str, list]:
@@ -117,10 +122,14 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     if isinstance(ckpt, (str, Path)):
         ckpt = open_checkpoint(ckpt)
     dev = pick_device(device)
-    auto = SAMPLING["cuda" if dev.type == "cuda" else "cpu"]
+    groups = budget_units(ckpt)
+    if dev.type == "cuda":
+        numel = sum(math.prod(ckpt.shape(n)) for us in groups.values() for u in us for n in u.hf_names)
+        auto = SAMPLING["cuda-big" if numel > BIG_MODEL else "cuda"]
+    else:
+        auto = SAMPLING["cpu"]
     strips = auto[0] if strips == "auto" else strips
     experts = auto[1] if experts == "auto" else experts
-    groups = budget_units(ckpt)
     if not groups:
         raise InputError(f"{ckpt.path}: no budgeted EXL3 Linears to measure")
     by_layer: dict[int, list[str]] = {}
@@ -254,12 +263,31 @@ def load_curves(path: str | Path) -> dict[str, dict[float, float]]:
         raise InputError(f"--measure {path}: expected JSON {{unit: {{bits: error}}}} ({e})") from None
 
 
+def parse_sample(text: str) -> tuple[int | None | str, int | None | str]:
+    """``--measure-sample``: "auto" (``SAMPLING`` for the device), "all" (every tile of every expert: on GLM-5.3
+    that costs about one conversion per rate), or "STRIPS,EXPERTS" (rotated 16-column strips per matrix, experts per
+    layer; either may be "all")."""
+    t = str(text).strip().lower()
+    if t in ("auto", "all"):
+        return (t, t) if t == "auto" else (None, None)
+    parts = t.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        out = tuple(None if p.strip() == "all" else int(p) for p in parts)
+        if any(v is not None and v < 1 for v in out):
+            raise ValueError
+    except ValueError:
+        raise InputError(f"--measure-sample {text!r}: use auto, all, or STRIPS,EXPERTS such as 4,8") from None
+    return out  # type: ignore[return-value]
+
+
 def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequence[str] | None = None,
-                    measure_out: str | None = None, device: str | None = None,
+                    measure_out: str | None = None, device: str | None = None, sample: str = "auto",
                     progress: bool = True) -> dict[str, dict[float, float]] | None:
     """``--measure`` of ``mixq plan``: None -> None; "trellis" (the flag alone) -> ``measure_curves``;
     "proxy" -> the Hessian-trace proxy (``planning.measure_proxy``); anything else -> a curves JSON file.
-    ``measure_out`` saves measured curves for a later ``--measure FILE``."""
+    ``measure_out`` saves measured curves for a later ``--measure FILE``; ``sample``: see ``parse_sample``."""
     if measure is None:
         if measure_out:
             raise InputError("--measure-out needs --measure")
@@ -273,7 +301,9 @@ def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequenc
 
             curves = measure_proxy(ckpt, calibration or None)
         else:
-            curves = measure_curves(ckpt, calibration or None, device=device, progress=progress)
+            strips, experts = parse_sample(sample)
+            curves = measure_curves(ckpt, calibration or None, device=device, strips=strips, experts=experts,
+                                    progress=progress)
         if measure_out:
             save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
                                                    "seconds": round(time.time() - t0, 1)})

@@ -91,6 +91,16 @@ def test_cli_measure_errors(tiny2, tmp_path):
         assert r.exit_code == 2 and msg in r.output, r.output
     r = CliRunner().invoke(main, ["plan", str(tiny_model), "--format", "gguf", "--bpw", "3", "--measure"])
     assert r.exit_code == 2 and "EXL3 only" in r.output
+    r = CliRunner().invoke(main, ["plan", str(tiny_model), "--format", "exl3", "--bpw", "3", "--measure",
+                                  "--measure-sample", "0,2"])
+    assert r.exit_code == 2 and "--measure-sample '0,2'" in r.output, r.output
+
+
+def test_measure_sample_parsing():
+    assert cs.parse_sample("4,8") == (4, 8)
+    assert cs.parse_sample("all") == (None, None)
+    assert cs.parse_sample("all,2") == (None, 2)
+    assert cs.parse_sample("auto") == ("auto", "auto")
 
 
 @pytest.mark.slow

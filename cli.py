@@ -123,6 +123,8 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--mtp-bits", type=float, default=4, show_default=True, help="EXL3 bits of the NextN block.")
 @click.option("--vision-bits", type=float, default=None, help="Quantize the vision tower (EXL3) [default: source precision].")
 @click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
+@click.option("--measure", type=click.Path(), default=None,
+              help="EXL3: plan with these error curves (`mixq plan --measure --measure-out FILE`).")
 @click.option("--type", "qtype", default=None, help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).")
 @click.option("--imatrix", type=click.Path(), default=None, help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).")
 @click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default="k", show_default=True, help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.")
@@ -138,7 +140,7 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, device, shard_size, resume, head_bits,
-            mtp_bits, vision_bits, no_mtp, as_json, **extra) -> None:
+            mtp_bits, vision_bits, no_mtp, measure, as_json, **extra) -> None:
     """Convert MODEL (glm5_next dir / hub id, or a DFlash2 drafter) to OUT (EXL3 directory or .gguf)."""
     from mixq.convert.api import convert as run
 
@@ -150,10 +152,12 @@ def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, d
             raise InputError(f"{opt} applies to --format gguf only")
         opts = dict(bpw=bpw, size=size, overrides=overrides, calibration=list(calibration) or None, rows=rows,
                     seq_len=seq_len, device=device, resume=resume, head_bits=head_bits, mtp_bits=mtp_bits,
-                    vision_bits=vision_bits, include_mtp=not no_mtp)
+                    vision_bits=vision_bits, include_mtp=not no_mtp, measure=measure)
         if shard_size is not None:
             opts["shard_size"] = shard_size
     else:
+        if measure is not None:
+            raise InputError("--measure applies to --format exl3 only")
         opts = dict(bpw=bpw, size=size, no_mtp=no_mtp, **extra)
         if shard_size is not None:
             opts["shard_size"] = shard_size

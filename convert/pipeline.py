@@ -199,9 +199,12 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
                  calibration=None, rows: int = DEFAULT_ROWS, seq_len: int = DEFAULT_SEQ_LEN,
                  device: str | None = None, shard_size: int | str = DEFAULT_SHARD, resume: bool = False,
                  head_bits: float = 6, mtp_bits: float = 4, vision_bits: float | None = None,
-                 include_mtp: bool = True, codebook: str = "mul1", batch_rows: int = 4,
+                 include_mtp: bool = True, codebook: str = "mul1", batch_rows: int = 4, measure=None,
                  progress: bool = True) -> ConvertResult:
-    """Convert a glm5_next checkpoint (dir or hub id) to an EXL3 directory `out`. See the module docstring."""
+    """Convert a glm5_next checkpoint (dir or hub id) to an EXL3 directory `out`. See the module docstring.
+
+    ``measure``: error curves {unit: {bits: loss}} or the JSON file `mixq plan --measure-out` wrote; the plan is
+    then the sensitivity plan (`plan_model(measure=...)`) that `mixq plan --measure FILE` prints."""
     from tqdm.auto import tqdm
 
     from mixq.convert.planning import plan_model
@@ -227,8 +230,12 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
     for f in calibration or []:
         if not Path(f).is_file():
             raise InputError(f"calibration file not found: {f}")
+    if isinstance(measure, (str, Path)):
+        from mixq.convert.sensitivity import load_curves
+
+        measure = load_curves(measure)
     plan = plan_model(ckpt, "exl3", bpw=bpw, size=size, overrides=overrides, head_bits=head_bits,
-                      mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=include_mtp)
+                      mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=include_mtp, measure=measure)
     units = exl3_layout(ckpt, vision_bits=vision_bits, include_mtp=include_mtp)
     bits = unit_bits(units, plan)
     settings = _settings(ckpt, bits, calibration_files=calibration, rows=rows, seq_len=seq_len,

@@ -375,3 +375,38 @@ def test_size_strings_mean_the_same_bytes_in_plan_and_both_converters():
 
     for s, b in [("108GB", 108 * 10**9), ("100GiB", 100 * 2**30), ("2G", 2 * 10**9), ("512MiB", 512 * 2**20)]:
         assert parse_size(s) == parse_bytes(s) == gguf_size(s) == b
+
+
+def test_convert_with_measured_curves_follows_the_sensitivity_plan(tiny_model, fake_trellis, tmp_path):
+    """`mixq convert --measure CURVES.json` writes the plan that `mixq plan --measure CURVES.json` prints: a unit
+    whose curve says it is very sensitive gets more bits than the role default, an insensitive one fewer."""
+    from mixq.convert.pipeline import unit_bits
+    from mixq.convert.planning import plan_model
+    from mixq.convert.sensitivity import budget_units, save_curves
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.exl3_names import exl3_layout
+    from mixq.formats.exl3_reader import Exl3Dir
+    from mixq.quant.allocator import EXL3_RATES
+
+    ck = open_checkpoint(tiny_model)
+    keys = sorted(budget_units(ck))
+    hot = next(k for k in keys if "o_proj" in k)
+    cold = next(k for k in keys if "experts" in k and "shared" not in k)
+    weight = {k: 1e6 if k == hot else 1e-6 if k == cold else 1.0 for k in keys}
+    curves = {k: {b: w * 2.0 ** (-2 * b) for b in EXL3_RATES} for k, w in weight.items()}
+    path = tmp_path / "curves.json"
+    save_curves(curves, path)
+    r = _run("convert", str(tiny_model), str(tmp_path / "m"), *ARGS, "--measure", str(path))
+    assert r.exit_code == 0, r.output
+    units = exl3_layout(ck)
+    want = unit_bits(units, plan_model(ck, "exl3", bpw=4.0, measure=curves))
+    role = unit_bits(exl3_layout(ck), plan_model(ck, "exl3", bpw=4.0))
+    d = Exl3Dir(tmp_path / "m")
+    got = {k: d.tensor(f"{k}.trellis").shape[-1] / 16 for k in want}
+    assert got == want
+    groups = budget_units(ck)
+    assert all(want[u.key] > role[u.key] for u in groups[hot])
+    assert all(want[u.key] < role[u.key] for u in groups[cold])
+    r = _run("convert", str(tiny_model), str(tmp_path / "g.gguf"), "--format", "gguf", "--type", "Q8_0",
+             "--measure", str(path))
+    assert r.exit_code == 2 and "--measure applies to --format exl3 only" in r.output

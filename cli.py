@@ -207,8 +207,9 @@ def verify(path, no_decode, as_json) -> None:
               help="Custom GGUF candidate types: K-quants, or K-quants plus IQ2_XXS..IQ4_XS.")
 @click.option("--measure", is_flag=False, flag_value="trellis", default=None,
               help="EXL3 sensitivity mode: alone, a calibration pass measures each unit's loss at every rate with "
-                   "the trellis quantizer; 'proxy' = the cheap Hessian-trace proxy; or a JSON file of error curves "
-                   "{unit: {bits: error}}.")
+                   "the trellis quantizer; 'kld' = those curves scaled to each unit's end-to-end KLD (recommended; "
+                   "holds the model in memory); 'proxy' = the cheap Hessian-trace proxy; or a JSON file of error "
+                   "curves {unit: {bits: error}}.")
 @click.option("--measure-out", type=click.Path(), help="--measure: save the measured curves as JSON for reuse.")
 @click.option("--measure-sample", default="auto", show_default=True,
               help="--measure: STRIPS,EXPERTS sampled per matrix / per layer (e.g. 4,8), 'all', or 'auto' "

@@ -285,14 +285,15 @@ def parse_sample(text: str) -> tuple[int | None | str, int | None | str]:
 def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequence[str] | None = None,
                     measure_out: str | None = None, device: str | None = None, sample: str = "auto",
                     progress: bool = True) -> dict[str, dict[float, float]] | None:
-    """``--measure`` of ``mixq plan``: None -> None; "trellis" (the flag alone) -> ``measure_curves``;
+    """``--measure`` of ``mixq plan``: None -> None; "trellis" (the flag alone) -> ``measure_curves``; "kld" ->
+    those curves rescaled to each unit's end-to-end KLD (``kld_gains``, ``kld_weighted``);
     "proxy" -> the Hessian-trace proxy (``planning.measure_proxy``); anything else -> a curves JSON file.
     ``measure_out`` saves measured curves for a later ``--measure FILE``; ``sample``: see ``parse_sample``."""
     if measure is None:
         if measure_out:
             raise InputError("--measure-out needs --measure")
         return None
-    if measure in ("trellis", "proxy"):
+    if measure in ("trellis", "proxy", "kld"):
         if fmt != "exl3":
             raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
         t0 = time.time()
@@ -304,6 +305,9 @@ def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequenc
             strips, experts = parse_sample(sample)
             curves = measure_curves(ckpt, calibration or None, device=device, strips=strips, experts=experts,
                                     progress=progress)
+            if measure == "kld":
+                gains = kld_gains(ckpt, list(curves), calibration or None, device=device, progress=progress)
+                curves = kld_weighted(curves, gains)
         if measure_out:
             save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
                                                    "seconds": round(time.time() - t0, 1)})
@@ -311,3 +315,64 @@ def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequenc
     if measure_out:
         raise InputError("--measure-out saves measured curves; it does not apply to --measure FILE")
     return load_curves(measure)
+
+
+# --- end-to-end weighting (--measure kld) ----------------------------------------------------------------------
+TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (issue 3: 1.09-1.14 for K = 2..4)
+
+
+def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = None, *, rows: int = 8,
+              seq_len: int = 256, ref_bits: float = 3.0, device: str | None = None, seed: int = 0,
+              progress: bool = True) -> dict[str, float]:
+    """Each unit's end-to-end cost: the KLD (model with that unit perturbed ‖ source model, mean over calibration
+    tokens) after adding i.i.d. Gaussian noise of the trellis's weight-space error at ``ref_bits``
+    (TRELLIS_D·2^(−2·ref_bits)·mean(W²) per tensor) to that unit alone. Holds the whole model in memory: for
+    models that fit (fixtures, drafters); a per-layer variant for 320B models is not built."""
+    from tqdm.auto import tqdm
+
+    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.eval.reference import build_model
+
+    dev = pick_device(device)
+    groups = budget_units(ckpt)
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                           vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0], seed=seed)
+    base = {n: ckpt.get(n, dtype=torch.float32) for n in ckpt.names()}
+
+    def logprobs(weights: dict) -> torch.Tensor:
+        model = build_model(ckpt.path, weights, dev)
+        with torch.no_grad():
+            out = torch.cat([F.log_softmax(model(r.view(1, -1).to(dev), use_cache=False).logits.float(), -1).cpu()
+                             for r in ids])
+        del model
+        return out
+
+    ref = logprobs(base)
+    gen = torch.Generator().manual_seed(seed)
+    gains: dict[str, float] = {}
+    for key in tqdm(list(units), desc="kld gains", unit="unit", disable=not progress):
+        w = dict(base)
+        for u in groups[key]:
+            for n in u.hf_names:
+                t = base[n]
+                sigma = (TRELLIS_D * 2.0 ** (-2 * ref_bits) * float(t.square().mean())) ** 0.5
+                w[n] = t + sigma * torch.randn(t.shape, generator=gen)
+        lp = logprobs(w)
+        gains[key] = float((ref.exp() * (ref - lp)).sum(-1).mean())
+    return gains
+
+
+def kld_weighted(curves: Mapping[str, Mapping[float, float]], gains: Mapping[str, float],
+                 ref_bits: float = 3.0) -> dict[str, dict[float, float]]:
+    """Curves in KLD units: each unit's measured trellis curve keeps its shape and is scaled so that its value at
+    ``ref_bits`` is the unit's measured end-to-end KLD (``kld_gains``)."""
+    out = {}
+    for k, c in curves.items():
+        if k.startswith("_"):
+            continue
+        c = {float(b): float(v) for b, v in c.items()}
+        if k not in gains or ref_bits not in c or c[ref_bits] <= 0:
+            raise InputError(f"--measure kld: no gain or no {ref_bits}-bit point for unit {k!r}")
+        s = gains[k] / c[ref_bits]
+        out[k] = {b: v * s for b, v in c.items()}
+    return out

@@ -112,3 +112,19 @@ def test_measure_proxy_plans_mini(mini_model, calibration_text):
     assert all(v[2.0] > v[4.0] > 0 for v in curves.values())
     p = plan_model(ck, "exl3", bpw=3.05, measure=curves)
     assert abs(p.bpw - 3.05) <= 0.02
+
+
+def test_kld_gains_and_weighting(tiny2, monkeypatch):
+    """`--measure kld`: every unit's end-to-end KLD under trellis-sized noise is positive and finite, grows when the
+    noise grows (fewer reference bits), and the weighted curves keep each unit's shape with that KLD at ref_bits."""
+    ck = open_checkpoint(tiny2)
+    units = sorted(cs.budget_units(ck))
+    g3 = cs.kld_gains(ck, units, rows=2, seq_len=32, ref_bits=3.0, progress=False)
+    g1 = cs.kld_gains(ck, units, rows=2, seq_len=32, ref_bits=1.0, progress=False)
+    assert set(g3) == set(units) and all(0 < v < 1 for v in g3.values())
+    assert all(g1[k] > 1.5 * g3[k] for k in units)  # 16x the noise variance (random tiny weights: 2.5-17x the KLD)
+    curves = {k: {2.0: 8.0, 3.0: 2.0, 4.0: 0.5} for k in units}
+    w = cs.kld_weighted(curves, g3)
+    assert all(abs(w[k][3.0] - g3[k]) < 1e-12 and abs(w[k][2.0] / w[k][4.0] - 16) < 1e-9 for k in units)
+    with pytest.raises(Exception, match="no gain"):
+        cs.kld_weighted({"x": {3.0: 1.0}}, {})

@@ -205,11 +205,11 @@ def verify(path, no_decode, as_json) -> None:
 @click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
 @click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default="k", show_default=True,
               help="Custom GGUF candidate types: K-quants, or K-quants plus IQ2_XXS..IQ4_XS.")
-@click.option("--measure", is_flag=False, flag_value="trellis", default=None,
-              help="EXL3 sensitivity mode: alone, a calibration pass measures each unit's loss at every rate with "
-                   "the trellis quantizer; 'kld' = those curves scaled to each unit's end-to-end KLD (recommended; "
-                   "holds the model in memory); 'proxy' = the cheap Hessian-trace proxy; or a JSON file of error "
-                   "curves {unit: {bits: error}}.")
+@click.option("--measure", is_flag=False, flag_value="kld", default=None,
+              help="EXL3 sensitivity mode. Alone (= 'kld'): a calibration pass measures each unit's loss at every "
+                   "rate with the trellis quantizer, scaled to the unit's end-to-end KLD (holds the model in "
+                   "memory); 'trellis' = the per-Linear loss alone (for models that do not fit; it mis-ranks "
+                   "units); 'proxy' = the cheap Hessian-trace proxy; or a JSON file of curves {unit: {bits: error}}.")
 @click.option("--measure-out", type=click.Path(), help="--measure: save the measured curves as JSON for reuse.")
 @click.option("--measure-sample", default="auto", show_default=True,
               help="--measure: STRIPS,EXPERTS sampled per matrix / per layer (e.g. 4,8), 'all', or 'auto' "

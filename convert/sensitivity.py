@@ -285,7 +285,7 @@ def parse_sample(text: str) -> tuple[int | None | str, int | None | str]:
 def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequence[str] | None = None,
                     measure_out: str | None = None, device: str | None = None, sample: str = "auto",
                     progress: bool = True) -> dict[str, dict[float, float]] | None:
-    """``--measure`` of ``mixq plan``: None -> None; "trellis" (the flag alone) -> ``measure_curves``; "kld" ->
+    """``--measure`` of ``mixq plan``: None -> None; "trellis" -> ``measure_curves``; "kld" (the flag alone) ->
     those curves rescaled to each unit's end-to-end KLD (``kld_gains``, ``kld_weighted``);
     "proxy" -> the Hessian-trace proxy (``planning.measure_proxy``); anything else -> a curves JSON file.
     ``measure_out`` saves measured curves for a later ``--measure FILE``; ``sample``: see ``parse_sample``."""

@@ -66,7 +66,7 @@ def test_cli_plan_measure_tiny(tiny2, tmp_path, monkeypatch):
     monkeypatch.setitem(cs.SAMPLING, "cpu", (1, 1))
     out = tmp_path / "curves.json"
     base = ["plan", str(tiny_model), "--format", "exl3", "--bpw", "3.05", "--json"]
-    r = CliRunner().invoke(main, base + ["--measure", "--measure-out", str(out)])
+    r = CliRunner().invoke(main, base + ["--measure", "trellis", "--measure-out", str(out)])
     assert r.exit_code == 0, r.output
     plan = json.loads(r.output[r.output.index("{"):])
     assert 2.9 <= plan["bpw"] <= 3.05

@@ -95,6 +95,13 @@ def load_real(model_dir: Path, name: str) -> np.ndarray:
         return f.get_tensor(name).to(torch.float32).numpy()
 
 
+def layer_experts(model_dir: Path, layer: int) -> np.ndarray:
+    """Every routed expert matrix of one layer, rows stacked (for the every-expert comparisons with ggml)."""
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    names = sorted(k for k in index if f".layers.{layer}.mlp.experts." in k)
+    return np.concatenate([load_real(model_dir, k) for k in names])
+
+
 def sha(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:32]
 
@@ -241,9 +248,7 @@ def test_live_random_rows_equal_ggml(qtype):
 @pytest.mark.slow
 def test_live_all_experts_of_a_layer_equal_ggml(k256_model):
     """Every routed expert matrix of one k256 layer, every type, with and without an imatrix."""
-    index = json.loads((k256_model / "model.safetensors.index.json").read_text())["weight_map"]
-    names = sorted(k for k in index if ".layers.2.mlp.experts." in k)
-    x = np.concatenate([load_real(k256_model, k) for k in names])
+    x = layer_experts(k256_model, 2)
     im = real_imatrix(x.shape[1])
     for t in TYPES:
         for imx in (None, im):

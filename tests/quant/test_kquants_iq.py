@@ -7,7 +7,6 @@ aborts without), and decoding of our bytes by gguf-py and by ggml's ``to_float``
 from __future__ import annotations
 
 import ctypes
-import json
 
 import numpy as np
 import pytest
@@ -150,9 +149,7 @@ def test_overflowing_rows_still_encode():
 @pytest.mark.slow
 def test_all_experts_of_a_layer_equal_ggml(k256_model):
     """Every routed expert matrix of one k256 layer (48 matrices, 12288 blocks per type)."""
-    index = json.loads((k256_model / "model.safetensors.index.json").read_text())["weight_map"]
-    names = sorted(k for k in index if ".layers.2.mlp.experts." in k)
-    x = np.concatenate([load_real(k256_model, k) for k in names])
+    x = _cases.layer_experts(k256_model, 2)
     im = real_imatrix(x.shape[1])
     for t in IQ:
         for imx in _imatrices(t, im):

@@ -325,13 +325,14 @@ def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = No
               seq_len: int = 256, ref_bits: float = 3.0, device: str | None = None, seed: int = 0,
               progress: bool = True) -> dict[str, float]:
     """Each unit's end-to-end cost: the KLD (model with that unit perturbed ‖ source model, mean over calibration
-    tokens) after adding i.i.d. Gaussian noise of the trellis's weight-space error at ``ref_bits``
+    tokens, `mixq eval`'s KLD) after adding i.i.d. Gaussian noise of the trellis's weight-space error at ``ref_bits``
     (TRELLIS_D·2^(−2·ref_bits)·mean(W²) per tensor) to that unit alone. Holds the whole model in memory: for
     models that fit (fixtures, drafters); a per-layer variant for 320B models is not built."""
     from tqdm.auto import tqdm
 
     from mixq.convert.calibration import calibration_rows, load_tokenizer
     from mixq.eval.reference import build_model
+    from mixq.eval.stats import log_probs, token_quantities
 
     dev = pick_device(device)
     groups = budget_units(ckpt)
@@ -339,15 +340,15 @@ def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = No
                            vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0], seed=seed)
     base = {n: ckpt.get(n, dtype=torch.float32) for n in ckpt.names()}
 
-    def logprobs(weights: dict) -> torch.Tensor:
+    def logits(weights: dict) -> torch.Tensor:
         model = build_model(ckpt.path, weights, dev)
         with torch.no_grad():
-            out = torch.cat([F.log_softmax(model(r.view(1, -1).to(dev), use_cache=False).logits.float(), -1).cpu()
-                             for r in ids])
+            out = torch.cat([model(r.view(1, -1).to(dev), use_cache=False).logits[0].float().cpu() for r in ids])
         del model
         return out
 
-    ref = logprobs(base)
+    ref = log_probs(logits(base))
+    targets = ids.reshape(-1)  # token_quantities wants targets; only its KLD is read here
     gen = torch.Generator().manual_seed(seed)
     gains: dict[str, float] = {}
     for key in tqdm(list(units), desc="kld gains", unit="unit", disable=not progress):
@@ -357,8 +358,7 @@ def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = No
                 t = base[n]
                 sigma = (TRELLIS_D * 2.0 ** (-2 * ref_bits) * float(t.square().mean())) ** 0.5
                 w[n] = t + sigma * torch.randn(t.shape, generator=gen)
-        lp = logprobs(w)
-        gains[key] = float((ref.exp() * (ref - lp)).sum(-1).mean())
+        gains[key] = float(token_quantities(ref, logits(w), targets)["kld"].mean())
     return gains
 
 

@@ -94,7 +94,9 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
     from tqdm.auto import tqdm
 
     from mixq.quant.device import pick_device
-    from .pipeline import ConvertResult, achieved_bits, compile_exl3, parse_bytes, quantize_unit
+    from mixq.quant.allocator import parse_size as parse_bytes
+
+    from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_unit
 
     t0 = time.time()
     path = Path(model)

@@ -8,55 +8,21 @@ quantized without calibration. Only one layer's weights and Hessians are held at
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from mixq.errors import InputError, PlanError
 from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
-from mixq.formats.exl3_writer import (EXL3_VERSION, Exl3Writer, check_free_space, exl3_config, tensor_storage_entry)
+from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, check_free_space
 from mixq.quant.device import pick_device
 
+from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
 from .job import JOB_DIR, Job, file_digest, rss_peak_mib, sleep_hook
 
 DEFAULT_ROWS = 64
 DEFAULT_SEQ_LEN = 512
 DEFAULT_SHARD = 8192 * 2**20
-
-
-@dataclass
-class ConvertResult:
-    out: str
-    bytes: int
-    bits: float               # quantization_config.bits (budgeted Linears, padded numel, head excluded)
-    head_bits: float | None
-    seconds: float
-    peak_rss_mib: float
-    shards: list[str]
-    tensors: int
-    quantized: int
-    fallbacks: list[str] = field(default_factory=list)
-    resumed_stages: int = 0
-    device: str = "cpu"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def summary(self) -> str:
-        lines = [
-            f"EXL3 written to {self.out}",
-            f"  size      {self.bytes / 2**20:.2f} MiB in {len(self.shards)} shard(s)",
-            f"  bits      {self.bits:.2f} bpw (budgeted Linears), head {self.head_bits}",
-            f"  tensors   {self.tensors} ({self.quantized} quantized Linears)",
-            f"  time      {self.seconds:.1f} s on {self.device}" + (f", resumed after {self.resumed_stages} stages"
-                                                                  if self.resumed_stages else ""),
-            f"  peak RSS  {self.peak_rss_mib:.0f} MiB",
-            f"  fallbacks {len(self.fallbacks)}" + (f" (no Hessian: {', '.join(self.fallbacks[:4])}"
-                                                    + (", ..." if len(self.fallbacks) > 4 else "") + ")"
-                                                    if self.fallbacks else ""),
-        ]
-        return "\n".join(lines)
 
 
 def parse_bytes(s: int | str) -> int:
@@ -98,53 +64,6 @@ def unit_bits(units: list[Exl3Unit], plan) -> dict[str, float]:
             raise PlanError(f"the plan has no trellis bits for {missing} (EXL3 unit {u.key})")
         out[u.key] = float(max(bits))
     return out
-
-
-def achieved_bits(units: list[Exl3Unit], bits: dict[str, float], key: str = "bits") -> float | None:
-    """Σ rate·numel / Σ numel over the trellis units of one budget key (padded numel, as exllamav3 reports)."""
-    num = den = 0
-    for u in units:
-        if u.kind == "trellis" and u.bits_key == key:
-            k, n = u.padded
-            num += bits[u.key] * k * n
-            den += k * n
-    return round(num / den, 2) if den else None
-
-
-def _stored(u: Exl3Unit, q) -> dict[str, torch.Tensor]:
-    t = q.tensors()
-    stored = {f"{u.key}.trellis": t["trellis"].to(torch.int16).cpu().contiguous(),
-              f"{u.key}.suh": t["suh"].to(torch.float16).cpu().contiguous(),
-              f"{u.key}.svh": t["svh"].to(torch.float16).cpu().contiguous()}
-    for marker in ("mul1", "mcg"):
-        if marker in t:
-            stored[f"{u.key}.{marker}"] = t[marker].to(torch.int32).cpu().reshape(())
-    return stored
-
-
-def quantize_unit(u: Exl3Unit, w: torch.Tensor, bits: float, hessian: torch.Tensor | None, *, seed: int,
-                  codebook: str, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Trellis-quantize one Linear unit (HF (out, in) weight; the quantizer pads to 128).
-    Returns ({stored tensor: tensor}, dequantized weight (out, in) float32 on the CPU)."""
-    (stored, deq), = quantize_batch([u], [w], bits, [hessian], seed=seed, codebook=codebook, device=device)
-    return stored, deq
-
-
-def quantize_batch(units: list[Exl3Unit], ws: list[torch.Tensor], bits: float,
-                   hessians: list[torch.Tensor | None], *, seed: int, codebook: str,
-                   device: torch.device) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    """Quantize same-shape units at one rate in one stacked call (MoE experts), with per-unit Hessians
-    (all given or all None). Encoder-speed device only: every unit is still stored as its own Linear."""
-    from mixq.quant import trellis
-
-    w = torch.stack([x.float() for x in ws]).to(device)
-    h = None
-    if hessians[0] is not None:
-        h = torch.stack([x.float() for x in hessians]).to(device)
-    qs = trellis.quantize(w if len(ws) > 1 else w[0], bits, hessian=h if (h is None or len(ws) > 1) else h[0],
-                          codebook=codebook, seed=seed)
-    qs = qs if isinstance(qs, list) else [qs]
-    return [(_stored(u, q), q.dequantize().float().cpu()) for u, q in zip(units, qs)]
 
 
 MAX_BATCH = 16
@@ -355,29 +274,3 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
                          seconds=time.time() - t0, peak_rss_mib=rss_peak_mib(), shards=sorted(man["shards"]),
                          tensors=len(man["tensors"]), quantized=sum(u.kind == "trellis" for u in units),
                          fallbacks=fallbacks, resumed_stages=resumed, device=device.type)
-
-
-def compile_exl3(writer: Exl3Writer, units: list[Exl3Unit], bits: dict[str, float], stages: list[str],
-                 source_config: dict, source_dir: Path, qc: dict, job: Job, fallbacks: list[str]) -> dict:
-    """config.json, quantization_config.json (tensor_storage), manifest (units, expected tensors), shards."""
-    config = exl3_config(source_config, qc)
-    storage: dict[str, dict] = {}
-    for u in units:
-        mod = u.key if u.kind != "raw" else (u.key.rsplit(".", 1)[0] if u.key.endswith((".weight", ".bias"))
-                                             else u.key)
-        entry = tensor_storage_entry(u.tensor_specs(bits.get(u.key)), bits.get(u.key))
-        if mod in storage:
-            storage[mod]["stored_tensors"].update(entry["stored_tensors"])
-        else:
-            storage[mod] = entry
-    manifest = {
-        "format": "exl3", "writer": "mixq", "fingerprint": job.fp,
-        "units": [dict(key=u.key, kind=u.kind, hf_names=u.hf_names, shape=list(u.shape), role=u.role,
-                       stage=u.stage, bits_key=u.bits_key, dtype=u.dtype, bias=u.bias, pad_to=u.pad_to,
-                       split=u.split, src_shapes=[list(s) for s in u.src_shapes], bits=bits.get(u.key))
-                  for u in units],
-        "expected": {n: {"shape": list(s), "dtype": d} for u in units
-                     for n, (s, d) in u.tensor_specs(bits.get(u.key)).items()},
-        "fallbacks": fallbacks,
-    }
-    return writer.finalize(stages, source_dir=source_dir, config=config, tensor_storage=storage, manifest=manifest)

@@ -1,0 +1,162 @@
+"""The level codes inside ggml blocks: write chosen codes into encoded blocks, read each element's grid back.
+
+A ggml block stores scales (fp16 super-scales, packed sub-block scales/mins) and one level code per weight (or,
+for the lattice i-quants, one codebook index per group of weights). A rounding method that keeps the scales an
+encoder chose but picks its own codes needs exactly two things, given here per type:
+
+- ``set_levels(blocks, qtype, codes)``: the same blocks with every weight's code replaced (scales untouched);
+- ``level_grid(blocks, qtype)``: per weight, ``(step, base)`` such that code c decodes to ``step*c + base``.
+
+For the scalar types every decoded weight is affine in its own code, so the grid is read through gguf-py's
+decoder (codes all at the low end, then all at the high end) instead of a second copy of each decoding rule.
+Bit layouts follow ggml's block definitions (docstrings of :mod:`kquants_blocks` name the byte ranges).
+IQ2_S (8-weight codebook groups with free signs) has its own pair: ``set_iq2s_groups`` / ``iq2s_group_scales``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from ..errors import InputError
+
+# code range (lo, hi) per scalar type; Q8_0 stays off -128, whose magnitude some SIMD dot products cannot take
+CODE_RANGE: dict[str, tuple[int, int]] = {
+    "Q2_K": (0, 3), "Q3_K": (0, 7), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (0, 63),
+    "Q4_0": (0, 15), "Q4_1": (0, 15), "Q5_0": (0, 31), "Q5_1": (0, 31), "Q8_0": (-127, 127),
+}
+SCALAR_TYPES = tuple(CODE_RANGE)
+
+
+def block_shape(qtype: str) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a ggml type."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+
+
+def _pack2(c: np.ndarray) -> np.ndarray:
+    """(B, 256) 2-bit codes -> (B, 64): byte 32h+l holds element 128h+32k+l at bits 2k."""
+    q = c.reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _nibbles_k(c: np.ndarray) -> np.ndarray:
+    """(B, 256) 4-bit codes -> (B, 128): byte 32j+l = element 64j+l (low nibble) | 64j+32+l (high)."""
+    q = c.reshape(-1, 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _nibbles_32(c: np.ndarray) -> np.ndarray:
+    """(B, 32) 4-bit codes -> (B, 16): byte l = element l (low nibble) | element 16+l (high)."""
+    return c[:, :16] | (c[:, 16:] << 4)
+
+
+def _fifth_bits_32(c: np.ndarray) -> np.ndarray:
+    """(B, 32) 5-bit codes -> (B, 4): the little-endian uint32 whose bit e is bit 4 of element e's code."""
+    bits = ((c.astype(np.uint32) >> 4) & 1) << np.arange(32, dtype=np.uint32)[None]
+    return np.bitwise_or.reduce(bits, axis=1).astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+def _write(out: np.ndarray, qtype: str, c: np.ndarray) -> None:
+    """Write codes c (B, block weights) into the level bits of blocks `out` (B, block bytes), in place."""
+    if qtype == "Q2_K":
+        out[:, 16:80] = _pack2(c)
+    elif qtype == "Q3_K":
+        hi = (c >> 2).reshape(-1, 8, 32)  # element 32i+l: bit i of hmask byte l
+        out[:, 0:32] = np.bitwise_or.reduce(hi << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+        out[:, 32:96] = _pack2(c & 3)
+    elif qtype == "Q4_K":
+        out[:, 16:144] = _nibbles_k(c)
+    elif qtype == "Q5_K":
+        hi = (c >> 4).reshape(-1, 8, 32)  # element 32i+l: bit i of qh byte l
+        out[:, 16:48] = np.bitwise_or.reduce(hi << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+        out[:, 48:176] = _nibbles_k(c & 15)
+    elif qtype == "Q6_K":
+        lo = (c & 15).reshape(-1, 2, 2, 64)  # element 128h+64s+p: nibble s of ql byte 64h+p
+        out[:, 0:128] = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(-1, 128)
+        hi = (c >> 4).reshape(-1, 2, 4, 32)  # element 128h+32k+l: bits 2k of qh byte 32h+l
+        out[:, 128:192] = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(-1, 64)
+    elif qtype == "Q4_0":
+        out[:, 2:18] = _nibbles_32(c)
+    elif qtype == "Q4_1":
+        out[:, 4:20] = _nibbles_32(c)
+    elif qtype == "Q5_0":
+        out[:, 2:6] = _fifth_bits_32(c)
+        out[:, 6:22] = _nibbles_32(c & 15)
+    elif qtype == "Q5_1":
+        out[:, 4:8] = _fifth_bits_32(c)
+        out[:, 8:24] = _nibbles_32(c & 15)
+    elif qtype == "Q8_0":
+        out[:, 2:34] = c
+    else:
+        raise InputError(f"no level layout for ggml type {qtype!r}; supported: {', '.join(SCALAR_TYPES)}")
+
+
+def set_levels(blocks: np.ndarray, qtype: str, codes: np.ndarray) -> np.ndarray:
+    """Copy of `blocks` (..., bytes per row) with the level codes replaced by `codes` (..., weights per row).
+
+    Codes must lie in ``CODE_RANGE[qtype]``; scales, mins and super-scales are kept byte for byte."""
+    if qtype not in CODE_RANGE:
+        raise InputError(f"no level layout for ggml type {qtype!r}; supported: {', '.join(SCALAR_TYPES)}")
+    bs, ts = block_shape(qtype)
+    lo, hi = CODE_RANGE[qtype]
+    codes = np.asarray(codes)
+    if codes.min(initial=lo) < lo or codes.max(initial=hi) > hi:
+        raise InputError(f"{qtype} level codes must lie in [{lo}, {hi}]")
+    out = np.array(blocks, dtype=np.uint8, copy=True)
+    flat = out.reshape(-1, ts)
+    c = codes.astype(np.int64).reshape(-1, bs)
+    c = (c.astype(np.int8).view(np.uint8) if lo < 0 else c.astype(np.uint8))
+    _write(flat, qtype, c)
+    return out
+
+
+def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per weight, (step, base) float32 (..., weights per row) with decode(code c) = step*c + base.
+
+    Read through gguf-py's decoder with every code at the low and at the high end of the range."""
+    lo, hi = CODE_RANGE[qtype]
+    bs, ts = block_shape(qtype)
+    shape = blocks.shape[:-1] + (blocks.shape[-1] // ts * bs,)
+    gt = GGMLQuantizationType[qtype]
+    v_lo = gguf_quants.dequantize(set_levels(blocks, qtype, np.full(shape, lo)), gt).astype(np.float64)
+    v_hi = gguf_quants.dequantize(set_levels(blocks, qtype, np.full(shape, hi)), gt).astype(np.float64)
+    step = (v_hi - v_lo) / (hi - lo)
+    base = v_lo - step * lo
+    return step.astype(np.float32), base.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------- IQ2_S
+
+@lru_cache(maxsize=None)
+def iq2s_grid() -> np.ndarray:
+    """(1024, 8) float32: IQ2_S codebook magnitudes (gguf-py's table), decoded value = db * grid * sign."""
+    gguf_quants.IQ2_S.init_grid()
+    return np.asarray(gguf_quants.IQ2_S.grid, dtype=np.float32).reshape(1024, 8)
+
+
+def iq2s_group_scales(blocks: np.ndarray) -> np.ndarray:
+    """(..., bytes per row) IQ2_S blocks -> (..., groups per row) float32 scale db of each 8-weight group."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    flat = b.reshape(-1, 82)
+    d = flat[:, 0:2].copy().view("<f2").astype(np.float32)  # (B, 1)
+    sc = flat[:, 74:82]
+    sub = np.stack([sc & 15, sc >> 4], axis=2).reshape(-1, 16).astype(np.float32)  # one per 16 weights
+    db = d * (np.float32(0.5) + sub) * np.float32(0.25)
+    return np.repeat(db, 2, axis=1).reshape(b.shape[:-1] + (b.shape[-1] // 82 * 32,))
+
+
+def set_iq2s_groups(blocks: np.ndarray, index: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """Copy of IQ2_S `blocks` with each 8-weight group's codebook index (0..1023) and sign byte (bit i set:
+    weight i negative) replaced; shapes (..., groups per row). Super-scale and 4-bit scales are kept."""
+    out = np.array(blocks, dtype=np.uint8, copy=True)
+    flat = out.reshape(-1, 82)
+    idx = np.asarray(index, dtype=np.int64).reshape(-1, 32)
+    if idx.min(initial=0) < 0 or idx.max(initial=0) > 1023:
+        raise InputError("IQ2_S codebook indices must lie in [0, 1023]")
+    flat[:, 2:34] = (idx & 255).astype(np.uint8)
+    flat[:, 34:66] = np.asarray(signs, dtype=np.uint8).reshape(-1, 32)
+    h = (idx >> 8).reshape(-1, 8, 4).astype(np.uint8)  # group 4k+j: bits 2j of qh byte k
+    flat[:, 66:74] = h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)
+    return out

@@ -1,0 +1,209 @@
+"""Hessian-aware rounding inside ggml's block types: the same bytes count and types, a smaller layer-output error.
+
+``quantize_hessian(w, hessian, qtype, imatrix=None)`` returns ggml blocks of ``qtype`` (what
+``kquants.quantize`` returns, loadable by llama.cpp unchanged) whose codes minimise the layer-output error
+``tr(ΔW·H·ΔWᵀ)`` (H = E[x·xᵀ] of the Linear's input) rather than each weight's own (imatrix-weighted) error.
+
+Method (GPTQ/LDLQ error feedback, blocked as ggml blocks are): columns are taken in order, a ggml block
+(256 weights of a row for the K-quants and IQ2_S, 32 for the legacy types) at a time. When the walk reaches a
+block, its scales, mins and super-scales are chosen by mixq's exact ggml encoder (:mod:`kquants`, with the
+imatrix or else diag(H) as importance) from the *current* targets, i.e. the weights plus the feedback of the
+errors already made; then every column (scalar types) or 8-column codebook group (IQ2_S) is rounded on that
+grid and its error is fed forward to the columns not yet rounded through the upper Cholesky factor U of H⁻¹
+(``targets[:, later] -= err·U⁻¹[group] · U[group, later]``), which is the greedy minimiser of the quadratic
+loss column by column. Scales stay exactly what ggml's search gives for those targets, so the block format,
+fp16 rounding and llama.cpp decoding are untouched; :mod:`ggml_levels` writes the chosen codes back.
+
+Numerics in torch (float64 factorisation, float32 walk), on CUDA when present; routed-expert stacks
+(E, rows, n) with one Hessian per expert run batched.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from . import ggml_levels as gl
+from . import kquants
+from .device import pick_device
+
+SUPPORTED = gl.SCALAR_TYPES + ("IQ2_S",)
+DEFAULT_DAMP = 0.01      # relative diagonal damping of H (GPTQ's default): keeps U finite for rank-deficient H
+LAZY_COLUMNS = 256       # columns updated eagerly; the rest receive the batch's feedback in one matmul
+
+
+def upper_inverse_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) -> torch.Tensor:
+    """U with H⁻¹ = Uᵀ·U (upper triangular), for H (n, n) or (E, n, n), after damping.
+
+    Dead columns (zero diagonal: inputs never seen) get a unit diagonal; a factorisation that fails is retried
+    with ten times the damping (a few times), so calibration Hessians of any rank work."""
+    h = hessian.to(torch.float64).clone()
+    diag = torch.diagonal(h, dim1=-2, dim2=-1)
+    dead = diag <= 0
+    diag[dead] = 1.0
+    mean = diag.mean(-1, keepdim=True).clamp_min(1e-30)
+    for attempt in range(6):
+        lam = damp * (10.0 ** attempt)
+        hd = h + torch.diag_embed(lam * mean.expand_as(diag))
+        low, info = torch.linalg.cholesky_ex(hd)
+        if not bool((info != 0).any()):
+            hinv = torch.cholesky_inverse(low)
+            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            if not bool((info != 0).any()):
+                return u
+    raise InputError("Hessian is not positive definite even after damping (non-finite calibration data?)")
+
+
+def layer_error(w: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """tr(ΔW·H·ΔWᵀ) for W (rows, n) / (E, rows, n), its quantized copy and H (n, n) / (E, n, n); float64."""
+    d = (w.to(torch.float64) - wq.to(torch.float64))
+    return ((d @ hessian.to(torch.float64)) * d).sum(dim=(-2, -1))
+
+
+def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 weights of ggml blocks (..., bytes per row), through gguf-py's decoder."""
+    from gguf import GGMLQuantizationType, quants
+
+    return quants.dequantize(np.ascontiguousarray(blocks), GGMLQuantizationType[qtype])
+
+
+def _encode_block(x: torch.Tensor, qtype: str, importance: np.ndarray) -> np.ndarray:
+    """ggml's own encoding of targets x (E, rows, width) with per-expert importance (E, width)."""
+    xs = x.detach().to("cpu", torch.float32).numpy()
+    return np.stack([kquants.quantize(xs[e], qtype, importance[e]) for e in range(xs.shape[0])])
+
+
+class _ScalarRounder:
+    """Rounds one column at a time on a scalar grid (decode = step·code + base)."""
+    group = 1
+
+    def __init__(self, qtype: str, device: torch.device) -> None:
+        self.qtype, self.device = qtype, device
+        self.lo, self.hi = gl.CODE_RANGE[qtype]
+
+    def start(self, blocks: np.ndarray) -> None:
+        step, base = gl.level_grid(blocks, self.qtype)
+        self.step = torch.from_numpy(step).to(self.device)
+        self.base = torch.from_numpy(base).to(self.device)
+        self.codes = torch.zeros(self.step.shape, dtype=torch.int64, device=self.device)
+
+    def round(self, t: torch.Tensor, j: int, metric: torch.Tensor) -> torch.Tensor:
+        """Targets t (E, rows, 1) of block column j -> decoded values (E, rows, 1); codes kept."""
+        step, base = self.step[..., j:j + 1], self.base[..., j:j + 1]
+        safe = torch.where(step != 0, step, torch.ones_like(step))
+        c = torch.round((t - base) / safe).clamp_(self.lo, self.hi)
+        c = torch.where(step != 0, c, torch.full_like(c, max(self.lo, 0)))
+        self.codes[..., j:j + 1] = c.long()
+        return step * c + base
+
+    def finish(self, blocks: np.ndarray) -> np.ndarray:
+        return gl.set_levels(blocks, self.qtype, self.codes.cpu().numpy())
+
+
+class _IQ2SRounder:
+    """Rounds 8-column groups on the IQ2_S codebook: signs follow the targets, the magnitude tuple is the
+    codebook entry with the smallest metric-weighted squared error."""
+    group = 8
+
+    def __init__(self, qtype: str, device: torch.device) -> None:
+        self.device = device
+        self.grid = torch.from_numpy(gl.iq2s_grid()).to(device)  # (1024, 8)
+        self.grid2 = self.grid * self.grid
+
+    def start(self, blocks: np.ndarray) -> None:
+        self.db = torch.from_numpy(gl.iq2s_group_scales(blocks)).to(self.device)  # (E, rows, 32)
+        self.index = torch.zeros(self.db.shape, dtype=torch.int64, device=self.device)
+        self.signs = torch.zeros(self.db.shape, dtype=torch.int64, device=self.device)
+        self.bits = (2 ** torch.arange(8, device=self.device)).view(1, 1, 8)
+
+    def round(self, t: torch.Tensor, j: int, metric: torch.Tensor) -> torch.Tensor:
+        g = j // 8
+        db = self.db[..., g:g + 1]                                   # (E, rows, 1)
+        neg = t < 0
+        m = metric.unsqueeze(-2)                                     # (E, 1, 8)
+        score = db * db * (self.grid2 @ metric.unsqueeze(-1)).transpose(-1, -2) \
+            - 2 * db * ((m * t.abs()) @ self.grid.T)                 # (E, rows, 1024)
+        k = score.argmin(-1)
+        self.index[..., g] = k
+        self.signs[..., g] = (neg.long() * self.bits).sum(-1)
+        return db * self.grid[k] * torch.where(neg, -1.0, 1.0)
+
+    def finish(self, blocks: np.ndarray) -> np.ndarray:
+        return gl.set_iq2s_groups(blocks, self.index.cpu().numpy(), self.signs.cpu().numpy())
+
+
+def _check(w: torch.Tensor, hessian: torch.Tensor, qtype: str, imatrix) -> tuple[torch.Tensor, torch.Tensor]:
+    if qtype not in SUPPORTED:
+        raise InputError(f"Hessian rounding does not support {qtype!r}; supported: {', '.join(SUPPORTED)}")
+    if w.ndim not in (2, 3):
+        raise InputError(f"quantize_hessian: expected (rows, n) or (E, rows, n) weights, got shape {tuple(w.shape)}")
+    stacked = w.ndim == 3
+    w3 = w if stacked else w.unsqueeze(0)
+    n = w3.shape[-1]
+    bs = gl.block_shape(qtype)[0]
+    if n % bs:
+        raise InputError(f"quantize_hessian: row length {n} is not a multiple of {bs} ({qtype})")
+    h3 = hessian if hessian.ndim == 3 else hessian.unsqueeze(0)
+    if h3.shape[-2:] != (n, n) or h3.shape[0] not in (1, w3.shape[0]):
+        raise InputError(f"quantize_hessian: Hessian shape {tuple(hessian.shape)} does not fit weights {tuple(w.shape)}")
+    if not bool(torch.isfinite(w3).all()) or not bool(torch.isfinite(h3).all()):
+        raise InputError("quantize_hessian: weights or Hessian contain NaN or infinite values")
+    return w3, h3
+
+
+def _importance(imatrix, h3: torch.Tensor, experts: int, n: int) -> np.ndarray:
+    """Per-expert column importance for ggml's scale search: the imatrix, else diag(H)."""
+    if imatrix is None:
+        d = torch.diagonal(h3, dim1=-2, dim2=-1).to("cpu", torch.float32).clamp_min(0).numpy()
+        return np.broadcast_to(d, (experts, n)).copy()
+    im = np.asarray(imatrix, dtype=np.float32)
+    if im.size not in (n, experts * n):
+        raise InputError(f"quantize_hessian: imatrix has {im.size} values, expected {n} or {experts}x{n}")
+    return np.broadcast_to(im.reshape(-1, n), (experts, n)).copy()
+
+
+def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFAULT_DAMP,
+                     device: str | torch.device | None = None) -> np.ndarray:
+    """Encode W as ``qtype`` blocks, choosing codes for the smallest tr(ΔW·H·ΔWᵀ) (module docstring).
+
+    Args:
+        w: float weights (rows, n), or a routed-expert stack (E, rows, n); torch tensor or numpy array.
+        hessian: H = mean x·xᵀ of the input, (n, n), or one per expert (E, n, n).
+        qtype: a ggml type in ``SUPPORTED``.
+        imatrix: optional per-column importance (n,) or (E, n) / (E*n,) for ggml's scale search (default diag H).
+        damp: diagonal damping relative to mean(diag H).
+    Returns:
+        uint8 (rows, bytes per row) or (E, rows, bytes per row), exactly the layout ``kquants.quantize`` returns.
+    """
+    dev = pick_device(device)
+    w = torch.as_tensor(np.asarray(w) if not isinstance(w, torch.Tensor) else w)
+    hessian = torch.as_tensor(np.asarray(hessian) if not isinstance(hessian, torch.Tensor) else hessian)
+    w3, h3 = _check(w, hessian, qtype, imatrix)
+    E, R, n = w3.shape
+    importance = _importance(imatrix, h3, E, n)
+    u = upper_inverse_factor(h3.to(dev), damp).to(torch.float32)          # (E|1, n, n)
+    targets = w3.to(dev, torch.float32).clone()
+    bs, ts = gl.block_shape(qtype)
+    rounder = (_IQ2SRounder if qtype == "IQ2_S" else _ScalarRounder)(qtype, dev)
+    g = rounder.group
+    out = np.empty((E, R, n // bs * ts), dtype=np.uint8)
+    lazy = max(LAZY_COLUMNS, bs)
+    inv_diag = (1.0 / torch.diagonal(u, dim1=-2, dim2=-1)).unsqueeze(-1).unsqueeze(-1).unbind(1)  # n x (E|1,1,1)
+    for c0 in range(0, n, lazy):
+        c1 = min(n, c0 + lazy)
+        err = torch.zeros(E, R, c1 - c0, device=dev)
+        for b0 in range(c0, c1, bs):
+            blocks = _encode_block(targets[..., b0:b0 + bs], qtype, importance[:, b0:b0 + bs])
+            rounder.start(blocks)
+            for j in range(b0, b0 + bs, g):
+                ub_inv = inv_diag[j] if g == 1 else torch.linalg.inv(u[:, j:j + g, j:j + g])  # (E|1, g, g)
+                metric = (ub_inv * ub_inv).sum(-1)                          # diag of U⁻¹U⁻ᵀ: (E|1, g)
+                t = targets[..., j:j + g]
+                e = (t - rounder.round(t, j - b0, metric)) @ ub_inv         # (E, rows, g)
+                err[..., j - c0:j - c0 + g] = e
+                if j + g < c1:
+                    targets[..., j + g:c1] -= e @ u[:, j:j + g, j + g:c1]
+            out[:, :, b0 // bs * ts:(b0 + bs) // bs * ts] = rounder.finish(blocks)
+        if c1 < n:
+            targets[..., c1:] -= err @ u[:, c0:c1, c1:]
+    return out if w.ndim == 3 else out[0]

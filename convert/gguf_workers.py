@@ -39,6 +39,8 @@ TASK_WEIGHTS = 1 << 20
 TASK_WEIGHTS_IQ = 1 << 18
 # encoded in the parent: plain casts, nothing to gain from a round trip through a worker
 LOCAL_TYPES = ("F32", "F16", "BF16")
+# after an error, how long the tasks a worker already holds may take before it is killed (each is about a second)
+ABORT_GRACE_S = 120.0
 # thread pools the workers' numpy / BLAS / OpenMP would otherwise size to every core, N times over
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")
@@ -129,6 +131,16 @@ def _put(res: np.ndarray, x_ndim: int, p: Piece, data: np.ndarray) -> None:
         res[p.e0, p.r0:p.r1] = data
     else:
         res[p.r0:p.r1] = data
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill a pool's workers (a worker stuck in a task); Python >= 3.14 has an API for it."""
+    kill = getattr(pool, "kill_workers", None)
+    if kill is not None:
+        kill()
+        return
+    for p in list(getattr(pool, "_processes", {}).values()):
+        p.kill()
 
 
 def _worker_init() -> None:
@@ -262,19 +274,26 @@ class TensorEncoder:
         return res
 
     def close(self, abort: bool = False) -> None:
-        """Stop the workers; `abort` kills them mid-task (after an error, instead of finishing the look-ahead)."""
+        """Stop the workers. `abort` (after an error) drops the look-ahead instead of encoding it: queued tasks
+        are cancelled and the few a worker already holds (at most ~3N, each about a second) are let finish, so
+        every worker is alive and idle when the pool shuts down. Killing workers mid-task instead can leave a
+        half-sent task or result in the pool's pipes, and ProcessPoolExecutor.shutdown(wait=True) then waits for
+        ever (seen on loaded machines). Workers still busy after ABORT_GRACE_S are killed as a last resort."""
         pool, self._pool = self._pool, None
+        futures = [f for t in self._tensors.values() for _, f in t.pending] + list(self._starts)
         self._tensors.clear()
         self._cutting = None
+        self._source = None
         if pool is None:
             return
         if abort:
-            stop = getattr(pool, "terminate_workers", None)  # Python >= 3.14
-            if stop is not None:
-                stop()
-            else:
-                for p in list(getattr(pool, "_processes", {}).values()):
-                    p.terminate()
+            for f in futures:
+                f.cancel()  # only tasks no worker has taken yet; the running ones finish below
+            _, busy = wait(futures, timeout=ABORT_GRACE_S)
+            if busy:
+                _kill_workers(pool)
+                pool.shutdown(wait=False, cancel_futures=True)  # the pool notices the dead workers by itself
+                return
         pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "TensorEncoder":

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.checkpoint_check import check_finite
 from mixq.formats.glm5next import TensorInfo, classify, normalise_layer_type
 
 # safetensors dtype tag -> (torch dtype, bytes per element)
@@ -231,8 +232,11 @@ class Checkpoint:
         e = self._entry(name)
         t = self._read(name, e)
         if e.dtype in _FP8:
-            s = self._read(name + _SCALE_SUFFIX, self._scales[name + _SCALE_SUFFIX]).float()
+            se = self._scales[name + _SCALE_SUFFIX]
+            s = self._read(name + _SCALE_SUFFIX, se).float()
+            check_finite(s, name + _SCALE_SUFFIX, se.file)
             t = dequant_fp8_blocks(t, s, self.block_size, name=f"{e.file}: {name!r}")
+        check_finite(t, name, e.file)  # every read is checked: a NaN/Inf never reaches an output
         return t.to(dtype)
 
 

@@ -1,0 +1,259 @@
+"""Is a glm5_next checkpoint what its config.json says it is? Checked before any output is written.
+
+- `checkpoint_problems(ckpt)` / `validate_checkpoint(ckpt)`: headers and config only, no tensor data read.
+  Every safetensors file opens in the safetensors library (which refuses overlapping, aliased or out-of-range
+  data_offsets), every tensor of an indexed shard is listed in the index's weight_map, every dtype is a float
+  type, FP8 block scales have the shape their weight needs, and the tensors equal, name for name and shape for
+  shape, those of the model transformers builds from the config on the meta device
+  (`checkpoint.checkpoint_from_config`, the one place that derives shapes from a config). Key config values
+  (num_hidden_layers, vocab_size, hidden_size, n_routed_experts) that disagree with the weights are named first,
+  since one of them explains every shape error that follows.
+- `check_finite(t, name, where)`: NaN/Inf in one tensor; `Checkpoint.get` calls it on every read, so a
+  streaming pass (GGUF convert, calibration, eval) checks each tensor as it reads it, at no extra read.
+- `scan_finite(ckpt)`: the same check over the whole checkpoint up front, for commands that write into OUT
+  before they have read every tensor (EXL3 convert keeps its resumable job inside OUT).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from mixq.errors import FormatError, InputError
+
+if TYPE_CHECKING:
+    from mixq.formats.checkpoint import Checkpoint
+
+INDEX = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+# the config keys whose disagreement with the weights explains a whole family of shape errors
+_KEY_SIZES = ("num_hidden_layers", "vocab_size", "hidden_size", "n_routed_experts")
+
+
+def validate_checkpoint(ckpt: "Checkpoint") -> None:
+    """Raise InputError/FormatError (one line: the first problem, naming the file or tensor, and how many more)
+    when the checkpoint does not match its config; see the module docstring for what is checked."""
+    problems = checkpoint_problems(ckpt)
+    if problems:
+        exc, msg = problems[0]
+        more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+        raise exc(msg + more)
+
+
+def checkpoint_problems(ckpt: "Checkpoint") -> list[tuple[type, str]]:
+    """Every problem found, most explanatory first, as (error class, message). Empty for a sound checkpoint."""
+    if ckpt.shapes_only:
+        return []
+    out = _file_problems(ckpt)
+    if out:  # a file the library refuses makes every later check meaningless
+        return out
+    out += _dtype_problems(ckpt)
+    expected = expected_shapes(ckpt)
+    out += _config_value_problems(ckpt, expected)
+    out += _tensor_set_problems(ckpt, expected)
+    return out
+
+
+def expected_shapes(ckpt: "Checkpoint") -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} the config implies (transformers' meta-device model plus the NextN block). A
+    checkpoint without any vision tensor is a text-only release: the vision tower is then not expected."""
+    from mixq.formats.checkpoint import checkpoint_from_config
+
+    skeleton = checkpoint_from_config(Path(ckpt.path) / "config.json")
+    shapes = {n: tuple(skeleton.shape(n)) for n in skeleton.names()}
+    if not any(ckpt.info(n).role == "vision" for n in ckpt.names()):
+        shapes = {n: s for n, s in shapes.items() if skeleton.info(n).role != "vision"}
+    return shapes
+
+
+# --- files -------------------------------------------------------------------------------------------------
+def _source_files(ckpt: "Checkpoint") -> list[Path]:
+    files = {ckpt.file_of(n) for n in ckpt.names()}
+    return sorted(f for f in files if f is not None)
+
+
+def _file_problems(ckpt: "Checkpoint") -> list[tuple[type, str]]:
+    """The safetensors library's own header checks per file, tensors a shard holds that the index does not list,
+    and FP8 scale dtypes/shapes (the scales are not tensors of the Checkpoint)."""
+    from safetensors import SafetensorError, safe_open
+
+    out: list[tuple[type, str]] = []
+    listed = set(ckpt.names())
+    indexed = (Path(ckpt.path) / INDEX).is_file()
+    for f in _source_files(ckpt):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                keys = list(h.keys())
+                scales = {k: (h.get_slice(k).get_dtype(), tuple(h.get_slice(k).get_shape()))
+                          for k in keys if k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in listed}
+        except (SafetensorError, OSError, ValueError) as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            out.append((FormatError, f"{f}: the safetensors library refuses this file ({msg})"))
+            continue
+        for k in keys:
+            if indexed and k not in listed and not (k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in listed):
+                out.append((InputError, f"{f}: tensor {k!r} is in this shard but not in {INDEX}'s weight_map"))
+        for k, (dtype, shape) in scales.items():
+            base = k[: -len(SCALE_SUFFIX)]
+            if not ckpt.is_fp8(base):
+                continue
+            if not dtype.startswith(("F", "BF")):
+                out.append((InputError, f"{f}: FP8 block scale {k!r} has dtype {dtype}, expected a float type"))
+            want = _scale_shape(ckpt.shape(base), ckpt.block_size)
+            if shape != want:
+                out.append((InputError, f"{f}: FP8 block scale {k!r} has shape {list(shape)}, its weight "
+                                        f"{list(ckpt.shape(base))} in {ckpt.block_size[0]}x{ckpt.block_size[1]} "
+                                        f"blocks needs {list(want)}"))
+    return out
+
+
+def _scale_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) < 2:
+        return (1,)
+    return (*shape[:-2], -(-shape[-2] // int(block[0])), -(-shape[-1] // int(block[1])))
+
+
+def _dtype_problems(ckpt: "Checkpoint") -> list[tuple[type, str]]:
+    out = []
+    for n in ckpt.names():
+        dt = ckpt.source_dtype(n)
+        if not getattr(torch, dt).is_floating_point:
+            out.append((InputError, f"{ckpt.file_of(n)}: tensor {n!r} has dtype {dt}; glm5_next weights are "
+                                    "floating point (bf16, fp16, fp32 or block-scaled fp8)"))
+    return out
+
+
+# --- config against weights --------------------------------------------------------------------------------
+def _info(ckpt: "Checkpoint", name: str):
+    """The table's TensorInfo of a name, whether the checkpoint holds it or only the config implies it."""
+    from mixq.formats.glm5next import classify
+
+    return ckpt.info(name) if name in ckpt else classify(name, ckpt.num_hidden_layers)
+
+
+def _first(ckpt: "Checkpoint", names: Iterable[str], role: str) -> str | None:
+    """The first trunk (non-NextN) tensor of `role` among `names`."""
+    return next((n for n in names if _info(ckpt, n).role == role and not _info(ckpt, n).mtp), None)
+
+
+def _config_value_problems(ckpt: "Checkpoint", expected: dict[str, tuple[int, ...]]) -> list[tuple[type, str]]:
+    """Name the config key behind a family of mismatches: layers present, embedding rows/width, experts."""
+    cfg = f"{ckpt.path}/config.json"
+    tc = ckpt.text_config
+    out: list[tuple[type, str]] = []
+    trunk_have = sorted({ckpt.info(n).layer for n in ckpt.names()
+                         if ckpt.info(n).layer is not None and not ckpt.info(n).mtp})
+    if trunk_have and trunk_have != list(range(ckpt.num_hidden_layers)):
+        out.append((InputError, f"{cfg}: num_hidden_layers is {ckpt.num_hidden_layers} but the weights hold decoder "
+                                f"layers {_spans(trunk_have)}"))
+    embed = _first(ckpt, ckpt.names(), "embed")
+    if embed is not None and embed in expected and len(ckpt.shape(embed)) == 2:
+        rows, width = ckpt.shape(embed)
+        if rows != expected[embed][0]:
+            out.append((InputError, f"{cfg}: vocab_size is {tc.get('vocab_size')} but {embed} has {rows} rows"))
+        if width != expected[embed][-1]:
+            out.append((InputError, f"{cfg}: hidden_size is {tc.get('hidden_size')} but {embed} is {width} wide"))
+    have, want = _experts_per_layer(ckpt, ckpt.names()), _experts_per_layer(ckpt, expected)
+    for layer in sorted(set(have) & set(want)):
+        if have[layer] != want[layer]:
+            out.append((InputError, f"{cfg}: n_routed_experts is {tc.get('n_routed_experts')} but layer {layer} "
+                                    f"holds experts {_spans(sorted(have[layer]))}"))
+            break
+    return out
+
+
+def _experts_per_layer(ckpt: "Checkpoint", names: Iterable[str]) -> dict[int, set[int]]:
+    per: dict[int, set[int]] = defaultdict(set)
+    for n in names:
+        info = _info(ckpt, n)
+        if info.expert is not None and info.layer is not None:
+            per[info.layer].add(info.expert)
+    return dict(per)
+
+
+def _spans(xs: list[int]) -> str:
+    """[0,1,2,5] -> '0..2, 5'."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}..{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _optional_shape(ckpt: "Checkpoint", name: str, expected: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """NextN copies of the embedding / head are optional (GLM ships neither: the block borrows the trunk's);
+    when present they have the trunk tensor's shape."""
+    info = ckpt.info(name)
+    if not info.mtp or info.role not in ("embed", "lm_head"):
+        return None
+    twin = _first(ckpt, expected, info.role)
+    return expected.get(twin) if twin else None
+
+
+def _tensor_set_problems(ckpt: "Checkpoint", expected: dict[str, tuple[int, ...]]) -> list[tuple[type, str]]:
+    cfg = f"{ckpt.path}/config.json"
+    out: list[tuple[type, str]] = []
+    have = set(ckpt.names())
+    missing = [n for n in expected if n not in have]
+    nextn = {n for n in expected if _info(ckpt, n).mtp}
+    if nextn and nextn <= set(missing):
+        out.append((InputError, f"{cfg}: num_nextn_predict_layers is {len(ckpt.nextn_layers)} but the checkpoint "
+                                f"holds no tensor of the NextN block (layer {ckpt.nextn_layers[0]})"))
+        missing = [n for n in missing if n not in nextn]
+    where = f" (nor in {INDEX}'s weight_map)" if (Path(ckpt.path) / INDEX).is_file() else ""
+    for n in missing:
+        out.append((InputError, f"{ckpt.path}: tensor {n!r} {list(expected[n])} that config.json implies is "
+                                f"missing from the checkpoint{where}"))
+    for n in ckpt.names():
+        want = expected.get(n) or _optional_shape(ckpt, n, expected)
+        if want is None:
+            out.append((InputError, f"{ckpt.file_of(n)}: tensor {n!r} is not part of the model config.json "
+                                    "describes"))
+        elif tuple(ckpt.shape(n)) != tuple(want):
+            out.append((InputError, f"{ckpt.file_of(n)}: tensor {n!r} has shape {list(ckpt.shape(n))}, "
+                                    f"config.json implies {list(want)}"))
+    return out
+
+
+# --- NaN / Inf ---------------------------------------------------------------------------------------------
+def check_finite(t: torch.Tensor, name: str, where: str | Path | None) -> None:
+    """InputError naming `where` (the file) and `name` when the float tensor `t` holds NaN or +-Inf.
+
+    One fused min/max pass (NaN propagates through both; +-Inf shows in one): tens of GB/s, far below the cost
+    of reading the tensor. The exact counts are computed only for a bad tensor."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return
+    flat = t.reshape(-1)
+    if flat.dtype.itemsize == 1:  # fp8: no min/max kernels
+        flat = flat.float()
+    lo, hi = torch.aminmax(flat)
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return
+    bad = ~torch.isfinite(flat)
+    first = int(bad.nonzero()[0, 0])
+    pos = list(torch.unravel_index(torch.tensor(first), tuple(t.shape))) if t.dim() > 1 else [first]
+    n_nan, n_bad = int(torch.isnan(flat).sum()), int(bad.sum())
+    prefix = f"{where}: " if where is not None else ""
+    raise InputError(f"{prefix}tensor {name!r} holds non-finite values ({n_nan} NaN, {n_bad - n_nan} Inf of "
+                     f"{t.numel()}; first at {[int(p) for p in pos]}): the checkpoint is corrupt")
+
+
+def scan_finite(ckpt: "Checkpoint", names: Iterable[str] | None = None, *, progress: bool = True) -> int:
+    """Read every tensor (or `names`) once, one at a time, and raise on the first NaN/Inf (`check_finite` inside
+    `Checkpoint.get`; FP8 weights are checked dequantized, their scales on their own). Returns bytes read."""
+    from tqdm.auto import tqdm
+
+    todo = list(ckpt.names() if names is None else names)
+    total = sum(ckpt.nbytes(n) for n in todo)
+    with tqdm(total=total, desc="check weights", unit="B", unit_scale=True, disable=not progress,
+              leave=False) as bar:
+        for n in todo:
+            native = torch.float32 if ckpt.is_fp8(n) else getattr(torch, ckpt.source_dtype(n))
+            ckpt.get(n, dtype=native)  # the read itself checks
+            bar.update(ckpt.nbytes(n))
+    return total

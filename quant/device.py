@@ -9,3 +9,34 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     if device:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def parse_device(device: str | torch.device, what: str = "--device") -> torch.device:
+    """`device` as a torch.device, or InputError naming `what` when it is not cpu, cuda or cuda:N."""
+    from mixq.errors import InputError
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in SUPPORTED_DEVICE_TYPES:
+        raise InputError(f"{what} {str(device)!r}: not a device mixq runs on; use cpu, cuda or cuda:N")
+    return dev
+
+
+def resolve_device(device: str | torch.device | None = None, what: str = "--device") -> torch.device:
+    """`pick_device`, checked: InputError naming `what` for a malformed device or one this machine lacks."""
+    from mixq.errors import InputError
+
+    if not device:
+        return pick_device(None)
+    dev = parse_device(device, what)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"{what} {device}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(f"{what} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev

@@ -290,6 +290,18 @@ def bits_to_type(bits: float) -> str:
     return BITS_TO_TYPE[b]
 
 
+def encodable_types() -> tuple[str, ...]:
+    """The ggml types mixq writes: the float types and every encoder registered in mixq.quant.kquants."""
+    from mixq.quant.kquants import SUPPORTED
+
+    return ("F32", "F16", "BF16") + tuple(SUPPORTED)
+
+
+def has_encoder(type_name: str) -> bool:
+    """Whether mixq can write `type_name` (plan and convert share this check)."""
+    return type_name.upper() in encodable_types()
+
+
 def ladder(ne0: int, floor: str | None = None, kind: str = "k") -> list[str]:
     """The custom-mix candidate types of a tensor with rows of ``ne0``, after the shape fallback, deduplicated
     (by type and by bits per weight), ascending; ``floor`` drops every type below it; ``kind``: "k" or "iq"."""
@@ -298,7 +310,8 @@ def ladder(ne0: int, floor: str | None = None, kind: str = "k") -> list[str]:
     out: list[str] = []
     for t in LADDERS[kind]:
         f = fallback(t, ne0)
-        if f not in out and all(type_bpw(f) != type_bpw(o) for o in out):
+        # a type mixq cannot encode (a fallback such as IQ4_NL) never enters a plan that convert must then refuse
+        if f not in out and has_encoder(f) and all(type_bpw(f) != type_bpw(o) for o in out):
             out.append(f)
     out.sort(key=type_bpw)
     if floor:

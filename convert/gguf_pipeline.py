@@ -113,12 +113,16 @@ def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = No
     processes encode the tensors (convert/gguf_workers; default os.cpu_count(), 1 = in this process); the
     bytes do not depend on it."""
     from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
     from mixq.formats.gguf_writer import TensorOut, glm5next_kv, write_gguf
 
     n_threads = _thread_count(threads)
     ckpt = open_checkpoint(model)
+    validate_checkpoint(ckpt)  # config vs weights, before anything is planned or written
+    if mmproj is not None:  # the projector file is written after the model: check its weights before either
+        scan_finite(ckpt, [n for n in ckpt.names() if ckpt.info(n).role == "vision"], progress=progress)
     include_mtp = not no_mtp
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
     if isinstance(size, str):
@@ -212,10 +216,12 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
 
     from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.checkpoint_check import validate_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
     from mixq.formats.imatrix_file import IMatrix
 
     ckpt = open_checkpoint(model)
+    validate_checkpoint(ckpt)
     dev = pick_device(device)
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                            vocab_size=int(ckpt.text_config["vocab_size"]))

@@ -128,6 +128,7 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
 
     from mixq.convert.planning import plan_model
     from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
 
     t0 = time.time()
     if _is_drafter(model):
@@ -138,6 +139,7 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
     ckpt = open_checkpoint(model)
     if ckpt.config.get("model_type") != "glm5_next":
         raise InputError(f"{ckpt.path}: model_type {ckpt.config.get('model_type')!r} is not glm5_next")
+    validate_checkpoint(ckpt)  # config vs weights, before anything is planned or written
     if bpw is None and size is None:
         raise InputError("give a target: --bpw or --size")
     device = pick_device(device)
@@ -161,6 +163,8 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
                          codebook=codebook, device=device, shard_size=shard_bytes, vision_bits=vision_bits,
                          include_mtp=include_mtp, head_bits=head_bits, mtp_bits=mtp_bits)
     out = Path(out)
+    if not resume:  # the job lives inside OUT: read every weight once for NaN/Inf before OUT is created
+        scan_finite(ckpt, progress=progress)
     job = Job.open(out, settings, resume=resume)
     resumed = len(job.done)
     check_free_space(out, 2 * plan.total_bytes, "conversion (parts + shards)")

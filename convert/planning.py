@@ -169,12 +169,17 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
     if fmt == "exl3":
         if qtype is not None:
             raise InputError(f"--type {qtype}: named mixes are GGUF only; use --bpw or --size for EXL3")
-        return _plan_exl3(ckpt, bpw=bpw, size=size_b, overrides=ovs, head_bits=head_bits, mtp_bits=mtp_bits,
-                         vision_bits=vision_bits, include_mtp=include_mtp, measure=measure)
-    if fmt == "gguf":
-        return _plan_gguf(ckpt, bpw=bpw, size=size_b, qtype=qtype, overrides=ovs, head_bits=head_bits,
-                         mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder)
-    raise InputError(f"--format {fmt!r}: exl3 or gguf")
+        plan = _plan_exl3(ckpt, bpw=bpw, size=size_b, overrides=ovs, head_bits=head_bits, mtp_bits=mtp_bits,
+                          vision_bits=vision_bits, include_mtp=include_mtp, measure=measure)
+    elif fmt == "gguf":
+        plan = _plan_gguf(ckpt, bpw=bpw, size=size_b, qtype=qtype, overrides=ovs, head_bits=head_bits,
+                          mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder)
+    else:
+        raise InputError(f"--format {fmt!r}: exl3 or gguf")
+    from mixq.convert.plan_check import check_plan
+
+    check_plan(ckpt, plan)  # what plan shows, convert can write (one check for both)
+    return plan
 
 
 def role_summary(tensors: Sequence[PlannedTensor]) -> dict[str, dict]:

@@ -155,4 +155,18 @@ def read_imatrix(path: str | Path) -> IMatrix:
         raise InputError(f"{path}: no such imatrix file")
     with open(path, "rb") as fh:
         magic = fh.read(4)
-    return _read_gguf(path) if magic == b"GGUF" else _read_legacy(path)
+    return check_values(path, _read_gguf(path) if magic == b"GGUF" else _read_legacy(path))
+
+
+def check_values(path: str | Path, im: IMatrix) -> IMatrix:
+    """InputError naming the file and entry when a sum of squares or a count is negative, NaN or Inf: no
+    calibration produces one, and the encoders would weight the rounding error with it."""
+    for name in sorted(im.sums):
+        for what, v in (("sum of squares", im.sums[name]), ("token count", im.counts[name])):
+            v = np.asarray(v)
+            bad = ~np.isfinite(v) | (v < 0)
+            if bad.any():
+                first = v.reshape(-1)[int(np.flatnonzero(bad.reshape(-1))[0])]
+                raise InputError(f"{path}: imatrix entry {name}: {int(bad.sum())} {what} value(s) negative or "
+                                 f"non-finite (first {first}); the file is corrupt")
+    return im

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.gguf_integrity import data_sha256, seal, sealed_writer
 from mixq.quant.gguf_mix import ggml_type, tensor_nbytes
 
 ARCH = "glm5-next"
@@ -174,9 +175,9 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
 
     `produce(t)` returns the tensor's data: float32/float16 arrays for F32/F16, otherwise the raw ggml bytes
     (uint8) of exactly `t.nbytes`. `tokenizer(writer)` adds tokenizer keys. Shards split on `shard_size`
-    (bytes of tensor data) or `shard_max_tensors`; split.* keys go into every shard (gguf-facts §2).
+    (bytes of tensor data) or `shard_max_tensors`; split.* keys go into every shard (gguf-facts §2), and the
+    integrity keys of formats/gguf_integrity too.
     """
-    import gguf
     from tqdm import tqdm
 
     path = Path(path)
@@ -185,8 +186,10 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
     path.parent.mkdir(parents=True, exist_ok=True)
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.stem}.partial-", dir=path.parent))
     try:
-        w = gguf.GGUFWriter(tmpdir / path.name, arch, split_max_size=int(shard_size),
-                            split_max_tensors=int(shard_max_tensors))
+        # every file gets mixq.integrity.* placeholders, filled by seal() once the data is written
+        w = sealed_writer(tmpdir / path.name, arch, split_max_size=int(shard_size),
+                          split_max_tensors=int(shard_max_tensors))
+        digests: dict[str, str] = {}
         # GGUFWriter already wrote general.architecture in its constructor
         add_kv(w, [k for k in kv if k.key != "general.architecture"])
         if tokenizer is not None:
@@ -201,9 +204,11 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
             arr = np.ascontiguousarray(produce(t))
             if arr.nbytes != t.nbytes:
                 raise FormatError(f"{t.name}: produced {arr.nbytes} bytes, {t.qtype} {t.shape} needs {t.nbytes}")
+            digests[t.name] = data_sha256(arr)
             w.write_tensor_data(arr)
         w.close()
         tmp_files = shard_names(tmpdir / path.name, n_files)
+        seal(tmp_files, digests)
         finals = shard_names(path, n_files)
         for a, b in zip(tmp_files, finals):
             os.replace(a, b)

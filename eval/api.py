@@ -15,6 +15,8 @@ from mixq.eval import reference as refm
 from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter
 from mixq.eval.report import render_markdown
 from mixq.eval.stats import KLAccumulator, log_probs, token_quantities
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import validate_checkpoint
 
 ENGINES = ("torch", "llamacpp")
 
@@ -74,6 +76,7 @@ def evaluate(
     ref_dir = Path(reference)
     if not ref_dir.is_dir():
         raise InputError(f"{reference}: the reference must be an HF checkpoint directory")
+    validate_checkpoint(open_checkpoint(ref_dir))  # a reference whose config disagrees with its weights: refused
     dev = refm.pick_device(device)
     config = refm.read_config(ref_dir)
     n_layers = refm.num_hidden_layers(config)

@@ -167,21 +167,18 @@ class LayerCalibrator:
     def __init__(self, ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = 4,
                  start_layer: int = 0, state: dict | None = None) -> None:
-        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
-        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+        from mixq.convert.layer_stream import DecoderStream
 
         self.ckpt = ckpt
-        self.device = torch.device(device)
+        self.stream = DecoderStream(ckpt.config, device=device, dtype=dtype, batch_rows=batch_rows)
+        self.device = self.stream.device
         self.dtype = dtype
         self.full = full
-        self.batch_rows = max(1, int(batch_rows))
+        self.batch_rows = self.stream.batch_rows
         self.input_ids = input_ids.long()
-        cfg = Glm5NextConfig.from_dict(dict(ckpt.config))
-        self.text_config = cfg.text_config
-        self.text_config._attn_implementation = "sdpa"
-        with torch.device("meta"):
-            self.skeleton = Glm5NextTextModel(self.text_config)
-        self.num_layers = int(self.text_config.num_hidden_layers)
+        self.text_config = self.stream.text_config
+        self.skeleton = self.stream.skeleton
+        self.num_layers = self.stream.num_layers
         self.start_layer = start_layer
         # state: hidden streams (rows, seq, hc, hidden) and the DSA top-k carried to "shared" indexer layers
         self.hidden: torch.Tensor | None = None if state is None else state["hidden"]
@@ -192,27 +189,19 @@ class LayerCalibrator:
         return self.ckpt.get(name, dtype=torch.float32)
 
     def _materialize(self, layer: int, replace: dict[str, torch.Tensor] | None) -> nn.Module:
-        mod = self.skeleton.layers[layer]
         replace = replace or {}
 
         def fetch(n: str) -> torch.Tensor:
             t = replace.get(n)
-            return (t if t is not None else self._get(n)).float()
+            return t if t is not None else self._get(n)
 
-        sd = _layer_state_dict(mod, layer, fetch)
-        mod.to_empty(device=self.device)
-        mod.load_state_dict({k: v.to(self.device) for k, v in sd.items()}, strict=True)
-        return mod.to(self.dtype).eval()
+        return self.stream.materialize(layer, fetch)
 
     def _release(self, layer: int) -> None:
-        self.skeleton.layers[layer].to("meta")
+        self.stream.release(layer)
 
     def _embed(self) -> None:
-        w = self._get(f"{PREFIX}.embed_tokens.weight").to(self.dtype)
-        hc = int(self.text_config.hc_mult)
-        emb = F.embedding(self.input_ids, w)
-        self.hidden = emb.unsqueeze(2).expand(-1, -1, hc, -1).contiguous()
-        del w
+        self.hidden = self.stream.embed(self.input_ids, self._get)
 
     def state(self) -> dict:
         """The calibration state after the last advanced stage (saved by the job for --resume)."""
@@ -222,8 +211,7 @@ class LayerCalibrator:
         return d
 
     def _batches(self):
-        for r in range(0, self.input_ids.shape[0], self.batch_rows):
-            yield slice(r, min(r + self.batch_rows, self.input_ids.shape[0]))
+        return self.stream.batches(self.input_ids.shape[0])
 
     # -- one layer
     def _run_layer(self, mod: nn.Module, layer: int, stats: dict[str, HessianAccumulator] | None) -> tuple:
@@ -259,33 +247,20 @@ class LayerCalibrator:
         if experts is not None and hasattr(experts, "gate_up_proj"):
             experts_patch = experts
             experts.forward = self._all_experts_forward(experts, layer, stats, feed)
-        outs, topks = [], []
-        mask_full = None
+
+        def new_batch(_sl: slice) -> None:
+            fed.clear()
+            acc_by_input.clear()
+            live.clear()
+
         try:
-            for sl in self._batches():
-                fed.clear()
-                acc_by_input.clear()
-                live.clear()
-                h = self.hidden[sl].to(self.device, self.dtype)
-                b, s = h.shape[:2]
-                if mask_full is None or mask_full.shape != (b, s):
-                    mask_full = torch.ones(b, s, dtype=torch.bool, device=self.device)
-                pos = torch.arange(s, device=self.device).unsqueeze(0)
-                prev = None if self.topk is None else self.topk[sl].to(self.device)
-                with torch.no_grad():
-                    out, topk = mod(h, attention_mask=mask_full, position_ids=pos, position_embeddings=None,
-                                    prev_topk_indices=prev)
-                outs.append(out.to("cpu") if self.device.type != "cpu" else out)
-                if topk is not None:
-                    topks.append(topk.to("cpu"))
+            hidden, topk = self.stream.run_layer(mod, self.hidden, self.topk, before_batch=new_batch)
         finally:
             for hk in hooks:
                 hk.remove()
             if experts_patch is not None:
                 del experts_patch.forward
             live.clear()
-        hidden = torch.cat(outs)
-        topk = torch.cat(topks) if topks else None
         return hidden, topk
 
     def _all_experts_forward(self, experts: nn.Module, layer: int, stats, feed):

@@ -1,0 +1,125 @@
+"""The glm5_next text decoder run one layer at a time over many token rows (calibration and evaluation share it).
+
+transformers' `Glm5NextTextModel` is built on the meta device, so it costs no memory; one decoder layer at a time
+is materialised from checkpoint-named tensors (`fetch(hf_name) -> tensor`), run over the hidden streams of every
+row, and released. Peak memory is one layer's weights plus the hidden streams, whatever the depth of the model.
+The forward is transformers' own decoder-layer module, called exactly as `Glm5NextTextModel.forward` calls it
+(all-true mask, positions 0..seq-1, no rotary embeddings, the DSA top-k indices handed from layer to layer), so a
+row gives the same numbers as the whole model run on that row.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixq.convert.calibration import PREFIX, _layer_state_dict
+
+Fetch = Callable[[str], torch.Tensor]
+
+
+class DecoderStream:
+    """transformers' glm5_next text decoder on the meta device, materialised and run one layer at a time.
+
+    config: the checkpoint's config.json (dict). device: where layers run. dtype: the compute dtype of layers
+    and hidden streams. batch_rows: rows per layer call (the rows of a batch are independent sequences).
+    """
+
+    def __init__(self, config: dict, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 batch_rows: int = 4) -> None:
+        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_rows = max(1, int(batch_rows))
+        cfg = Glm5NextConfig.from_dict(dict(config))
+        self.text_config = cfg.text_config
+        self.text_config._attn_implementation = "sdpa"  # what from_pretrained picks for this model
+        with torch.device("meta"):
+            self.skeleton = Glm5NextTextModel(self.text_config)
+        self.num_layers = int(self.text_config.num_hidden_layers)
+        self.hc_mult = int(self.text_config.hc_mult)
+
+    # -- weights
+    def materialize(self, layer: int, fetch: Fetch) -> nn.Module:
+        """Decoder layer `layer` holding the tensors `fetch` returns (checkpoint names), on `device`, eval mode."""
+        mod = self.skeleton.layers[layer]
+        sd = _layer_state_dict(mod, layer, lambda n: fetch(n).float())
+        mod.to_empty(device=self.device)
+        mod.load_state_dict({k: v.to(self.device) for k, v in sd.items()}, strict=True)
+        return mod.to(self.dtype).eval()
+
+    def release(self, layer: int) -> None:
+        """Give layer `layer`'s weights back (the module returns to the meta device)."""
+        self.skeleton.layers[layer].to("meta")
+
+    def layer_prefix(self, layer: int) -> str:
+        """Checkpoint-name prefix of decoder layer `layer`'s tensors."""
+        return f"{PREFIX}.layers.{layer}."
+
+    # -- hidden streams
+    def embed(self, input_ids: torch.Tensor, fetch: Fetch, out_device: str | torch.device | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(rows, seq, hc_mult, hidden) streams of the embedded tokens, as the text model starts."""
+        w = fetch(f"{PREFIX}.embed_tokens.weight").to(self.dtype)
+        out = torch.empty(*input_ids.shape, self.hc_mult, w.shape[1], dtype=out_dtype or self.dtype,
+                          device=out_device or w.device)
+        for sl in self.batches(input_ids.shape[0]):
+            emb = F.embedding(input_ids[sl], w)
+            out[sl] = emb.unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        return out
+
+    def batches(self, rows: int) -> Iterator[slice]:
+        for r in range(0, rows, self.batch_rows):
+            yield slice(r, min(r + self.batch_rows, rows))
+
+    def forward_batch(self, mod: nn.Module, hidden: torch.Tensor, prev_topk: torch.Tensor | None):
+        """One decoder-layer call on a batch of rows (already on `device`): (streams out, DSA top-k or None)."""
+        b, s = hidden.shape[:2]
+        mask = torch.ones(b, s, dtype=torch.bool, device=self.device)
+        pos = torch.arange(s, device=self.device).unsqueeze(0)
+        with torch.no_grad():
+            return mod(hidden, attention_mask=mask, position_ids=pos, position_embeddings=None,
+                       prev_topk_indices=prev_topk)
+
+    def run_layer(self, mod: nn.Module, hidden: torch.Tensor, topk: torch.Tensor | None, *,
+                  before_batch: Callable[[slice], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All rows of `hidden` (any device and dtype) through `mod`, batch by batch, into new tensors on the
+        CPU (computed in `dtype`). Returns (hidden streams, DSA top-k indices or None)."""
+        outs, topks = [], []
+        for sl in self.batches(hidden.shape[0]):
+            if before_batch is not None:
+                before_batch(sl)
+            prev = None if topk is None else topk[sl].to(self.device)
+            out, tk = self.forward_batch(mod, hidden[sl].to(self.device, self.dtype), prev)
+            outs.append(out.to("cpu") if self.device.type != "cpu" else out)
+            if tk is not None:
+                topks.append(tk.to("cpu"))
+        return torch.cat(outs), (torch.cat(topks) if topks else None)
+
+    def run_layer_inplace(self, mod: nn.Module, hidden: torch.Tensor,
+                          topk: torch.Tensor | None) -> torch.Tensor | None:
+        """All rows of `hidden` through `mod`, each batch's output written back over its input rows (same device
+        and dtype as `hidden`: no second copy of the streams). Returns the new DSA top-k indices or None."""
+        topks = []
+        for sl in self.batches(hidden.shape[0]):
+            prev = None if topk is None else topk[sl].to(self.device)
+            out, tk = self.forward_batch(mod, hidden[sl].to(self.device, self.dtype), prev)
+            hidden[sl] = out.to(hidden.device, hidden.dtype)
+            if tk is not None:
+                topks.append(tk.to(hidden.device))
+        return torch.cat(topks) if topks else None
+
+    # -- the end of the text model
+    def final_hidden(self, hidden: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+        """norm(hc_head(streams)) — the text model's last hidden state — for rows of streams on `device`."""
+        norm = self.skeleton.norm
+        if norm.weight.device != self.device or norm.weight.device.type == "meta":
+            norm.to_empty(device=self.device)
+        norm.load_state_dict({"weight": norm_weight.to(self.device)})
+        norm.to(self.dtype)
+        with torch.no_grad():
+            return norm(self.skeleton.hc_head(hidden.to(self.device, self.dtype)))

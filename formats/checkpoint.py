@@ -19,7 +19,8 @@ import torch
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.checkpoint_check import check_finite
-from mixq.formats.glm5next import TensorInfo, classify, normalise_layer_type
+from mixq.formats.glm5next import (TEXT_PREFIX, TensorInfo, classify, in_nextn_block, is_vision,
+                                   normalise_layer_type, nextn_only_shapes)
 
 # safetensors dtype tag -> (torch dtype, bytes per element)
 _ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -366,8 +367,8 @@ def _meta_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _nextn_shapes(config: dict, text: dict, layer_types: list[str]) -> dict[str, tuple[int, ...]]:
-    """Shapes of the NextN block(s): a DSA + MoE decoder layer (indexer full) without mHC, plus
-    eh_proj (D, 2D), enorm, hnorm and shared_head.norm (exl3-format.md §6.2, gguf-glm5-next.md §2.2)."""
+    """Shapes of the NextN block(s): a DSA + MoE decoder layer (indexer full) without the tensors the table keeps
+    out of NextN blocks (mHC), plus the NextN-only tensors of the table (eh_proj, enorm, hnorm, shared_head.norm)."""
     k = int(text.get("num_nextn_predict_layers", 0) or 0)
     if k == 0:
         return {}
@@ -379,17 +380,16 @@ def _nextn_shapes(config: dict, text: dict, layer_types: list[str]) -> dict[str,
     cfg = {"text_config": t, "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 16,
                                                "num_heads": 1, "out_hidden_size": t["hidden_size"]}}
     shapes = _meta_state_shapes(cfg)
-    D = text["hidden_size"]
+    before, after = nextn_only_shapes(int(text["hidden_size"]))
+    body = f"{TEXT_PREFIX}layers.0."
     out: dict[str, tuple[int, ...]] = {}
     for j in range(k):
-        L = f"model.language_model.layers.{n + j}."
-        out[L + "eh_proj.weight"] = (D, 2 * D)
-        out[L + "enorm.weight"] = (D,)
-        out[L + "hnorm.weight"] = (D,)
+        L = f"{TEXT_PREFIX}layers.{n + j}."
+        out.update({L + name: s for name, s in before.items()})
         for name, s in shapes.items():
-            if name.startswith("model.language_model.layers.0.") and ".hc_" not in name:
-                out[L + name.split("layers.0.", 1)[1]] = s
-        out[L + "shared_head.norm.weight"] = (D,)
+            if name.startswith(body) and in_nextn_block(name[len(body):]):
+                out[L + name[len(body):]] = s
+        out.update({L + name: s for name, s in after.items()})
     return out
 
 
@@ -408,7 +408,7 @@ def checkpoint_from_config(config_path: str | os.PathLike) -> Checkpoint:
     try:
         shapes = _meta_state_shapes(c)
         if not isinstance(config.get("vision_config"), dict):  # text-only config: no vision tower to plan
-            shapes = {k: v for k, v in shapes.items() if "visual." not in k}
+            shapes = {k: v for k, v in shapes.items() if not is_vision(k)}
         shapes.update(_nextn_shapes(c, tc, lt))
     except InputError:
         raise

@@ -2,17 +2,15 @@
 
 One `Exl3Unit` is what one exllamav3 module stores: a quantized Linear (`<key>.trellis/.suh/.svh/.mul1[/.bias]`),
 an unquantized fp16 Linear (`<key>.weight`), or a raw tensor in fp32 / fp16 / its source dtype.
-Conventions (../shared/reference/exl3-format.md §1.4-1.6, §6.1-6.2, §7):
-  * KDA `q_proj/k_proj/v_proj` -> one fused Linear `self_attn.qkv_proj` (output columns [q | k | v]);
-  * `q_conv1d/k_conv1d/v_conv1d` -> `self_attn.conv1d.weight` (concatenated on dim 0); `A_log` reshaped to (H,);
-  * MLA `kv_b_proj`, indexer `wk` / `weights_proj`, KDA `b/f_a/f_b/g_a/g_b` -> fp16 (out, in);
-  * mHC `hc_*`, kpool ape, e-score bias (unless fp16 source) -> fp32; norms/embedding/conv/A_log -> source dtype
-    (fp32 -> fp16); quantized Linears padded to multiples of 128 on both sides (`eh_proj` is `pad_to=1`).
-Storage policy per HF tensor comes from the one architecture table (`formats/glm5next.classify`).
+Conventions (../shared/reference/exl3-format.md §1.4-1.6, §6.1-6.2, §7): tensors the architecture table fuses
+(`TensorInfo.exl3_key`) become one unit, concatenated on dim 0 in the table's member order (a quantized Linear
+such as KDA's qkv_proj, or a raw tensor such as its conv1d); `exl3_flat` tensors are stored flattened; storage
+(fp16 / fp32 / source dtype, fp32 -> fp16) follows the table's EXL3 policy; quantized Linears are padded to
+multiples of 128 on both sides unless the table gives another `exl3_pad`.
 """
 from __future__ import annotations
 
-import re
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +20,6 @@ from mixq.errors import FormatError
 PAD = 128
 MUL1_MARKER = 0x83DCD12D - (1 << 32)  # int32 scalar bit pattern of the MUL1 multiplier (reference §1.4)
 MCG_MARKER = 0xCBAC1FED - (1 << 32)
-
-_FUSED_QKV = re.compile(r"(.*\.layers\.\d+\.self_attn\.)(q|k|v)_proj\.weight")
-_FUSED_CONV = re.compile(r"(.*\.layers\.\d+\.self_attn\.)(q|k|v)_conv1d\.weight")
 
 
 def pad_up(n: int, to: int = PAD) -> int:
@@ -109,6 +104,25 @@ def _stage(info, name: str) -> str:
     return f"mtp.{info.layer}" if info.mtp else f"layer.{info.layer}"
 
 
+def _fused_unit(ckpt, info, have: set[str], stage: str) -> Exl3Unit:
+    """One unit made of the table's fusion group of ``info`` (concatenated on dim 0, member order)."""
+    srcs = list(info.exl3_members)
+    missing = [s for s in srcs if s not in have]
+    if missing:
+        raise FormatError(f"{info.exl3_key} is fused from {', '.join(srcs)}; missing {missing[0]}")
+    shapes = [tuple(ckpt.shape(s)) for s in srcs]
+    if len({s[1:] for s in shapes}) != 1:
+        raise FormatError(f"{info.exl3_key}: the fused tensors' trailing shapes differ {shapes}")
+    fused = (sum(s[0] for s in shapes),) + shapes[0][1:]
+    split = [s[0] for s in shapes]
+    if info.exl3 == "trellis":
+        return Exl3Unit(info.exl3_key, "trellis", srcs, fused, info.role, stage, info.exl3_bits_key, split=split,
+                        src_shapes=shapes)
+    return Exl3Unit(info.exl3_key, "raw", srcs, fused, info.role, stage,
+                    dtype=_raw_dtype(info.exl3, ckpt.source_dtype(info.name), info.name), split=split,
+                    src_shapes=shapes)
+
+
 def exl3_layout(ckpt, *, vision_bits: float | None = None, include_mtp: bool = True) -> list[Exl3Unit]:
     """All output units of the checkpoint, in checkpoint order within each stage.
 
@@ -134,39 +148,13 @@ def exl3_layout(ckpt, *, vision_bits: float | None = None, include_mtp: bool = T
             continue
         stage = _stage(info, name)
         shape = tuple(ckpt.shape(name))
-        m = _FUSED_QKV.fullmatch(name)
-        if m and info.exl3 == "trellis":
-            srcs = [f"{m.group(1)}{c}_proj.weight" for c in "qkv"]
-            missing = [s for s in srcs if s not in have]
-            if missing:
-                raise FormatError(f"KDA layer needs q/k/v_proj to fuse qkv_proj; missing {missing[0]}")
-            shapes = [tuple(ckpt.shape(s)) for s in srcs]
-            if len({s[1] for s in shapes}) != 1:
-                raise FormatError(f"{m.group(1)}q/k/v_proj: input widths differ {shapes}")
-            fused_done.update(srcs)
-            units.append(Exl3Unit(f"{m.group(1)}qkv_proj", "trellis", srcs, (sum(s[0] for s in shapes), shapes[0][1]),
-                                  info.role, stage, info.exl3_bits_key, split=[s[0] for s in shapes],
-                                  src_shapes=shapes))
-            continue
-        m = _FUSED_CONV.fullmatch(name)
-        if m:
-            srcs = [f"{m.group(1)}{c}_conv1d.weight" for c in "qkv"]
-            missing = [s for s in srcs if s not in have]
-            if missing:
-                raise FormatError(f"KDA layer needs q/k/v_conv1d to fuse conv1d; missing {missing[0]}")
-            shapes = [tuple(ckpt.shape(s)) for s in srcs]
-            fused_done.update(srcs)
-            fused = (sum(s[0] for s in shapes),) + shapes[0][1:]
-            units.append(Exl3Unit(f"{m.group(1)}conv1d.weight", "raw", srcs, fused, info.role, stage,
-                                  dtype=_raw_dtype(info.exl3, ckpt.source_dtype(name), name),
-                                  split=[s[0] for s in shapes], src_shapes=shapes))
+        if info.exl3_key:
+            units.append(_fused_unit(ckpt, info, have, stage))
+            fused_done.update(info.exl3_members)
             continue
         dtype_src = ckpt.source_dtype(name)
-        if name.endswith("self_attn.A_log"):
-            n = 1
-            for d in shape:
-                n *= d
-            units.append(Exl3Unit(name, "raw", [name], (n,), info.role, stage,
+        if info.exl3_flat:
+            units.append(Exl3Unit(name, "raw", [name], (math.prod(shape),), info.role, stage,
                                   dtype=_raw_dtype(info.exl3, dtype_src, name), src_shapes=[shape]))
             continue
         quantize = info.exl3 == "trellis" and not (info.role == "vision" and vision_bits is None)
@@ -174,7 +162,7 @@ def exl3_layout(ckpt, *, vision_bits: float | None = None, include_mtp: bool = T
         if quantize:
             key = name[: -len(".weight")]
             bias = key + ".bias" if key + ".bias" in have else None
-            pad_to = 1 if key.endswith("eh_proj") else PAD
+            pad_to = info.exl3_pad or PAD
             units.append(Exl3Unit(key, "trellis", [name], shape, info.role, stage, info.exl3_bits_key,
                                   bias=bias, pad_to=pad_to, src_shapes=[shape]))
         elif info.exl3 == "fp16" and is_linear and info.role != "attn_param":

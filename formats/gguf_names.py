@@ -1,7 +1,7 @@
-"""The upstream llama.cpp `glm5-next` tensor mapping: HF checkpoint names -> GGUF tensors.
+"""The upstream llama.cpp `glm5-next` tensor list: HF checkpoint tensors -> GGUF tensors, and the data transforms.
 
-One rule table (HF suffix regex -> GGUF name, transform). `gguf_tensors(ckpt)` walks a Checkpoint's
-names (shapes only, no data needed) and returns every tensor of the text GGUF in file order, with
+GGUF names and transforms come from the architecture table (formats/glm5next). `gguf_tensors(ckpt)` walks a
+Checkpoint's names (shapes only, no data needed) and returns every tensor of the text GGUF in file order, with
 the HF tensors each is built from. Facts: ../shared/reference/gguf-glm5-next.md §2.
 
 Transforms (applied by `build_tensor`, undone by `unbuild_tensor`):
@@ -14,15 +14,15 @@ Transforms (applied by `build_tensor`, undone by `unbuild_tensor`):
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.formats.glm5next import classify
+from mixq.formats.glm5next import classify, global_gguf_name
 
-_EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.")
+TOKEN_EMBD = global_gguf_name("embed")
+OUTPUT = global_gguf_name("lm_head")
 
 
 @dataclass
@@ -38,21 +38,6 @@ class GGUFTensorSpec:
     transform: str
     extra: dict = field(default_factory=dict)  # transform parameters (kv_b: heads, nope, v)
     policy: str = "quant"  # glm5next GGUF policy: quant | q8_floor | keep | f32
-
-
-def _transform(gguf_name: str) -> str:
-    """The data transform a GGUF tensor needs (the name says it all; see the module docstring)."""
-    if gguf_name.endswith("_exps.weight"):
-        return "stack"
-    if gguf_name.endswith(".ssm_a"):
-        return "neg_exp"
-    if ".ssm_conv1d_" in gguf_name:
-        return "conv"
-    if gguf_name.endswith(".attn_k_b.weight"):
-        return "kv_b_k"
-    if gguf_name.endswith(".attn_v_b.weight"):
-        return "kv_b_v"
-    return "none"
 
 
 def _tc(ckpt) -> dict:
@@ -76,8 +61,7 @@ def gguf_tensors(ckpt, include_mtp: bool = True) -> list[GGUFTensorSpec]:
         if info.mtp and not include_mtp:
             continue
         shape = tuple(int(s) for s in ckpt.shape(name))
-        for gname in info.gguf_names:
-            tr = _transform(gname)
+        for gname, tr in zip(info.gguf_names, info.gguf_transforms):
             common = dict(role=info.role, layer=info.layer, mtp=info.mtp, transform=tr, policy=info.gguf)
             if tr == "stack":
                 stacks.setdefault(gname, {})[int(info.expert)] = name
@@ -113,16 +97,16 @@ def gguf_tensors(ckpt, include_mtp: bool = True) -> list[GGUFTensorSpec]:
             raise FormatError(f"{gname}: expert indices {idx[:4]}... are not 0..E-1 without gaps")
         spec.hf_names = [members[e] for e in idx]
         spec.shape = (len(idx),) + spec.shape
-    if "output.weight" not in specs and "token_embd.weight" in specs:
+    if OUTPUT not in specs and TOKEN_EMBD in specs:
         # tied embeddings: the loader requires output.weight (no fallback to token_embd)
-        te = specs["token_embd.weight"]
-        specs["output.weight"] = GGUFTensorSpec("output.weight", list(te.hf_names), te.shape, "lm_head",
-                                                None, False, "none", policy="quant")
+        te = specs[TOKEN_EMBD]
+        specs[OUTPUT] = GGUFTensorSpec(OUTPUT, list(te.hf_names), te.shape, "lm_head", None, False, "none",
+                                       policy="quant")
     return sorted(specs.values(), key=_order)
 
 
 def _order(s: GGUFTensorSpec):
-    if s.name == "token_embd.weight":
+    if s.name == TOKEN_EMBD:
         return (0, 0, "")
     if s.layer is None:
         return (2, 0, s.name)

@@ -16,50 +16,11 @@ import numpy as np
 import torch
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.glm5next import TEXT_PREFIX, gguf_sources
 from mixq.formats.gguf_names import GGUFTensorSpec, merge_kv_b, unbuild_tensor
 
-HF_PREFIX = "model.language_model."
+HF_PREFIX = TEXT_PREFIX
 _SPLIT_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
-
-# GGUF block suffix -> (HF suffix after `layers.{i}.`, transform). {a}/{b} are copied from the GGUF name.
-_REVERSE: list[tuple[str, str, str]] = [
-    (r"attn_norm\.weight", "input_layernorm.weight", "none"),
-    (r"ffn_norm\.weight", "post_attention_layernorm.weight", "none"),
-    (r"hc_(?P<a>attn|ffn)_(?P<b>fn|base|scale)\.weight", "hc_{a}_{b}", "none"),
-    (r"attn_(?P<a>[qkv])\.weight", "self_attn.{a}_proj.weight", "none"),
-    (r"ssm_conv1d_(?P<a>[qkv])\.weight", "self_attn.{a}_conv1d.weight", "conv"),
-    (r"ssm_(?P<a>[fg])_(?P<b>[ab])\.weight", "self_attn.{a}_{b}_proj.weight", "none"),
-    (r"ssm_beta\.weight", "self_attn.b_proj.weight", "none"),
-    (r"ssm_a", "self_attn.A_log", "neg_exp"),
-    (r"ssm_dt\.bias", "self_attn.dt_bias", "none"),
-    (r"ssm_norm\.weight", "self_attn.o_norm.weight", "none"),
-    (r"attn_output\.weight", "self_attn.o_proj.weight", "none"),
-    (r"attn_q_a\.weight", "self_attn.q_a_proj.weight", "none"),
-    (r"attn_q_a_norm\.weight", "self_attn.q_a_layernorm.weight", "none"),
-    (r"attn_q_b\.weight", "self_attn.q_b_proj.weight", "none"),
-    (r"attn_kv_a_mqa\.weight", "self_attn.kv_a_proj_with_mqa.weight", "none"),
-    (r"attn_kv_a_norm\.weight", "self_attn.kv_a_layernorm.weight", "none"),
-    (r"attn_k_b\.weight", "self_attn.kv_b_proj.weight", "kv_b_k"),
-    (r"attn_v_b\.weight", "self_attn.kv_b_proj.weight", "kv_b_v"),
-    (r"indexer\.attn_q_b\.weight", "self_attn.indexer.wq_b.weight", "none"),
-    (r"indexer\.attn_k\.weight", "self_attn.indexer.wk.weight", "none"),
-    (r"indexer\.k_norm\.(?P<a>weight|bias)", "self_attn.indexer.k_norm.{a}", "none"),
-    (r"indexer\.proj\.weight", "self_attn.indexer.weights_proj.weight", "none"),
-    (r"indexer_compressor_(?P<a>gate|ape)\.weight", "self_attn.indexer.index_kpool_compress_{a}", "none"),
-    (r"ffn_(?P<a>gate|up|down)\.weight", "mlp.{a}_proj.weight", "none"),
-    (r"ffn_gate_inp\.weight", "mlp.gate.weight", "none"),
-    (r"exp_probs_b\.bias", "mlp.gate.e_score_correction_bias", "none"),
-    (r"ffn_(?P<a>gate|up|down)_exps\.weight", "mlp.experts.{e}.{a}_proj.weight", "stack"),
-    (r"ffn_(?P<a>gate|up|down)_shexp\.weight", "mlp.shared_experts.{a}_proj.weight", "none"),
-    (r"nextn\.eh_proj\.weight", "eh_proj.weight", "none"),
-    (r"nextn\.(?P<a>enorm|hnorm)\.weight", "{a}.weight", "none"),
-    (r"nextn\.shared_head_norm\.weight", "shared_head.norm.weight", "none"),
-    (r"nextn\.shared_head_head\.weight", "shared_head.head.weight", "none"),
-    (r"nextn\.embed_tokens\.weight", "embed_tokens.weight", "none"),
-]
-_REVERSE_RES = [(re.compile(p + r"\Z"), h, t) for p, h, t in _REVERSE]
-_GLOBAL_REV = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
-
 
 @dataclass
 class GGUFTensorEntry:
@@ -137,31 +98,17 @@ def read_gguf(path: str | Path) -> GGUFFile:
 
 
 def spec_from_gguf(name: str, shape: tuple[int, ...], prefix: str = HF_PREFIX) -> GGUFTensorSpec:
-    """Invert the glm5-next mapping for one GGUF tensor: its HF name(s) and transform."""
-    if name == "output.weight":
-        return GGUFTensorSpec(name, ["lm_head.weight"], shape, "lm_head", None, False, "none")
-    if name in _GLOBAL_REV:
-        return GGUFTensorSpec(name, [prefix + _GLOBAL_REV[name]], shape, "", None, False, "none")
-    m = re.match(r"blk\.(\d+)\.(.+)\Z", name)
-    if m:
-        layer, rest = int(m.group(1)), m.group(2)
-        for rx, tmpl, tr in _REVERSE_RES:
-            mm = rx.match(rest)
-            if not mm:
-                continue
-            base = f"{prefix}layers.{layer}."
-            g = mm.groupdict()
-            if tr == "stack":
-                hf = [base + tmpl.format(e=e, **g) for e in range(shape[0])]
-            else:
-                hf = [base + tmpl.format(**g)]
-            extra = {}
-            if tr == "kv_b_k":
-                extra = {"heads": shape[0], "nope": shape[2]}
-            elif tr == "kv_b_v":
-                extra = {"heads": shape[0], "v": shape[1]}
-            return GGUFTensorSpec(name, hf, shape, "", layer, False, tr, extra)
-    raise FormatError(f"GGUF tensor {name!r} is not part of the glm5-next mapping")
+    """Invert the glm5-next mapping for one GGUF tensor (formats/glm5next.gguf_sources): its HF name(s), transform."""
+    src = gguf_sources(name, shape)
+    if src is None:
+        raise FormatError(f"GGUF tensor {name!r} is not part of the glm5-next mapping")
+    hf = [prefix + n[len(HF_PREFIX):] if n.startswith(HF_PREFIX) else n for n in src.hf_names]
+    extra = {}
+    if src.transform == "kv_b_k":
+        extra = {"heads": shape[0], "nope": shape[2]}
+    elif src.transform == "kv_b_v":
+        extra = {"heads": shape[0], "v": shape[1]}
+    return GGUFTensorSpec(name, hf, shape, src.rule.role, src.layer, src.rule.scope == "mtp", src.transform, extra)
 
 
 def read_gguf_weights(path: str | Path, prefix: str = HF_PREFIX) -> dict[str, torch.Tensor]:

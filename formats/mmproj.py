@@ -7,7 +7,6 @@ Matrices are F16 (default) or Q8_0 (when the row length allows), conv kernels F1
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -16,58 +15,25 @@ from mixq.errors import InputError
 from mixq.formats.gguf_writer import KV, TensorOut, write_gguf
 from mixq.quant.gguf_mix import ggml_type
 
-# checkpoint suffix after `visual.` -> mmproj tensor name ({i} = block index, {s} = weight/bias)
-_RULES = [
-    (r"blocks\.(\d+)\.attn\.qkv\.(weight|bias)", "v.blk.{i}.attn_qkv.{s}"),
-    (r"blocks\.(\d+)\.attn\.proj\.(weight|bias)", "v.blk.{i}.attn_out.{s}"),
-    (r"blocks\.(\d+)\.attn\.q_norm\.(weight|bias)", "v.blk.{i}.attn_q_norm.{s}"),
-    (r"blocks\.(\d+)\.attn\.k_norm\.(weight|bias)", "v.blk.{i}.attn_k_norm.{s}"),
-    (r"blocks\.(\d+)\.mlp\.gate_proj\.(weight|bias)", "v.blk.{i}.ffn_gate.{s}"),
-    (r"blocks\.(\d+)\.mlp\.up_proj\.(weight|bias)", "v.blk.{i}.ffn_up.{s}"),
-    (r"blocks\.(\d+)\.mlp\.down_proj\.(weight|bias)", "v.blk.{i}.ffn_down.{s}"),
-    (r"blocks\.(\d+)\.norm1\.(weight|bias)", "v.blk.{i}.ln1.{s}"),
-    (r"blocks\.(\d+)\.norm2\.(weight|bias)", "v.blk.{i}.ln2.{s}"),
-    (r"patch_embed\.proj\.(bias)", "v.patch_embd.{s}"),
-    (r"post_layernorm\.(weight|bias)", "v.post_ln.{s}"),
-    (r"downsample\.(weight|bias)", "mm.patch_merger.{s}"),
-    (r"merger\.proj\.(weight|bias)", "mm.model.fc.{s}"),
-    (r"merger\.gate_proj\.(weight|bias)", "mm.gate.{s}"),
-    (r"merger\.up_proj\.(weight|bias)", "mm.up.{s}"),
-    (r"merger\.down_proj\.(weight|bias)", "mm.down.{s}"),
-    (r"merger\.post_projection_norm\.(weight|bias)", "mm.post_norm.{s}"),
-]
-_RES = [(re.compile(p + r"\Z"), t) for p, t in _RULES]
-PATCH = "patch_embed.proj.weight"  # Conv3d (out, in, temporal=2, p, p): split into two 2-D patch kernels
-
-
-def _visual_suffix(name: str) -> str | None:
-    m = re.match(r"(?:model\.)?visual\.(.+)\Z", name)
-    return m.group(1) if m else None
-
-
 def mmproj_tensors(ckpt) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """(mmproj name, HF name, numpy shape, part) for every vision tensor; part selects a temporal slice."""
+    """(mmproj name, HF name, numpy shape, part) for every vision tensor, names from the architecture table;
+    part "t0" / "t1" selects a temporal slice of the Conv3d patch kernel (two 2-D kernels), "all" the whole."""
     out = []
     for name in ckpt.names():
-        suf = _visual_suffix(name)
-        if suf is None:
+        info = ckpt.info(name)
+        if info.role != "vision":
             continue
-        shape = tuple(ckpt.shape(name))
-        if suf == PATCH:
-            if len(shape) != 5 or shape[2] != 2:
-                raise InputError(f"{name}: expected a Conv3d kernel with temporal size 2, got {shape}")
-            sub = (shape[0], shape[1], shape[3], shape[4])
-            out += [("v.patch_embd.weight", name, sub, "t0"), ("v.patch_embd.weight.1", name, sub, "t1")]
-            continue
-        for rx, tmpl in _RES:
-            m = rx.match(suf)
-            if m:
-                g = m.groups()
-                gname = tmpl.format(i=g[0], s=g[1]) if len(g) == 2 else tmpl.format(s=g[0])
-                out.append((gname, name, shape, "all"))
-                break
-        else:
+        if not info.mmproj_names:
             raise InputError(f"{name}: vision tensor with no mmproj mapping")
+        shape = tuple(ckpt.shape(name))
+        if any(info.mmproj_parts):
+            if len(shape) != 5 or shape[2] != len(info.mmproj_parts):
+                raise InputError(f"{name}: expected a Conv3d kernel with temporal size {len(info.mmproj_parts)}, "
+                                 f"got {shape}")
+            sub = (shape[0], shape[1], shape[3], shape[4])
+            out += [(g, name, sub, part) for g, part in zip(info.mmproj_names, info.mmproj_parts)]
+        else:
+            out += [(g, name, shape, "all") for g in info.mmproj_names]
     if not out:
         raise InputError(f"{ckpt.path}: checkpoint has no vision tower (model.visual.*)")
     return out

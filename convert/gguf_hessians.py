@@ -1,0 +1,127 @@
+"""Input Hessians of the GGUF tensors, layer by layer, from the calibration forward (convert/calibration.py).
+
+`layer_hessians(ckpt, specs, input_ids)` walks transformers' glm5_next decoder one layer at a time (full Σx·xᵀ
+statistics) and yields, per stage, a `StageHessians`: `get(spec)` gives H = E[x·xᵀ] of the input of a GGUF
+tensor, (n, n), or for a routed-expert stack `experts(spec, e0, e1)` gives one Hessian per expert, (e1-e0, n, n).
+
+Routed experts: the calibrator sends every token through every expert, but the model feeds expert e only its
+routed tokens, scaled by the gate g_te. The output error the model sees is therefore weighted by
+R_e = Σ_t g_te²·x_t·x_tᵀ / N (x_t: the expert's input; for down_proj its activation); that is what `experts()`
+returns, blended with a little of the all-token Hessian (`ALL_TOKEN_SHARE` of its trace-normalised value) so that
+an expert with few routed tokens still has a well-posed problem. Experts are formed in the caller's slices so
+that memory stays bounded by one slice of per-expert Hessians (GLM-5.3: 288 experts of width 6144).
+
+Tensors without a Hessian (token_embd, the split attn_k_b/attn_v_b, the NextN block: the calibration forward does
+not form their inputs) are not covered; callers encode them the usual way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from mixq.convert.calibration import LayerCalibrator
+
+ALL_TOKEN_SHARE = 0.05  # weight of the (trace-normalised) all-token Hessian in each routed expert's Hessian
+
+
+class RoutingCapture:
+    """Forward pre-hook on a layer's experts module: keeps its input tokens and their routing."""
+
+    def __init__(self) -> None:
+        self.x: list[torch.Tensor] = []
+        self.idx: list[torch.Tensor] = []
+        self.w: list[torch.Tensor] = []
+        self.module = None
+
+    def __call__(self, module, args) -> None:
+        x, idx, w = args[:3]
+        self.module = module
+        self.x.append(x.detach().float())
+        self.idx.append(idx.detach())
+        self.w.append(w.detach().float())
+
+    def clear(self) -> None:
+        self.x, self.idx, self.w, self.module = [], [], [], None
+
+    def routed(self, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x (T, hidden), dense gates (T, E))."""
+        x = torch.cat(self.x)
+        # a spare column: the router may emit index n_experts for "no expert" (as the calibrator's dense routing)
+        g = torch.zeros(x.shape[0], n_experts + 1, dtype=x.dtype, device=x.device)
+        g.scatter_(1, torch.cat(self.idx).long(), torch.cat(self.w).to(x.dtype))
+        return x, g[:, :n_experts]
+
+
+def _normalised(h: torch.Tensor) -> torch.Tensor:
+    """H / mean(diag H) (per matrix): the scale of H does not change the rounding, only the blend does."""
+    tr = torch.diagonal(h, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
+    return h / tr[..., None, None]
+
+
+@dataclass
+class StageHessians:
+    """The Hessians of one calibrated stage (a decoder layer, or the head)."""
+
+    layer: int | None
+    stats: dict
+    capture: RoutingCapture | None = None
+    _routed: tuple | None = field(default=None, repr=False)
+
+    def get(self, spec) -> torch.Tensor | None:
+        """H (n, n) float32 of a GGUF tensor made of one Linear, or None when the forward never formed its input."""
+        if spec.transform != "none" or len(spec.hf_names) != 1:
+            return None
+        acc = self.stats.get(spec.hf_names[0])
+        if acc is None or acc.dim != spec.shape[-1]:
+            return None
+        return acc.hessian()
+
+    @torch.no_grad()
+    def experts(self, spec, e0: int, e1: int) -> torch.Tensor | None:
+        """Routing-weighted Hessians (e1-e0, n, n) of experts e0..e1-1 of a stacked `*_exps` tensor (see module)."""
+        if spec.transform != "stack" or self.capture is None or not self.capture.x:
+            return None
+        acc = self.stats.get(spec.hf_names[e0])
+        if acc is None or acc.dim != spec.shape[-1] or acc.hessian() is None:
+            return None
+        if self._routed is None:
+            self._routed = self.capture.routed(len(spec.hf_names))
+        x, g = self._routed
+        down = spec.hf_names[0].endswith("down_proj.weight")
+        mod = self.capture.module
+        limit = float(getattr(mod, "swiglu_limit", 10.0))
+        out = []
+        for e in range(e0, e1):
+            rows = g[:, e].nonzero().squeeze(1)
+            xe = x[rows].to(mod.gate_up_proj.device)
+            if down:
+                gate, up = F.linear(xe, mod.gate_up_proj[e].to(xe)).chunk(2, dim=-1)
+                xe = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            xg = xe.double() * g[rows, e:e + 1].to(xe.device, torch.float64)
+            r = (xg.T @ xg / max(x.shape[0], 1)).float()
+            all_tok = self.stats[spec.hf_names[e]].hessian().to(r.device)
+            out.append(_normalised(r) + ALL_TOKEN_SHARE * _normalised(all_tok) if rows.numel() else
+                       _normalised(all_tok))
+        return torch.stack(out)
+
+
+def layer_hessians(ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu") -> Iterator[StageHessians]:
+    """Walk the calibration forward (source weights) and yield each stage's Hessians (module docstring).
+
+    A stage's tensors must be consumed before the next item is requested: the layer's weights and captured
+    routing are released when the walk moves on."""
+    cal = LayerCalibrator(ckpt, input_ids, device=device, full=True)
+    captures: dict[int, RoutingCapture] = {}
+    for i, layer in enumerate(cal.skeleton.layers):
+        ex = getattr(getattr(layer, "mlp", None), "experts", None)
+        if ex is not None and hasattr(ex, "gate_up_proj"):
+            captures[i] = RoutingCapture()
+            ex.register_forward_pre_hook(captures[i])
+    for stage in cal.stages():
+        cap = captures.get(stage.layer) if stage.layer is not None else None
+        yield StageHessians(stage.layer, stage.stats, cap)
+        if cap is not None:
+            cap.clear()

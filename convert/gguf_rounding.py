@@ -1,0 +1,113 @@
+"""`--rounding hessian` for GGUF: encode the tensors that have a calibration Hessian with Hessian-aware rounding.
+
+`--rounding exact` (the default) leaves every tensor to ggml's own encoder, so files are byte-identical to
+llama-quantize's. `--rounding hessian` keeps every tensor's ggml type (so the bytes count is the same and llama.cpp
+loads the file unchanged) but picks the codes inside each block to minimise the layer-output error
+tr(ΔW·H·ΔWᵀ) (quant/kquants_hessian.py), with H from a calibration forward this module runs itself
+(convert/gguf_hessians.py: layer by layer, routing-weighted per routed expert).
+
+`encode_hessian_rounded(...)` walks the calibration once and encodes every covered tensor as its layer is reached,
+spilling the encoded blocks to .npy files in a work directory (the file is written later in GGUF order, and the
+encoded model is as large as the output, so it is not kept in memory). Covered: 2-D Linears and stacked routed
+experts whose input the forward forms, in a type `kquants_hessian` supports. The rest (token_embd, the split
+attn_k_b/attn_v_b, the NextN block, F16/BF16/F32 tensors, types without a Hessian path) keep ggml's encoder.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from mixq.errors import InputError
+from mixq.quant import kquants_hessian as kh
+from mixq.quant.device import pick_device
+
+ROUNDINGS = ("exact", "hessian")
+# per-expert Hessians formed and factorised at once: bounds memory for wide experts (GLM-5.3: 288 x 6144^2)
+EXPERT_SLICE_BYTES = 1 << 30
+
+
+def check_rounding(rounding: str) -> str:
+    """The rounding mode, validated: one of ``ROUNDINGS``."""
+    r = str(rounding).lower()
+    if r not in ROUNDINGS:
+        raise InputError(f"--rounding {rounding!r}: expected one of {', '.join(ROUNDINGS)}")
+    return r
+
+
+def covered(spec, qtype: str) -> bool:
+    """Whether a GGUF tensor gets Hessian rounding: a calibrated Linear (or expert stack) in a supported type."""
+    return (qtype in kh.SUPPORTED and len(spec.shape) >= 2 and not spec.mtp and spec.name != "token_embd.weight"
+            and spec.transform in ("none", "stack"))
+
+
+def _expert_slice(n: int) -> int:
+    return max(1, EXPERT_SLICE_BYTES // (8 * n * n))
+
+
+def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out: Path, dev) -> bool:
+    """Encode one covered tensor of this stage into `out` (.npy); False when the stage has no Hessian for it."""
+    if spec.transform == "stack":
+        E, n = len(spec.hf_names), spec.shape[-1]
+        step = _expert_slice(n)
+        arr = None
+        for e0 in range(0, E, step):
+            e1 = min(E, e0 + step)
+            h = stage.experts(spec, e0, e1)
+            if h is None:
+                return False
+            w = torch.stack([fetch(spec.hf_names[e]) for e in range(e0, e1)])
+            im = None if imatrix is None else imatrix.reshape(E, n)[e0:e1]
+            b = kh.quantize_hessian(w, h, qtype, im, device=dev)
+            if arr is None:
+                arr = np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=(E,) + b.shape[1:])
+            arr[e0:e1] = b
+        arr.flush()
+        del arr
+        return True
+    h = stage.get(spec)
+    if h is None:
+        return False
+    w = fetch(spec.hf_names[0])
+    np.save(out, kh.quantize_hessian(w, h, qtype, imatrix, device=dev))
+    return True
+
+
+def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir: str | Path, *,
+                           imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
+                           seq_len: int = 512, device: str | None = None, progress: bool = True) -> dict[str, Path]:
+    """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
+    in `work_dir`: {GGUF name: path}. `imatrix` (GGUF name -> importance) feeds ggml's scale search, as in the
+    exact path; without it the Hessian's diagonal does. Tensors whose input the forward never forms are left out."""
+    from tqdm.auto import tqdm
+
+    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.convert.gguf_hessians import layer_hessians
+
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    todo = [(s, t) for s, t in zip(specs, types) if covered(s, t)]
+    if not todo:
+        return {}
+    dev = pick_device(device)
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                           vocab_size=int(ckpt.text_config["vocab_size"]))
+    by_layer: dict[int | None, list] = {}
+    for s, t in todo:
+        by_layer.setdefault(s.layer, []).append((s, t))
+    fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
+    done: dict[str, Path] = {}
+    bar = tqdm(total=sum(math.prod(s.shape) for s, _ in todo), desc="hessian rounding", unit="w", unit_scale=True,
+               disable=not progress)
+    for stage in layer_hessians(ckpt, ids, device=dev):
+        for s, t in by_layer.get(stage.layer, []):
+            path = work / f"{len(done):05d}.npy"
+            im = None if imatrix is None else imatrix.get(s.name)
+            if _encode_spec(s, t, stage, fetch, None if im is None else np.asarray(im, np.float32), path, dev):
+                done[s.name] = path
+            bar.update(math.prod(s.shape))
+    bar.close()
+    return done

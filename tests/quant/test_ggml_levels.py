@@ -1,0 +1,68 @@
+"""quant/ggml_levels.py: level codes written into ggml blocks decode (through gguf-py) to step*code + base."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from mixq.errors import InputError
+from mixq.quant import ggml_levels as gl
+from mixq.quant import kquants
+
+
+def _k256_rows(k256_model, n_rows: int = 6) -> np.ndarray:
+    from mixq.formats.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(k256_model)
+    return ck.get("model.language_model.layers.0.self_attn.q_proj.weight").numpy()[:n_rows].copy()
+
+
+@pytest.mark.parametrize("qtype", gl.SCALAR_TYPES)
+def test_codes_round_trip_and_decode_affinely(qtype, k256_model):
+    x = _k256_rows(k256_model)
+    imx = np.linspace(0.5, 2.0, x.shape[1], dtype=np.float32)
+    blocks = kquants.quantize(x, qtype, imx)
+    step, base = gl.level_grid(blocks, qtype)
+    gt = GGMLQuantizationType[qtype]
+    decoded = gguf_quants.dequantize(blocks, gt)
+    lo, hi = gl.CODE_RANGE[qtype]
+    own = np.where(step != 0, np.rint((decoded - base) / np.where(step != 0, step, 1)), lo).clip(lo, hi)
+    # ggml's own codes, read back through the grid and written again, give ggml's bytes
+    assert np.array_equal(gl.set_levels(blocks, qtype, own), blocks)
+    codes = np.random.default_rng(1).integers(lo, hi + 1, size=x.shape)
+    got = gguf_quants.dequantize(gl.set_levels(blocks, qtype, codes), gt)
+    np.testing.assert_allclose(got, step * codes + base, rtol=0, atol=1e-6 * np.abs(decoded).max())
+
+
+def test_scales_are_untouched(k256_model):
+    x = _k256_rows(k256_model)
+    blocks = kquants.quantize(x, "Q4_K")
+    changed = gl.set_levels(blocks, "Q4_K", np.zeros(x.shape, np.int64)).reshape(-1, 144)
+    # d, dmin and the 12 packed scale bytes are the first 16 bytes of a Q4_K block
+    assert np.array_equal(changed[:, :16], blocks.reshape(-1, 144)[:, :16])
+    assert not np.array_equal(changed[:, 16:], blocks.reshape(-1, 144)[:, 16:])
+
+
+def test_iq2s_groups_decode(k256_model):
+    x = _k256_rows(k256_model)
+    blocks = kquants.quantize(x, "IQ2_S", np.ones(x.shape[1], np.float32))
+    db = gl.iq2s_group_scales(blocks)
+    rng = np.random.default_rng(2)
+    idx = rng.integers(0, 1024, size=db.shape)
+    signs = rng.integers(0, 256, size=db.shape)
+    got = gguf_quants.dequantize(gl.set_iq2s_groups(blocks, idx, signs), GGMLQuantizationType.IQ2_S)
+    sign = np.where((signs[..., None] >> np.arange(8)) & 1, -1.0, 1.0)
+    want = (db[..., None] * gl.iq2s_grid()[idx] * sign).reshape(x.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_bad_codes_and_types_are_refused():
+    blocks = kquants.quantize(np.ones((1, 256), np.float32), "Q4_K")
+    with pytest.raises(InputError, match=r"Q4_K level codes must lie in \[0, 15\]"):
+        gl.set_levels(blocks, "Q4_K", np.full((1, 256), 16))
+    with pytest.raises(InputError, match="no level layout for ggml type 'IQ4_XS'"):
+        gl.set_levels(blocks, "IQ4_XS", np.zeros((1, 256)))
+    b = kquants.quantize(np.ones((1, 256), np.float32), "IQ2_S")
+    with pytest.raises(InputError, match="IQ2_S codebook indices"):
+        gl.set_iq2s_groups(b, np.full((1, 32), 1024), np.zeros((1, 32)))

@@ -165,9 +165,16 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
         for n in sorted(set(want_specs) & set(g.tensors)):
             if tuple(want_specs[n].shape) != g.tensors[n].shape:
                 problems.append(f"{n}: shape {g.tensors[n].shape}, expected {tuple(want_specs[n].shape)}")
+    # per-tensor sha256, metadata digest and conversion id of every shard (formats/gguf_integrity), always
+    from mixq.formats.gguf_integrity import integrity_problems
+
+    open_readers = {e.shard: e._reader for e in g.tensors.values()}
+    sealed, checked = integrity_problems(g.paths, [open_readers.get(i) for i in range(len(g.paths))])
+    problems += sealed
     types: dict[str, int] = {}
     for e in g.tensors.values():
         types[e.qtype] = types.get(e.qtype, 0) + 1
     quantized = sum(n for t, n in types.items() if t not in ("F32", "F16", "BF16"))
     return {"path": str(g.paths[0]), "files": [str(p) for p in g.paths], "tensors": len(g.tensors),
-            "quantized": quantized if decode else 0, "bytes": n_bytes, "types": types, "problems": problems, "ok": not problems}
+            "quantized": quantized if decode else 0, "bytes": n_bytes, "types": types, "checksums": checked,
+            "problems": problems, "ok": not problems}

@@ -118,13 +118,14 @@ def _string(reader, key: str) -> str | None:
 
 
 def integrity_problems(paths: list[Path], readers: list | None = None) -> tuple[list[str], int]:
-    """Re-hash every tensor of a GGUF (all shards of a split set, in order) against its integrity keys.
+    """Re-hash every tensor of a GGUF (all shards of a split set, in order) against its integrity keys;
+    `readers` (gguf-py GGUFReaders of `paths`, None where not open yet) saves parsing the headers again.
 
     Returns (problems, tensors checked). A set with no integrity keys at all (not written by mixq) gives no
     problem and 0 checked; a set where some shards have them and others do not is reported."""
     import gguf
 
-    readers = readers or [gguf.GGUFReader(p, "r") for p in paths]
+    readers = [r if r is not None else gguf.GGUFReader(p, "r") for p, r in zip(paths, readers or [None] * len(paths))]
     sealed = [KEY_TENSORS in r.fields for r in readers]
     if not any(sealed):
         return [], 0

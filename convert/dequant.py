@@ -1,0 +1,227 @@
+"""Dequantized, HF-named weights of a model in any format mixq reads, one decoder layer at a time.
+
+`open_dequant(path, fmt)` gives a `DequantSource`: the HF tensor names and shapes a file holds (read from headers,
+nothing decoded), the float32 tensors of one decoder layer (`layer(i)`), and single tensors outside the decoder
+layers (`get(name)`: embedding, final norm, lm_head). Formats:
+- "hf": an HF checkpoint directory through `formats.checkpoint` (BF16/FP16/FP32, FP8 blocks dequantized);
+- "gguf": a glm5-next GGUF (or split set) through `formats.gguf_reader` (gguf-py dequantizes; experts unstacked,
+  kv_b rebuilt, A_log and conv reshaped back);
+- "exl3": an EXL3 directory through `formats.exl3_reader` (stored tensors), trellis units decoded here with
+  `quant.trellis` (W = diag(suh)·H·Ŵ·H·diag(svh), padding cropped, fused units split back).
+Which tensors belong to which decoder layer comes from the architecture table (`formats.glm5next.classify`).
+`read_exl3(path)` gives a whole EXL3 directory at once (tools and tests on small models).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mixq.errors import FormatError, InputError
+from mixq.formats.glm5next import classify
+
+FORMATS = ("hf", "gguf", "exl3")
+
+
+class DequantSource:
+    """HF-named float32 weights of one model file or directory, decoded on demand (see module docstring)."""
+
+    format = ""
+
+    def __init__(self, path: Path, num_hidden_layers: int) -> None:
+        self.path = Path(path)
+        self.num_hidden_layers = num_hidden_layers
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor the source holds -> its shape (nothing is decoded)."""
+        return dict(self._shapes)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """The float32 tensors of decoder layer i (NextN layers are never part of it)."""
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        """One float32 tensor outside the decoder layers (embedding, final norm, lm_head)."""
+        raise NotImplementedError
+
+    def _layer_of(self, name: str) -> int | None:
+        """Decoder layer of an HF tensor; None for tensors outside the trunk (embeddings, head, vision, NextN)."""
+        info = classify(name, self.num_hidden_layers)
+        return None if info.mtp or info.role == "vision" else info.layer
+
+    def _missing(self, name: str) -> InputError:
+        return InputError(f"{self.path}: no tensor {name!r}")
+
+
+class CheckpointSource(DequantSource):
+    """An HF checkpoint directory (BF16 / FP16 / FP32 / FP8 block-scaled)."""
+
+    format = "hf"
+
+    def __init__(self, path: Path, num_hidden_layers: int | None = None) -> None:
+        from mixq.formats.checkpoint import open_checkpoint
+
+        self.ckpt = open_checkpoint(path)
+        super().__init__(self.ckpt.path, num_hidden_layers or self.ckpt.num_hidden_layers)
+        self._by_layer: dict[int | None, list[str]] = {}
+        for n in self.ckpt.names():
+            self._shapes[n] = tuple(self.ckpt.shape(n))
+            self._by_layer.setdefault(self._layer_of(n), []).append(n)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return {n: self.ckpt.get(n, dtype=torch.float32) for n in self._by_layer.get(i, [])}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._shapes:
+            raise self._missing(name)
+        return self.ckpt.get(name, dtype=torch.float32)
+
+
+class GGUFSource(DequantSource):
+    """A glm5-next GGUF file or split set (memory-mapped; a GGUF tensor is dequantized when its layer is asked)."""
+
+    format = "gguf"
+
+    def __init__(self, path: Path, num_hidden_layers: int) -> None:
+        from mixq.formats.gguf_names import merge_kv_b, unbuild_tensor
+        from mixq.formats.gguf_reader import read_gguf, spec_from_gguf
+
+        super().__init__(path, num_hidden_layers)
+        self.file = read_gguf(path)
+        self._specs = {}
+        self._by_layer: dict[int | None, list[str]] = {}
+        self._global: dict[str, str] = {}  # HF name -> GGUF name, for tensors outside the decoder layers
+        parts = {}
+        for name, e in self.file.tensors.items():
+            spec = spec_from_gguf(name, e.shape)
+            self._specs[name] = spec
+            layer = self._layer_of(spec.hf_names[0])
+            self._by_layer.setdefault(layer, []).append(name)
+            if layer is None:
+                for n in spec.hf_names:
+                    self._global[n] = name
+            # shapes without decoding: the inverse transforms run on meta tensors
+            parts.update(unbuild_tensor(spec, torch.empty(e.shape, device="meta")))
+        self._shapes = {n: tuple(t.shape) for n, t in merge_kv_b(parts).items()}
+
+    def _decode(self, gguf_names: list[str]) -> dict[str, torch.Tensor]:
+        from mixq.formats.gguf_names import merge_kv_b, unbuild_tensor
+
+        parts: dict[str, torch.Tensor] = {}
+        for name in gguf_names:
+            t = torch.from_numpy(np.array(self.file.tensors[name].dequantize()))
+            parts.update(unbuild_tensor(self._specs[name], t))
+        return merge_kv_b(parts)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return self._decode(self._by_layer.get(i, []))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._global:
+            raise self._missing(name)
+        return self._decode([self._global[name]])[name]
+
+
+class Exl3Source(DequantSource):
+    """An EXL3 directory written by mixq: stored tensors read per unit, trellis units decoded on `device`."""
+
+    format = "exl3"
+
+    def __init__(self, path: Path, num_hidden_layers: int | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        from mixq.formats.exl3_reader import Exl3Dir
+
+        self.dir = Exl3Dir(path)
+        if num_hidden_layers is None:
+            cfg = self.dir.config
+            num_hidden_layers = int(cfg.get("text_config", cfg)["num_hidden_layers"])
+        super().__init__(path, num_hidden_layers)
+        self.device = torch.device(device)
+        self._by_layer: dict[int | None, list] = {}
+        self._global: dict[str, object] = {}
+        for u in self.dir.units:
+            layer = self._layer_of(u.hf_names[0])
+            self._by_layer.setdefault(layer, []).append(u)
+            names = u.split_back(torch.empty(u.shape, device="meta"))
+            for n, t in names.items():
+                self._shapes[n] = tuple(t.shape)
+                if layer is None:
+                    self._global[n] = u
+            if u.bias:
+                self._shapes[u.bias] = (u.shape[0],)
+
+    def _decode(self, units) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for u in units:
+            out.update(u.split_back(dequantize_unit(self.dir, u, self.device)))
+            if u.bias:
+                out[u.bias] = self.dir.tensor(f"{u.key}.bias").float()[: u.shape[0]]
+        return out
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return self._decode(self._by_layer.get(i, []))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._global:
+            raise self._missing(name)
+        return self._decode([self._global[name]])[name]
+
+
+def open_dequant(path: str | Path, fmt: str, *, num_hidden_layers: int | None = None,
+                 device: str | torch.device = "cpu") -> DequantSource:
+    """The `DequantSource` of `path` in format `fmt` ("hf" | "gguf" | "exl3"). `num_hidden_layers` (the
+    reference's) tells trunk layers from NextN layers where the file does not; `device` decodes trellis units."""
+    if fmt == "hf":
+        return CheckpointSource(Path(path), num_hidden_layers)
+    if fmt == "exl3":
+        return Exl3Source(Path(path), num_hidden_layers, device=device)
+    if fmt == "gguf":
+        if num_hidden_layers is None:
+            raise InputError(f"{path}: a GGUF source needs the reference's num_hidden_layers")
+        return GGUFSource(Path(path), num_hidden_layers)
+    raise InputError(f"{path}: unknown weight format {fmt!r} (one of {FORMATS})")
+
+
+# --- EXL3 trellis decoding ---------------------------------------------------------------------------------------
+def decode_linear(t: dict[str, torch.Tensor], key: str, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Dequantize one EXL3 Linear from its stored tensors -> padded HF-orientation weight (n, k) float32."""
+    from mixq.formats.exl3_names import MCG_MARKER, MUL1_MARKER
+    from mixq.quant import trellis
+
+    trel = t[f"{key}.trellis"]
+    if trel.dtype != torch.int16 or trel.dim() != 3:
+        raise FormatError(f"{key}.trellis: expected a 3-D int16 tensor, got {tuple(trel.shape)} {trel.dtype}")
+    marker = "mul1" if f"{key}.mul1" in t else "mcg" if f"{key}.mcg" in t else None
+    if marker:
+        want = MUL1_MARKER if marker == "mul1" else MCG_MARKER
+        if int(t[f"{key}.{marker}"].item()) != want:
+            raise FormatError(f"{key}.{marker}: marker value {int(t[f'{key}.{marker}'].item())} != {want}")
+    parts = {"trellis": trel.to(device), "suh": t[f"{key}.suh"].to(device), "svh": t[f"{key}.svh"].to(device)}
+    if marker:
+        parts[marker] = t[f"{key}.{marker}"]
+    k, n = 16 * trel.shape[0], 16 * trel.shape[1]
+    return trellis.from_tensors(parts, (n, k)).dequantize().float()
+
+
+def dequantize_unit(d, u, device: str | torch.device = "cpu") -> torch.Tensor:
+    """An EXL3 unit's weight as the model sees it, float32 on the CPU, logical (unpadded) shape.
+    d: an opened `formats.exl3_reader.Exl3Dir`; u: one of its units."""
+    t = d.unit_tensors(u)
+    if u.kind == "trellis":
+        return decode_linear(t, u.key, device=device)[: u.shape[0], : u.shape[1]].float().cpu()
+    return next(iter(t.values())).float().reshape(u.shape)
+
+
+def read_exl3(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """{HF checkpoint name: float32 tensor} of every tensor stored in the EXL3 directory `path`."""
+    from mixq.formats.exl3_reader import Exl3Dir
+
+    d = Exl3Dir(path)
+    out: dict[str, torch.Tensor] = {}
+    for u in d.units:
+        out.update(u.split_back(dequantize_unit(d, u, device)))
+        if u.bias:
+            out[u.bias] = d.tensor(f"{u.key}.bias").float()[: u.shape[0]]
+    return out

@@ -1,0 +1,93 @@
+"""convert/dequant.py: per-layer dequantized weights of HF, GGUF and EXL3 models equal the whole-file readers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixq.convert.dequant import dequantize_unit, open_dequant, read_exl3
+from mixq.errors import InputError
+from mixq.formats.glm5next import classify
+
+
+def _assembled(src, n_layers: int) -> dict[str, torch.Tensor]:
+    """Every trunk-layer tensor through layer(i) plus every other text tensor through get(name)."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n_layers):
+        got = src.layer(i)
+        assert got and all(classify(n, n_layers).layer == i for n in got)
+        out.update(got)
+    for n in src.shapes():
+        info = classify(n, n_layers)
+        if info.layer is None and info.role != "vision":
+            out[n] = src.get(n)
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert a[n].dtype == torch.float32 and torch.equal(a[n], b[n]), n
+
+
+def _text_only(w: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in w.items() if not classify(n, n_layers).mtp and classify(n, n_layers).role != "vision"}
+
+
+def test_hf_source_is_the_checkpoint(k256_fp8_model):
+    from mixq.formats.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(k256_fp8_model)
+    src = open_dequant(k256_fp8_model, "hf")
+    n = ck.num_hidden_layers
+    assert src.shapes() == {x: tuple(ck.shape(x)) for x in ck.names()}
+    _same(_assembled(src, n), {x: ck.get(x) for x in ck.names() if not ck.info(x).mtp and ck.info(x).role != "vision"})
+    with pytest.raises(InputError, match="no tensor"):
+        src.get("model.language_model.layers.0.mlp.gate.weight.bogus")
+
+
+def test_gguf_source_equals_read_gguf_weights(tiny_model, tmp_path):
+    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.formats.gguf_reader import read_gguf_weights
+
+    g = tmp_path / "tiny-Q8_0.gguf"
+    convert_gguf(tiny_model, g, qtype="Q8_0", progress=False)
+    whole = read_gguf_weights(g)
+    src = open_dequant(g, "gguf", num_hidden_layers=4)
+    assert src.shapes() == {n: tuple(t.shape) for n, t in whole.items()}  # shapes without decoding
+    _same(_assembled(src, 4), _text_only(whole, 4))
+    with pytest.raises(InputError, match="num_hidden_layers"):
+        open_dequant(g, "gguf")
+
+
+def _cheap_trellis(weight, bits, hessian=None, codebook="mul1", seed=0):
+    """Stand-in encoder: random (but well-formed) trellis codes, so that a conversion takes seconds; the
+    decoder under test is the real one."""
+    from mixq.quant import trellis
+
+    if weight.dim() == 3:
+        return [_cheap_trellis(w, bits, None, codebook, seed + i) for i, w in enumerate(weight)]
+    out_f, in_f = weight.shape
+    k, n = -(-in_f // 128) * 128, -(-out_f // 128) * 128
+    width = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
+    g = torch.Generator().manual_seed(seed + out_f * 7 + in_f)
+    codes = torch.randint(-32768, 32768, (k // 16, n // 16, width), generator=g).to(torch.int16)
+    sign = lambda m: (torch.randint(0, 2, (m,), generator=g) * 2 - 1).to(torch.float16) * 0.05  # noqa: E731
+    return trellis.QuantizedLinear(trellis=codes, suh=sign(k), svh=sign(n), codebook="mul1", shape=(out_f, in_f))
+
+
+def test_exl3_source_equals_read_exl3(tiny_model, tmp_path, monkeypatch):
+    from mixq.convert.api import convert
+    from mixq.formats.exl3_reader import Exl3Dir
+    from mixq.quant import trellis
+
+    with monkeypatch.context() as mp:
+        mp.setattr(trellis, "quantize", _cheap_trellis)
+        convert(tiny_model, tmp_path / "exl3", "exl3", bpw=4.0, rows=2, seq_len=16, device="cpu", progress=False)
+    whole = read_exl3(tmp_path / "exl3")
+    src = open_dequant(tmp_path / "exl3", "exl3")
+    assert src.shapes() == {n: tuple(t.shape) for n, t in whole.items()}
+    _same(_assembled(src, 4), _text_only(whole, 4))
+    d = Exl3Dir(tmp_path / "exl3")
+    u = next(u for u in d.units if u.kind == "trellis")
+    w = dequantize_unit(d, u)
+    assert tuple(w.shape) == u.shape and bool(torch.isfinite(w).all()) and float(w.abs().max()) > 0

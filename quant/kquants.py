@@ -6,7 +6,8 @@ Pinned by issue 6. Without an importance matrix the bytes equal ggml's reference
 32-weight types are our vectorised numpy ports (:mod:`kquants_blocks`, :mod:`kquants_legacy`);
 the legacy reference paths and Q8_0 come from gguf-py, which is bit-exact for them. The lattice
 i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (:mod:`kquants_iq2`, :mod:`kquants_iq3`) take their
-codebooks from gguf-py; IQ2_XXS and IQ2_XS need an imatrix (ggml refuses them without one).
+codebooks from gguf-py; IQ2_XXS and IQ2_XS need an imatrix (ggml refuses them without one). IQ4_XS
+and IQ4_NL (:mod:`kquants_iq4`) share the non-linear 16-level grid.
 The imatrix is a per-column vector of length n (for an expert tensor: that expert's slice).
 
 Verified byte for byte against libggml-base of llama-cpp-python 0.3.36 (x86-64, GGML_NATIVE=OFF)
@@ -41,7 +42,11 @@ REQUIRES_IMATRIX = ("IQ2_XXS", "IQ2_XS")
 _LEGACY_IMATRIX: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "Q4_0": kl.encode_q4_0, "Q4_1": kl.encode_q4_1, "Q5_0": kl.encode_q5_0, "Q5_1": kl.encode_q5_1,
 }
-SUPPORTED = tuple(_KQUANTS) + ("Q8_0",) + tuple(_LEGACY_IMATRIX)
+# 32-weight types encoded row by row with or without an imatrix: (x (R, n), imatrix (n,) | None)
+_ROW_ENCODERS: dict[str, Callable[[np.ndarray, np.ndarray | None], np.ndarray]] = {
+    "IQ4_NL": kquants_iq4.encode_iq4_nl,
+}
+SUPPORTED = tuple(_KQUANTS) + ("Q8_0",) + tuple(_LEGACY_IMATRIX) + tuple(_ROW_ENCODERS)
 
 
 def _ggml_type(qtype: str) -> GGMLQuantizationType:
@@ -94,6 +99,8 @@ def _encode_rows(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> np.nd
         if imatrix is not None:
             qw = np.broadcast_to(imatrix.reshape(1, n // 256, 256), (R, n // 256, 256)).reshape(-1, 256)
         return _KQUANTS[qtype](xs, qw).reshape(R, -1)
+    if qtype in _ROW_ENCODERS:
+        return _ROW_ENCODERS[qtype](x, imatrix)
     if imatrix is not None and qtype in _LEGACY_IMATRIX:
         return _LEGACY_IMATRIX[qtype](x, imatrix)
     if qtype in ("Q4_0", "Q5_0"):

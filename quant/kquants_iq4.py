@@ -1,8 +1,9 @@
-"""IQ4_XS encoder (256-weight super-blocks of 8 x 32, non-linear 16-level grid), bit-exact with ggml.
+"""IQ4_XS and IQ4_NL encoders (non-linear 16-level grid, 32-weight blocks), bit-exact with ggml.
 
-ggml runs the same search with and without an importance matrix (``quantize_iq4_xs``; the
-reference is the no-imatrix call): per 32-block a scale search over 15 candidate inverse scales
-on the fixed grid, then 6-bit block scales relative to a super-block scale.
+ggml runs the same search with and without an importance matrix (``quantize_iq4_xs`` /
+``quantize_iq4_nl``; without one the weights are x^2): per 32-block a scale search over 15
+candidate inverse scales on the fixed grid. IQ4_XS then stores 6-bit block scales relative to a
+super-block fp16 scale (256 weights); IQ4_NL stores each block's scale as fp16 (32 weights).
 """
 from __future__ import annotations
 
@@ -29,17 +30,11 @@ def best_index(a: np.ndarray) -> np.ndarray:
     return np.where((a >= _VALUES_F[15]) | np.isnan(a), 15, idx)
 
 
-def encode_iq4_xs(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
-    """IQ4_XS blocks (136 bytes) of super-blocks xs (S, 256); qw (S, 256) optional importance."""
-    S = xs.shape[0]
-    x = np.ascontiguousarray(xs.reshape(S, 8, 32).transpose(2, 1, 0))  # (element, block, super-block)
-    xe = xs.T  # element order within the super-block
-    sigma2 = seq_sum(xe * xe) * (f32(2) / f32(256))
-    if qw is None:
-        w = x * x
-    else:
-        q = np.ascontiguousarray(qw.reshape(S, 8, 32).transpose(2, 1, 0))
-        w = q * np.sqrt(sigma2[None, None] + x * x)
+def block_scales(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """ggml's per-32 scale search on the grid: x, w (32, ...) -> signed scale (...), 0 for all-zero blocks.
+
+    Starts at -max/-127 and tries the 15 inverse scales (itry - 127)/max, keeping the best weighted fit.
+    """
     amax, mx = first_absmax(x)
     zero = amax < GROUP_MAX_EPS
     mx = np.where(zero, f32(1), mx)
@@ -58,7 +53,21 @@ def encode_iq4_xs(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         d = np.where(better, sumqx / sumq2, d)
         best = np.where(better, d * sumqx, best)
-    scales = np.where(zero, f32(0), d)  # (8, S)
+    return np.where(zero, f32(0), d)
+
+
+def encode_iq4_xs(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    """IQ4_XS blocks (136 bytes) of super-blocks xs (S, 256); qw (S, 256) optional importance."""
+    S = xs.shape[0]
+    x = np.ascontiguousarray(xs.reshape(S, 8, 32).transpose(2, 1, 0))  # (element, block, super-block)
+    xe = xs.T  # element order within the super-block
+    sigma2 = seq_sum(xe * xe) * (f32(2) / f32(256))
+    if qw is None:
+        w = x * x
+    else:
+        q = np.ascontiguousarray(qw.reshape(S, 8, 32).transpose(2, 1, 0))
+        w = q * np.sqrt(sigma2[None, None] + x * x)
+    scales = block_scales(x, w)  # (8, S)
 
     _, max_scale = first_absmax(scales)
     dsup = -max_scale / f32(32)
@@ -79,3 +88,28 @@ def encode_iq4_xs(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     Lt = L.transpose(2, 1, 0)  # (S, block, element)
     out[:, 8:136] = (Lt[:, :, :16] | (Lt[:, :, 16:] << 4)).reshape(S, 128)
     return out
+
+
+def encode_iq4_nl(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    """IQ4_NL blocks (18 bytes per 32 weights) of rows x (R, n); qw (n,) optional importance.
+
+    ggml_quantize_chunk runs the scale search with and without an importance matrix (no-imatrix
+    weights are x^2); the block stores the scale as fp16 and the levels are re-rounded with the
+    unrounded scale, as ggml does.
+    """
+    R, n = x.shape
+    xb = np.ascontiguousarray(x.reshape(R * (n // 32), 32).T)  # (element, block)
+    if qw is None:
+        w = xb * xb
+    else:
+        sigma2 = seq_sum(xb * xb) * (f32(2) / f32(32))
+        q = np.ascontiguousarray(np.broadcast_to(qw.reshape(1, n // 32, 32), (R, n // 32, 32)).reshape(-1, 32).T)
+        w = q * np.sqrt(sigma2[None] + xb * xb)
+    d = block_scales(xb, w)
+    d_h, _ = fp16_round(d)
+    inv = np.where(d != 0, f32(1) / np.where(d != 0, d, f32(1)), f32(0))
+    L = best_index(inv[None] * xb).astype(np.uint8).T  # (block, element)
+    out = np.empty((R * (n // 32), 18), np.uint8)
+    out[:, 0:2] = d_h.astype("<f2").view(np.uint8).reshape(-1, 2)
+    out[:, 2:18] = L[:, :16] | (L[:, 16:] << 4)
+    return out.reshape(R, -1)

@@ -20,7 +20,7 @@ from mixq.quant import kquants, kquants_ggml
 DIGESTS = Path(__file__).resolve().parent.parent / "data" / "kquants_digests.json"
 # the generated edge-case rows and imatrices themselves, so the check does not depend on numpy's RNG streams
 INPUTS = DIGESTS.with_name("kquants_tricky_inputs.npz")
-TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"]
 N = 512
 # k256 fixture tensors: two routed experts, a dense MLP down (n=768), two attention matrices
 REAL = {
@@ -183,7 +183,7 @@ def test_output_layout_decodes_with_gguf_py():
     x = np.random.default_rng(3).standard_normal((4, 512)).astype(np.float32)
     # rms error of a Gaussian at each type, loose upper bounds (ordered by bits)
     bounds = {"Q2_K": 0.45, "Q3_K": 0.22, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025, "IQ4_XS": 0.1, "Q8_0": 0.008,
-              "Q4_0": 0.12, "Q4_1": 0.1, "Q5_0": 0.06, "Q5_1": 0.05}
+              "Q4_0": 0.12, "Q4_1": 0.1, "Q5_0": 0.06, "Q5_1": 0.05, "IQ4_NL": 0.1}
     for t, bound in bounds.items():
         q = kquants.quantize(x, t)
         assert q.dtype == np.uint8 and q.shape == (4, kquants.row_bytes(t, 512))

@@ -1,0 +1,97 @@
+"""quant/kquants_hessian.py: same ggml types and bytes count, smaller layer-output error tr(ΔW·H·ΔWᵀ).
+
+Weights and Hessians are real: glm5next-k256 layer-0 q_proj and layer-1 routed experts, with input Hessians from
+a short calibration forward (4 rows x 128 tokens of calibration.txt)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mixq.errors import InputError
+from mixq.quant import kquants
+from mixq.quant import kquants_hessian as kh
+
+Q_PROJ = "model.language_model.layers.0.self_attn.q_proj.weight"
+EXPERTS = 4
+
+
+@pytest.fixture(scope="module")
+def k256_real(k256_model, calibration_text):
+    """(ckpt, q_proj W, its H, gate W of 4 layer-1 experts, their routing-weighted Hessians)."""
+    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.convert.gguf_hessians import layer_hessians
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import gguf_tensors
+
+    ck = open_checkpoint(k256_model)
+    spec = next(s for s in gguf_tensors(ck) if s.name == "blk.1.ffn_gate_exps.weight")
+    ids = calibration_rows(load_tokenizer(ck.path), [calibration_text], rows=4, seq_len=128,
+                           vocab_size=int(ck.text_config["vocab_size"]))
+    walk = layer_hessians(ck, ids)
+    h_q = next(walk).stats[Q_PROJ].hessian()
+    st1 = next(walk)
+    h_e = st1.experts(spec, 0, EXPERTS)
+    w_e = torch.stack([ck.get(n) for n in spec.hf_names[:EXPERTS]])
+    walk.close()
+    return ck.get(Q_PROJ), h_q, w_e, h_e
+
+
+def _err(w, blocks, qtype, h) -> float:
+    return float(kh.layer_error(w, torch.from_numpy(kh.dequantize_blocks(blocks, qtype)), h).sum())
+
+
+@pytest.mark.parametrize("qtype, ceiling", [("Q2_K", 0.85), ("Q3_K", 0.85), ("Q4_K", 0.85), ("Q5_K", 0.85),
+                                             ("Q6_K", 0.85), ("Q4_0", 0.85), ("Q5_1", 0.85), ("Q8_0", 0.85),
+                                             ("IQ2_S", 0.85)])
+def test_smaller_layer_error_same_bytes(qtype, ceiling, k256_real):
+    w, h, _, _ = k256_real
+    imx = torch.diagonal(h).numpy().copy()
+    exact = kquants.quantize(w.numpy(), qtype, imx)
+    mine = kh.quantize_hessian(w, h, qtype, imx)
+    assert mine.shape == exact.shape and mine.dtype == np.uint8
+    assert _err(w, mine, qtype, h) < ceiling * _err(w, exact, qtype, h)
+
+
+def test_identity_hessian_is_ggml_rounding(k256_real):
+    """With H = I there is no feedback: the codes are nearest rounding on ggml's grid, i.e. ggml's own bytes.
+    (K-quants only: ggml's legacy imatrix search weighs by the whole row, the block walk sees one block.)"""
+    w = k256_real[0][:32]
+    ones = np.ones(w.shape[1], np.float32)
+    for qtype in ("Q2_K", "Q4_K", "Q6_K"):
+        exact = kquants.quantize(w.numpy(), qtype, ones)
+        mine = kh.quantize_hessian(w, torch.eye(w.shape[1]), qtype, ones)
+        assert (mine == exact).mean() > 0.999, qtype
+
+
+def test_expert_stack_equals_one_call_per_expert(k256_real):
+    _, _, w_e, h_e = k256_real
+    stacked = kh.quantize_hessian(w_e, h_e, "Q3_K")
+    for e in range(EXPERTS):
+        assert np.array_equal(stacked[e], kh.quantize_hessian(w_e[e], h_e[e], "Q3_K"))
+    exact = np.stack([kquants.quantize(w_e[e].numpy(), "Q3_K", torch.diagonal(h_e[e]).numpy().copy())
+                      for e in range(EXPERTS)])
+    assert _err(w_e, stacked, "Q3_K", h_e) < 0.85 * _err(w_e, exact, "Q3_K", h_e)
+
+
+def test_rank_deficient_hessian_is_damped():
+    w = torch.randn(8, 256) * 0.02
+    x = torch.randn(16, 256)
+    h = x.T @ x / 16  # rank 16 of 256, and one dead input column
+    h[:, 3] = 0
+    h[3, :] = 0
+    b = kh.quantize_hessian(w, h, "Q4_K")
+    assert b.shape == (8, 144) and np.isfinite(kh.dequantize_blocks(b, "Q4_K")).all()
+
+
+def test_bad_input_is_one_clear_error():
+    w = torch.randn(4, 256)
+    with pytest.raises(InputError, match="does not support 'IQ4_XS'"):
+        kh.quantize_hessian(w, torch.eye(256), "IQ4_XS")
+    with pytest.raises(InputError, match=r"Hessian shape \(128, 128\) does not fit weights \(4, 256\)"):
+        kh.quantize_hessian(w, torch.eye(128), "Q4_K")
+    with pytest.raises(InputError, match="row length 100 is not a multiple of 256"):
+        kh.quantize_hessian(torch.randn(4, 100), torch.eye(100), "Q4_K")
+    w[0, 0] = float("nan")
+    with pytest.raises(InputError, match="NaN or infinite"):
+        kh.quantize_hessian(w, torch.eye(256), "Q4_K")

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixq.errors import InputError
+from mixq.formats import glm5next
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
 
-PREFIX = "model.language_model"
+PREFIX = glm5next.TEXT_PREFIX.rstrip(".")
 RANDOM_ROW_FRACTION = 0.15  # a share of uniform random-token rows, so rarely seen embeddings still get data
 
 
@@ -103,38 +104,28 @@ def calibration_rows(tokenizer, files: Sequence[str | Path] | None = None, *, ro
 
 # ---------------------------------------------------------------------------------------------- name mapping
 
-# checkpoint (HF file) name inside a layer -> parameter name inside transformers' decoder layer module
-_RENAMES = {
-    "self_attn.f_a_proj.weight": "self_attn.forget_gate.f_a_proj.weight",
-    "self_attn.f_b_proj.weight": "self_attn.forget_gate.f_b_proj.weight",
-    "self_attn.dt_bias": "self_attn.forget_gate.dt_bias",
-    "self_attn.A_log": "self_attn.forget_gate.A_log",
-    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
-    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
-}
-_INV_RENAMES = {v: k for k, v in _RENAMES.items()}
+def module_sources(layer: int, key: str, n_stack: int = 0) -> list[list[str]]:
+    """Checkpoint tensors of parameter ``key`` of transformers' decoder layer ``layer`` (from the architecture
+    table): [stacked experts][parts concatenated on dim 0]."""
+    src = glm5next.module_sources(layer, key, n_stack)
+    if src is None:
+        raise InputError(f"layer {layer}: transformers' parameter {key!r} has no glm5_next tensor in the table")
+    return src
 
 
 def module_to_hf(layer: int, local: str) -> str:
     """Parameter name inside a decoder layer module (Linear modules only) -> checkpoint tensor name."""
-    return f"{PREFIX}.layers.{layer}.{_INV_RENAMES.get(local, local)}"
+    (name,), = module_sources(layer, local)
+    return name
 
 
 def _layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Assemble the module's state dict from checkpoint tensors (fetch: HF name -> tensor)."""
-    p = f"{PREFIX}.layers.{layer}."
     sd: dict[str, torch.Tensor] = {}
     for key, ref in module.state_dict(keep_vars=True).items():
-        if key == "mlp.experts.gate_up_proj":
-            n = ref.shape[0]
-            sd[key] = torch.stack([torch.cat([fetch(f"{p}mlp.experts.{e}.gate_proj.weight"),
-                                              fetch(f"{p}mlp.experts.{e}.up_proj.weight")], 0) for e in range(n)])
-        elif key == "mlp.experts.down_proj":
-            sd[key] = torch.stack([fetch(f"{p}mlp.experts.{e}.down_proj.weight") for e in range(ref.shape[0])])
-        elif key == "self_attn.conv1d.weight":
-            sd[key] = torch.cat([fetch(f"{p}self_attn.{c}_conv1d.weight") for c in "qkv"], 0)
-        else:
-            sd[key] = fetch(p + _INV_RENAMES.get(key, key)).reshape(ref.shape)
+        rows = [torch.cat([fetch(n) for n in parts], 0) if len(parts) > 1 else fetch(parts[0])
+                for parts in module_sources(layer, key, ref.shape[0] if ref.dim() else 0)]
+        sd[key] = (torch.stack(rows) if len(rows) > 1 else rows[0]).reshape(ref.shape)
     return sd
 
 
@@ -246,7 +237,8 @@ class LayerCalibrator:
         experts = getattr(getattr(mod, "mlp", None), "experts", None)
         if experts is not None and hasattr(experts, "gate_up_proj"):
             experts_patch = experts
-            experts.forward = self._all_experts_forward(experts, layer, stats, feed)
+            path = next(n for n, m in mod.named_modules() if m is experts)
+            experts.forward = self._all_experts_forward(experts, path, layer, stats, feed)
 
         def new_batch(_sl: slice) -> None:
             fed.clear()
@@ -263,21 +255,24 @@ class LayerCalibrator:
             live.clear()
         return hidden, topk
 
-    def _all_experts_forward(self, experts: nn.Module, layer: int, stats, feed):
-        """Replacement for the experts' forward: every token through every expert for the statistics, the output
-        weighted by the real routing (tokens not routed to an expert get weight 0)."""
-        p = f"{PREFIX}.layers.{layer}.mlp"
+    def _all_experts_forward(self, experts: nn.Module, path: str, layer: int, stats, feed):
+        """Replacement for the experts' forward (``path``: the experts module inside the layer): every token
+        through every expert for the statistics, the output weighted by the real routing (tokens not routed to
+        an expert get weight 0). The router reads the same input as the experts."""
         limit = float(getattr(experts, "swiglu_limit", 10.0))
+        router = module_to_hf(layer, path.rsplit(".", 1)[0] + ".gate.weight")
 
         def forward(hidden_states, top_k_index, top_k_weights):
             x = hidden_states
             n_exp = experts.gate_up_proj.shape[0]
+            gate_up = module_sources(layer, f"{path}.gate_up_proj", n_exp)  # [expert][gate, up]
+            down = [parts[0] for parts in module_sources(layer, f"{path}.down_proj", n_exp)]
             if stats is not None:
-                a = feed(x, f"{p}.experts.0.gate_proj.weight")
-                for e in range(n_exp):
-                    stats.setdefault(f"{p}.experts.{e}.gate_proj.weight", a)
-                    stats.setdefault(f"{p}.experts.{e}.up_proj.weight", a)
-                stats.setdefault(f"{p}.gate.weight", a)
+                a = feed(x, gate_up[0][0])
+                for parts in gate_up:
+                    for n in parts:
+                        stats.setdefault(n, a)
+                stats.setdefault(router, a)
             # dense routing weights (T, E): the real top-k weights, zero elsewhere
             w = torch.zeros(x.shape[0], n_exp + 1, dtype=x.dtype, device=x.device)
             w.scatter_(1, top_k_index, top_k_weights.to(x.dtype))
@@ -293,7 +288,7 @@ class LayerCalibrator:
                 gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
                 act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
                 if stats is not None:
-                    nm = f"{p}.experts.{e}.down_proj.weight"
+                    nm = down[e]
                     acc = stats.get(nm)
                     if acc is None:
                         acc = stats[nm] = HessianAccumulator(act.shape[-1], full=self.full, device=self.device)
@@ -328,7 +323,7 @@ class LayerCalibrator:
         yield self._head_stage()
 
     def _head_stage(self) -> Stage:
-        w = self._get(f"{PREFIX}.norm.weight").to(self.device, self.dtype)
+        w = self._get(glm5next.global_hf_name("norm")).to(self.device, self.dtype)
         eps = float(self.text_config.rms_norm_eps)
         acc = HessianAccumulator(self.hidden.shape[-1], full=self.full, device=self.device)
         for sl in self._batches():
@@ -336,7 +331,7 @@ class LayerCalibrator:
             hf = h.float()
             y = (hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)).to(self.dtype) * w
             acc.add(y)
-        return Stage(layer=None, stats={"lm_head.weight": acc})
+        return Stage(layer=None, stats={glm5next.global_hf_name("lm_head"): acc})
 
 
 def calibrate(ckpt, input_ids: torch.Tensor, **kw) -> Iterator[Stage]:

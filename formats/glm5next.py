@@ -418,6 +418,14 @@ def gguf_policy(gguf_name: str) -> str | None:
     return src.rule.gguf if src else None
 
 
+def global_hf_name(role: str) -> str:
+    """The canonical HF name of a whole-model tensor: "embed", "lm_head" or "norm" (the final norm)."""
+    for r in _BY_SCOPE["text"] + _BY_SCOPE["root"]:
+        if r.role == role:
+            return _SCOPE_PREFIX[r.scope][1] + r.hf_fmt
+    raise KeyError(role)
+
+
 def global_gguf_name(role: str) -> str:
     """The GGUF name of a whole-model tensor: "embed" -> token_embd.weight, "lm_head", "norm"."""
     for r in _BY_SCOPE["text"] + _BY_SCOPE["root"]:

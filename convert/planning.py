@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from mixq.errors import InputError, PlanError
-from mixq.formats.glm5next import ROLES
+from mixq.formats.glm5next import ROLES, gguf_policy
 from mixq.quant import allocator as al
 from mixq.quant import gguf_mix as gm
 
@@ -281,12 +281,9 @@ def _st_header(names_shapes: Iterable[tuple[str, int]], n_shards: int) -> int:
 
 
 def _exl3_group(info, name: str) -> str:
-    if info.role == "routed_expert":
-        return f"layers.{info.layer}.experts"  # exllamav3 qgroup block_gud: one rate per layer's experts
-    m = re.search(r"self_attn\.(q|k|v)_proj\.weight$", name)
-    if m:
-        return f"layers.{info.layer}.self_attn.qkv_proj"  # one fused Linear in EXL3 (exl3-format.md §6.1)
-    return name
+    """The allocator unit of a trellis tensor (the table's group: a layer's routed experts share one rate, a fused
+    EXL3 Linear is one unit, anything else is its own)."""
+    return info.exl3_group
 
 
 def _plan_exl3(ckpt, *, bpw, size, overrides, head_bits, mtp_bits, vision_bits, include_mtp, measure) -> Plan:
@@ -398,7 +395,8 @@ def _gguf_ctx(ckpt, include_mtp: bool) -> gm.MixContext:
     n_all = ckpt.num_hidden_layers + (len(ckpt.nextn_layers) if include_mtp else 0)
     first_kda = (ckpt.layer_types or ["linear_attention"])[0] == "linear_attention"
     n_gqa = 0 if first_kda else int(tc.get("num_attention_heads", 1))  # head_count_kv = 1 on DSA layers
-    return gm.MixContext(n_layer_all=n_all, n_expert=int(tc.get("n_routed_experts", 0) or 0), n_gqa=n_gqa)
+    return gm.MixContext(n_layer_all=n_all, n_expert=int(tc.get("n_routed_experts", 0) or 0), n_gqa=n_gqa,
+                         policy=gguf_policy)
 
 
 def _kv_bytes(ckpt, n_layer_all: int) -> int:
@@ -430,7 +428,8 @@ def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, includ
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
     ctx = _gguf_ctx(ckpt, include_mtp)
     src = ["F32" if s.policy == "f32" else "BF16" for s in specs]
-    quantizable = [s.policy in ("quant", "q8_floor") and gm.allows_quantization(s.name, s.shape) for s in specs]
+    quantizable = [s.policy in ("quant", "q8_floor") and gm.allows_quantization(s.name, s.shape, s.policy)
+                   for s in specs]
     manual: dict[int, str] = {}
     for i, s in enumerate(specs):
         if quantizable[i]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -33,13 +33,12 @@ FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_
             "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL",
             "IQ2_S": "IQ4_NL", "IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 
-# glm5-next names llama-quantize never touches (gguf-facts.md §4.2, V:src/llama-quant.cpp:331-346)
-_GLM5_KEEP = ("hc_", "indexer.attn_q_b", "indexer.attn_k", "indexer.proj", "indexer_compressor_gate",
-              "indexer_compressor_ape", "ssm_f_a.weight", "ssm_f_b.weight", "ssm_g_a.weight", "ssm_g_b.weight",
-              "ssm_beta.weight", "attn_kv_a_mqa.weight", "attn_k_b.weight", "attn_v_b.weight")
+# names llama-quantize never touches in any architecture (gguf-facts.md §4.2, V:src/llama-quant.cpp:331-346);
+# the glm5-next exclusion list and Q8_0 floor are the architecture table's GGUF policies (MixContext.policy)
 _GENERIC_KEEP = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "ssm_conv1d",
                  "shortconv.conv.weight", "indexer.k_proj.weight", "indexer.q_proj.weight")
-_Q8_FLOOR = ("attn_q_a", "attn_q_b", "nextn.eh_proj")  # V:src/llama-quant.cpp:472-484
+NEVER_QUANTIZED = ("keep", "f32")  # architecture policies llama-quantize leaves alone
+Q8_FLOOR = "q8_floor"              # quantized, never below Q8_0 (V:src/llama-quant.cpp:472-484)
 _BLK = re.compile(r"blk\.(\d+)\.")
 
 
@@ -86,15 +85,16 @@ def ggml_n_dims(shape: Sequence[int]) -> int:
     return n
 
 
-def allows_quantization(name: str, shape: Sequence[int]) -> bool:
-    """llama.cpp's ``tensor_allows_quantization`` for glm5-next (gguf-facts.md §4.2)."""
+def allows_quantization(name: str, shape: Sequence[int], policy: str | None = None) -> bool:
+    """llama.cpp's ``tensor_allows_quantization`` (gguf-facts.md §4.2); ``policy``: the architecture's GGUF policy
+    of the tensor (formats/glm5next), "keep" / "f32" being its exclusion list."""
     if ggml_n_dims(shape) < 2:
         return False
     if not name.endswith("weight"):
         return False
-    if any(k in name for k in _GENERIC_KEEP) or any(k in name for k in _GLM5_KEEP):
+    if any(k in name for k in _GENERIC_KEEP):
         return False
-    return True
+    return policy not in NEVER_QUANTIZED
 
 
 def fallback(type_name: str, ne0: int) -> str:
@@ -133,13 +133,19 @@ def loader_order(names: Sequence[str]) -> list[int]:
     return sorted(range(len(names)), key=key)
 
 
+def _no_policy(name: str) -> str | None:
+    return None
+
+
 @dataclass
 class MixContext:
-    """Model facts the mix rules read: n_layer_all (trunk + NextN), n_expert, n_gqa of layer 0."""
+    """Model facts the mix rules read: n_layer_all (trunk + NextN), n_expert, n_gqa of layer 0, and ``policy``:
+    GGUF tensor name -> the architecture's GGUF policy (formats/glm5next.gguf_policy; None = no rule)."""
 
     n_layer_all: int
     n_expert: int
     n_gqa: int = 0
+    policy: Callable[[str], str | None] = _no_policy
 
 
 def normalize_mix(mix: str) -> str:
@@ -153,7 +159,7 @@ def normalize_mix(mix: str) -> str:
 def _mix_rule(mix: str, default: str, name: str, ne0: int, cat: str, ctx: MixContext, state: dict) -> str:
     """``llama_tensor_get_type_impl`` restricted to the K-quant / Q8_0 mixes (gguf-facts.md §4.3, §4.6)."""
     new = default
-    if any(k in name for k in _Q8_FLOOR):  # glm5-next Q8_0 floor, before everything else
+    if ctx.policy(name) == Q8_FLOOR:  # the architecture's Q8_0 floor, before everything else
         return "Q8_0"
     if cat == "output" or (state["tied"] and cat == "token_embd"):
         if ne0 % block_size(new):
@@ -242,7 +248,7 @@ def mix_types(tensors: Sequence[tuple[str, tuple[int, ...], str]], mix: str, ctx
     out: list[str] = [""] * len(tensors)
     for idx in loader_order(names):
         name, shape, src = tensors[idx]
-        if not allows_quantization(name, shape):
+        if not allows_quantization(name, shape, ctx.policy(name)):
             out[idx] = src
             continue
         new = default

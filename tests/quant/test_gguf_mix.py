@@ -7,6 +7,7 @@ import pytest
 
 from mixq.errors import PlanError
 from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.glm5next import gguf_policy
 from mixq.formats.gguf_names import gguf_tensors
 from mixq.quant import gguf_mix as gm
 
@@ -15,7 +16,7 @@ def _specs(path):
     ck = open_checkpoint(path)
     specs = gguf_tensors(ck)
     ctx = gm.MixContext(n_layer_all=ck.num_hidden_layers + len(ck.nextn_layers),
-                        n_expert=int(ck.text_config["n_routed_experts"]), n_gqa=0)
+                        n_expert=int(ck.text_config["n_routed_experts"]), n_gqa=0, policy=gguf_policy)
     rows = [(s.name, s.shape, "F32" if s.policy == "f32" else "BF16") for s in specs]
     return rows, ctx
 
@@ -69,7 +70,7 @@ def _flash_names():
 
 def test_flash_use_more_bits_layers_and_mixes():
     rows = _flash_names()
-    ctx = gm.MixContext(n_layer_all=46, n_expert=288)
+    ctx = gm.MixContext(n_layer_all=46, n_expert=288, policy=gguf_policy)
     t = dict(zip([r[0] for r in rows], gm.mix_types(rows, "Q4_K", ctx)))  # alias of Q4_K_M
     bumped = {i for i in range(46) if t.get(f"blk.{i}.ffn_down_exps.weight", t.get(f"blk.{i}.ffn_down.weight"))
               == "Q6_K"}
@@ -88,7 +89,7 @@ def test_flash_use_more_bits_layers_and_mixes():
 
 def test_tensor_type_override_skips_mix_and_floor_but_not_fallback():
     rows = _flash_names() + [("blk.50.ffn_up_exps.weight", (16, 64, 128), "BF16")]
-    ctx = gm.MixContext(n_layer_all=51, n_expert=288)
+    ctx = gm.MixContext(n_layer_all=51, n_expert=288, policy=gguf_policy)
     t = dict(zip([r[0] for r in rows], gm.mix_types(rows, "Q4_K_M", ctx, tensor_types=[
         (r"attn_q_b", "Q4_K"), (r"ffn_.*_exps", "Q2_K"), (r"ffn_down", "Q5_K")])))
     assert t["blk.3.attn_q_b.weight"] == "Q4_K"        # the Q8_0 floor is bypassed by a manual type
@@ -110,6 +111,13 @@ def test_fallback_chain_and_sizes():
     assert not gm.allows_quantization("blk.0.ssm_a", (64,))
     assert not gm.allows_quantization("blk.0.ssm_conv1d_q.weight", (1, 8192, 1, 4))
     assert gm.allows_quantization("blk.3.ffn_up_exps.weight", (288, 2048, 4096))
+    # the architecture's exclusion list and Q8_0 floor come from the table's GGUF policies
+    assert not gm.allows_quantization("blk.3.attn_k_b.weight", (4, 256, 64), gguf_policy("blk.3.attn_k_b.weight"))
+    assert not gm.allows_quantization("blk.0.hc_attn_fn.weight", (24, 4096), gguf_policy("blk.0.hc_attn_fn.weight"))
+    assert gm.allows_quantization("blk.3.attn_k_b.weight", (4, 256, 64))  # no architecture policy given
+    rows = [("blk.3.attn_q_a.weight", (1536, 4096), "BF16"), ("blk.3.indexer.attn_q_b.weight", (4096, 1536), "BF16")]
+    assert gm.mix_types(rows, "Q2_K", gm.MixContext(4, 8, policy=gguf_policy)) == ["Q8_0", "BF16"]
+    assert gm.mix_types(rows, "Q2_K", gm.MixContext(4, 8)) == ["Q2_K", "Q2_K"]
 
 
 def test_file_size_counts_header_and_alignment():

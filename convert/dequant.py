@@ -24,6 +24,12 @@ from mixq.formats.glm5next import classify
 FORMATS = ("hf", "gguf", "exl3")
 
 
+def in_text_forward(name: str, num_hidden_layers: int) -> bool:
+    """True for a tensor the causal-LM forward uses: not the vision tower, not a NextN/MTP block (the table says)."""
+    info = classify(name, num_hidden_layers)
+    return not info.mtp and info.role != "vision"
+
+
 class DequantSource:
     """HF-named float32 weights of one model file or directory, decoded on demand (see module docstring)."""
 
@@ -48,8 +54,7 @@ class DequantSource:
 
     def _layer_of(self, name: str) -> int | None:
         """Decoder layer of an HF tensor; None for tensors outside the trunk (embeddings, head, vision, NextN)."""
-        info = classify(name, self.num_hidden_layers)
-        return None if info.mtp or info.role == "vision" else info.layer
+        return classify(name, self.num_hidden_layers).layer if in_text_forward(name, self.num_hidden_layers) else None
 
     def _missing(self, name: str) -> InputError:
         return InputError(f"{self.path}: no tensor {name!r}")

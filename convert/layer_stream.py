@@ -16,8 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixq.convert.calibration import PREFIX, _layer_state_dict
+from mixq.formats.glm5next import global_hf_name
 
 Fetch = Callable[[str], torch.Tensor]
+# checkpoint names of the tensors outside the decoder layers
+EMBED_NAME = global_hf_name("embed")
+NORM_NAME = global_hf_name("norm")
+HEAD_NAME = global_hf_name("lm_head")
 
 
 class DecoderStream:
@@ -64,7 +69,7 @@ class DecoderStream:
     def embed(self, input_ids: torch.Tensor, fetch: Fetch, out_device: str | torch.device | None = None,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """(rows, seq, hc_mult, hidden) streams of the embedded tokens, as the text model starts."""
-        w = fetch(f"{PREFIX}.embed_tokens.weight").to(self.dtype)
+        w = fetch(EMBED_NAME).to(self.dtype)
         out = torch.empty(*input_ids.shape, self.hc_mult, w.shape[1], dtype=out_dtype or self.dtype,
                           device=out_device or w.device)
         for sl in self.batches(input_ids.shape[0]):

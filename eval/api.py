@@ -1,45 +1,61 @@
-"""`evaluate`: KLD / top-1 / PPL of candidates against the reference model, window by window."""
+"""`evaluate`: KLD / top-1 / PPL of candidates against the reference model.
+
+Four steps: resolve (paths, windows, weight sources) -> validate (every candidate against the reference, before
+any forward) -> forward (the reference and every torch candidate layer by layer over all windows,
+eval/streamed.py) -> finalize (logits window by window, statistics, the reference log-prob file, the report).
+"""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from mixq.convert.dequant import CheckpointSource, DequantSource
 from mixq.errors import FormatError, InputError
 from mixq.eval import candidates as cands
 from mixq.eval import reference as refm
-from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter
+from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
+from mixq.eval.reflogits import REF_DTYPES, RefLogitsReader, RefLogitsWriter, roundtrip
 from mixq.eval.report import render_markdown
 from mixq.eval.stats import KLAccumulator, log_probs, token_quantities
-from mixq.formats.checkpoint import open_checkpoint
+from mixq.eval.streamed import STATE_DTYPES, StreamedModel, StreamedModels, state_bytes
 from mixq.formats.checkpoint_check import validate_checkpoint
 
 ENGINES = ("torch", "llamacpp")
+DEFAULT_CTX = 512
+GPU_STATE_SHARE = 0.5  # hidden streams go to the GPU when all of them take at most this share of its free memory
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+@dataclass
+class EvalRun:
+    """Everything `evaluate` resolved from its arguments."""
 
+    ref_dir: Path
+    config: dict
+    ref: CheckpointSource
+    device: torch.device
+    windows: refm.Windows
+    text_name: str
+    candidates: list[cands.Candidate]
+    sources: list[DequantSource | None]   # None: logits from llama.cpp (--engine llamacpp, GGUF)
+    reader: RefLogitsReader | None
+    engine: str
+    cache_type: str
+    save_ref: Path | None
+    ref_dtype: str
+    state_dtype: str
+    batch_windows: int
 
-def _candidate_scorer(cand: cands.Candidate, ref_dir: Path, ref_weights: dict, n_layers: int, device, engine: str, cache_type: str, ctx: int, first: int):
-    """A function window(int64 ctx) -> logits (scored, vocab) for one candidate.
-
-    With engine 'llamacpp', GGUF candidates take llama.cpp's own logits; other formats always run in torch."""
-    if engine == "llamacpp" and cand.format == "gguf":
-        from mixq.eval.llamacpp import LlamaCppScorer
-
-        return LlamaCppScorer(cand.path, ctx=ctx, first=first, cache_type=cache_type)
-    weights = cands.merge_with_reference(cands.read_candidate_weights(cand), ref_weights, n_layers, cand.path)
-    model = refm.build_model(ref_dir, weights, device)
-    del weights
-    return lambda window: refm.scored_logits(model, window, first)
+    @property
+    def n_layers(self) -> int:
+        return refm.num_hidden_layers(self.config)
 
 
 def evaluate(
@@ -56,6 +72,8 @@ def evaluate(
     engine: str = "torch",
     cache_type: str = "f32",
     device: str | None = None,
+    state_dtype: str = "float32",
+    batch_windows: int = 1,
     json_out: str | Path | None = None,
     markdown_out: str | Path | None = None,
     progress: bool = True,
@@ -64,111 +82,270 @@ def evaluate(
 
     Windows of `ctx` tokens (default 512) are cut as llama-perplexity does and the second half of each
     (or all positions with score='all') is scored. With `ref_logits`, reference log-probs and tokens come
-    from that file (no reference forward, no text needed); `save_ref` writes them for later runs.
-    Candidates are held in memory together (dequantized, fp32) and run one window at a time.
+    from that file (no reference forward, no text needed); `save_ref` writes them for later runs (`ref_dtype`
+    float32, float16 or uint16). The models run layer by layer over all windows at once: peak memory is about
+    one layer of the reference plus one of a candidate plus the hidden streams (`state_dtype` float32 or
+    bfloat16), independent of the number of layers. `batch_windows` > 1 runs several windows per layer call
+    (faster on a GPU; float rounding then differs from a one-window forward in the last bits).
+    `json_out` "-" prints the JSON report to stdout.
     """
+    run = _resolve(reference, candidates, text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
+                   ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type,
+                   device=device, state_dtype=state_dtype, batch_windows=batch_windows)
+    _validate(run)
+    reset_peaks(run.device)
+    models = _forward(run, progress)
+    report = _finalize(run, models, progress)
+    _write_outputs(report, json_out, markdown_out)
+    return report
+
+
+# --- resolve -------------------------------------------------------------------------------------------------------
+def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine,
+             cache_type, device, state_dtype, batch_windows) -> EvalRun:
+    """Check the options, open the reference and candidates (headers only) and cut the windows."""
     if engine not in ENGINES:
         raise InputError(f"--engine must be one of {ENGINES}, not {engine!r}")
+    if ref_dtype not in REF_DTYPES:
+        raise InputError(f"--ref-dtype must be one of {sorted(REF_DTYPES)}, not {ref_dtype!r}")
+    if state_dtype not in STATE_DTYPES:
+        raise InputError(f"--state-dtype must be one of {sorted(STATE_DTYPES)}, not {state_dtype!r}")
+    if batch_windows < 1:
+        raise InputError(f"batch_windows must be at least 1, not {batch_windows}")
     if ref_logits and save_ref:
         raise InputError("--save-ref and --ref-logits cannot be combined")
     if not candidates and not save_ref:
         raise InputError("give at least one CANDIDATE (or --save-ref to only store reference log-probs)")
+    if ctx is not None and ctx < 4:
+        raise InputError(f"--ctx {ctx} is too small (need at least 4 tokens)")
     ref_dir = Path(reference)
     if not ref_dir.is_dir():
         raise InputError(f"{reference}: the reference must be an HF checkpoint directory")
-    validate_checkpoint(open_checkpoint(ref_dir))  # a reference whose config disagrees with its weights: refused
+    ref = CheckpointSource(ref_dir)
+    validate_checkpoint(ref.ckpt)  # a reference whose config disagrees with its weights: refused
     dev = refm.pick_device(device)
-    config = refm.read_config(ref_dir)
-    n_layers = refm.num_hidden_layers(config)
-    ref_weights = cands.read_hf_weights(ref_dir)
-    ref_params = int(sum(t.numel() for t in ref_weights.values()))
-
-    reader = None
+    reader, win, text_name = None, None, ""
     if ref_logits:
         reader = RefLogitsReader(Path(ref_logits))
         if ctx is not None and ctx != reader.ctx:
             raise InputError(f"--ctx {ctx} differs from {ref_logits} (ctx {reader.ctx})")
         n = reader.count if windows is None else min(windows, reader.count)
+        if windows is not None and windows < 1:
+            raise InputError(f"--windows must be at least 1, not {windows}")
         win = refm.Windows(tokens=reader.tokens[:n], first=reader.first)
         text_name = reader.meta.get("text", "")
     else:
         if text is None:
             raise InputError("--text is required unless --ref-logits is given")
-        ctx = ctx or 512
-        tok = refm.load_tokenizer(ref_dir)
-        ids = refm.tokenize_text(tok, Path(text), need_tokens=None if windows is None else windows * ctx)
-        win = refm.make_windows(ids, ctx, windows, score)
+        ctx = DEFAULT_CTX if ctx is None else ctx
+        ids = refm.tokenize_text(refm.load_tokenizer(ref_dir), Path(text),
+                                 need_tokens=None if windows is None else windows * ctx)
+        win = refm.make_windows(ids, ctx, windows, score, source=text)
         text_name = str(text)
-
     cand_list = [cands.open_candidate(c) for c in candidates]
-    scorers = [
-        _candidate_scorer(c, ref_dir, ref_weights, n_layers, dev, engine, cache_type, win.ctx, win.first) for c in cand_list
-    ]
-    ref_model = None if reader else refm.build_model(ref_dir, ref_weights, dev)
-    del ref_weights
+    n_layers = ref.ckpt.num_hidden_layers
+    sources = [None if (engine == "llamacpp" and c.format == "gguf") else cands.open_weights(c, n_layers, dev)
+               for c in cand_list]
+    return EvalRun(ref_dir, ref.ckpt.config, ref, dev, win, text_name, cand_list, sources, reader, engine,
+                   cache_type, Path(save_ref) if save_ref else None, ref_dtype, state_dtype, batch_windows)
 
+
+# --- validate ------------------------------------------------------------------------------------------------------
+def _validate(run: EvalRun) -> None:
+    """Every torch candidate holds the reference's text tensors with the reference's shapes; a reference log-prob
+    file matches the reference's vocabulary. Nothing has run yet."""
+    ref_shapes = run.ref.shapes()
+    for c, src in zip(run.candidates, run.sources):
+        if src is not None:
+            cands.check_against_reference(src.shapes(), ref_shapes, run.n_layers, c.path)
+    vocab = _vocab(run.config)
+    if run.reader is not None and run.reader.vocab != vocab:
+        raise InputError(f"{run.reader.path}: vocabulary {run.reader.vocab} differs from the reference's {vocab}")
+
+
+def _vocab(config: dict) -> int:
+    return int(config.get("text_config", config)["vocab_size"])
+
+
+# --- forward -------------------------------------------------------------------------------------------------------
+def _state_device(run: EvalRun, n_models: int) -> torch.device:
+    """The GPU when every model's hidden streams fit in GPU_STATE_SHARE of its free memory, else the host."""
+    if run.device.type != "cuda" or n_models == 0:
+        return torch.device("cpu")
+    need = n_models * state_bytes(run.config, run.windows.count, run.windows.ctx, run.state_dtype)
+    free, _ = torch.cuda.mem_get_info(run.device)
+    return run.device if need <= GPU_STATE_SHARE * free else torch.device("cpu")
+
+
+def _forward(run: EvalRun, progress: bool) -> StreamedModels:
+    """The reference (unless its log-probs come from a file) and every torch candidate through all layers."""
+    names = ([] if run.reader else [(str(run.ref_dir), run.ref)]) + [
+        (str(c.path), s) for c, s in zip(run.candidates, run.sources) if s is not None]
+    models = StreamedModels(run.config, run.windows.tokens, device=run.device, state_dtype=run.state_dtype,
+                            state_device=_state_device(run, len(names)), batch_windows=run.batch_windows)
+    for name, src in names:
+        models.add(name, src)
+    models.run(progress)
+    return models
+
+
+# --- finalize ------------------------------------------------------------------------------------------------------
+class _TorchLogits:
+    """A streamed candidate's logits window by window, its final norm and lm_head held while scoring."""
+
+    def __init__(self, models: StreamedModels, model: StreamedModel, first: int):
+        self.models, self.model, self.first = models, model, first
+
+    def __enter__(self):
+        self._head = self.models.head(self.model)
+        self._head.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._head.__exit__(*exc)
+
+    def __call__(self, w: int) -> torch.Tensor:
+        return self.models.scored_logits(self.model, w, self.first)
+
+    @property
+    def seconds(self) -> float:
+        return self.model.seconds
+
+
+class _LlamaCppLogits:
+    """A GGUF candidate's logits from llama.cpp itself (--engine llamacpp); the library is loaded while scoring."""
+
+    def __init__(self, path: Path, windows: refm.Windows, cache_type: str):
+        self.path, self.windows, self.cache_type, self.seconds = path, windows, cache_type, 0.0
+
+    def __enter__(self):
+        from mixq.eval.llamacpp import LlamaCppScorer
+
+        self.scorer = LlamaCppScorer(self.path, ctx=self.windows.ctx, first=self.windows.first,
+                                     cache_type=self.cache_type)
+        return self
+
+    def __exit__(self, *exc):
+        self.scorer.close()
+
+    def __call__(self, w: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.scorer(self.windows.tokens[w])
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def _candidate_logits(run: EvalRun, models: StreamedModels, i: int):
+    c, src = run.candidates[i], run.sources[i]
+    if src is None:
+        return _LlamaCppLogits(c.path, run.windows, run.cache_type)
+    model = next(m for m in models.models if m.source is src)
+    return _TorchLogits(models, model, run.windows.first)
+
+
+def _reference_log_probs(run: EvalRun, ref: _TorchLogits | None, w: int) -> torch.Tensor:
+    """Window w's reference log-probs: from the --ref-logits file, or log-softmax of the reference's logits."""
+    if ref is None:
+        return run.reader.logprobs(w)
+    logits = ref(w)
+    if not bool(torch.isfinite(logits).all()):
+        raise FormatError(f"{run.ref_dir}: the reference gives non-finite logits in window {w}")
+    return log_probs(logits)
+
+
+def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict:
+    """Score every candidate window by window (one candidate head in memory at a time) and build the report.
+    With --save-ref the first pass writes the reference log-probs; every pass scores exactly what the file holds."""
     writer = None
-    if save_ref:
-        vocab = int(config.get("text_config", config)["vocab_size"])
-        writer = RefLogitsWriter(
-            Path(save_ref), win.tokens, win.first, vocab, ref_dtype, meta={"reference": str(ref_dir), "text": text_name}
-        )
-    accs = [KLAccumulator() for _ in cand_list]
-    secs = [0.0 for _ in cand_list]
-    ref_secs = 0.0
+    if run.save_ref:
+        writer = RefLogitsWriter(run.save_ref, run.windows.tokens, run.windows.first, _vocab(run.config),
+                                 run.ref_dtype, meta={"reference": str(run.ref_dir), "text": run.text_name})
+    ref = None if run.reader else _TorchLogits(models, models.models[0], run.windows.first)
+    ref_seconds = None
+    scored = []
     try:
-        for w in tqdm(range(win.count), desc="eval windows", unit="win", disable=not progress):
-            window = win.tokens[w]
-            if reader is not None:
-                lp = reader.logprobs(w)
-            else:
-                t0 = time.perf_counter()
-                lp = log_probs(refm.scored_logits(ref_model, window, win.first))
-                ref_secs += time.perf_counter() - t0
-            if writer is not None:
-                writer.add(lp)
-                lp = lp.to(writer.torch_dtype).to(torch.float32)  # score exactly what a later --ref-logits run reads
-            targets = win.targets(w)
-            for i, scorer in enumerate(scorers):
-                t0 = time.perf_counter()
-                logits = scorer(window)
-                secs[i] += time.perf_counter() - t0
-                if not bool(torch.isfinite(logits).all()):
-                    raise FormatError(f"{cand_list[i].path}: non-finite logits in window {w}")
-                if logits.shape[-1] != lp.shape[-1]:
-                    raise InputError(f"{cand_list[i].path}: vocabulary {logits.shape[-1]} differs from the reference {lp.shape[-1]}")
-                accs[i].add(token_quantities(lp.to(logits.device), logits, targets))
+        with ref if ref is not None else contextlib.nullcontext():
+            for p, i in enumerate(range(len(run.candidates)) if run.candidates else [None]):
+                cand = None if i is None else _candidate_logits(run, models, i)
+                acc = KLAccumulator()
+                desc = "reference log-probs" if cand is None else f"scoring {run.candidates[i].path.name}"
+                with cand if cand is not None else contextlib.nullcontext():
+                    for w in tqdm(range(run.windows.count), desc=desc, unit="win", disable=not progress):
+                        lp = _reference_log_probs(run, ref, w)
+                        if writer is not None:
+                            if p == 0:
+                                writer.add(lp)
+                            lp = roundtrip(lp, run.ref_dtype, run.windows.targets(w))  # what --ref-logits reads back
+                        if cand is None:
+                            continue
+                        logits = cand(w)
+                        _check_logits(run.candidates[i].path, w, logits, lp)
+                        acc.add(token_quantities(lp.to(logits.device), logits, run.windows.targets(w)))
+                if p == 0 and ref is not None:
+                    ref_seconds = ref.seconds
+                if cand is not None:
+                    scored.append((acc, cand.seconds))
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
     if writer is not None:
         writer.close()
+    return _report(run, scored, ref_seconds)
 
-    window_tokens = win.count * win.ctx
+
+def _check_logits(path: Path, w: int, logits: torch.Tensor, lp: torch.Tensor) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise FormatError(f"{path}: non-finite logits in window {w}")
+    if logits.shape[-1] != lp.shape[-1]:
+        raise InputError(f"{path}: vocabulary {logits.shape[-1]} differs from the reference {lp.shape[-1]}")
+
+
+def _report(run: EvalRun, scored: list, ref_seconds: float | None) -> dict:
+    window_tokens = run.windows.count * run.windows.ctx
+    ref_params = run.ref.ckpt.params
     report = {
-        "reference": str(ref_dir),
-        "text": text_name,
-        "ctx": win.ctx,
-        "score": "all" if win.first == 0 else "half",
-        "windows": win.count,
-        "engine": engine,
-        "device": str(dev),
+        "reference": str(run.ref_dir),
+        "text": run.text_name,
+        "ctx": run.windows.ctx,
+        "score": "all" if run.windows.first == 0 else "half",
+        "windows": run.windows.count,
+        "engine": run.engine,
+        "device": str(run.device),
         "ref_params": ref_params,
-        "ref_tokens_per_s": (window_tokens / ref_secs) if ref_secs > 0 else None,
-        "ref_logits": str(ref_logits or save_ref or "") or None,
+        "ref_tokens_per_s": (window_tokens / ref_seconds) if ref_seconds else None,
+        "ref_logits": str(run.reader.path if run.reader else run.save_ref or "") or None,
+        "state_dtype": run.state_dtype,
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "peak_gpu_mib": None if (g := peak_gpu_mib(run.device)) is None else round(g, 1),
         "candidates": [],
     }
-    for c, acc, s in zip(cand_list, accs, secs):
+    for c, (acc, secs) in zip(run.candidates, scored):
         entry = {"path": str(c.path), "format": c.format, "bytes": c.bytes, "bpw": c.bytes * 8 / ref_params}
         entry.update(acc.summary())
-        entry["engine"] = engine if c.format == "gguf" else "torch"
+        entry["engine"] = run.engine if c.format == "gguf" else "torch"
         if entry["engine"] == "llamacpp":
-            entry["cache_type"] = cache_type
-        entry["tokens_per_s"] = window_tokens / s if s > 0 else None
+            entry["cache_type"] = run.cache_type
+        entry["tokens_per_s"] = window_tokens / secs if secs > 0 else None
         report["candidates"].append(entry)
-    if json_out:
+    return report
+
+
+def _write_outputs(report: dict, json_out: str | Path | None, markdown_out: str | Path | None) -> None:
+    """--json (a file, or "-" for stdout) and --markdown, each written under a temporary name and renamed."""
+    if json_out is not None and str(json_out) == "-":
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    elif json_out:
         _write_atomic(Path(json_out), json.dumps(report, indent=2) + "\n")
     if markdown_out:
         _write_atomic(Path(markdown_out), render_markdown(report))
-    return report
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"{path}: cannot write ({e.strerror or e})") from None

@@ -1,8 +1,7 @@
-"""Candidates for `mixq eval`: format detection, size on disk, and dequantized HF-named weights.
+"""Candidates for `mixq eval`: format detection, size on disk, their weights, and the checks against the reference.
 
-Every candidate (HF checkpoint, EXL3 directory, GGUF file) becomes a dict {HF checkpoint name: tensor}
-that is loaded into the reference architecture; the format readers are imported lazily so that eval
-works for the formats whose readers exist.
+Every candidate (HF checkpoint, EXL3 directory, GGUF file) is read as HF-named dequantized tensors one decoder
+layer at a time (`convert.dequant`) and run in the reference's architecture.
 """
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from mixq.convert.dequant import DequantSource, in_text_forward, open_dequant
 from mixq.errors import FormatError, InputError
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -77,71 +77,22 @@ def open_candidate(path: str | Path) -> Candidate:
     return Candidate(path=p, format=fmt, bytes=weight_bytes(p, fmt))
 
 
-def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint directory by checkpoint name, FP8 blocks dequantized (float32)."""
-    try:
-        from mixq.formats.checkpoint import open_checkpoint
-    except ImportError:
-        open_checkpoint = None
-    if open_checkpoint is not None:
-        ckpt = open_checkpoint(path)
-        return {name: ckpt.get(name, dtype=torch.float32) for name in ckpt.names()}
-    # Fallback while the shared loader is absent: plain safetensors, no FP8.
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    if any(k.endswith("_scale_inv") for k in out):
-        raise InputError(f"{path}: FP8 checkpoint needs mixq.formats.checkpoint (not available)")
-    return {k: v.to(torch.float32) for k, v in out.items()}
+def open_weights(cand: Candidate, num_hidden_layers: int, device: str | torch.device = "cpu") -> DequantSource:
+    """The candidate's dequantized weights, read one decoder layer at a time (`convert.dequant`)."""
+    return open_dequant(cand.path, cand.format, num_hidden_layers=num_hidden_layers, device=device)
 
 
-def read_candidate_weights(cand: Candidate) -> dict[str, torch.Tensor]:
-    """Dequantized HF-named weights of a candidate, via the reader of its format."""
-    if cand.format == "hf":
-        return read_hf_weights(cand.path)
-    if cand.format == "exl3":
-        try:
-            from mixq.formats.exl3_reader import read_exl3
-        except ImportError as e:
-            raise InputError(f"{cand.path}: EXL3 candidates are not supported yet (no EXL3 reader: {e})") from e
-        return read_exl3(cand.path)
-    if cand.format == "gguf":
-        try:
-            from mixq.formats.gguf_reader import read_gguf_weights
-        except ImportError as e:
-            raise InputError(f"{cand.path}: GGUF candidates are not supported yet (no GGUF reader: {e})") from e
-        return read_gguf_weights(cand.path)
-    raise InputError(f"{cand.path}: unknown candidate format {cand.format!r}")
-
-
-def _is_text_tensor(name: str, n_layers: int) -> bool:
-    """True for tensors the text forward uses (not vision, not NextN/MTP layers)."""
-    parts = name.split(".")
-    if "visual" in parts:
-        return False
-    if "layers" in parts:
-        i = parts.index("layers")
-        if i + 1 < len(parts) and parts[i + 1].isdigit() and int(parts[i + 1]) >= n_layers:
-            return False
-    return True
-
-
-def merge_with_reference(
-    cand: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], n_layers: int, where: Path
-) -> dict[str, torch.Tensor]:
-    """The candidate's tensors over the reference's: every text tensor must come from the candidate with the
-    reference shape; vision / MTP tensors a format leaves out are taken from the reference (unused by the text forward)."""
+def check_against_reference(cand: dict[str, tuple[int, ...]], ref: dict[str, tuple[int, ...]], n_layers: int,
+                            where: Path | str) -> None:
+    """A candidate's tensors (name -> shape) must be reference tensors of the reference's shape, and every
+    tensor of the text forward must be there; NextN and vision tensors may be left out (the evaluated forward
+    does not use them). Raises FormatError naming the candidate."""
     unknown = sorted(set(cand) - set(ref))
     if unknown:
         raise FormatError(f"{where}: {len(unknown)} tensors not in the reference, e.g. {unknown[0]}")
-    missing = sorted(n for n in ref if n not in cand and _is_text_tensor(n, n_layers))
+    missing = sorted(n for n in ref if n not in cand and in_text_forward(n, n_layers))
     if missing:
         raise FormatError(f"{where}: {len(missing)} reference tensors missing, e.g. {missing[0]}")
-    for name, t in cand.items():
-        if tuple(t.shape) != tuple(ref[name].shape):
-            raise FormatError(f"{where}: tensor {name} has shape {tuple(t.shape)}, reference {tuple(ref[name].shape)}")
-    merged = dict(ref)
-    merged.update(cand)
-    return merged
+    for name, shape in cand.items():
+        if tuple(shape) != tuple(ref[name]):
+            raise FormatError(f"{where}: tensor {name} has shape {tuple(shape)}, reference {tuple(ref[name])}")

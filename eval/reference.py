@@ -15,6 +15,7 @@ import torch
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
+from mixq.formats.glm5next import classify
 from mixq.quant.device import pick_device  # noqa: F401 - re-exported for callers
 
 DEFAULT_ARCH = "Glm5NextForConditionalGeneration"
@@ -51,16 +52,8 @@ def num_hidden_layers(config: dict) -> int:
 
 
 def drop_mtp(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
-    """Remove NextN/MTP block tensors (layers >= num_hidden_layers): the causal-LM forward never uses them."""
-    out = {}
-    for name, t in weights.items():
-        parts = name.split(".")
-        if "layers" in parts and "visual" not in parts:
-            i = parts.index("layers")
-            if i + 1 < len(parts) and parts[i + 1].isdigit() and int(parts[i + 1]) >= n_layers:
-                continue
-        out[name] = t
-    return out
+    """Remove NextN/MTP block tensors (the architecture table's `mtp`): the causal-LM forward never uses them."""
+    return {name: t for name, t in weights.items() if not classify(name, n_layers).mtp}
 
 
 def build_model(model_dir: Path, weights: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
@@ -94,6 +87,8 @@ def tokenize_text(tokenizer, text_path: Path, need_tokens: int | None = None) ->
         text = Path(text_path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{text_path}: cannot read text ({e})") from e
+    if not text.strip():
+        raise InputError(f"{text_path}: the text file is empty")
     if need_tokens is not None:
         cut = text.rfind("\n", 0, need_tokens * 8 + 4096)
         if 0 < cut < len(text) - 1:
@@ -136,8 +131,8 @@ def first_scored(ctx: int, score: str) -> int:
     raise InputError(f"--score must be 'half' or 'all', not {score!r}")
 
 
-def make_windows(ids: list[int], ctx: int, windows: int | None, score: str) -> Windows:
-    """Cut ⌊len/ctx⌋ windows (capped by `windows`)."""
+def make_windows(ids: list[int], ctx: int, windows: int | None, score: str, source: str | Path = "the text") -> Windows:
+    """Cut ⌊len/ctx⌋ windows (capped by `windows`); `source` names the text in errors."""
     if ctx < 4:
         raise InputError(f"--ctx {ctx} is too small (need at least 4 tokens)")
     n = len(ids) // ctx
@@ -146,7 +141,7 @@ def make_windows(ids: list[int], ctx: int, windows: int | None, score: str) -> W
             raise InputError(f"--windows must be at least 1, not {windows}")
         n = min(n, windows)
     if n < 1:
-        raise InputError(f"the text has {len(ids)} tokens, fewer than one window of --ctx {ctx}")
+        raise InputError(f"{source}: {len(ids)} tokens, fewer than one window of --ctx {ctx}")
     t = torch.tensor(ids[: n * ctx], dtype=torch.int64).view(n, ctx)
     return Windows(tokens=t, first=first_scored(ctx, score))
 

@@ -4,17 +4,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.eval.candidates import (
-    detect_format,
-    gguf_split_paths,
-    merge_with_reference,
-    open_candidate,
-    read_candidate_weights,
-    weight_bytes,
-)
+from mixq.eval.candidates import check_against_reference, detect_format, gguf_split_paths, open_candidate, weight_bytes
 
 
 def test_detect_formats(tmp_path, mini_model):
@@ -52,32 +44,18 @@ def test_sizes(tmp_path, mini_model):
         weight_bytes(parts[0], "gguf")
 
 
-def test_unsupported_reader_is_an_input_error(tmp_path, monkeypatch):
-    import sys
-
-    from mixq.eval.candidates import Candidate
-
-    monkeypatch.setitem(sys.modules, "mixq.formats.gguf_reader", None)  # import raises ImportError
-    with pytest.raises(InputError, match="GGUF candidates are not supported yet"):
-        read_candidate_weights(Candidate(tmp_path / "x.gguf", "gguf", 0))
-    monkeypatch.setitem(sys.modules, "mixq.formats.exl3_reader", None)
-    with pytest.raises(InputError, match="EXL3 candidates are not supported yet"):
-        read_candidate_weights(Candidate(tmp_path / "x", "exl3", 0))
-
-
-def test_merge_checks():
+def test_checks_against_reference():
     ref = {
-        "model.language_model.layers.0.mlp.down_proj.weight": torch.zeros(4, 8),
-        "model.language_model.layers.4.eh_proj.weight": torch.zeros(2, 2),  # NextN (n_layers = 4)
-        "model.visual.blocks.0.attn.qkv.weight": torch.zeros(3, 3),
+        "model.language_model.layers.0.mlp.down_proj.weight": (4, 8),
+        "model.language_model.layers.4.eh_proj.weight": (2, 2),  # NextN (n_layers = 4)
+        "model.visual.blocks.0.attn.qkv.weight": (3, 3),
     }
-    cand = {"model.language_model.layers.0.mlp.down_proj.weight": torch.ones(4, 8)}
-    merged = merge_with_reference(cand, ref, 4, "c")
-    assert torch.equal(merged["model.language_model.layers.0.mlp.down_proj.weight"], torch.ones(4, 8))
-    assert set(merged) == set(ref)  # vision / NextN filled in from the reference
-    with pytest.raises(FormatError, match="shape"):
-        merge_with_reference({"model.language_model.layers.0.mlp.down_proj.weight": torch.ones(8, 4)}, ref, 4, "c")
-    with pytest.raises(FormatError, match="missing"):
-        merge_with_reference({}, ref, 4, "c")
-    with pytest.raises(FormatError, match="not in the reference"):
-        merge_with_reference({**cand, "model.bogus": torch.zeros(1)}, ref, 4, "c")
+    cand = {"model.language_model.layers.0.mlp.down_proj.weight": (4, 8)}
+    check_against_reference(cand, ref, 4, "c")  # vision / NextN may be left out
+    check_against_reference(dict(ref), ref, 4, "c")
+    with pytest.raises(FormatError, match="c: tensor .*down_proj.* has shape \\(8, 4\\), reference \\(4, 8\\)"):
+        check_against_reference({"model.language_model.layers.0.mlp.down_proj.weight": (8, 4)}, ref, 4, "c")
+    with pytest.raises(FormatError, match="c: 1 reference tensors missing, e.g. .*down_proj"):
+        check_against_reference({}, ref, 4, "c")
+    with pytest.raises(FormatError, match="not in the reference, e.g. model.bogus"):
+        check_against_reference({**cand, "model.bogus": (1,)}, ref, 4, "c")

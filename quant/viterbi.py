@@ -6,8 +6,9 @@ equal s >> D. Costs are kept in float32 (the reference kernel uses fp16, which c
 Tail-biting is solved in two passes like the reference: a free-start run over a window around the ring seam
 (``warm`` positions before and after it; the whole ring on a GPU, a shorter window on the CPU) picks the seam
 edge, then pass 2 runs the full ring constrained to start and end on that edge, which makes the ring
-self-consistent by construction. On CUDA the add-compare-select step and the traceback are Triton kernels
-(uint8 backpointers); elsewhere plain torch ops, with backpointers recomputed from stored minima.
+self-consistent by construction. On CUDA, integer bitrates run the fused kernel of quant/viterbi_fused.py (one
+program per tile for all 256 steps); half rates run a per-step Triton add-compare-select with uint8 backpointers.
+Elsewhere plain torch ops, with backpointers recomputed from stored minima.
 """
 from __future__ import annotations
 
@@ -114,6 +115,9 @@ def _pass_torch(x, table, table2, d, positions, m0, n_keep, select_last):
 
 def viterbi_tiles(x: torch.Tensor, table: torch.Tensor, bits: float, warm: int | None = None) -> torch.Tensor:
     """Encode (T, 256) targets (tensor-core order) as consistent tail-biting rings; return (T, 256) int64 states."""
+    if x.is_cuda and warm in (None, 128) and WARM in (None, 128) and fused_ok(bits):
+        from . import viterbi_fused
+        return viterbi_fused.encode(x, table.half(), int(bits))
     d = step_bits(float(bits))
     if warm is None:  # the full-ring pass 1 is ~1% better; worth its cost on a GPU, not in CPU tests
         warm = WARM or (128 if x.is_cuda else default_warm(bits))
@@ -283,7 +287,12 @@ def _self_check_pass() -> bool:
 
 
 def viterbi_free(x: torch.Tensor, table: torch.Tensor, bits: float) -> torch.Tensor:
-    """Free-start, free-end Viterbi MSE per tile (T,) — the cheap proxy used by the scale search."""
+    """Free-start, free-end Viterbi MSE per tile (T,) — the cheap proxy used by the scale search. On CUDA with
+    the fused kernel: the MSE of the tail-biting encode itself (as cheap there, and what the tiles will get)."""
+    if x.is_cuda and fused_ok(bits):
+        from . import viterbi_fused
+        states = viterbi_fused.encode(x, table.half(), int(bits))
+        return (table[states] - x.float()).square().mean(1)
     d = step_bits(float(bits))
     x = x.float().contiguous()
     cost, _ = _forward(x, table, table * table, d, list(range(256)), None, keep_from=1 << 30)
@@ -295,9 +304,66 @@ def encode_tiles(x: torch.Tensor, table: torch.Tensor, bits: float, max_bp_bytes
     """Encode any number of tiles in chunks that bound the backpointer memory; returns (T, 256) int64 states."""
     if max_bp_bytes is None:
         max_bp_bytes = (40 << 30) if x.is_cuda else (192 << 20)
+    if x.is_cuda and warm in (None, 128) and WARM in (None, 128) and fused_ok(bits):
+        return viterbi_tiles(x, table, bits)  # the fused kernel bounds its own backpointer memory
     dmin = min(step_bits(float(bits)))
     per_bp = 1 if (x.is_cuda and _triton_ok("pass")) else 4  # uint8 backpointers vs float32 minima
     per_tile = 256 * per_bp * (NSTATES >> dmin) + 4 * 4 * NSTATES
     chunk = max(1, max_bp_bytes // per_tile)
     outs = [viterbi_tiles(x[i:i + chunk], table, bits, warm) for i in range(0, x.shape[0], chunk)]
     return torch.cat(outs, 0) if outs else torch.zeros(0, 256, dtype=torch.int64, device=x.device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused kernel gate: compiled and checked against the torch path once per process and bitrate.
+
+_FUSED: dict[int, bool] = {}
+
+
+def fused_ok(bits: float) -> bool:
+    """Whether the fused CUDA kernel serves this bitrate: integer K, Triton present, and on first use its
+    encode of a few random tiles matches the torch path's squared error (MIXQ_TRELLIS_FUSED=0 turns it off)."""
+    if float(bits) != int(bits) or not 1 <= int(bits) <= 8 or not torch.cuda.is_available():
+        return False
+    k = int(bits)
+    if k not in _FUSED:
+        _FUSED[k] = False
+        if os.environ.get("MIXQ_TRELLIS_FUSED", "1") != "0":
+            try:
+                _FUSED[k] = _self_check_fused(k)
+            except Exception as exc:  # no triton / compiler failure: the per-step path is always correct
+                warnings.warn(f"trellis: fused Viterbi unavailable for K={k} ({exc!r}); using the per-step path")
+    return _FUSED[k]
+
+
+def _self_check_fused(k: int, tiles: int = 8) -> bool:
+    from . import viterbi_fused
+    from .codebooks import codebook_table
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(2)
+    table = codebook_table("mul1", dev)
+    x = (torch.randn(tiles, 256, generator=g) * 0.9).to(dev)
+    a = viterbi_fused.encode(x, table.half(), k)
+    d = step_bits(float(k))
+    b = viterbi_tiles_reference(x, table, float(k))
+    ea = (table[a] - x).square().mean()
+    eb = (table[b] - x).square().mean()
+    mask = (NSTATES >> d[0]) - 1
+    ring = bool(((a[:, 1:] >> k) == (a[:, :-1] & mask)).all() and ((a[:, 0] >> k) == (a[:, -1] & mask)).all())
+    ok = ring and float(ea) <= float(eb) * (1 + 5e-3) + 1e-6  # fp16 costs: equal up to rare near-ties
+    if not ok:
+        warnings.warn(f"trellis: fused Viterbi check failed for K={k} (ring={ring}, mse {float(ea):.6g} vs "
+                      f"{float(eb):.6g}); using the per-step path")
+    return ok
+
+
+def viterbi_tiles_reference(x: torch.Tensor, table: torch.Tensor, bits: float) -> torch.Tensor:
+    """The per-step path with the full-ring seam pass (what the fused kernel computes), for checks."""
+    saved = _FUSED.copy()
+    _FUSED.update({k: False for k in range(1, 9)})
+    try:
+        return viterbi_tiles(x, table, bits, warm=128)
+    finally:
+        _FUSED.clear()
+        _FUSED.update(saved)

@@ -1,89 +1,109 @@
 """EXL3 conversion of a DFlash2 speculative-decoding drafter (`DFlash2DraftModel`, reference §6.3).
 
 exllamav3 flags this architecture `uncalibrated_quantize`: every Linear is quantized without a Hessian, at one
-rate (default 6 bpw); the drafter has no embedding and no head of its own. Storage per tensor:
-  fc, layers.{i}.self_attn.{q,k,v,o}_proj, layers.{i}.mlp.{gate,up,down}_proj,
-  layers.{i}.{attention,mlp}_conv.kernel_projection                  -> trellis (fc is pad_to=1)
-  candidate_selector.hidden_projection                               -> fp16 (out, in), both dims padded to 128
-  norms, base_kernel, candidate_selector.{predecessor,successor}_codebook -> raw, source dtype (fp32 -> fp16)
+rate (default 6 bpw); the drafter has no embedding and no head of its own. The storage of each tensor comes from
+the layout table in `formats/dflash2.py`: Linears -> trellis (fc unpadded), the selector's hidden projection ->
+fp16 (out, in) padded to 128 on both sides, norms / conv base kernels / codebooks -> raw in their source dtype
+(fp32 -> fp16). Units keep the order of the source files, so a conversion is reproducible byte for byte.
 """
 from __future__ import annotations
 
-import re
+import json
 import time
 from pathlib import Path
 
 import torch
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.dflash2 import ARCHITECTURE, CODEBOOK_ALIASES, check_tensor, drafter_shapes
 from mixq.formats.exl3_names import PAD, Exl3Unit, pad_up, stage_order
-from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, load_tensor, read_header
+from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, torch_dtype
 
-from .job import Job, rss_peak_mib, sleep_hook
+from .job import Job, rss_peak_mib
 
-_TRELLIS = re.compile(r"(?:fc|layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj"
-                      r"|(?:attention|mlp)_conv\.kernel_projection))\.weight")
-_FP16_LINEAR = re.compile(r"candidate_selector\.hidden_projection\.weight")
-_RAW = re.compile(r"(?:hidden_norm\.weight|norm\.weight|layers\.\d+\.(?:input_layernorm|post_attention_layernorm"
-                  r"|self_attn\.[qk]_norm)\.weight|layers\.\d+\.(?:attention|mlp)_conv\.base_kernel"
-                  r"|candidate_selector\.(?:predecessor|successor)_codebook(?:\.weight)?)")
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
-class _Source:
-    """Minimal lazy reader of a drafter's safetensors files (names, shapes, dtypes, tensors)."""
+class DrafterSource:
+    """A local drafter directory read through `safetensors.safe_open`: config, tensor names in file order,
+    shapes, source dtypes, tensors. Unreadable files raise FormatError naming the file."""
 
     def __init__(self, path: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
         self.path = path
-        self.entries: dict[str, tuple[Path, int, dict]] = {}
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            raise InputError(f"{path}: no config.json (drafters are converted from a local directory)")
+        try:
+            self.config = json.loads(cfg.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise FormatError(f"{cfg}: not a JSON config ({e})") from None
+        if ARCHITECTURE not in (self.config.get("architectures") or []):
+            raise InputError(f"{path}: architectures {self.config.get('architectures')} is not {ARCHITECTURE}")
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise InputError(f"{path}: no .safetensors files")
+        self._open = safe_open
+        self._errors = (OSError, ValueError, SafetensorError)
+        self.entries: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
         for f in files:
-            start, header = read_header(f)
-            for n, e in header.items():
-                if n != "__metadata__":
-                    self.entries[n] = (f, start, header)
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    for n in h.offset_keys():
+                        sl = h.get_slice(n)
+                        if n in self.entries:
+                            raise FormatError(f"{f}: tensor {n!r} is also in {self.entries[n][0].name}")
+                        self.entries[n] = (f, sl.get_dtype(), tuple(sl.get_shape()))
+            except self._errors as e:
+                raise FormatError(f"{f}: not a readable safetensors file ({e})") from None
 
     def names(self) -> list[str]:
         return list(self.entries)
 
     def shape(self, n: str) -> tuple[int, ...]:
-        f, _, h = self.entries[n]
-        return tuple(h[n]["shape"])
+        return self.entries[n][2]
 
     def dtype(self, n: str) -> str:
-        f, _, h = self.entries[n]
-        return _ST_DTYPES.get(h[n]["dtype"], "float32")
+        return _ST_DTYPES.get(self.entries[n][1], "float32")
 
     def get(self, n: str) -> torch.Tensor:
-        f, start, h = self.entries[n]
-        return load_tensor(f, n, start, h).float()
+        f = self.entries[n][0]
+        try:
+            with self._open(str(f), framework="pt") as h:
+                return h.get_tensor(n).float()
+        except self._errors as e:
+            raise FormatError(f"{f}: cannot read tensor {n!r} ({e})") from None
 
 
-def drafter_layout(src: _Source) -> list[Exl3Unit]:
-    """Output units of a DFlash2 drafter; InputError naming any tensor the table does not know."""
+def drafter_layout(src: DrafterSource) -> list[Exl3Unit]:
+    """Output units of a DFlash2 drafter, in source file order. InputError naming a tensor the table does not
+    know; FormatError naming a tensor whose shape the config contradicts, or the first missing tensor."""
     units = []
+    where = str(src.path / "config.json")
     for n in src.names():
         shape = src.shape(n)
-        m = re.match(r"layers\.(\d+)\.", n)
-        stage = f"layer.{m.group(1)}" if m else "head"
-        if _TRELLIS.fullmatch(n):
-            pad_to = 1 if n == "fc.weight" else PAD
+        row = check_tensor(n, shape, src.config, where)
+        layer = n.split(".")[1] if n.startswith("layers.") else None
+        stage = f"layer.{layer}" if layer is not None else "head"
+        if row.exl3.startswith("trellis"):
+            pad_to = 1 if row.exl3 == "trellis_unpadded" else PAD
             if pad_to == 1 and (shape[0] % 128 or shape[1] % 128):
                 raise FormatError(f"{n}: {shape} must be multiples of 128 (fc is not padded, reference §6.3)")
             units.append(Exl3Unit(n[:-7], "trellis", [n], shape, "drafter", stage, "bits", pad_to=pad_to,
                                   src_shapes=[shape]))
-        elif _FP16_LINEAR.fullmatch(n):
+        elif row.exl3 == "fp16_linear":
             units.append(Exl3Unit(n[:-7], "fp16_linear", [n], (pad_up(shape[0]), pad_up(shape[1])), "drafter",
                                   stage, dtype="float16", src_shapes=[shape]))
-        elif _RAW.fullmatch(n):
-            key = n[:-7] if n.startswith("candidate_selector.") and n.endswith(".weight") else n
+        else:
+            key = CODEBOOK_ALIASES.get(n, n)
             dt = src.dtype(n)
             units.append(Exl3Unit(key, "raw", [n], shape, "drafter", stage,
                                   dtype=dt if dt in ("bfloat16", "float16") else "float16", src_shapes=[shape]))
-        else:
-            raise InputError(f"tensor {n!r}: unknown DFlash2 drafter tensor name")
+    present = {CODEBOOK_ALIASES.get(n, n) for n in src.names()}
+    missing = [n for n in drafter_shapes(src.config) if n not in present]
+    if missing:
+        raise FormatError(f"{src.path}: tensor {missing[0]!r} is missing ({len(missing)} missing)")
     return units
 
 
@@ -93,23 +113,21 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
     """Convert a local DFlash2 drafter directory to EXL3 at `bits` (uncalibrated). Returns a ConvertResult."""
     from tqdm.auto import tqdm
 
-    from mixq.quant.device import pick_device
     from mixq.quant.allocator import parse_size as parse_bytes
+    from mixq.quant.codebooks import check_bits
+    from mixq.quant.device import pick_device
 
     from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_unit
 
     t0 = time.time()
     path = Path(model)
-    if not (path / "config.json").is_file():
-        raise InputError(f"{path}: no config.json (drafters are converted from a local directory)")
-    import json
-
-    config = json.loads((path / "config.json").read_text())
-    if "DFlash2DraftModel" not in (config.get("architectures") or []):
-        raise InputError(f"{path}: architectures {config.get('architectures')} is not DFlash2DraftModel")
-    src = _Source(path)
+    src = DrafterSource(path)
+    config = src.config
     units = drafter_layout(src)
+    bits = check_bits(bits, codebook)  # refused before anything is written
     dev = pick_device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda requested but CUDA is not available")
     bitmap = {u.key: float(bits) for u in units if u.kind == "trellis"}
     settings = {"mixq_dflash2": 1, "model": str(path.resolve()), "bits": float(bits), "codebook": codebook,
                 "device": dev.type, "files": sorted((p.name, p.stat().st_size) for p in path.glob("*.safetensors")),
@@ -134,12 +152,9 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
                 wp[: w.shape[0], : w.shape[1]] = w
                 tensors = {f"{u.key}.weight": wp.half()}
             else:
-                from mixq.formats.exl3_writer import torch_dtype
-
                 tensors = {u.key: w.to(torch_dtype(u.dtype))}
             written.append((u.key, tensors))
         job.record(stage, writer.write_part(stage, written))
-        sleep_hook()
     b = achieved_bits(units, bitmap, "bits") or 0.0
     qc = {"quant_method": "exl3", "version": EXL3_VERSION, "bits": b, "head_bits": 6,
           "calibration": {"rows": 0, "cols": 0}, "out_scales": "auto", "codebook": codebook, "quantizer": "mixq"}

@@ -91,7 +91,7 @@ def _read_gguf(path: Path) -> IMatrix:
     try:
         r = gguf.GGUFReader(path, "r")
     except Exception as e:  # noqa: BLE001
-        raise FormatError(f"{path}: not a readable GGUF imatrix ({e})") from e
+        raise FormatError(f"{path}: not a GGUF imatrix file (unreadable GGUF: {e})") from None
     f = r.fields
     if KEY_CHUNK_COUNT not in f or KEY_CHUNK_SIZE not in f:
         raise FormatError(f"{path}: GGUF without imatrix.chunk_count / imatrix.chunk_size (not an imatrix file)")
@@ -128,14 +128,18 @@ def _read_legacy(path: Path) -> IMatrix:
         return v
 
     (n,) = take("<i")
-    if n < 0:
-        raise FormatError(f"{path}: negative entry count {n}")
+    if n < 0 or 12 * n > len(data):  # an entry takes at least 12 bytes (name length, calls, values)
+        raise FormatError(f"{path}: entry count {n} does not fit in {len(data)} bytes")
     im = IMatrix()
     for _ in range(n):
         (ln,) = take("<i")
+        if not 0 < ln <= len(data) - pos:
+            raise FormatError(f"{path}: name length {ln} at byte {pos - 4}")
         name = data[pos:pos + ln].decode("utf-8")
         pos += ln
         ncall, nval = take("<ii")
+        if not 0 <= 4 * nval <= len(data) - pos:
+            raise FormatError(f"{path}: {nval} values of {name!r} at byte {pos} run past the end")
         vals = np.frombuffer(data, dtype="<f4", count=nval, offset=pos).astype(np.float64)
         pos += 4 * nval
         # stored values are mean·ncall; keep means with count = ncall (per-expert counts are not stored)
@@ -155,7 +159,15 @@ def read_imatrix(path: str | Path) -> IMatrix:
         raise InputError(f"{path}: no such imatrix file")
     with open(path, "rb") as fh:
         magic = fh.read(4)
-    return check_values(path, _read_gguf(path) if magic == b"GGUF" else _read_legacy(path))
+    if magic == b"GGUF":
+        return check_values(path, _read_gguf(path))
+    try:
+        im = _read_legacy(path)
+    except (FormatError, UnicodeDecodeError) as e:  # no GGUF magic and no legacy layout: say what was expected
+        detail = str(e).removeprefix(f"{path}: ")
+        raise FormatError(f"{path}: not a GGUF imatrix file (no GGUF magic), nor a legacy .dat imatrix ({detail})") \
+            from None
+    return check_values(path, im)
 
 
 def check_values(path: str | Path, im: IMatrix) -> IMatrix:

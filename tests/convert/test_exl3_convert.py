@@ -1,5 +1,5 @@
 """End-to-end EXL3 conversion of a tiny random glm5_next checkpoint: verify, read back, transformers forward,
-kill -9 + --resume byte-identical, bad input, and the DFlash2 drafter.
+kill -9 + --resume byte-identical, bad input (the DFlash2 drafter: tests/convert/test_drafter.py).
 
 The trellis encoder (quant/trellis.py, tested on its own in tests/quant) needs minutes per tiny model on 2 shared
 CPU cores, so the default-suite tests here swap in FAKE_TRELLIS: a deterministic stand-in with the same API and
@@ -264,75 +264,6 @@ def test_bad_input_exits_2(tiny_model, tmp_path):
         r = _run(*args)
         assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (args, r.output[-500:])
         assert needle in r.stderr, r.stderr[-500:]
-
-
-def _tiny_drafter(d: Path, hidden: int = 128, layers: int = 1, vocab: int = 512, rank: int = 32) -> Path:
-    """A random DFlash2DraftModel checkpoint with the tensor names and config keys of reference §6.3."""
-    from safetensors.torch import save_file
-
-    d.mkdir(parents=True)
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: (torch.randn(*s, generator=g) * 0.05).to(torch.bfloat16)  # noqa: E731
-    kernel, group, inter = 2, 16, 256
-    t = {"fc.weight": r(hidden, 2 * hidden), "hidden_norm.weight": r(hidden) + 1, "norm.weight": r(hidden) + 1,
-         "candidate_selector.hidden_projection.weight": r(rank, hidden),
-         "candidate_selector.predecessor_codebook": r(vocab, rank),
-         "candidate_selector.successor_codebook": r(vocab, rank)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        for c in "qkvo":
-            t[f"{p}self_attn.{c}_proj.weight"] = r(hidden, hidden)
-        t[f"{p}self_attn.q_norm.weight"] = r(64) + 1
-        t[f"{p}self_attn.k_norm.weight"] = r(64) + 1
-        t[f"{p}mlp.gate_proj.weight"] = r(inter, hidden)
-        t[f"{p}mlp.up_proj.weight"] = r(inter, hidden)
-        t[f"{p}mlp.down_proj.weight"] = r(hidden, inter)
-        for conv in ("attention_conv", "mlp_conv"):
-            t[f"{p}{conv}.kernel_projection.weight"] = r(2 * kernel * hidden // group, hidden)
-            t[f"{p}{conv}.base_kernel"] = r(2, kernel, hidden)
-        t[f"{p}input_layernorm.weight"] = r(hidden) + 1
-        t[f"{p}post_attention_layernorm.weight"] = r(hidden) + 1
-    save_file(t, str(d / "model.safetensors"))
-    cfg = {"architectures": ["DFlash2DraftModel"], "model_type": "dflash2", "hidden_size": hidden,
-           "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
-           "intermediate_size": inter, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-           "dflash_config": {"conv_kernel_size": kernel, "conv_group_size": group, "selector_rank": rank,
-                             "selector_top_k": 8, "mask_token_id": 1, "target_layer_ids": [1, 2],
-                             "block_size": 8, "layer_types": ["full_attention"] * layers}}
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
-
-
-def test_dflash2_drafter_at_6_bpw(tmp_path, fake_trellis):
-    from mixq.convert.api import convert, verify
-    from mixq.formats.exl3_reader import read_exl3
-
-    src = _tiny_drafter(tmp_path / "drafter")
-    out = tmp_path / "drafter-exl3"
-    res = convert(src, out, "exl3", device="cpu", progress=False)
-    assert res.bits == 6.0 and res.quantized == 1 + 4 + 3 + 2
-    rep = verify(out)
-    assert rep["ok"], rep["problems"]
-    from mixq.formats.exl3_writer import read_header
-
-    _, hdr = read_header(out / "model.safetensors")
-    assert hdr["fc.trellis"]["shape"] == [16, 8, 96] and hdr["fc.trellis"]["dtype"] == "I16"
-    kp = "layers.0.attention_conv.kernel_projection"
-    assert hdr[f"{kp}.trellis"]["shape"] == [8, 8, 96]  # output 32 padded to 128
-    assert hdr["candidate_selector.hidden_projection.weight"] == {**hdr["candidate_selector.hidden_projection.weight"],
-                                                                  "dtype": "F16", "shape": [128, 128]}
-    assert hdr["candidate_selector.predecessor_codebook"]["dtype"] == "BF16"
-    assert hdr["layers.0.mlp_conv.base_kernel"]["shape"] == [2, 2, 128]
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"]["bits"] == 6.0 and cfg["architectures"] == ["DFlash2DraftModel"]
-    from safetensors.torch import load_file
-
-    srcw = load_file(str(src / "model.safetensors"))
-    back = read_exl3(out)
-    assert set(back) == set(srcw)
-    assert back["fc.weight"].shape == (128, 256) and back["layers.0.mlp_conv.kernel_projection.weight"].shape == (32, 128)
-    assert torch.equal(back["candidate_selector.hidden_projection.weight"],
-                       srcw["candidate_selector.hidden_projection.weight"].half().float())
 
 
 def test_head16_vision_bits_and_no_mtp(tiny_model, fake_trellis, tmp_path):

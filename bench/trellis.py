@@ -6,7 +6,7 @@
 
 Distortion: mean((W−Ŵ)²)/mean(W²) on i.i.d. N(0,1) weights, no Hessian, divided by 2^(−2K).
 Throughput: weights/s of `quantize` on stacked experts with a synthetic Hessian (the pipeline's path) and
-without; the per-phase time split comes from mixq.quant.trellis.TIMINGS.
+without; the per-phase time split comes from trellis.quantize_with_stats(profile=True).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from mixq.quant import trellis, viterbi
 
 RATES = {"mul1": [1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8], "3inst": [1, 2, 3, 4, 5, 6, 7, 8],
          "mcg": [1, 2, 3, 4, 5, 6, 7, 8]}
-EXL3_REF = {2: 1.097, 3: 1.120, 4: 1.140}  # exllamav3 1.6.5 CUDA encoder, mul1 (issue 3)
+EXL3_REF = {2: 1.097, 3: 1.120, 4: 1.140}  # exllamav3 1.6.5 CUDA encoder, mul1
 
 
 def _sync(dev):
@@ -39,11 +39,11 @@ def distortion_table(dev, shape, codebooks, rates_filter=None):
                 continue
             _sync(dev)
             t0 = time.perf_counter()
-            q = trellis.quantize(w, k, codebook=name, seed=1)
+            q, stats = trellis.quantize_with_stats(w, k, codebook=name, seed=1)
             _sync(dev)
             dt = time.perf_counter() - t0
             rel = float((q.dequantize() - w).square().mean() / w.square().mean())
-            row = {"codebook": name, "bits": k, "shape": list(shape), "rel_mse": rel, "scale": trellis.LAST_SCALE[0],
+            row = {"codebook": name, "bits": k, "shape": list(shape), "rel_mse": rel, "scale": stats.scale,
                    "ratio": rel / 2 ** (-2 * k), "seconds": dt, "weights_per_s": w.numel() / dt}
             rows.append(row)
             ref = EXL3_REF.get(k) if name == "mul1" else None
@@ -76,17 +76,14 @@ def throughput(dev, shapes, experts, rates, hessian=True):
             if time.perf_counter() > _DEADLINE[0]:
                 print("  (time budget spent: skipped)", flush=True)
                 return rows
-            trellis.TIMINGS.clear()
-            trellis.PROFILE = True
             _sync(dev)
             t0 = time.perf_counter()
-            qs = trellis.quantize(w, k, hessian=h)
+            qs, stats = trellis.quantize_with_stats(w, k, hessian=h, profile=True)
             _sync(dev)
             dt = time.perf_counter() - t0
-            trellis.PROFILE = False
             wd = torch.stack([q.dequantize() for q in qs])
             rel = float((wd - w).square().mean() / w.square().mean())
-            split = {kk: round(v, 3) for kk, v in trellis.TIMINGS.items()}
+            split = {kk: round(v, 3) for kk, v in stats.seconds.items()}
             row = {"shape": [out_f, in_f], "experts": experts, "bits": k, "hessian": hessian, "seconds": dt,
                    "weights_per_s": w.numel() / dt, "rel_mse": rel, "phases_s": split}
             rows.append(row)

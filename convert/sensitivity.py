@@ -2,7 +2,7 @@
 
 One calibration pass (``convert/calibration.py``, full Hessians, source weights) walks the decoder layer by
 layer; for every budgeted unit of the layer (the planner's units: one Linear, the fused KDA qkv, or all routed
-experts of the layer) ``quant/sensitivity.measure`` quantizes the weight with the trellis encoder at each rate
+experts of the layer) ``quant/trellis_loss.measure`` quantizes the weight with the trellis encoder at each rate
 (LDLQ with the same Hessian the EXL3 pipeline uses) and returns tr(ΔW·H·ΔWᵀ). The result is the curves
 ``{unit key: {bits: loss}}`` that ``plan_model(measure=...)`` hands to the knapsack solver.
 
@@ -13,7 +13,7 @@ down_proj its activation), captured here from the experts module's inputs. A few
 measured (uniformly among the routed ones) and the layer's total is scaled by routing mass Σ_e Σ_t g_te².
 
 Sampling (CPU default, ``SAMPLING["cpu"]``): per matrix 1 random rotated 16-column strip (plus a strip holding
-an outlier, if any) and 2 experts per layer; on CUDA everything is encoded (exact). quant/sensitivity.py has the
+an outlier, if any) and 2 experts per layer; on CUDA everything is encoded (exact). quant/trellis_loss.py has the
 estimator, docs/planning.md §3 its accuracy and cost.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from mixq.errors import InputError
 from mixq.quant import allocator as al
-from mixq.quant import sensitivity as qs
+from mixq.quant import trellis_loss as qs
 from mixq.quant.device import pick_device
 
 DEFAULT_ROWS = 16

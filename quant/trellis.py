@@ -1,16 +1,17 @@
-"""QTIP-style trellis quantizer producing EXL3 Linear tensors (issue 3; facts in reference exl3-format.md §1.4-3.6).
+"""QTIP-style trellis quantizer producing EXL3 Linear tensors (facts in reference exl3-format.md §1.4-3.6).
 
 Pipeline per Linear (W = HF weightᵀ, (k, n) = (in, out), zero-padded to multiples of 128):
 random signs + per-channel RMS scales on both sides, blockwise 128-point Hadamards (incoherence), a global scale
 picked on a few sample tiles, tail-biting Viterbi per 16×16 tile (LDLQ error feedback when a Hessian is given),
 then a least-squares refit of the channel scales. Everything runs on the weight's device, batched over tiles and
-over stacked experts.
+over stacked experts. The stages (``check_inputs``, ``pad_to``, ``regularize``, ``sample_tiles``,
+``global_scale``) are public for quant/trellis_loss.py, which runs them on sampled strips.
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,17 +33,20 @@ SCALE_PRIOR = {
     "3inst": {1.0: 1.125, 2.0: 0.98, 3.0: 0.935, 4.0: 0.895, 5.0: 0.865, 6.0: 0.807, 7.0: 0.752, 8.0: 0.728},
 }
 SCALE_PRIOR["mcg"] = SCALE_PRIOR["3inst"]
-LAST_SCALE: list[float] = []  # global scales chosen by the latest quantize calls (diagnostics)
 
 
-# Seconds spent per encoder phase, accumulated over calls while PROFILE is true (bench/trellis.py reads it).
-PROFILE = False
-TIMINGS: dict[str, float] = {}
+@dataclass
+class TrellisStats:
+    """What one quantize call decided and, when profiled, where its time went."""
+    scale: float = 0.0  # the global scale g (W_r ← g·W_r)
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase, filled when profile=True
+    profile: bool = False
 
 
 @contextmanager
-def _phase(name: str, device: torch.device):
-    if not PROFILE:
+def _phase(name: str, device: torch.device, stats: TrellisStats):
+    """Time a phase into stats.seconds (synchronising the device around it) when stats.profile is set."""
+    if not stats.profile:
         yield
         return
     if device.type == "cuda":
@@ -51,7 +55,7 @@ def _phase(name: str, device: torch.device):
     yield
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    TIMINGS[name] = TIMINGS.get(name, 0.0) + time.perf_counter() - t0
+    stats.seconds[name] = stats.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 @dataclass
@@ -122,11 +126,14 @@ def from_tensors(tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> Qu
 # ---------------------------------------------------------------------------------------------------------------
 # Encoder
 
-def _pad_to(n: int) -> int:
+def pad_to(n: int) -> int:
+    """n rounded up to the EXL3 padding (multiples of 128)."""
     return -(-n // PAD) * PAD
 
 
-def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+def check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """Validate a (out, in) / (E, out, in) weight and its Hessian: returns (E, out, in) float32, the float64
+    (E, in, in) Hessian on the weight's device (None when absent or degenerate) and whether the input was stacked."""
     if not isinstance(weight, torch.Tensor) or weight.dim() not in (2, 3):
         raise InputError(f"trellis.quantize expects a (out, in) or (E, out, in) weight tensor, got "
                          f"{getattr(weight, 'shape', type(weight))}")
@@ -152,7 +159,7 @@ def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None) -> tuple[t
     return w.float(), h, stacked
 
 
-def _regularize(w: torch.Tensor, s_in: torch.Tensor, s_out: torch.Tensor, cb_std: float):
+def regularize(w: torch.Tensor, s_in: torch.Tensor, s_out: torch.Tensor, cb_std: float):
     """(E, k, n) → rotated W_r with row RMS ≈ cb_std, plus su (E, k) and sv (E, n) with W = su·Hₖ·W_r·Hₙ·sv."""
     sigma = w.square().mean(1).sqrt()  # column RMS (E, n)
     zero_col = sigma <= 1e-30
@@ -167,7 +174,7 @@ def _regularize(w: torch.Tensor, s_in: torch.Tensor, s_out: torch.Tensor, cb_std
     return wr, su, sv, zero_col
 
 
-def _sample_tiles(tiles: torch.Tensor, count: int) -> torch.Tensor:
+def sample_tiles(tiles: torch.Tensor, count: int) -> torch.Tensor:
     """Deterministic, evenly spread sample of tiles from (E, ..., 256) (unbiased for the total MSE)."""
     flat = tiles.reshape(-1, 256)
     n = flat.shape[0]
@@ -176,11 +183,11 @@ def _sample_tiles(tiles: torch.Tensor, count: int) -> torch.Tensor:
     return flat[torch.linspace(0, n - 1, count, device=flat.device).round().long()]
 
 
-def _global_scale(tiles: torch.Tensor, table: torch.Tensor, bits: float, drift: float, codebook: str) -> float:
+def global_scale(tiles: torch.Tensor, table: torch.Tensor, bits: float, drift: float, codebook: str) -> float:
     """Pick g for W_r ← g·W_r: free-start Viterbi MSE of sample tiles on a grid around the prior, then a parabola
     through the best grid point and its neighbours. Many tiles and a wide grid on a GPU, a few on the CPU."""
     gpu = tiles.is_cuda
-    sample = _sample_tiles(tiles, 256 if gpu else 12) * drift
+    sample = sample_tiles(tiles, 256 if gpu else 12) * drift
     g0 = SCALE_PRIOR[codebook].get(bits, 0.9)
     step = 0.05 if gpu else 0.07
     factors = [1 + step * i for i in (range(-4, 5) if gpu else range(-1, 2))]
@@ -228,12 +235,21 @@ def quantize(weight: torch.Tensor, bits: float, hessian: torch.Tensor | None = N
     hessian: Σ x·xᵀ over calibration tokens (in, in); enables LDLQ and a Hessian-weighted scale refit.
     Returns a QuantizedLinear, or a list of E of them for stacked input. Deterministic for a given seed/device.
     """
+    return quantize_with_stats(weight, bits, hessian, codebook, seed)[0]
+
+
+def quantize_with_stats(weight: torch.Tensor, bits: float, hessian: torch.Tensor | None = None,
+                        codebook: str = "mul1", seed: int = 0, profile: bool = False
+                        ) -> tuple[QuantizedLinear | list[QuantizedLinear], TrellisStats]:
+    """``quantize`` plus its TrellisStats (the global scale; per-phase seconds when ``profile``, which
+    synchronises the device between phases)."""
     codebook = cb.canonical_codebook(codebook)
     bits = cb.check_bits(bits, codebook)
-    w, h, stacked = _check_inputs(weight, hessian)
+    stats = TrellisStats(profile=profile)
+    w, h, stacked = check_inputs(weight, hessian)
     dev = w.device
     e, out_f, in_f = w.shape
-    k, n = _pad_to(in_f), _pad_to(out_f)
+    k, n = pad_to(in_f), pad_to(out_f)
     wk = torch.zeros(e, k, n, device=dev)
     wk[:, :in_f, :out_f] = w.transpose(1, 2)
     hk = None
@@ -242,51 +258,51 @@ def quantize(weight: torch.Tensor, bits: float, hessian: torch.Tensor | None = N
         hk[:, :in_f, :in_f] = h
         hk = damp(hk, REL_DAMP)
 
-    with _phase("regularize", dev):
+    with _phase("regularize", dev, stats):
         gen = torch.Generator().manual_seed(int(seed))
         s_in = torch.stack([random_signs(k, gen) for _ in range(e)]).to(dev)
         s_out = torch.stack([random_signs(n, gen) for _ in range(e)]).to(dev)
         table = cb.codebook_table(codebook, dev)
-        wr, su, sv, zero_col = _regularize(wk, s_in, s_out, cb.CODEBOOK_STD[codebook])
+        wr, su, sv, zero_col = regularize(wk, s_in, s_out, cb.CODEBOOK_STD[codebook])
         tiles = cb.tiles_from_matrix(wr)  # (E, k/16, n/16, 256)
-    with _phase("scale_search", dev):
+    with _phase("scale_search", dev, stats):
         drift = LDLQ_DRIFT.get(bits, 1.0) if hk is not None else 1.0
-        g = _global_scale(tiles, table, bits, drift, codebook)
-        LAST_SCALE[:] = [g]
+        g = global_scale(tiles, table, bits, drift, codebook)
+        stats.scale = g
         wr, tiles, su = wr * g, tiles * g, su / g
 
     tk, tn = k // 16, n // 16
     if hk is None:
-        with _phase("viterbi", dev):
+        with _phase("viterbi", dev, stats):
             states = encode_tiles(tiles.reshape(-1, 256), table, bits).view(e, tk, tn, 256)
     else:
-        with _phase("ldl", dev):
+        with _phase("ldl", dev, stats):
             # LDLQ on the Hessian of W_r: Hₖ·diag(su)·H·diag(su)·Hₖ (the rotation and input scales are part of W)
             hr = had_both((su.double().unsqueeze(2) * hk * su.double().unsqueeze(1)).float())
             lmat = block_ldl(hr, REL_DAMP)
         states = torch.zeros(e, tk, tn, 256, dtype=torch.int64, device=dev)
 
         def quant_strip(target: torch.Tensor, b: int) -> torch.Tensor:
-            with _phase("viterbi", dev):
+            with _phase("viterbi", dev, stats):
                 st = encode_tiles(cb.tiles_from_matrix(target).reshape(-1, 256), table, bits).view(e, 1, tn, 256)
             states[:, b:b + 1] = st
             return cb.matrix_from_tiles(table[st])
 
-        with _phase("ldlq_total", dev):
+        with _phase("ldlq_total", dev, stats):
             ldlq(wr, lmat, quant_strip)
 
-    with _phase("refit", dev):
+    with _phase("refit", dev, stats):
         qr = cb.matrix_from_tiles(table[states])
         q = had_both(qr) * su.unsqueeze(2) * sv.unsqueeze(1)
         su, sv = _refit(wk, q, su, sv, hk)
         sv = torch.where(zero_col, torch.zeros_like(sv), sv)
-    with _phase("pack", dev):
+    with _phase("pack", dev, stats):
         trellis = cb.pack_states(states, bits)
     out = []
     for i in range(e):
         out.append(QuantizedLinear(trellis[i].contiguous(), _to_fp16(su[i]), _to_fp16(sv[i]), codebook,
                                    (out_f, in_f)))
-    return out if stacked else out[0]
+    return (out if stacked else out[0]), stats
 
 
 def _to_fp16(v: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Measured rate–distortion curves of Linears under the EXL3 trellis quantizer (issue 4, ``--measure``).
+"""Measured rate–distortion curves of Linears under the EXL3 trellis quantizer (``plan --measure``).
 
 For a weight W (HF orientation, out × in) and its calibration Hessian H (in × in, as ``quant/hessian.py``
 accumulates it: Σ x·xᵀ / N), the Hessian-weighted proxy loss of a quantization Ŵ is
@@ -9,14 +9,14 @@ incoherence transform, scale search, LDLQ with H, Viterbi and codebook as the EX
 Exact mode (``strips=None``) calls the public ``trellis.quantize`` and measures the dequantized weight: every
 16×16 tile is encoded. That is the figure on a GPU, but a CPU encodes ~15-25 tiles/s, so the sampled mode
 encodes only a few 16-column strips of the *rotated* output dimension. It runs the trellis encoder's own steps
-(``_regularize``, ``_global_scale``, ``block_ldl``, ``ldlq``, ``encode_tiles``) on the chosen strips: after
+(``regularize``, ``global_scale``, ``block_ldl``, ``ldlq``, ``encode_tiles``) on the chosen strips: after
 the 128-point Hadamards the rotated columns are quantized independently (a tile is 16×16, LDLQ feeds errors
 back along the input dimension within a column), so a strip gets the error the full encode gives it (with the
 scale search run on the sampled tiles). The loss of rotated column c is e_cᵀ·A·e_c·M_cc with A the rotated loss
 Hessian and M_cc the mean of svh² over c's 128-column block. The estimate sums the sampled columns with
 stratified weights (``strip_sample``: strips holding an outlier of W_r are always encoded, the others sampled)
 and drops the cross terms between columns (zero-mean) and the least-squares scale refit the full encoder ends
-with (it needs every column; worth ~2%). docs/planning.md §3 and tests/quant/test_sensitivity.py give the
+with (it needs every column; worth ~2%). docs/planning.md §3 and tests/quant/test_trellis_loss.py give the
 accuracy against the exact mode.
 
 Numerics only: no file I/O; runs on the weight's device.
@@ -129,10 +129,10 @@ def _measure_sampled(w: torch.Tensor, h: torch.Tensor | None, lh: torch.Tensor, 
                      strips: int, scale_tiles: int, codebook: str, seed: int) -> torch.Tensor:
     """The sampled mode of ``measure`` (E, out, in) weights: the encoder's steps on a subset of rotated strips."""
     codebook = cb.canonical_codebook(codebook)
-    w, h, _ = trellis._check_inputs(w, h)
+    w, h, _ = trellis.check_inputs(w, h)
     dev = w.device
     e, out_f, in_f = w.shape
-    k, n = trellis._pad_to(in_f), trellis._pad_to(out_f)
+    k, n = trellis.pad_to(in_f), trellis.pad_to(out_f)
     wk = torch.zeros(e, k, n, device=dev)
     wk[:, :in_f, :out_f] = w.transpose(1, 2)
     lk = torch.zeros(e, k, k, device=dev, dtype=torch.float64)
@@ -142,7 +142,7 @@ def _measure_sampled(w: torch.Tensor, h: torch.Tensor | None, lh: torch.Tensor, 
     s_in = torch.stack([trellis.random_signs(k, gen) for _ in range(e)]).to(dev)
     s_out = torch.stack([trellis.random_signs(n, gen) for _ in range(e)]).to(dev)
     table = cb.codebook_table(codebook, dev)
-    wr, su, sv, zero_col = trellis._regularize(wk, s_in, s_out, cb.CODEBOOK_STD[codebook])
+    wr, su, sv, zero_col = trellis.regularize(wk, s_in, s_out, cb.CODEBOOK_STD[codebook])
     # M_cc: svh² averaged over the 128-column block of c (zero-padded outputs carry no loss)
     sv2 = torch.where(zero_col, torch.zeros_like(sv), sv).double().square()
     m_blk = sv2.view(e, n // HBLOCK, HBLOCK).mean(2).repeat_interleave(HBLOCK, 1)  # (E, n)
@@ -168,13 +168,13 @@ def _measure_sampled(w: torch.Tensor, h: torch.Tensor | None, lh: torch.Tensor, 
             lmats.append(block_ldl(had_both((su[i].double().unsqueeze(1) * hk * su[i].double()).float()),
                                    trellis.REL_DAMP))
         amats.append(had_both(su[i].double().unsqueeze(1) * lk[i] * su[i].double()))
-    scale_sample = trellis._sample_tiles(torch.cat([cb.tiles_from_matrix(x).reshape(-1, TILE * TILE) for x in subs]),
+    scale_sample = trellis.sample_tiles(torch.cat([cb.tiles_from_matrix(x).reshape(-1, TILE * TILE) for x in subs]),
                                          max(1, scale_tiles))
     out = torch.zeros(len(rates), e, dtype=torch.float64)
     for r, bits in enumerate(rates):
         bits = cb.check_bits(bits, codebook)
         drift = trellis.LDLQ_DRIFT.get(bits, 1.0) if h is not None else 1.0
-        g = trellis._global_scale(scale_sample, table, bits, drift, codebook)  # one g per stack, as the encoder
+        g = trellis.global_scale(scale_sample, table, bits, drift, codebook)  # one g per stack, as the encoder
 
         def quant_strip(target: torch.Tensor, b: int, _bits=bits) -> torch.Tensor:
             st = encode_tiles(cb.tiles_from_matrix(target).reshape(-1, TILE * TILE), table, _bits)

@@ -1,11 +1,11 @@
-"""quant/sensitivity.py on a real glm5next-mini tensor with its calibration Hessian."""
+"""quant/trellis_loss.py on a real glm5next-mini tensor with its calibration Hessian."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from mixq.quant import allocator as al
-from mixq.quant import sensitivity as qs
+from mixq.quant import trellis_loss as qs
 from mixq.quant import trellis
 
 Q_PROJ = "model.language_model.layers.0.self_attn.q_proj.weight"

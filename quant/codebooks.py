@@ -96,22 +96,30 @@ def tensor_core_perm() -> tuple[torch.Tensor, torch.Tensor]:
     return r, c
 
 
+@lru_cache(maxsize=None)
+def _tile_order(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major index of each tile position, and its inverse, on ``device`` (built once: the LDLQ loop
+    converts every strip, and a host-to-device copy per call would stall it)."""
+    r, c = tensor_core_perm()
+    flat = r * 16 + c
+    inv = torch.empty(256, dtype=torch.long)
+    inv[flat] = torch.arange(256)
+    return flat.to(device), inv.to(device)
+
+
 def tiles_from_matrix(w: torch.Tensor) -> torch.Tensor:
     """(..., k, n) matrix → (..., k/16, n/16, 256) tiles, each in tensor-core position order."""
     *lead, k, n = w.shape
     t = w.reshape(*lead, k // 16, 16, n // 16, 16).transpose(-3, -2)  # (..., a, c, r, col)
-    r, c = tensor_core_perm()
-    flat = (r * 16 + c).to(w.device)
+    flat, _ = _tile_order(str(w.device))
     return t.reshape(*lead, k // 16, n // 16, 256)[..., flat]
 
 
 def matrix_from_tiles(t: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`tiles_from_matrix`: (..., a, c, 256) → (..., 16a, 16c)."""
     *lead, ta, tc, _ = t.shape
-    r, c = tensor_core_perm()
-    inv = torch.empty(256, dtype=torch.long)
-    inv[r * 16 + c] = torch.arange(256)
-    rowmajor = t[..., inv.to(t.device)].reshape(*lead, ta, tc, 16, 16)
+    _, inv = _tile_order(str(t.device))
+    rowmajor = t[..., inv].reshape(*lead, ta, tc, 16, 16)
     return rowmajor.transpose(-3, -2).reshape(*lead, ta * 16, tc * 16)
 
 

@@ -1,0 +1,347 @@
+"""The DFlash2 drafter in the real engine: build a drafter for glm5next-k256, convert it with `mixq convert --format
+exl3 --bpw 6`, load the BF16 drafter and the 6 bpw one in exllamav3 1.6.5 beside the k256 target, and compare.
+
+Steps (one CUDA machine with exllamav3 importable and its extension built; about 3 minutes on an H200):
+  1. target  k256 (BF16 safetensors) in exllamav3; greedy continuations of calibration prompts (its own text);
+  2. drafter the layout of formats/dflash2.py at k256's width and vocabulary, random init, then distilled for
+             --train-seconds on those continuations: the target's hidden states at the tap layers come from
+             exllamav3 itself (the states it hands a drafter), the drafter runs in bench/drafter_distill.py's torch
+             forward (--random skips this; a random drafter is accepted almost never);
+  3. convert `python -m mixq convert DRAFTER OUT --format exl3 --bpw 6 --device cuda`;
+  4. logits  the same drafting rounds (held-out windows, several anchors per window) through both drafters in
+             exllamav3: mutual KLD(BF16 ‖ 6 bpw) and top-1 agreement of the draft logits (rows 1..b−1), agreement
+             of the selector's drafted tokens; also each engine drafter against the torch forward on the same
+             weights (6 bpw: mixq's dequantized weights), the drafter analogue of bench/exllamav3_check.py;
+  5. accept  exllamav3's speculative generation with k256 as the target: no drafter, the BF16 drafter, the 6 bpw
+             drafter, greedy, held-out prompts; acceptance = accepted / drafted tokens as the generator reports them,
+             and whether each run's text equals the no-drafter text (greedy speculative decoding is lossless).
+PASS: mutual KLD < 1e-3 and top-1 >= 0.99 (the limits of bench/exllamav3_check.py) and the 6 bpw acceptance within
+2 points of the BF16 acceptance.
+
+  python bench/drafter_check.py --out OUT_DIR [--target DIR] [--train-seconds 75] [--random]
+OUT_DIR receives drafter_check.json, log.txt, results.md (the docs/results.md rows), drafter-bf16/, drafter-6.0bpw/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MIXQ_SHARED") or REPO.parent / "shared")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from drafter_distill import TorchDrafter, distill  # noqa: E402
+from drafter_engine import (engine_rounds, generate, load_drafter, load_target, prompts_from,  # noqa: E402
+                            target_states)
+
+KLD_LIMIT, TOP1_MIN, ACCEPT_POINTS = 1e-3, 0.99, 0.02
+
+
+class Run:
+    """The JSON report and the log of one check."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.report: dict = {"errors": {}}
+        self.t0 = time.time()
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.time() - self.t0:6.1f}s] {msg}"
+        print(line, flush=True)
+        with open(self.out / "log.txt", "a") as f:
+            f.write(line + "\n")
+
+    def phase(self, name: str, fn, *args, **kwargs):
+        """Run one phase; a failure is recorded (with its traceback in the log) and the check goes on."""
+        t = time.time()
+        try:
+            res = fn(*args, **kwargs)
+            self.report.setdefault("seconds", {})[name] = round(time.time() - t, 1)
+            return res
+        except Exception as e:  # noqa: BLE001 - every phase's failure is reported, not raised
+            self.report["errors"][name] = f"{type(e).__name__}: {e}"
+            self.log(f"{name} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            return None
+
+    def save(self) -> None:
+        (self.out / "drafter_check.json").write_text(json.dumps(self.report, indent=2, default=str) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ torch side
+
+def target_io_weights(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and lm_head (names from the architecture table)."""
+    from mixq.formats.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(model_dir)
+    pick = {ck.info(n).role: n for n in ck.names() if ck.info(n).role in ("embed", "lm_head") and not ck.info(n).mtp}
+    return ck.get(pick["embed"]), ck.get(pick["lm_head"])
+
+
+def reference_rounds(model: TorchDrafter, states: list[torch.Tensor], ids: torch.Tensor, anchors: list[int]):
+    """The same rounds through the torch forward: draft logits (rows·anchors, b−1, V) float32 on the CPU."""
+    dev = model.lm_head.device
+    out = []
+    with torch.no_grad():
+        ctx = model.context([s.to(dev) for s in states])
+        for p in anchors:
+            pos = torch.full((ids.shape[0],), p, device=dev)
+            h = model(ctx[:, :p], pos, ids[:, p].to(dev))
+            out.append(model.logits(h[:, 1:]).float().cpu())
+    return torch.stack(out, 1).flatten(0, 1)
+
+
+def compare(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict:
+    """mutual KLD = mean KL(p ‖ q) over draft positions (and the reverse), top-1 agreement."""
+    lp = F.log_softmax(p_logits.double(), -1)
+    lq = F.log_softmax(q_logits.double(), -1)
+    return {"kld": (lp.exp() * (lp - lq)).sum(-1).mean().item(),
+            "kld_rev": (lq.exp() * (lq - lp)).sum(-1).mean().item(),
+            "top1": (p_logits.argmax(-1) == q_logits.argmax(-1)).float().mean().item(),
+            "positions": int(p_logits.shape[0] * p_logits.shape[1])}
+
+
+def verdict(report: dict) -> tuple[bool, list[str]]:
+    """PASS and the reasons it is not."""
+    why = [f"{k} failed" for k in report.get("errors", {})]
+    q = report.get("quant_logits")
+    if not q:
+        why.append("no logit comparison")
+    else:
+        if not q["kld"] < KLD_LIMIT:
+            why.append(f"mutual KLD {q['kld']:.3e} >= {KLD_LIMIT}")
+        if not q["top1"] >= TOP1_MIN:
+            why.append(f"top-1 {q['top1']:.4f} < {TOP1_MIN}")
+    acc = report.get("acceptance") or {}
+    a16, a6 = acc.get("bf16"), acc.get("6bpw")
+    if a16 is None or a6 is None:
+        why.append("no acceptance for both drafters")
+    elif abs(a6 - a16) > ACCEPT_POINTS:
+        why.append(f"acceptance 6 bpw {a6:.4f} vs BF16 {a16:.4f}: more than {100 * ACCEPT_POINTS:.0f} points apart")
+    return not why, why
+
+
+# ------------------------------------------------------------------------------------------------ the check
+
+def build_drafter(run: Run, args, target_cfg: dict, data) -> tuple[Path, dict]:
+    """Random drafter for the target, distilled on (ids, states) when given. Writes OUT/drafter-bf16."""
+    from mixq.formats.dflash2 import drafter_config, random_weights, write_drafter
+
+    config = drafter_config(target_cfg, layers=args.layers, block_size=args.block_size)
+    weights = random_weights(config, seed=args.seed)
+    kind = "random"
+    if data is not None and not args.random:
+        ids, states = data
+        emb, head = target_io_weights(args.target)
+        model = TorchDrafter(config, weights, emb, head).to(args.torch_device)
+        stats = run.phase("distill", distill, model, ids, states, steps=args.train_steps, seconds=args.train_seconds,
+                          batch=args.train_batch, seed=args.seed, log=run.log)
+        if stats is not None:
+            weights, kind = model.weights(), "distilled"
+            run.report["distill"] = stats
+            run.log(f"distilled: {stats}")
+        del model
+    run.report["drafter"] = {"kind": kind, "config": config}
+    path = write_drafter(args.out / "drafter-bf16", config, weights)
+    run.log(f"drafter ({kind}) written to {path}")
+    return path, config
+
+
+def convert_drafter_cli(src: Path, out: Path, device: str) -> dict:
+    """`mixq convert SRC OUT --format exl3 --bpw 6`, as a user runs it; its --json summary."""
+    cmd = [sys.executable, "-m", "mixq", "convert", str(src), str(out), "--format", "exl3", "--bpw", "6",
+           "--device", device, "--json"]
+    # the child imports mixq exactly as this process does (an installed copy or a path set up by the caller)
+    path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=out.parent, timeout=900,
+                       env=dict(os.environ, TQDM_DISABLE="1", PYTHONPATH=path))
+    if r.returncode != 0:
+        raise RuntimeError(f"mixq convert exited {r.returncode}: {r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def rel(p: Path) -> str:
+    """A path as the report stores it: relative to the repository when inside it, else its name."""
+    try:
+        return str(Path(p).resolve().relative_to(REPO))
+    except ValueError:
+        return Path(p).name
+
+
+def check(args) -> dict:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "log.txt").write_text("")
+    run = Run(args.out)
+    rep = run.report
+    rep["settings"] = {k: (rel(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    target_cfg = json.loads((args.target / "config.json").read_text())
+    block, history = args.block_size, args.block_size
+    tokens = 1 << 16
+    target, cache, tok = run.phase("load_target", load_target, args.target, cache_tokens=tokens,
+                                   max_batch=max(args.train_prompts, args.eval_prompts), history=history) or (None,) * 3
+    from mixq.formats.dflash2 import drafter_config
+
+    taps = drafter_config(target_cfg, layers=args.layers, block_size=block)["dflash_config"]["target_layer_ids"]
+
+    # 1-2. the target's own text and states, a distilled drafter
+    data = None
+    if target is not None and not args.random:
+        def training_data():
+            prompts = prompts_from(args.calibration, tok, args.train_prompts, args.prompt_tokens)
+            g = generate(target, cache, tok, prompts, args.train_new_tokens)
+            n = min(map(len, g["tokens"]))  # every job runs to max_new_tokens; cut to the shortest if not
+            ids = torch.cat([torch.cat([p.flatten(), torch.tensor(t[:n], dtype=torch.long)])[None]
+                             for p, t in zip(prompts, g["tokens"])])
+            states, _ = target_states(target, ids, taps)
+            run.log(f"training data: {tuple(ids.shape)} tokens, target {g['tokens_per_second']} tok/s")
+            return ids, [s.to(args.torch_device) for s in states]
+        data = run.phase("training_data", training_data)
+    src, config = build_drafter(run, args, target_cfg, data)
+
+    # 3. mixq convert
+    exl3 = args.out / "drafter-6.0bpw"
+    conv = run.phase("convert", convert_drafter_cli, src, exl3, args.convert_device)
+    if conv:
+        rep["convert"] = {k: conv.get(k) for k in ("bits", "bytes", "seconds", "quantized", "tensors", "device")}
+        run.log(f"converted: {rep['convert']}")
+    if target is None:
+        return finish(run)
+
+    # 4. draft logits on the same rounds
+    drafters = {"bf16": run.phase("load_bf16", load_drafter, src, target, cache_tokens=tokens)}
+    if conv:
+        drafters["6bpw"] = run.phase("load_6bpw", load_drafter, exl3, target, cache_tokens=tokens)
+    eval_ids = torch.cat(prompts_from(args.heldout, tok, args.eval_windows, args.window))
+    anchors = list(range(args.window // 8, args.window - block, max(1, (args.window - block) // 8)))[:8]
+    states, guesses = run.phase("eval_states", target_states, target, eval_ids, taps) or (None, None)
+    engine = {}
+    for name, loaded in drafters.items():
+        if loaded is not None and states is not None:
+            engine[name] = run.phase(f"rounds_{name}", engine_rounds, loaded[0], loaded[1], target, states, taps,
+                                     eval_ids, anchors, block)
+    if engine.get("bf16") and engine.get("6bpw"):
+        q = compare(engine["bf16"][0], engine["6bpw"][0])
+        q["selector_tokens_agree"] = (engine["bf16"][1] == engine["6bpw"][1]).float().mean().item()
+        rep["quant_logits"] = q
+        run.log(f"BF16 vs 6 bpw drafter in exllamav3: {q}")
+    if states is not None:
+        rep["row1_guess_is_target_greedy"] = {}
+        first = torch.tensor(anchors)
+        want = guesses[:, first].flatten()  # the target's greedy token after each anchor
+        for name, res in engine.items():
+            if res:
+                rep["row1_guess_is_target_greedy"][name] = (res[0][:, 0].argmax(-1) == want).float().mean().item()
+        rep["engine_vs_torch"] = run.phase("engine_vs_torch", engine_vs_torch, args, config, src, exl3, states,
+                                           eval_ids, anchors, engine)
+
+    # 5. speculative generation
+    prompts = prompts_from(args.heldout, tok, args.eval_prompts, args.prompt_tokens)
+    base = run.phase("generate_plain", generate, target, cache, tok, prompts, args.eval_new_tokens)
+    rep["acceptance"], rep["generation"] = {}, {}
+    for name, loaded in drafters.items():
+        if loaded is None:
+            continue
+        g = run.phase(f"generate_{name}", generate, target, cache, tok, prompts, args.eval_new_tokens,
+                      drafter=loaded[0], draft_cache=loaded[1])
+        if g:
+            rep["acceptance"][name] = g["acceptance"]
+            rep["generation"][name] = {k: g[k] for k in ("accepted", "drafted", "seconds", "tokens_per_second")}
+            if base:
+                rep["generation"][name]["same_text_as_plain"] = sum(a == b for a, b in zip(g["tokens"], base["tokens"])
+                                                                    ) / len(prompts)
+            run.log(f"speculative generation with the {name} drafter: {rep['generation'][name]}, "
+                    f"acceptance {g['acceptance']}")
+    if base:
+        rep["generation"]["plain"] = {k: base[k] for k in ("seconds", "tokens_per_second")}
+    return finish(run)
+
+
+def engine_vs_torch(args, config, src, exl3, states, ids, anchors, engine) -> dict:
+    """Each engine drafter against the torch forward on the same weights (6 bpw: mixq's dequantized weights)."""
+    from safetensors.torch import load_file
+
+    from mixq.convert.dequant import read_exl3
+
+    emb, head = target_io_weights(args.target)
+    out = {}
+    sources = {"bf16": lambda: {n: t.float() for n, t in load_file(str(src / "model.safetensors")).items()},
+               "6bpw": lambda: read_exl3(exl3)}
+    for name, res in engine.items():
+        if not res:
+            continue
+        model = TorchDrafter(config, sources[name](), emb, head).to(args.torch_device)
+        out[name] = compare(res[0], reference_rounds(model, states, ids, anchors))
+        del model
+    return out
+
+
+def finish(run: Run) -> dict:
+    ok, why = verdict(run.report)
+    run.report["pass"], run.report["why_not"] = ok, why
+    run.save()
+    (run.out / "results.md").write_text(results_md(run.report))
+    return run.report
+
+
+def results_md(rep: dict) -> str:
+    """The docs/results.md lines of this run."""
+    q, acc, g = rep.get("quant_logits") or {}, rep.get("acceptance") or {}, rep.get("generation") or {}
+    d, c = rep.get("drafter") or {}, rep.get("convert") or {}
+    lines = [f"- drafter: {d.get('kind')} ({(rep.get('distill') or {}).get('steps', 0)} distillation steps, "
+             f"{(rep.get('distill') or {}).get('seconds', 0)} s), 6 bpw EXL3 {c.get('bytes', 0) / 2**20:.2f} MiB, "
+             f"converted in {c.get('seconds', 0):.1f} s on {c.get('device')}"]
+    if q:
+        lines.append(f"- draft logits, BF16 vs 6 bpw drafter in exllamav3: mutual KLD {q['kld']:.3e} "
+                     f"(rev {q['kld_rev']:.3e}), top-1 {100 * q['top1']:.2f}%, selector tokens "
+                     f"{100 * q['selector_tokens_agree']:.2f}% equal, {q['positions']} positions")
+    for name in ("bf16", "6bpw"):
+        if acc.get(name) is not None:
+            gg = g.get(name, {})
+            lines.append(f"- acceptance with the {name} drafter: {100 * acc[name]:.2f}% ({gg.get('accepted')}/"
+                         f"{gg.get('drafted')} drafted tokens), {gg.get('tokens_per_second')} tok/s, "
+                         f"text equal to plain greedy in {100 * gg.get('same_text_as_plain', 0):.0f}% of prompts")
+    lines.append(f"- {'PASS' if rep.get('pass') else 'FAIL'}" + ("" if rep.get("pass") else
+                                                                 f": {'; '.join(rep.get('why_not', []))}"))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="directory for drafter_check.json, log.txt, drafters")
+    ap.add_argument("--target", type=Path, default=SHARED / "models" / "glm5next-k256")
+    ap.add_argument("--calibration", type=Path, default=SHARED / "data" / "calibration.txt")
+    ap.add_argument("--heldout", type=Path, default=SHARED / "data" / "heldout.txt")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--random", action="store_true", help="keep the drafter random (no distillation)")
+    ap.add_argument("--train-seconds", type=float, default=75.0)
+    ap.add_argument("--train-steps", type=int, default=4000)
+    ap.add_argument("--train-batch", type=int, default=256)
+    ap.add_argument("--train-prompts", type=int, default=64)
+    ap.add_argument("--train-new-tokens", type=int, default=224)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--eval-windows", type=int, default=32)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--eval-new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch-device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--convert-device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    rep = check(args)
+    print(results_md(rep), end="")
+    print("PASS" if rep["pass"] else "FAIL: " + "; ".join(rep["why_not"]))
+    return 0 if rep["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,8 @@ row gives the same numbers as the whole model run on that row.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import Callable, Iterator
 
 import torch
@@ -23,6 +25,24 @@ Fetch = Callable[[str], torch.Tensor]
 EMBED_NAME = global_hf_name("embed")
 NORM_NAME = global_hf_name("norm")
 HEAD_NAME = global_hf_name("lm_head")
+
+
+def _libc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def return_freed_memory() -> None:
+    """Return freed heap pages to the system (glibc `malloc_trim`). glibc raises its mmap threshold after large
+    frees, so later layer-sized tensors come from the heap, and the holes they leave would otherwise make the
+    resident set grow layer after layer (measured: +33 MB per 25 MB layer on a tiny 12-layer model)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class DecoderStream:
@@ -58,8 +78,10 @@ class DecoderStream:
         return mod.to(self.dtype).eval()
 
     def release(self, layer: int) -> None:
-        """Give layer `layer`'s weights back (the module returns to the meta device)."""
+        """Give layer `layer`'s weights back (the module returns to the meta device) and hand the freed memory
+        back to the system."""
         self.skeleton.layers[layer].to("meta")
+        return_freed_memory()
 
     def layer_prefix(self, layer: int) -> str:
         """Checkpoint-name prefix of decoder layer `layer`'s tensors."""

@@ -12,8 +12,6 @@ from mixq.eval.stats import (
     covariance,
     log_probs,
     mean_and_uncertainty,
-    median,
-    percentile,
     summarize,
     token_quantities,
 )
@@ -59,12 +57,16 @@ def test_mean_and_uncertainty_and_cov():
     assert covariance(1.0, 1.0, 1.0, 9) == 0.0
 
 
-def test_percentile_and_median():
-    v = np.array([0.0, 1.0, 2.0, 10.0])
-    assert percentile(v, 0.5) == pytest.approx(1.5)
-    assert percentile(v, 0.9) == pytest.approx(2.0 + 0.7 * 8.0)  # position 2.7
-    assert percentile(v, 1.0) == 10.0 and percentile(v, 0.0) == 0.0
-    assert median(v) == 1.5 and median(np.array([3.0, 5.0, 9.0])) == 5.0
+def test_percentiles_and_median_by_hand():
+    """Linear interpolation at f·(N-1) on the sorted values; the mean of the two middle values for even N."""
+    n = 4
+    kld = np.array([10.0, 0.0, 2.0, 1.0])  # unsorted on purpose
+    out = summarize(kld, np.ones(n), np.ones(n), np.zeros(n), n)
+    assert out["kld_median"] == 1.5 and out["kld_min"] == 0.0 and out["kld_max"] == 10.0
+    assert out["kld_p90"] == pytest.approx(2.0 + 0.7 * 8.0)  # position 0.9·3 = 2.7
+    assert out["kld_p99"] == pytest.approx(2.0 + 0.97 * 8.0)
+    odd = summarize(np.array([9.0, 3.0, 5.0]), np.ones(3), np.ones(3), np.zeros(3), 3)
+    assert odd["kld_median"] == 5.0
 
 
 def test_summarize_by_hand():

@@ -1,34 +1,50 @@
-"""Encode speed: mixq.quant.kquants vs ggml's quantizer (ggml_quantize_chunk via ctypes).
+"""Encode speed per ggml type: mixq on CUDA, mixq on CPU (1 core and all cores) and ggml (1 core and all cores).
 
-Same process, same tensors, one thread each (numpy elementwise ops and ggml_quantize_chunk
-both run on the calling thread). Prints Mweights/s for both and the time ratio mixq/ggml
-("cpu ratio" 4.0 = mixq takes 4x ggml's CPU time), with and
-without an importance matrix, and checks the bytes are identical while at it.
-Times are CPU seconds of this process (robust on a shared machine); wall seconds are printed too.
+Same tensors for every encoder, and every result checked byte for byte against ggml's:
+- mixq CUDA: ``kquants.quantize(x, t, im, device="cuda")`` from host numpy to host bytes (the copies count);
+- mixq CPU 1 core: ``kquants.quantize`` (the numpy encoders) on this thread;
+- mixq CPU all cores: the same over row chunks in a pool of worker processes (as ``convert --threads``);
+- ggml 1 core / all cores: ``ggml_quantize_chunk`` (libggml-base of llama-cpp-python, or $MIXQ_GGML_BASE_LIB)
+  over row chunks in a thread pool (ctypes releases the GIL), as llama-quantize spreads its work.
+Each measurement runs on as many rows as fit a time target (timed on a probe first), so slow encoders
+are measured on a slice; weights/s are comparable. Tensors: a GLM-5.3-width routed expert (2048 x 4096,
+bf16-valued, per-row scales) and, when the fixture is there, the stacked experts of a trained k256 layer.
 
-    python bench/kquant_speed.py [--model ../shared/models/glm5next-k256] [--types Q4_K,Q6_K]
+    python bench/kquant_speed.py --device cuda --ggml-threads 16 --json bench/results/kquant-speed-h200.json
+    python bench/kquant_speed.py --types Q4_K --cpu-threads 2          # CPU only, this machine
+
+The JSON holds one row per (tensor, type, imatrix) with weights/s of each encoder, the speed-ups of
+mixq CUDA over ggml on all cores, and whether every output equals ggml's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch  # noqa: E402
+
 from mixq.quant import kquants, kquants_ggml  # noqa: E402
 
-TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0", "Q4_0", "Q5_0", "Q5_1"]
-# also: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (--types; the IQ2_XXS/XS rows run with an imatrix only)
+REPO = Path(__file__).resolve().parents[1]
+TYPES = ["Q4_K", "IQ2_S", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ3_XXS",
+         "IQ3_S", "Q8_0", "Q4_0", "Q5_1"]
 
 
-def _load_experts(model: Path, layer: int, proj: str) -> np.ndarray:
-    """All routed experts' `proj` matrices of one layer stacked into rows (bf16 -> f32)."""
-    import torch
+def _shared() -> Path:
+    return Path(os.environ.get("MIXQ_SHARED") or REPO.parent / "shared")
+
+
+def k256_experts(model: Path, layer: int = 2, proj: str = "gate_proj") -> np.ndarray:
+    """All routed experts' `proj` matrices of one k256 layer stacked into rows (bf16 -> f32)."""
     from safetensors import safe_open
 
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
@@ -41,52 +57,135 @@ def _load_experts(model: Path, layer: int, proj: str) -> np.ndarray:
     return np.concatenate(mats)
 
 
-def _time(fn, repeat: int) -> tuple[float, float, np.ndarray]:
-    """(best cpu seconds, best wall seconds, last result) over `repeat` runs."""
-    cpu, wall, out = float("inf"), float("inf"), None
-    for _ in range(repeat):
-        c0, w0 = time.process_time(), time.perf_counter()
-        out = fn()
-        cpu, wall = min(cpu, time.process_time() - c0), min(wall, time.perf_counter() - w0)
-    return cpu, wall, out
+def glm53_expert(rows: int = 2048, cols: int = 4096, seed: int = 0) -> np.ndarray:
+    """A GLM-5.3-width expert matrix: Gaussian, per-row scales, rounded to bf16 values as checkpoints hold them."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)) * 0.02 * np.exp(0.3 * rng.standard_normal((rows, 1)))
+    return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16).float().numpy()
+
+
+# ----------------------------------------------------------------------------- encoders
+
+def _ggml_pool(x: np.ndarray, t: str, im, pool: ThreadPoolExecutor, parts: int) -> np.ndarray:
+    bounds = np.linspace(0, x.shape[0], min(parts, x.shape[0]) + 1).astype(int)
+    futs = [pool.submit(kquants_ggml.ggml_quantize, x[a:b], t, im) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return np.concatenate([f.result() for f in futs])
+
+
+def _mixq_chunk(args) -> np.ndarray:
+    x, t, im = args
+    return kquants.quantize(x, t, im)
+
+
+def _mixq_pool(x: np.ndarray, t: str, im, pool: ProcessPoolExecutor, parts: int) -> np.ndarray:
+    bounds = np.linspace(0, x.shape[0], min(parts, x.shape[0]) + 1).astype(int)
+    jobs = [(x[a:b], t, im) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return np.concatenate(list(pool.map(_mixq_chunk, jobs)))
+
+
+def _mixq_cuda(x: np.ndarray, t: str, im, device: str) -> np.ndarray:
+    out = kquants.quantize(x, t, im, device=device)
+    torch.cuda.synchronize()
+    return out
+
+
+def measure(fn, x: np.ndarray, target_s: float, probe_rows: int) -> tuple[float, int, np.ndarray]:
+    """(weights/s, rows measured, bytes of those rows): time a probe, then as many rows as fit target_s."""
+    probe = x[:min(probe_rows, x.shape[0])]
+    t0 = time.perf_counter()
+    fn(probe)
+    dt = max(time.perf_counter() - t0, 1e-4)
+    rows = int(min(x.shape[0], max(probe.shape[0], probe.shape[0] * target_s / dt)))
+    rows = max(probe.shape[0], rows - rows % probe.shape[0]) if rows < x.shape[0] else rows
+    xs = np.ascontiguousarray(x[:rows])
+    t0 = time.perf_counter()
+    out = fn(xs)
+    dt = time.perf_counter() - t0
+    return xs.size / dt, rows, out
+
+
+# ----------------------------------------------------------------------------- driver
+
+def run(args) -> dict:
+    tensors: dict[str, np.ndarray] = {}
+    model = args.model or _shared() / "models" / "glm5next-k256"
+    if (model / "model.safetensors.index.json").is_file():
+        tensors["k256 L2 experts gate (48x256 rows, n=256)"] = k256_experts(model)
+    tensors["GLM-5.3 expert gate (2048x4096)"] = glm53_expert()
+    cuda = args.device.startswith("cuda") and torch.cuda.is_available()
+    if args.device.startswith("cuda") and not cuda:
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    have_ggml = kquants_ggml.available()
+    rng = np.random.default_rng(1)
+    threads = ThreadPoolExecutor(args.ggml_threads)
+    procs = ProcessPoolExecutor(args.cpu_threads) if args.cpu_threads > 1 else None
+    if procs is not None:  # start the workers (imports) outside the timings
+        list(procs.map(_mixq_chunk, [(np.zeros((1, 256), np.float32), "Q4_K", None)] * args.cpu_threads))
+    results = []
+    for tname, x in tensors.items():
+        im_full = np.exp(rng.standard_normal(x.shape[1])).astype(np.float32)
+        for t in args.types.split(","):
+            for im in ((None, im_full) if args.imatrix == "both" else (im_full,) if args.imatrix == "yes" else (None,)):
+                if x.shape[1] % kquants.block_size(t) or (im is None and t in kquants.REQUIRES_IMATRIX):
+                    continue
+                row = {"tensor": tname, "type": t, "imatrix": im is not None, "weights": int(x.size)}
+                enc: dict[str, object] = {}
+                # one-off set-up (codebooks, CUDA context and kernels) outside the timings
+                kquants.quantize(x[:1], t, im)
+                if cuda:
+                    _mixq_cuda(x[:8], t, im, args.device)
+                    enc["mixq_cuda"] = lambda a: _mixq_cuda(a, t, im, args.device)
+                enc["mixq_cpu_1"] = lambda a: kquants.quantize(a, t, im)
+                if procs is not None:
+                    enc["mixq_cpu_all"] = lambda a: _mixq_pool(a, t, im, procs, 4 * args.cpu_threads)
+                if have_ggml:
+                    enc["ggml_1"] = lambda a: kquants_ggml.ggml_quantize(a, t, im)
+                    enc["ggml_all"] = lambda a: _ggml_pool(a, t, im, threads, 4 * args.ggml_threads)
+                outs = {}
+                for name, fn in enc.items():
+                    wps, rows, out = measure(fn, x, args.target_s, args.probe_rows)
+                    row[f"{name}_wps"] = round(wps)
+                    row[f"{name}_rows"] = rows
+                    outs[name] = out
+                most = max(o.shape[0] for o in outs.values())
+                if have_ggml:
+                    ref = _ggml_pool(x[:most], t, im, threads, 4 * args.ggml_threads)
+                else:  # the numpy encoders (proven equal to ggml by the tests)
+                    ref = _mixq_pool(x[:most], t, im, procs, 4 * args.cpu_threads) if procs else outs["mixq_cpu_1"]
+                row["equal"] = all(np.array_equal(o, ref[:o.shape[0]]) for o in outs.values())
+                for name in ("mixq_cuda", "mixq_cpu_all", "mixq_cpu_1"):
+                    if f"{name}_wps" in row and "ggml_all_wps" in row:
+                        row[f"{name}_vs_ggml_all"] = round(row[f"{name}_wps"] / row["ggml_all_wps"], 3)
+                results.append(row)
+                print("  ".join(f"{k}={v}" for k, v in row.items() if k != "weights"), flush=True)
+    threads.shutdown()
+    if procs is not None:
+        procs.shutdown()
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "host_cpus": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(), "ggml_threads": args.ggml_threads,
+            "cpu_workers": args.cpu_threads, "ggml_available": have_ggml, "target_s": args.target_s,
+            "torch": torch.__version__, "results": results}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "models" / "glm5next-k256")
+    ap.add_argument("--device", default="cpu", help="cuda: also time mixq's torch encoders there")
     ap.add_argument("--types", default=",".join(TYPES))
-    ap.add_argument("--rows", type=int, default=4096, help="rows of the random matrix")
-    ap.add_argument("--cols", type=int, default=2048, help="columns of the random matrix")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--imatrix", choices=("both", "yes", "no"), default="both")
+    ap.add_argument("--ggml-threads", type=int, default=os.cpu_count() or 1, help="threads for ggml (all cores)")
+    ap.add_argument("--cpu-threads", type=int, default=os.cpu_count() or 1, help="worker processes for mixq CPU")
+    ap.add_argument("--target-s", type=float, default=1.0, help="seconds per measurement (rows are cut to fit)")
+    ap.add_argument("--probe-rows", type=int, default=32)
+    ap.add_argument("--model", type=Path, default=None, help="k256 fixture (default: $MIXQ_SHARED/models/...)")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
-    if not kquants_ggml.available():
-        raise SystemExit("libggml-base not found: install llama-cpp-python==0.3.36 or set MIXQ_GGML_BASE_LIB")
-
-    tensors = {}
-    if (args.model / "model.safetensors.index.json").is_file():
-        tensors["k256 L2 experts gate (48x256x256)"] = _load_experts(args.model, 2, "gate_proj")
-    rng = np.random.default_rng(0)
-    tensors[f"random {args.rows}x{args.cols}"] = rng.standard_normal((args.rows, args.cols)).astype(np.float32)
-
-    print(f"{'tensor':36s} {'type':6s} {'imat':4s} {'mixq Mw/s':>10s} {'ggml Mw/s':>10s} {'cpu ratio':>9s}"
-          f" {'wall ratio':>10s} {'equal':>5s}")
-    ratios = []
-    for tname, x in tensors.items():
-        im = np.exp(rng.standard_normal(x.shape[1])).astype(np.float32)
-        for t in args.types.split(","):
-            for imx in (None, im):
-                if imx is None and t in kquants.REQUIRES_IMATRIX:
-                    continue  # ggml aborts without one
-                # one-off table set-up (the i-quant codebooks / neighbour lists, on both sides) outside the timing
-                kquants.quantize(x[:1], t, imx), kquants_ggml.ggml_quantize(x[:1], t, imx)
-                c_m, w_m, a = _time(lambda: kquants.quantize(x, t, imx), args.repeat)
-                c_g, w_g, b = _time(lambda: kquants_ggml.ggml_quantize(x, t, imx), args.repeat)
-                mw = x.size / 1e6
-                ratios.append(c_m / c_g)
-                print(f"{tname:36s} {t:6s} {'yes' if imx is not None else 'no':4s} {mw / c_m:10.2f} {mw / c_g:10.2f}"
-                      f" {c_m / c_g:9.2f} {w_m / w_g:10.2f} {str(np.array_equal(a, b)):>5s}", flush=True)
-    r = np.array(ratios)
-    print(f"mixq/ggml CPU-time ratio: median {np.median(r):.2f}, range {r.min():.2f}-{r.max():.2f} over {r.size} runs")
+    t0 = time.perf_counter()
+    data = run(args)
+    data["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"done in {data['wall_s']} s")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,13 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from ..errors import InputError
 from . import kquants_blocks as kb
-from . import kquants_iq2, kquants_iq3, kquants_iq4
+from . import kquants_iq2, kquants_iq3, kquants_iq4, kquants_torch
 from . import kquants_legacy as kl
 
 # weights per encoding chunk: numpy call overhead vs. working set (64K weights measured fastest: arrays stay in cache)
@@ -70,24 +71,28 @@ def row_bytes(qtype: str, n: int) -> int:
     return n // block_size(qtype) * type_size(qtype)
 
 
-def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+def _check_shape(shape: tuple, qtype: str, imatrix_size: int | None) -> None:
     _ggml_type(qtype)
-    x = np.asarray(x)
-    if x.ndim != 2:
-        raise InputError(f"kquants.quantize: expected a 2-D (rows, n) array, got shape {x.shape}")
-    n = x.shape[1]
+    if len(shape) != 2:
+        raise InputError(f"kquants.quantize: expected a 2-D (rows, n) array, got shape {tuple(shape)}")
+    n = shape[1]
     bs = block_size(qtype)
     if n == 0 or n % bs:
         raise InputError(f"kquants.quantize: row length {n} is not a positive multiple of {bs} ({qtype})")
+    if imatrix_size is not None and imatrix_size != n:
+        raise InputError(f"kquants.quantize: imatrix has {imatrix_size} values, row length is {n}")
+
+
+def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    x = np.asarray(x)
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
+    _check_shape(x.shape, qtype, None if imatrix is None else imatrix.size)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if not np.all(np.isfinite(x)):
         raise InputError("kquants.quantize: the tensor contains NaN or infinite values")
-    if imatrix is not None:
-        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
-        if imatrix.shape != (n,):
-            raise InputError(f"kquants.quantize: imatrix has {imatrix.size} values, row length is {n}")
-        if not np.all(np.isfinite(imatrix)):
-            raise InputError("kquants.quantize: imatrix contains non-finite values")
+    if imatrix is not None and not np.all(np.isfinite(imatrix)):
+        raise InputError("kquants.quantize: imatrix contains non-finite values")
     return x, imatrix
 
 
@@ -110,12 +115,24 @@ def _encode_rows(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> np.nd
     return np.asarray(gguf_quants.quantize(x, GGMLQuantizationType[qtype]), dtype=np.uint8).reshape(R, -1)
 
 
-def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+def default_device() -> str:
+    """"cuda" when torch sees a GPU, else "cpu": the device to pass to :func:`quantize` for speed."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, *,
+             device: str | torch.device = "cpu") -> np.ndarray:
     """Encode float32 rows ``x`` (rows, n) as ``qtype``; returns uint8 (rows, bytes_per_row).
 
     ``imatrix`` (n,) selects ggml's importance-weighted path (mean of squared activations per
     column, as llama-imatrix stores it). The output is readable by ``gguf.quants.dequantize``.
+    ``device`` "cpu" runs the numpy encoders on this thread; any other torch device (e.g. "cuda")
+    runs the torch encoders there (:func:`quantize_tensor`). The bytes are the same on every device.
     """
+    if torch.device(device).type != "cpu":
+        x, imatrix = _check(x, qtype, imatrix)
+        im = None if imatrix is None else torch.from_numpy(imatrix)
+        return quantize_tensor(torch.from_numpy(x).to(device), qtype, im).cpu().numpy()
     x, imatrix = _check(x, qtype, imatrix)
     R, n = x.shape
     out = np.empty((R, row_bytes(qtype, n)), dtype=np.uint8)
@@ -127,7 +144,31 @@ def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np
     return out
 
 
-def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+def quantize_tensor(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None = None) -> torch.Tensor:
+    """Encode float rows ``x`` (rows, n) on x's device with the torch encoders (:mod:`kquants_torch`).
+
+    Same contract and bytes as :func:`quantize`; returns uint8 (rows, bytes_per_row) on x's device.
+    ``imatrix`` is (n,) for every row or (rows, n) with each row's own (stacked experts); it may live
+    on any device.
+    """
+    if qtype in REQUIRES_IMATRIX and imatrix is None:
+        raise InputError(f"{qtype} needs an importance matrix (as in llama.cpp)")
+    per_row = imatrix is not None and imatrix.dim() == 2
+    if per_row and tuple(imatrix.shape) != tuple(x.shape):
+        raise InputError(f"kquants.quantize: imatrix has shape {tuple(imatrix.shape)}, rows are {tuple(x.shape)}")
+    _check_shape(tuple(x.shape), qtype, None if imatrix is None else int(imatrix.shape[-1]))
+    x = x.to(torch.float32).contiguous()
+    if not bool(torch.isfinite(x).all()):
+        raise InputError("kquants.quantize: the tensor contains NaN or infinite values")
+    if imatrix is not None:
+        imatrix = imatrix.to(device=x.device, dtype=torch.float32).contiguous()
+        if not bool(torch.isfinite(imatrix).all()):
+            raise InputError("kquants.quantize: imatrix contains non-finite values")
+    return kquants_torch.encode(x, qtype, imatrix, row_bytes(qtype, x.shape[1]))
+
+
+def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, *,
+                     device: str | torch.device = "cpu") -> np.ndarray:
     """Encode a stack of matrices (E, rows, n), e.g. routed experts, as llama-quantize does.
 
     ``imatrix`` is (E, n) or flat (E*n,) as stored in imatrix files: expert e uses its own slice.
@@ -143,4 +184,11 @@ def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = Non
         if im.size != E * n:
             raise InputError(f"kquants.quantize_stacked: imatrix has {im.size} values, expected {E}x{n}")
         im = im.reshape(E, n)
-    return np.stack([quantize(x[e], qtype, None if im is None else im[e]) for e in range(E)])
+    if torch.device(device).type != "cpu":  # one call for the whole stack: each row carries its expert's imatrix
+        rows = x.shape[1]
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(device).reshape(E * rows, n)
+        imt = None
+        if im is not None:
+            imt = torch.from_numpy(np.ascontiguousarray(im)).to(device)[:, None].expand(E, rows, n).reshape(E * rows, n)
+        return quantize_tensor(xt, qtype, imt).cpu().numpy().reshape(E, rows, -1)
+    return np.stack([quantize(x[e], qtype, None if im is None else im[e], device=device) for e in range(E)])

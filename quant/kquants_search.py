@@ -32,8 +32,17 @@ def nearest_int(v: np.ndarray) -> np.ndarray:
 
 
 def fp16_round(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Round float32 to IEEE half (round to nearest even); return (half array, its float32 value)."""
-    h = np.asarray(v, dtype=F32).astype(np.float16)
+    """Round float32 to IEEE half (round to nearest even); return (half array, its float32 value).
+
+    Every NaN becomes the half of x86's default NaN (0xFE00), which is what ggml stores for the NaNs
+    it computes (weights whose squares overflow float32): the sign of a NaN depends on the operations
+    that made it, and differs between numpy's and torch's paths for the same (meaningless) value.
+    """
+    v = np.asarray(v, dtype=F32)
+    h = v.astype(np.float16)
+    nan = np.isnan(v)
+    if nan.any():
+        h = np.where(nan, np.array(0xFE00, np.uint16).view(np.float16), h)
     return h, h.astype(F32)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from ..errors import InputError
@@ -20,6 +21,8 @@ from .kquants_torch_search import F32, div_by, fp16_bits, nearest_int, rdiv, seq
 
 # neighbour-list width bins: each bin pads its groups only up to the longest list in it
 _WIDTHS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 1 << 30)
+# neighbour slots (groups x padded width) searched per batch: bounds the gathered tables' memory
+SLOTS_PER_BATCH = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,10 @@ class DeviceCodebook:
     values: torch.Tensor    # (nlev,) float32: 2l+1
     kmap: torch.Tensor      # (codes,) int64: entry index or -1
     nb_row: torch.Tensor    # (codes,) int64: row of the neighbour tables or -1
-    nb: torch.Tensor        # (rows, maxlen) int64, -1 padded
-    nb_len: torch.Tensor    # (rows,) int64
-    nb_head: torch.Tensor   # (rows, maxlen) int64: index into the head partial-sum table
-    nb_tail: torch.Tensor   # (group-head, rows, maxlen) int64: index into the flat (group, nlev) terms
+    nb_len: torch.Tensor    # (rows,) int64: neighbours per row
+    # (rows, maxlen, 2 + group - head) int64, per neighbour: entry index (-1 padding), index into the
+    # head partial-sum table, indices of its remaining levels into the flat (group, nlev) terms
+    nb_table: torch.Tensor
 
 
 @lru_cache(maxsize=None)
@@ -44,9 +47,9 @@ def device_codebook(qtype: str, device: str) -> DeviceCodebook:
     """The tables of ``qtype``'s codebook on ``device`` (built once per process and device)."""
     cb = kquants_iq2.codebook(qtype)
     t = lambda a, dt=torch.int64: torch.as_tensor(a).to(device=device, dtype=dt)
+    table = np.concatenate([cb.nb[:, :, None], cb.nb_head[:, :, None], cb.nb_tail.transpose(1, 2, 0)], axis=2)
     return DeviceCodebook(cb.group, cb.nlev, cb.head, t(cb.shifts, torch.int32), t(cb.levels, torch.int32),
-                          t(cb.values, F32), t(cb.kmap), t(cb.nb_row), t(cb.nb), t(cb.nb_len), t(cb.nb_head),
-                          t(cb.nb_tail))
+                          t(cb.values, F32), t(cb.kmap), t(cb.nb_row), t(cb.nb_len), t(table))
 
 
 def codes_of(cb: DeviceCodebook, L: torch.Tensor) -> torch.Tensor:
@@ -70,16 +73,17 @@ def nearest_entry(cb: DeviceCodebook, rows: torch.Tensor, xv: torch.Tensor, wa: 
     remaining terms in order (the same float32 operations as ggml's loop).
     """
     n = rows.shape[0]
-    cand = cb.nb[rows, :width]
+    table = cb.nb_table[:, :width].index_select(0, rows)           # (n, width, 2 + tails)
+    cand = table[:, :, 0]
     diff = sc[:, None, None] * cb.values - xv[:, :, None]            # (n, group, nlev)
     terms = wa[:, :, None] * diff * diff
     part = terms[:, 0]
     for i in range(1, cb.head):
         part = (part[:, :, None] + terms[:, i][:, None, :]).reshape(n, -1)
-    d2 = torch.gather(part, 1, cb.nb_head[rows, :width])
+    d2 = torch.gather(part, 1, table[:, :, 1])
     flat = terms.reshape(n, -1)
-    for tail in cb.nb_tail:
-        d2 = d2 + torch.gather(flat, 1, tail[rows, :width])
+    for j in range(2, table.shape[2]):
+        d2 = d2 + torch.gather(flat, 1, table[:, :, j])
     d2 = torch.where(cand < 0, float("inf"), d2)
     return torch.gather(cand, 1, torch.argmin(d2, dim=1, keepdim=True))[:, 0]
 
@@ -100,15 +104,22 @@ def snap(cb: DeviceCodebook, L: torch.Tensor, xg: torch.Tensor, wg: torch.Tensor
         return L, off
     rows = cb.nb_row[codes[c, k, b]]
     lens = cb.nb_len[rows]
+    G, B = xg.shape[0], xg.shape[2]
+    flat_g = k * B + b                                               # group (k, b) in a (G*B, group) view
+    xv = xg.permute(0, 2, 1).reshape(G * B, -1).index_select(0, flat_g)
+    wa = wg.permute(0, 2, 1).reshape(G * B, -1).index_select(0, flat_g)
+    sc = scale.reshape(-1).index_select(0, c * B + b)
     best = torch.empty_like(rows)
     lo = 0
     for hi in _WIDTHS:
         part = torch.nonzero((lens > lo) & (lens <= hi), as_tuple=True)[0]
         lo = hi
         if part.numel():
-            pk, pb = k[part], b[part]
             width = int(lens[part].max())
-            best[part] = nearest_entry(cb, rows[part], xg[pk, :, pb], wg[pk, :, pb], scale[c[part], pb], width)
+            step = max(1, SLOTS_PER_BATCH // width)
+            for p0 in range(0, part.numel(), step):
+                q = part[p0:p0 + step]
+                best[q] = nearest_entry(cb, rows[q], xv[q], wa[q], sc[q], width)
     L = L.clone()
     L[c, k, :, b] = cb.levels[best]
     return L, off

@@ -12,7 +12,8 @@ every device:
 - square roots through float64 (:func:`sqrt`): torch's float32 CPU root is not always correctly rounded;
 - device-independent results where ggml's x86 build meets NaN: :func:`nearest_int` and
   :func:`to_int32` give what x86 gives for NaN and out-of-range values (CUDA's conversions saturate),
-  :func:`fp16_bits` writes x86's NaN half.
+  :func:`fp16_bits` writes x86's default NaN as a half. (NaN only arises where squares of the weights
+  overflow float32, |x| > 1.8e19, where ggml's own output is meaningless or it aborts.)
 Loops run over the few candidate scales and the 16 or 32 elements of a block, never over blocks.
 """
 from __future__ import annotations
@@ -77,12 +78,11 @@ def to_int32(v: torch.Tensor) -> torch.Tensor:
 def fp16_bits(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Round float32 to IEEE half (nearest even): (int16 bit patterns, their float32 values).
 
-    NaN becomes x86's half NaN (sign | 0x7E00) on every device.
+    NaN becomes 0xFE00, the half of x86's default NaN (0xFFC00000), which is what ggml's x86 build
+    stores for a NaN it computed; devices differ in the NaN they generate (CUDA's is positive).
     """
     h = v.to(torch.float16)
-    bits = h.view(torch.int16)
-    nan_bits = torch.where(torch.signbit(v), -512, 0x7E00).to(torch.int16)
-    bits = torch.where(torch.isnan(v), nan_bits, bits)
+    bits = torch.where(torch.isnan(v), -512, h.view(torch.int16)).to(torch.int16)
     return bits, h.to(F32)
 
 

@@ -11,7 +11,7 @@ Parts (each written to the JSON as it completes, so a time-out still leaves the 
    MSE/D(R) = mean((Q(g·x)/g − x)²) / 2^(−2K) and weights/s (the kernel time, synchronised, compile excluded).
 3. micro: mixq's fused encoder alone at several tile counts and K (weights/s).
 4. end to end: mixq's `trellis.quantize` on a stacked (32, 2048, 4096) expert batch with a Hessian (weights/s and
-   the per-phase split), K = 2, 3, 4.
+   the per-phase split), K = 2, 2.5, 3, 4 (2.5: the routed experts of the 108 GB GLM-5.3-Flash plan).
 """
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("trellis_vs_exllamav3: needs a CUDA device")
-    ks = [int(b) for b in args.bits.split(",")]
+    ks = [int(b) for b in args.bits.split(",")]  # integer K: exllamav3's quantize_tiles table
     codebooks = ["mul1"] if args.quick else args.codebooks.split(",")
     skip = set(args.skip.split(",")) if args.skip else set()
     if args.quick:
@@ -184,8 +184,8 @@ def main():
     parts = [("tests", lambda: gpu_tests(out, save)),
              ("encoder", lambda: encoder_table(8192 if args.quick else args.tiles, ks, codebooks,
                                                not args.no_exllamav3, out, save)),
-             ("micro", lambda: micro([132, 1056, 4224, 16896], [1, 2, 3, 4, 5, 6, 8], out, save)),
-             ("e2e", lambda: end_to_end((32, 2048, 4096), ks, out, save))]
+             ("micro", lambda: micro([132, 1056, 4224, 16896], [1, 2, 2.5, 3, 4, 5, 6, 8], out, save)),
+             ("e2e", lambda: end_to_end((32, 2048, 4096), sorted(set(ks) | {2.5}), out, save))]
     for name, part in parts:
         if name in skip:
             continue

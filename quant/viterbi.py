@@ -6,9 +6,9 @@ equal s >> D. Costs are kept in float32 (the reference kernel uses fp16, which c
 Tail-biting is solved in two passes like the reference: a free-start run over a window around the ring seam
 (``warm`` positions before and after it; the whole ring on a GPU, a shorter window on the CPU) picks the seam
 edge, then pass 2 runs the full ring constrained to start and end on that edge, which makes the ring
-self-consistent by construction. On CUDA, integer bitrates run the fused kernel of quant/viterbi_fused.py (one
-program per tile for all 256 steps); half rates run a per-step Triton add-compare-select with uint8 backpointers.
-Elsewhere plain torch ops, with backpointers recomputed from stored minima.
+self-consistent by construction. On CUDA every bitrate runs the fused kernel of quant/viterbi_fused.py (one
+program per tile for all 256 steps); if it is unavailable, a per-step Triton add-compare-select with uint8
+backpointers. Elsewhere plain torch ops, with backpointers recomputed from stored minima.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def viterbi_tiles(x: torch.Tensor, table: torch.Tensor, bits: float, warm: int |
     """Encode (T, 256) targets (tensor-core order) as consistent tail-biting rings; return (T, 256) int64 states."""
     if x.is_cuda and warm in (None, 128) and WARM in (None, 128) and fused_ok(bits):
         from . import viterbi_fused
-        return viterbi_fused.encode(x, table.half(), int(bits))
+        return viterbi_fused.encode(x, table.half(), float(bits))
     d = step_bits(float(bits))
     if warm is None:  # the full-ring pass 1 is ~1% better; worth its cost on a GPU, not in CPU tests
         warm = WARM or (128 if x.is_cuda else default_warm(bits))
@@ -291,7 +291,7 @@ def viterbi_free(x: torch.Tensor, table: torch.Tensor, bits: float) -> torch.Ten
     the fused kernel: the MSE of the tail-biting encode itself (as cheap there, and what the tiles will get)."""
     if x.is_cuda and fused_ok(bits):
         from . import viterbi_fused
-        states = viterbi_fused.encode(x, table.half(), int(bits))
+        states = viterbi_fused.encode(x, table.half(), float(bits))
         return (table[states] - x.float()).square().mean(1)
     d = step_bits(float(bits))
     x = x.float().contiguous()
@@ -317,15 +317,16 @@ def encode_tiles(x: torch.Tensor, table: torch.Tensor, bits: float, max_bp_bytes
 # ---------------------------------------------------------------------------------------------------------------
 # Fused kernel gate: compiled and checked against the torch path once per process and bitrate.
 
-_FUSED: dict[int, bool] = {}
+_FUSED: dict[float, bool] = {}
+_RATES = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0)
 
 
 def fused_ok(bits: float) -> bool:
-    """Whether the fused CUDA kernel serves this bitrate: integer K, Triton present, and on first use its
-    encode of a few random tiles matches the torch path's squared error (MIXQ_TRELLIS_FUSED=0 turns it off)."""
-    if float(bits) != int(bits) or not 1 <= int(bits) <= 8 or not torch.cuda.is_available():
+    """Whether the fused CUDA kernel serves this bitrate: Triton present, and on first use its encode of a
+    few random tiles matches the torch path's squared error (MIXQ_TRELLIS_FUSED=0 turns it off)."""
+    k = float(bits)
+    if k not in _RATES or not torch.cuda.is_available():
         return False
-    k = int(bits)
     if k not in _FUSED:
         _FUSED[k] = False
         if os.environ.get("MIXQ_TRELLIS_FUSED", "1") != "0":
@@ -336,7 +337,15 @@ def fused_ok(bits: float) -> bool:
     return _FUSED[k]
 
 
-def _self_check_fused(k: int, tiles: int = 8) -> bool:
+def ring_consistent(states: torch.Tensor, bits: float) -> bool:
+    """Whether (T, 256) states form tail-biting rings: s_{p+1} >> D(p+1) = the low 16 − D(p+1) bits of s_p."""
+    d = torch.tensor(step_bits(float(bits)), device=states.device)
+    dn = torch.roll(d, -1)
+    nxt = torch.roll(states, -1, dims=1)
+    return bool(((nxt >> dn) == (states & ((1 << (16 - dn)) - 1))).all())
+
+
+def _self_check_fused(k: float, tiles: int = 8) -> bool:
     from . import viterbi_fused
     from .codebooks import codebook_table
 
@@ -345,12 +354,10 @@ def _self_check_fused(k: int, tiles: int = 8) -> bool:
     table = codebook_table("mul1", dev)
     x = (torch.randn(tiles, 256, generator=g) * 0.9).to(dev)
     a = viterbi_fused.encode(x, table.half(), k)
-    d = step_bits(float(k))
     b = viterbi_tiles_reference(x, table, float(k))
     ea = (table[a] - x).square().mean()
     eb = (table[b] - x).square().mean()
-    mask = (NSTATES >> d[0]) - 1
-    ring = bool(((a[:, 1:] >> k) == (a[:, :-1] & mask)).all() and ((a[:, 0] >> k) == (a[:, -1] & mask)).all())
+    ring = ring_consistent(a, k)
     ok = ring and float(ea) <= float(eb) * (1 + 5e-3) + 1e-6  # fp16 costs: equal up to rare near-ties
     if not ok:
         warnings.warn(f"trellis: fused Viterbi check failed for K={k} (ring={ring}, mse {float(ea):.6g} vs "
@@ -361,7 +368,7 @@ def _self_check_fused(k: int, tiles: int = 8) -> bool:
 def viterbi_tiles_reference(x: torch.Tensor, table: torch.Tensor, bits: float) -> torch.Tensor:
     """The per-step path with the full-ring seam pass (what the fused kernel computes), for checks."""
     saved = _FUSED.copy()
-    _FUSED.update({k: False for k in range(1, 9)})
+    _FUSED.update({k: False for k in _RATES})
     try:
         return viterbi_tiles(x, table, bits, warm=128)
     finally:

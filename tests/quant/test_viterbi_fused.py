@@ -19,8 +19,8 @@ from mixq.quant import viterbi
 _CHECK = r"""
 import json, sys, torch
 from mixq.quant import viterbi, viterbi_fused, codebooks as cb
-bits, tiles = int(sys.argv[1]), int(sys.argv[2])
-x = torch.randn(tiles, 256, generator=torch.Generator().manual_seed(bits)) * 0.9
+bits, tiles = float(sys.argv[1]), int(sys.argv[2])
+x = torch.randn(tiles, 256, generator=torch.Generator().manual_seed(int(2 * bits))) * 0.9
 table = cb.codebook_table("mul1")
 a = viterbi_fused.encode(x, table.half(), bits)
 b = viterbi.viterbi_tiles(x, table, bits, warm=128)
@@ -28,13 +28,7 @@ print(json.dumps({"a": a.tolist(), "b": b.tolist(), "x": x.tolist()}))
 """
 
 
-def _ring_consistent(states: torch.Tensor, bits: int) -> bool:
-    mask = (1 << (16 - bits)) - 1
-    nxt = torch.roll(states, -1, dims=1)
-    return bool(((nxt >> bits) == (states & mask)).all())
-
-
-def _interpret(bits: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _interpret(bits: float, tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _CHECK, str(bits), str(tiles)], env=env, capture_output=True,
@@ -44,10 +38,10 @@ def _interpret(bits: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return torch.tensor(r["a"]), torch.tensor(r["b"]), torch.tensor(r["x"])
 
 
-def _assert_same_encode(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, bits: int, tol: float,
+def _assert_same_encode(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, bits: float, tol: float,
                         rel: float = 0.0) -> None:
     table = cb.codebook_table("mul1", x.device)
-    assert _ring_consistent(a, bits)
+    assert viterbi.ring_consistent(a, bits)
     ea = (table[a] - x).square().mean(1)
     eb = (table[b] - x).square().mean(1)
     same = (a == b).all(1)
@@ -63,7 +57,7 @@ def test_fused_kernel_equals_torch_path_in_interpreter():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 5, 8])
 def test_fused_kernel_every_rate_in_interpreter(bits):
     a, b, x = _interpret(bits, 2)
     _assert_same_encode(a, b, x, bits, 1e-6)
@@ -71,12 +65,12 @@ def test_fused_kernel_every_rate_in_interpreter(bits):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
 def test_fused_kernel_equals_torch_path_on_gpu(bits):
     from mixq.quant import viterbi_fused
 
     dev = torch.device("cuda")
-    x = (torch.randn(96, 256, generator=torch.Generator().manual_seed(bits)) * 0.9).to(dev)
+    x = (torch.randn(96, 256, generator=torch.Generator().manual_seed(int(2 * bits))) * 0.9).to(dev)
     table = cb.codebook_table("mul1", dev)
     a = viterbi_fused.encode(x, table.half(), bits)
     b = viterbi.viterbi_tiles_reference(x, table, float(bits))

@@ -79,8 +79,11 @@ def write_imatrix(path: str | Path, im: IMatrix) -> Path:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
-    finally:
+    except BaseException:
         w.close()
+        tmp.unlink(missing_ok=True)  # a failed write (disk full, Ctrl-C) leaves nothing behind
+        raise
+    w.close()
     os.replace(tmp, path)
     return path
 

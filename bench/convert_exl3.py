@@ -1,11 +1,11 @@
-"""Measure `mixq convert` to EXL3: glm5next-mini at several bpw targets (issue 5, "Must show"; CPU by default).
+"""Measure `mixq convert` to EXL3: glm5next-mini at several bpw targets (CPU by default).
 
 For each target: the conversion runs in its own process (`python -m mixq convert ... --json`), so its wall time and
 peak RSS (ru_maxrss of that child) are its own; then `mixq verify`, the plan coverage, quantization_config.bits
-against the target, and the KLD / top-1 against the BF16 model on heldout.txt (mixq.eval.evaluate, helper E).
+against the target, and the KLD / top-1 against the BF16 model on heldout.txt (mixq.eval.evaluate).
 
   python bench/convert_exl3.py                       # mini at 4.0 and 2.0 bpw, 8 windows x 512 tokens
-  python bench/convert_exl3.py --bpw 4.0 --windows 4 --out /tmp/exl3-bench --json result.json
+  python bench/convert_exl3.py --bpw 4.0 --windows 4 --out ../bench-work/exl3-bench --json result.json
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import SHARED, WORK, repo_relative  # noqa: E402
 
 
 def convert_child(model: Path, out: Path, bpw: float, rows: int, seq_len: int, calibration: Path,
@@ -46,7 +46,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=SHARED / "models" / "glm5next-mini")
     ap.add_argument("--bpw", type=float, action="append", default=None)
-    ap.add_argument("--out", type=Path, default=Path("/tmp/mixq-exl3-bench"))
+    ap.add_argument("--out", type=Path, default=WORK / "exl3-bench")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
@@ -98,7 +98,7 @@ def main() -> int:
         if 4.0 in by and 2.0 in by:
             print(f"KLD 4.0 < KLD 2.0: {by[4.0] < by[2.0]}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps(repo_relative(rows), indent=2))
     return 0 if all(r["verify_ok"] and r["bits_ok"] and not r["planned_missing"] for r in rows) else 1
 
 

@@ -1,5 +1,5 @@
 """The real client: does exllamav3 1.6.5 load mixq's EXL3 directory, and do its logits agree with mixq's own
-dequantized model in transformers? (issue 5, "Must show"; run on a CUDA machine with exllamav3 installed.)
+dequantized model in transformers? (Run on a CUDA machine with exllamav3 installed.)
 
 For each (source model, EXL3 dir) pair: held-out windows from ../shared/data/heldout.txt, tokenized with the model's
 own tokenizer; logits from (a) exllamav3 (`Model.forward(ids, {"attn_mode": "flash_attn_nc"})`), (b) transformers
@@ -10,14 +10,13 @@ holding `read_exl3(dir)` (the dequantized weights), (c) transformers holding the
   pass        = mutual KLD < max(1e-3, quant KLD / 10) and top-1 ≥ 0.99.
 
 Usage (the EXL3 directory is converted first when it does not exist yet):
-  python bench/exllamav3_check.py --model ../shared/models/glm5next-mini --exl3 /tmp/mini-4.0 --bpw 4.0
-  python bench/exllamav3_check.py --model ../shared/models/glm5next-k256 --exl3 /tmp/k256-4.0 --bpw 4.0 --json out.json
+  python bench/exllamav3_check.py --model ../shared/models/glm5next-mini --exl3 ../bench-work/mini-4.0 --bpw 4.0
+  python bench/exllamav3_check.py --model ../shared/models/glm5next-k256 --exl3 ../bench-work/k256-4.0 --bpw 4.0 --json out.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("MIXQ_SHARED") or REPO.parent / "shared")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import SHARED, repo_relative  # noqa: E402
 
 
 def windows(model_dir: Path, text: Path, ctx: int, n: int) -> torch.Tensor:
@@ -99,7 +98,7 @@ def check(model_dir: Path, exl3_dir: Path, *, bpw: float, ctx: int, n_windows: i
     top1 = torch.cat([(x[first:].argmax(-1) == y[first:].argmax(-1)).float() for x, y in zip(b, a)])
     quant_kld = kl_cb.mean().item()
     mutual = kl_ba.mean().item()
-    res = {"model": str(model_dir), "exl3": str(exl3_dir), "windows": len(a), "ctx": ctx,
+    res = {"model": repo_relative(str(model_dir)), "exl3": repo_relative(str(exl3_dir)), "windows": len(a), "ctx": ctx,
            "positions": int(top1.numel()), "mutual_kld": mutual, "mutual_kld_rev": kl_ab.mean().item(),
            "top1_agreement": top1.mean().item(), "quant_kld_vs_bf16": quant_kld,
            "kld_limit": max(1e-3, quant_kld / 10),

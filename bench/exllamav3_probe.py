@@ -1,4 +1,4 @@
-"""Where does exllamav3 turn a model's activations non-finite? A diagnostic for the real client (issue 5).
+"""Where does exllamav3 turn a model's activations non-finite? A diagnostic for the real client.
 
 Wraps the forward of every exllamav3 module (recursively) of each given directory, runs one held-out window,
 and prints the execution-ordered trace around the first module whose output is not finite:

@@ -23,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import REPO, SHARED, WORK, repo_relative  # noqa: E402
+
 MODEL = SHARED / "models" / "glm5next-k256"
 CALIBRATION = SHARED / "data" / "calibration.txt"
 EXPS = r"blk\.[0-3]\.ffn_(gate|up|down)_exps"
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="thread counts to time (the first is the baseline)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best wall time of each count counts")
     ap.add_argument("--type", dest="qtype", default="IQ2_S", help="routed-expert type")
-    ap.add_argument("--work", default=os.environ.get("MIXQ_BENCH_WORK", "/work/bench-work"))
+    ap.add_argument("--work", default=str(WORK))
     ap.add_argument("--imatrix", default=None, help="imatrix file [default: WORK/k256/imatrix-r32.gguf, made if absent]")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gguf-threads.json"))
     a = ap.parse_args(argv)
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
         rows.append({"threads": n, "wall_s": best["wall_s"], "cpu_s": best["cpu_s"],
                      "speedup": round(base / best["wall_s"], 2),
                      "identical": all(x["sha256"] == ref for x in runs[n]), "runs": runs[n]})
-    res = {"model": "glm5next-k256", "row": f"Q4_K_M, experts {a.qtype}, imatrix {imx}", "cores": os.cpu_count(),
+    res = {"model": "glm5next-k256", "row": f"Q4_K_M, experts {a.qtype}, imatrix {repo_relative(imx)}",
+           "cores": os.cpu_count(),
            "capacity": {"threads": top, "before": caps[0], "after": caps[1]},
            "load_before": [round(v, 2) for v in load0], "load_after": [round(v, 2) for v in os.getloadavg()],
            "rows": rows}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kld_vs_size import CALIBRATION, HELDOUT, MODELS, REPO, tensor_parity  # noqa: E402
+from paths import WORK, repo_relative  # noqa: E402
 from llamacpp_tools import find_tool  # noqa: E402
 
 EXPS = r"blk\.[0-3]\.ffn_(gate|up|down)_exps"
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--types", default="IQ2_XS,IQ2_S", help="routed-expert types of the override rows")
     ap.add_argument("--size", default="14.3MB", help="--size of the --gguf-ladder iq plan row ('' for none)")
-    ap.add_argument("--work", default=os.environ.get("MIXQ_BENCH_WORK", "/work/bench-work"))
+    ap.add_argument("--work", default=str(WORK))
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--imatrix-rows", type=int, default=32)
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         return {"bytes": p.stat().st_size, "kld": c["kld_mean"], "kld_err": c["kld_mean_err"], "top1": c["top1"],
                 "engine": c.get("engine")}
 
-    out = {"model": "glm5next-k256", "imatrix": str(imx), "windows": a.windows, "ctx": a.ctx,
+    out = {"model": "glm5next-k256", "imatrix": repo_relative(str(imx)), "windows": a.windows, "ctx": a.ctx,
            "engine": "llama.cpp (llama-cpp-python 0.3.36)", "bf16": score(bf16), "rows": []}
     for label, f, g, s, s2 in rows:
         types = {}

@@ -29,10 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-# the fixtures: $MIXQ_SHARED, else ../shared next to the repo, else shared/ inside it (device-machine copies)
-SHARED = Path(os.environ.get("MIXQ_SHARED") or next(
-    (p for p in (REPO.parent / "shared", REPO / "shared") if (p / "models").is_dir()), REPO.parent / "shared"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import REPO, SHARED, WORK, repo_relative  # noqa: E402
 MODELS = {"k256": SHARED / "models" / "glm5next-k256", "mini": SHARED / "models" / "glm5next-mini"}
 HELDOUT = SHARED / "data" / "heldout.txt"
 CALIBRATION = SHARED / "data" / "calibration.txt"
@@ -258,7 +256,7 @@ class Bench:
                 out = self.report(r)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 t = out.with_name(out.name + ".tmp")
-                t.write_text(json.dumps({**common, "candidates": [c]}, indent=2) + "\n")
+                t.write_text(json.dumps(repo_relative({**common, "candidates": [c]}), indent=2) + "\n")
                 os.replace(t, out)
                 log(f"{r.model} {r.id}: {c['bytes']} bytes, KLD {c['kld_mean']:.4g}, top-1 {c['top1']:.4f}")
             tmp.unlink(missing_ok=True)
@@ -469,7 +467,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--exl3-rows", type=int, default=64, help="calibration rows for EXL3 Hessians")
     ap.add_argument("--threads", type=int, default=2, help="threads for llama.cpp's quantizer")
     ap.add_argument("--chunk", type=int, default=4, help="candidates per `mixq eval` call")
-    ap.add_argument("--work", default=os.environ.get("MIXQ_BENCH_WORK", "/work/bench-work"), help="quantized files")
+    ap.add_argument("--work", default=str(WORK), help="quantized files (outside the repo)")
     ap.add_argument("--results", default=str(REPO / "bench" / "results"), help="per-row JSON reports and tables")
     ap.add_argument("--plot", default=str(REPO / "docs" / "kld_vs_size.png"), help="plot path ('' for none)")
     ap.add_argument("--report", action="store_true", help="only rebuild the tables and the plot")

@@ -8,9 +8,10 @@ Why: llama.cpp's C API takes an importance matrix only as a C++ map that ctypes 
     python bench/llamacpp_tools.py --server          # also llama-server (slow: the HTTP server and its UI)
     python bench/llamacpp_tools.py --print           # only print what TOOLS.txt records
 
-Defaults: sources /work/vendor/llama_cpp_python-0.3.36/vendor/llama.cpp (unpacked from the sdist when only
-/work/vendor/llama_cpp_python-0.3.36.tar.gz exists), build dir /work/vendor/llama-build, paths written to
-/work/vendor/TOOLS.txt as NAME=PATH lines. Portable build: -DGGML_NATIVE=OFF (a native build on an AMX CPU
+Defaults (VENDOR = $MIXQ_VENDOR, else ../vendor next to the repo): sources
+VENDOR/llama_cpp_python-0.3.36/vendor/llama.cpp (unpacked from the sdist when only
+VENDOR/llama_cpp_python-0.3.36.tar.gz exists), build dir VENDOR/llama-build, paths written to
+VENDOR/TOOLS.txt as NAME=PATH lines. Portable build: -DGGML_NATIVE=OFF (a native build on an AMX CPU
 crashes on Q8_0/Q4_0 weights of glm5-next, reference/gguf-glm5-next.md §6.4), static libraries, no curl/SSL.
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-VENDOR = Path(os.environ.get("MIXQ_VENDOR", "/work/vendor"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import VENDOR  # noqa: E402
+
 SDIST_NAME = "llama_cpp_python-0.3.36"
 BUILD = VENDOR / "llama-build"
 TOOLS_TXT = VENDOR / "TOOLS.txt"

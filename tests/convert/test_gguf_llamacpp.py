@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from mixq.formats.checkpoint import open_checkpoint  # noqa: E402
 from mixq.formats.gguf_reader import read_gguf, read_gguf_weights  # noqa: E402
 from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata  # noqa: E402
 from mixq.formats.gguf_writer import TensorOut, glm5next_kv, write_gguf  # noqa: E402
+
+# the llama-cpp-python sdist unpacked in ../vendor next to the repo (bench/llamacpp_tools.py)
+_VENDORED_LLAMA_CPP = Path(__file__).resolve().parents[3] / "vendor" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 
 CTX = 257  # scored positions 0..255: 256 tokens, as the yardsticks
 # KLD(transformers || llama.cpp) of llama.cpp's own converter + llama-quantize on 256 tokens (issue 6)
@@ -233,7 +237,7 @@ def test_bf16_equals_llamacpp_converter(name, request, tmp_path):
     import subprocess
     import sys
 
-    src = os.environ.get("MIXQ_LLAMA_CPP_SRC", "/work/vendor/llama_cpp_python-0.3.36/vendor/llama.cpp")
+    src = os.environ.get("MIXQ_LLAMA_CPP_SRC") or str(_VENDORED_LLAMA_CPP)
     if not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
         pytest.skip("vendored llama.cpp sources not available (MIXQ_LLAMA_CPP_SRC)")
     model_dir = request.getfixturevalue(f"{name}_model")
@@ -277,7 +281,7 @@ def llama_quantize(tmp_path_factory):
     import subprocess
     from pathlib import Path
 
-    src = Path(os.environ.get("MIXQ_LLAMA_CPP_SRC", "/work/vendor/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+    src = Path(os.environ.get("MIXQ_LLAMA_CPP_SRC") or _VENDORED_LLAMA_CPP)
     if not (src / "tools" / "quantize" / "quantize.cpp").is_file() or shutil.which("g++") is None:
         pytest.skip("vendored llama.cpp sources (MIXQ_LLAMA_CPP_SRC) or g++ not available")
     lib = Path(llama_cpp.__file__).parent / "lib"

@@ -109,7 +109,9 @@ def cpp_jinja(tmp_path_factory):
     import subprocess
     from pathlib import Path
 
-    src = Path(os.environ.get("MIXQ_LLAMA_CPP_SRC", "/work/vendor/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+    # default: the llama-cpp-python sdist unpacked in ../vendor next to the repo (bench/llamacpp_tools.py)
+    src = Path(os.environ.get("MIXQ_LLAMA_CPP_SRC") or
+               Path(__file__).resolve().parents[3] / "vendor" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp")
     if not (src / "common" / "jinja" / "runtime.cpp").is_file() or shutil.which("g++") is None:
         pytest.skip("vendored llama.cpp sources (MIXQ_LLAMA_CPP_SRC) or g++ not available")
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mixq" / "llamacpp-jinja-driver"

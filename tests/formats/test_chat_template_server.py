@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 
 
 def _server_binary() -> Path:
-    cand = os.environ.get("MIXQ_LLAMA_SERVER") or shutil.which("llama-server") or "/work/vendor/llama-build/bin/llama-server"
+    cand = (os.environ.get("MIXQ_LLAMA_SERVER") or shutil.which("llama-server")
+            or Path(__file__).resolve().parents[3] / "vendor" / "llama-build" / "bin" / "llama-server")
     p = Path(cand)
     if not p.is_file():
         pytest.skip("llama-server not built (set MIXQ_LLAMA_SERVER; bench/llamacpp_tools.py builds it)")

@@ -13,32 +13,20 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
 
+from gguf import TokenType
+
 from mixq.errors import InputError
 from mixq.formats.checkpoint import load_tokenizer as _load_tokenizer
 
-# The probe text llama.cpp's converter encodes (exercises whitespace runs, emoji, digits, CJK, Khmer, quotes).
-PROBE_TEXT = (
-    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f "
-    "(multiple emojis concatenated) \u2705 \U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 "
-    "3.3 3..3 3...3 \u1780\u17b6\u1793\u17cb\u178f\u17c2\u1796\u17b7\u179f\u17c1\u179f\u17a2\u17b6\u1785\U0001f601 "
-    "?\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ------======= "
-    "\u043d\u0435\u0449\u043e \u043d\u0430 \u0411\u044a\u043b\u0433\u0430\u0440\u0441\u043a\u0438 "
-    "''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, "
-    "'D you like some tea? We'Ve a'lL"
-)
+# llama.cpp's fingerprint of a pre-tokenizer: a probe text and the pre ids of known fingerprints, kept as cited
+# data (formats/data/llamacpp_pretokenizer_probe.json names its source)
+_PROBE = json.loads((Path(__file__).parent / "data" / "llamacpp_pretokenizer_probe.json").read_text(encoding="utf-8"))
+PROBE_TEXT: str = _PROBE["probe_text"]
+KNOWN_PRE: dict[str, str] = _PROBE["known_pre"]
 
-# sha256(str(token ids of PROBE_TEXT)) -> tokenizer.ggml.pre (values from llama.cpp's converter table).
-KNOWN_PRE: dict[str, str] = {
-    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
-    "a1336059768a55c99a734006ffb02203cd450fed003e9a71886c88acf24fdbc2": "glm4",
-    "b6e8e1518dc4305be2fe39c313ed643381c4da5db34a98f6a04c093f8afbe99b": "chatglm-bpe",
-    "81d72c7348a9f0ebe86f23298d37debe0a5e71149e29bd283904c02262b27516": "chatglm-bpe",
-    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
-    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
-    "877081d19cf6996e2c4ff0e1236341e9b7bde288f5311a56a937f0afbbb3aeb5": "deepseek-v3",
-}
-
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+# tokenizer.ggml.token_type values (gguf-py's TokenType), stored as plain ints
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = (
+    int(t) for t in (TokenType.NORMAL, TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNUSED))
 _GPT2_SPLIT = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
 
 

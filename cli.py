@@ -230,7 +230,7 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
          measure, measure_out, measure_sample, device, calibration, fit, context, cache, reserve, mmproj, devices,
          seqs, per_tensor, as_json) -> None:
     """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting."""
-    from mixq.convert.fit import run_plan
+    from mixq.eval.plan_kld import run_plan
 
     res = run_plan(model, fmt, from_config=from_config, bpw=bpw, size=size, qtype=qtype, overrides=override,
                    head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=not no_mtp,

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT.parent))
 
-from mixq.convert import sensitivity as cs  # noqa: E402
+from mixq.convert import measure as cs  # noqa: E402
 from mixq.convert.planning import _exl3_group, plan_model  # noqa: E402
 from mixq.formats.checkpoint import open_checkpoint  # noqa: E402
 

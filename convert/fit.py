@@ -214,7 +214,7 @@ def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw
              calibration: Sequence[str] = (), measure_out: str | None = None, measure_sample: str = "auto",
              device: str | None = None) -> Plan | FitResult:
     """What ``mixq plan`` runs: open MODEL (or build shapes from --from-config), then plan or fit."""
-    from mixq.convert.sensitivity import resolve_measure
+    from mixq.convert.measure import resolve_measure
     from mixq.formats.checkpoint import checkpoint_from_config, open_checkpoint
 
     if (model is None) == (from_config is None):

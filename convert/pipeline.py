@@ -152,7 +152,7 @@ def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None
         if not Path(f).is_file():
             raise InputError(f"calibration file not found: {f}")
     if isinstance(measure, (str, Path)):
-        from mixq.convert.sensitivity import load_curves
+        from mixq.convert.measure import load_curves
 
         measure = load_curves(measure)
     plan = plan_model(ckpt, "exl3", bpw=bpw, size=size, overrides=overrides, head_bits=head_bits,

@@ -510,7 +510,7 @@ def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int =
     tr(H) = Σx² / N over all N calibration tokens (the calibrator sends every token through every expert, so
     routing is not reflected) and D(K) = 2^(−2K), the rate–distortion slope the trellis tracks (issue 3). Not a
     per-rate trellis measurement: every unit's curve has the same shape, only its weight is measured. This is
-    ``--measure proxy``; ``--measure`` alone measures with the trellis (``convert/sensitivity.py``)."""
+    ``--measure proxy``; ``--measure`` alone measures with the trellis (``convert/measure.py``)."""
     from mixq.convert.calibration import calibrate, calibration_rows, load_tokenizer
 
     tok = load_tokenizer(ckpt.path)

@@ -313,7 +313,7 @@ def test_convert_with_measured_curves_follows_the_sensitivity_plan(tiny_model, f
     whose curve says it is very sensitive gets more bits than the role default, an insensitive one fewer."""
     from mixq.convert.pipeline import unit_bits
     from mixq.convert.planning import plan_model
-    from mixq.convert.sensitivity import budget_units, save_curves
+    from mixq.convert.measure import budget_units, save_curves
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.exl3_names import exl3_layout
     from mixq.formats.exl3_reader import Exl3Dir

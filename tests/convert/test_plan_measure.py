@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from mixq.cli import main
-from mixq.convert import sensitivity as cs
+from mixq.convert import measure as cs
 from mixq.convert.planning import measure_proxy, plan_model
 from mixq.formats.checkpoint import open_checkpoint
 
@@ -117,14 +117,16 @@ def test_measure_proxy_plans_mini(mini_model, calibration_text):
 def test_kld_gains_and_weighting(tiny2, monkeypatch):
     """`--measure kld`: every unit's end-to-end KLD under trellis-sized noise is positive and finite, grows when the
     noise grows (fewer reference bits), and the weighted curves keep each unit's shape with that KLD at ref_bits."""
+    from mixq.eval import plan_kld
+
     ck = open_checkpoint(tiny2)
     units = sorted(cs.budget_units(ck))
-    g3 = cs.kld_gains(ck, units, rows=2, seq_len=32, ref_bits=3.0, progress=False)
-    g1 = cs.kld_gains(ck, units, rows=2, seq_len=32, ref_bits=1.0, progress=False)
+    g3 = plan_kld.kld_gains(ck, units, rows=2, seq_len=32, ref_bits=3.0, progress=False)
+    g1 = plan_kld.kld_gains(ck, units, rows=2, seq_len=32, ref_bits=1.0, progress=False)
     assert set(g3) == set(units) and all(0 < v < 1 for v in g3.values())
     assert all(g1[k] > 1.5 * g3[k] for k in units)  # 16x the noise variance (random tiny weights: 2.5-17x the KLD)
     curves = {k: {2.0: 8.0, 3.0: 2.0, 4.0: 0.5} for k in units}
-    w = cs.kld_weighted(curves, g3)
+    w = plan_kld.kld_weighted(curves, g3)
     assert all(abs(w[k][3.0] - g3[k]) < 1e-12 and abs(w[k][2.0] / w[k][4.0] - 16) < 1e-9 for k in units)
     with pytest.raises(Exception, match="no gain"):
-        cs.kld_weighted({"x": {3.0: 1.0}}, {})
+        plan_kld.kld_weighted({"x": {3.0: 1.0}}, {})

@@ -1,4 +1,4 @@
-"""`mixq plan --measure`: measure every budgeted EXL3 unit's proxy loss at every candidate bitrate.
+"""`mixq plan --measure`: measure every budgeted EXL3 unit's trellis loss at every candidate bitrate.
 
 One calibration pass (``convert/calibration.py``, full Hessians, source weights) walks the decoder layer by
 layer; for every budgeted unit of the layer (the planner's units: one Linear, the fused KDA qkv, or all routed
@@ -282,20 +282,27 @@ def parse_sample(text: str) -> tuple[int | None | str, int | None | str]:
     return out  # type: ignore[return-value]
 
 
-def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequence[str] | None = None,
-                    measure_out: str | None = None, device: str | None = None, sample: str = "auto",
+def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | None, fmt: str, *,
+                    calibration: Sequence[str] | None = None, measure_out: str | None = None,
+                    device: str | None = None, sample: str = "auto",
                     progress: bool = True) -> dict[str, dict[float, float]] | None:
-    """``--measure`` of ``mixq plan``: None -> None; "trellis" -> ``measure_curves``; "kld" (the flag alone) ->
-    those curves rescaled to each unit's end-to-end KLD (``kld_gains``, ``kld_weighted``);
-    "proxy" -> the Hessian-trace proxy (``planning.measure_proxy``); anything else -> a curves JSON file.
-    ``measure_out`` saves measured curves for a later ``--measure FILE``; ``sample``: see ``parse_sample``."""
+    """``--measure`` of ``mixq plan``: None -> None; "trellis" -> ``measure_curves``; "proxy" -> the
+    Hessian-trace proxy (``planning.measure_proxy``); curves already measured (a mapping, e.g. the end-to-end KLD
+    curves of ``mixq.eval.plan_kld``) -> themselves; anything else -> a curves JSON file. "kld" runs the model end
+    to end and is resolved by ``mixq.eval.plan_kld.run_plan`` before planning. ``measure_out`` saves measured
+    curves for a later ``--measure FILE``; ``sample``: see ``parse_sample``."""
     if measure is None:
         if measure_out:
             raise InputError("--measure-out needs --measure")
         return None
+    if isinstance(measure, Mapping):
+        return {k: {float(b): float(v) for b, v in c.items()} for k, c in measure.items()}
     if measure in ("trellis", "proxy", "kld"):
         if fmt != "exl3":
             raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
+        if measure == "kld":
+            raise InputError("--measure kld runs the model end to end: use mixq.eval.plan_kld.run_plan "
+                             "(what `mixq plan` runs)")
         t0 = time.time()
         if measure == "proxy":
             from mixq.convert.planning import measure_proxy
@@ -305,9 +312,6 @@ def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequenc
             strips, experts = parse_sample(sample)
             curves = measure_curves(ckpt, calibration or None, device=device, strips=strips, experts=experts,
                                     progress=progress)
-            if measure == "kld":
-                gains = kld_gains(ckpt, list(curves), calibration or None, device=device, progress=progress)
-                curves = kld_weighted(curves, gains)
         if measure_out:
             save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
                                                    "seconds": round(time.time() - t0, 1)})
@@ -315,64 +319,3 @@ def resolve_measure(ckpt, measure: str | None, fmt: str, *, calibration: Sequenc
     if measure_out:
         raise InputError("--measure-out saves measured curves; it does not apply to --measure FILE")
     return load_curves(measure)
-
-
-# --- end-to-end weighting (--measure kld) ----------------------------------------------------------------------
-TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (issue 3: 1.09-1.14 for K = 2..4)
-
-
-def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = None, *, rows: int = 8,
-              seq_len: int = 256, ref_bits: float = 3.0, device: str | None = None, seed: int = 0,
-              progress: bool = True) -> dict[str, float]:
-    """Each unit's end-to-end cost: the KLD (model with that unit perturbed ‖ source model, mean over calibration
-    tokens, `mixq eval`'s KLD) after adding i.i.d. Gaussian noise of the trellis's weight-space error at ``ref_bits``
-    (TRELLIS_D·2^(−2·ref_bits)·mean(W²) per tensor) to that unit alone. Holds the whole model in memory: for
-    models that fit (fixtures, drafters); a per-layer variant for 320B models is not built."""
-    from tqdm.auto import tqdm
-
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
-    from mixq.eval.reference import build_model
-    from mixq.eval.stats import log_probs, token_quantities
-
-    dev = pick_device(device)
-    groups = budget_units(ckpt)
-    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                           vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0], seed=seed)
-    base = {n: ckpt.get(n, dtype=torch.float32) for n in ckpt.names()}
-
-    def logits(weights: dict) -> torch.Tensor:
-        model = build_model(ckpt.path, weights, dev)
-        with torch.no_grad():
-            out = torch.cat([model(r.view(1, -1).to(dev), use_cache=False).logits[0].float().cpu() for r in ids])
-        del model
-        return out
-
-    ref = log_probs(logits(base))
-    targets = ids.reshape(-1)  # token_quantities wants targets; only its KLD is read here
-    gen = torch.Generator().manual_seed(seed)
-    gains: dict[str, float] = {}
-    for key in tqdm(list(units), desc="kld gains", unit="unit", disable=not progress):
-        w = dict(base)
-        for u in groups[key]:
-            for n in u.hf_names:
-                t = base[n]
-                sigma = (TRELLIS_D * 2.0 ** (-2 * ref_bits) * float(t.square().mean())) ** 0.5
-                w[n] = t + sigma * torch.randn(t.shape, generator=gen)
-        gains[key] = float(token_quantities(ref, logits(w), targets)["kld"].mean())
-    return gains
-
-
-def kld_weighted(curves: Mapping[str, Mapping[float, float]], gains: Mapping[str, float],
-                 ref_bits: float = 3.0) -> dict[str, dict[float, float]]:
-    """Curves in KLD units: each unit's measured trellis curve keeps its shape and is scaled so that its value at
-    ``ref_bits`` is the unit's measured end-to-end KLD (``kld_gains``)."""
-    out = {}
-    for k, c in curves.items():
-        if k.startswith("_"):
-            continue
-        c = {float(b): float(v) for b, v in c.items()}
-        if k not in gains or ref_bits not in c or c[ref_bits] <= 0:
-            raise InputError(f"--measure kld: no gain or no {ref_bits}-bit point for unit {k!r}")
-        s = gains[k] / c[ref_bits]
-        out[k] = {b: v * s for b, v in c.items()}
-    return out

@@ -1,0 +1,113 @@
+"""`mixq plan --measure kld`: each budgeted unit's end-to-end KLD, the trellis curves rescaled to it, and the plan
+command that uses them.
+
+The per-Linear trellis loss alone mis-ranks units (on glm5next-mini o_proj/down_proj have a tiny proxy loss and a
+large end-to-end KLD), so ``--measure kld`` perturbs one unit at a time with noise of the trellis's weight-space
+error at ``ref_bits`` and scores the model against the source with `mixq eval`'s KLD (eval/stats.py). This runs
+the model end to end, which is why it lives in eval and not in convert (convert/measure.py measures the trellis
+curves; convert never imports eval): ``run_plan`` is what ``mixq plan`` runs, resolving ``--measure kld`` here and
+everything else in ``convert.fit.run_plan``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from mixq.convert.measure import budget_units, measure_curves, parse_sample, save_curves
+from mixq.errors import InputError
+from mixq.eval.reference import build_model
+from mixq.eval.stats import log_probs, token_quantities
+from mixq.quant.device import pick_device
+
+TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
+
+
+def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibration: Sequence[str] = (),
+             measure_out: str | None = None, measure_sample: str = "auto", device: str | None = None,
+             from_config: str | None = None, progress: bool = True, **plan_kw):
+    """What ``mixq plan`` runs: ``convert.fit.run_plan`` (same arguments), with ``--measure kld`` measured here
+    first (``kld_curves``; saved to ``measure_out`` when given)."""
+    from mixq.convert.fit import run_plan as plan
+
+    if measure == "kld":
+        if fmt != "exl3":
+            raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
+        if model is None:
+            raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
+        from mixq.formats.checkpoint import open_checkpoint
+
+        ckpt = open_checkpoint(model)
+        t0 = time.time()
+        curves = kld_curves(ckpt, calibration or None, device=device, sample=measure_sample, progress=progress)
+        if measure_out:
+            save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
+                                                   "seconds": round(time.time() - t0, 1)})
+        measure, measure_out = curves, None
+    return plan(model, fmt, from_config=from_config, measure=measure, calibration=calibration,
+                measure_out=measure_out, measure_sample=measure_sample, device=device, **plan_kw)
+
+
+def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | None = None, sample: str = "auto",
+               progress: bool = True) -> dict[str, dict[float, float]]:
+    """The measured trellis curves of every budgeted unit (``convert.measure.measure_curves``) in KLD units."""
+    strips, experts = parse_sample(sample)
+    curves = measure_curves(ckpt, calibration, device=device, strips=strips, experts=experts, progress=progress)
+    gains = kld_gains(ckpt, list(curves), calibration, device=device, progress=progress)
+    return kld_weighted(curves, gains)
+
+
+def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = None, *, rows: int = 8,
+              seq_len: int = 256, ref_bits: float = 3.0, device: str | None = None, seed: int = 0,
+              progress: bool = True) -> dict[str, float]:
+    """Each unit's end-to-end cost: the KLD (model with that unit perturbed ‖ source model, mean over calibration
+    tokens, `mixq eval`'s KLD) after adding i.i.d. Gaussian noise of the trellis's weight-space error at ``ref_bits``
+    (TRELLIS_D·2^(−2·ref_bits)·mean(W²) per tensor) to that unit alone. Holds the whole model in memory: for
+    models that fit (fixtures, drafters); a per-layer variant for 320B models is not built."""
+    from tqdm.auto import tqdm
+
+    from mixq.convert.calibration import calibration_rows, load_tokenizer
+
+    dev = pick_device(device)
+    groups = budget_units(ckpt)
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                           vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0], seed=seed)
+    base = {n: ckpt.get(n, dtype=torch.float32) for n in ckpt.names()}
+
+    def logits(weights: dict) -> torch.Tensor:
+        model = build_model(ckpt.path, weights, dev)
+        with torch.no_grad():
+            out = torch.cat([model(r.view(1, -1).to(dev), use_cache=False).logits[0].float().cpu() for r in ids])
+        del model
+        return out
+
+    ref = log_probs(logits(base))
+    targets = ids.reshape(-1)  # token_quantities wants targets; only its KLD is read here
+    gen = torch.Generator().manual_seed(seed)
+    gains: dict[str, float] = {}
+    for key in tqdm(list(units), desc="kld gains", unit="unit", disable=not progress):
+        w = dict(base)
+        for u in groups[key]:
+            for n in u.hf_names:
+                t = base[n]
+                sigma = (TRELLIS_D * 2.0 ** (-2 * ref_bits) * float(t.square().mean())) ** 0.5
+                w[n] = t + sigma * torch.randn(t.shape, generator=gen)
+        gains[key] = float(token_quantities(ref, logits(w), targets)["kld"].mean())
+    return gains
+
+
+def kld_weighted(curves: Mapping[str, Mapping[float, float]], gains: Mapping[str, float],
+                 ref_bits: float = 3.0) -> dict[str, dict[float, float]]:
+    """Curves in KLD units: each unit's measured trellis curve keeps its shape and is scaled so that its value at
+    ``ref_bits`` is the unit's measured end-to-end KLD (``kld_gains``)."""
+    out = {}
+    for k, c in curves.items():
+        if k.startswith("_"):
+            continue
+        c = {float(b): float(v) for b, v in c.items()}
+        if k not in gains or ref_bits not in c or c[ref_bits] <= 0:
+            raise InputError(f"--measure kld: no gain or no {ref_bits}-bit point for unit {k!r}")
+        s = gains[k] / c[ref_bits]
+        out[k] = {b: v * s for b, v in c.items()}
+    return out

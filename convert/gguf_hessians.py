@@ -7,7 +7,7 @@ tensor, (n, n), or for a routed-expert stack `experts(spec, e0, e1)` gives one H
 Routed experts: the calibrator sends every token through every expert, but the model feeds expert e only its
 routed tokens, scaled by the gate g_te. The output error the model sees is therefore weighted by
 R_e = Σ_t g_te²·x_t·x_tᵀ / N (x_t: the expert's input; for down_proj its activation); that is what `experts()`
-returns, blended with a little of the all-token Hessian (`ALL_TOKEN_SHARE` of its trace-normalised value) so that
+returns, blended with the all-token Hessian (`ALL_TOKEN_SHARE` times its trace-normalised value) so that
 an expert with few routed tokens still has a well-posed problem. Experts are formed in the caller's slices so
 that memory stays bounded by one slice of per-expert Hessians (GLM-5.3: 288 experts of width 6144).
 
@@ -24,7 +24,9 @@ import torch.nn.functional as F
 
 from mixq.convert.calibration import LayerCalibrator
 
-ALL_TOKEN_SHARE = 0.05  # weight of the (trace-normalised) all-token Hessian in each routed expert's Hessian
+# weight of the (trace-normalised) all-token Hessian in each routed expert's Hessian: per-expert routed statistics
+# from a few thousand tokens over-fit (k256, held-out Hessians: down_exps error 1.08x exact at 0.05, 0.96x at 1)
+ALL_TOKEN_SHARE = 1.0
 
 
 class RoutingCapture:

@@ -54,6 +54,13 @@ def upper_inverse_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) -> t
     raise InputError("Hessian is not positive definite even after damping (non-finite calibration data?)")
 
 
+def _damped(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    """H + damp·mean(diag H)·I (float32, (E|1, n, n)): the objective the rounding minimises."""
+    h = hessian.to(torch.float32)
+    mean = torch.diagonal(h, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
+    return h + damp * mean[..., None, None] * torch.eye(h.shape[-1], device=h.device)
+
+
 def layer_error(w: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
     """tr(ΔW·H·ΔWᵀ) for W (rows, n) / (E, rows, n), its quantized copy and H (n, n) / (E, n, n); float64."""
     d = (w.to(torch.float64) - wq.to(torch.float64))
@@ -162,7 +169,39 @@ def _importance(imatrix, h3: torch.Tensor, experts: int, n: int) -> np.ndarray:
     return np.broadcast_to(im.reshape(-1, n), (experts, n)).copy()
 
 
-def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFAULT_DAMP,
+def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor,
+                 passes: int = 1) -> np.ndarray:
+    """Coordinate descent on the level codes of scalar-type ``blocks`` (scales kept) for tr(ΔW·H·ΔWᵀ).
+
+    Sweeps the columns in order; every weight moves one code up or down when that lowers the quadratic (exactly:
+    ΔL = 2δ·(ΔW·H)_j + δ²·H_jj), vectorised over rows and experts. w (E, rows, n), H (E|1, n, n) float32."""
+    lo, hi = gl.CODE_RANGE[qtype]
+    dev = w.device
+    step, base = (torch.from_numpy(a).to(dev) for a in gl.level_grid(blocks, qtype))
+    deq = torch.from_numpy(dequantize_blocks(blocks, qtype)).to(dev).reshape(w.shape)
+    safe = torch.where(step != 0, step, torch.ones_like(step))
+    codes = torch.where(step != 0, torch.round((deq - base) / safe), torch.full_like(step, lo))
+    err = w - deq
+    grad = err @ hessian                                                   # (E, rows, n): (ΔW·H)
+    hdiag = torch.diagonal(hessian, dim1=-2, dim2=-1)                       # (E|1, n)
+    for _ in range(passes):
+        for j in range(w.shape[-1]):
+            s, g, c = step[..., j], grad[..., j], codes[..., j]
+            h = hdiag[:, j:j + 1]
+            d_up = s * (s * h - 2 * g)                                     # code + 1: error - s
+            d_dn = s * (s * h + 2 * g)                                     # code - 1: error + s
+            d_up = torch.where((c < hi) & (s != 0), d_up, torch.zeros_like(d_up))
+            d_dn = torch.where((c > lo) & (s != 0), d_dn, torch.zeros_like(d_dn))
+            move = torch.where((d_up < d_dn) & (d_up < 0), 1.0, torch.where(d_dn < 0, -1.0, 0.0))
+            if not bool(move.any()):
+                continue
+            delta = -move * s                                              # change of the error at column j
+            codes[..., j] += move
+            grad += delta.unsqueeze(-1) * hessian[:, j, :].unsqueeze(1)
+    return gl.set_levels(blocks, qtype, codes.long().cpu().numpy())
+
+
+def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFAULT_DAMP, refine: int = 0,
                      device: str | torch.device | None = None) -> np.ndarray:
     """Encode W as ``qtype`` blocks, choosing codes for the smallest tr(ΔW·H·ΔWᵀ) (module docstring).
 
@@ -206,4 +245,6 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
             out[:, :, b0 // bs * ts:(b0 + bs) // bs * ts] = rounder.finish(blocks)
         if c1 < n:
             targets[..., c1:] -= err @ u[:, c0:c1, c1:]
+    if refine and qtype in gl.CODE_RANGE:
+        out = refine_codes(w3.to(dev, torch.float32), out, qtype, _damped(h3.to(dev), damp), refine)
     return out if w.ndim == 3 else out[0]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mixq.errors import InputError
+from mixq.quant import ggml_levels as gl
 from mixq.quant import kquants
 from mixq.quant import kquants_hessian as kh
 
@@ -95,3 +96,16 @@ def test_bad_input_is_one_clear_error():
     w[0, 0] = float("nan")
     with pytest.raises(InputError, match="NaN or infinite"):
         kh.quantize_hessian(w, torch.eye(256), "Q4_K")
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0"])
+def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real):
+    w, h, _, _ = k256_real
+    w = w[:64]
+    walk = kh.quantize_hessian(w, h, qtype, damp=0.1)
+    errs = [_err(w, kh.quantize_hessian(w, h, qtype, damp=0.1, refine=p), qtype, kh._damped(h, 0.1)) for p in (0, 1, 3)]
+    assert errs[2] <= errs[1] < errs[0]
+    refined = kh.quantize_hessian(w, h, qtype, damp=0.1, refine=3)
+    step0, base0 = gl.level_grid(walk, qtype)
+    step1, base1 = gl.level_grid(refined, qtype)
+    assert np.array_equal(step0, step1) and np.array_equal(base0, base1)  # only the codes moved

@@ -64,21 +64,22 @@ def inspect(model: str, as_json: bool) -> None:
 @click.option("--score", type=click.Choice(["half", "all"]), default="half", show_default=True, help="Score the second half of each window (llama-perplexity) or every position.")
 @click.option("--save-ref", type=click.Path(), help="Write the reference log-probs to FILE for later --ref-logits runs.")
 @click.option("--ref-logits", type=click.Path(), help="Reuse reference log-probs (and tokens) from a --save-ref FILE.")
-@click.option("--ref-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True, help="Storage of --save-ref log-probs.")
+@click.option("--ref-dtype", type=click.Choice(["float32", "float16", "uint16"]), default="float32", show_default=True, help="Storage of --save-ref log-probs (uint16: quantized as llama.cpp's KL base, half the size; docs/eval.md).")
 @click.option("--engine", type=click.Choice(["torch", "llamacpp"]), default="torch", show_default=True, help="llamacpp: GGUF candidates take logits from llama.cpp itself.")
 @click.option("--cache-type", type=click.Choice(["f32", "f16", "q8_0"]), default="f32", show_default=True, help="llama.cpp KV cache type (--engine llamacpp).")
 @click.option("--device", default=None, help="torch device [default: cuda when present, else cpu].")
+@click.option("--state-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="Storage of the hidden states of all windows (bfloat16 halves them; float32 gives a whole-model forward's numbers).")
 @click.option("--json", "json_out", type=click.Path(), help="Write the JSON report to OUT ('-' prints it).")
 @click.option("--markdown", "markdown_out", type=click.Path(), help="Write a markdown table to OUT.")
 @_reports_errors
-def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, json_out, markdown_out) -> None:
+def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, state_dtype, json_out, markdown_out) -> None:
     """KLD, top-1 agreement and perplexity of CANDIDATES (HF dirs, EXL3 dirs, GGUF files) against REFERENCE."""
     from mixq.eval.api import evaluate
     from mixq.eval.report import render_markdown
 
     report = evaluate(
         reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
-        ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device,
+        ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device, state_dtype=state_dtype,
         json_out=None if json_out == "-" else json_out, markdown_out=markdown_out,
     )
     if json_out == "-":

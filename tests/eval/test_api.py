@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mixq.errors import InputError
+from mixq.errors import FormatError, InputError, MixqError
 from mixq.eval import evaluate
 
 from .conftest import CTX, WINDOWS
@@ -67,5 +67,64 @@ def test_bad_arguments(mini_model, heldout_text, tmp_path):
         evaluate(mini_model, [mini_model], heldout_text, engine="vllm")
     short = tmp_path / "short.txt"
     short.write_text("just a few words\n")
-    with pytest.raises(InputError, match="fewer than one window"):
+    with pytest.raises(InputError, match=f"{short}: .* tokens, fewer than one window"):
         evaluate(mini_model, [mini_model], short, ctx=CTX)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    with pytest.raises(InputError, match=f"{empty}: the text file is empty"):
+        evaluate(mini_model, [mini_model], empty, ctx=CTX)
+    for bad in (0, 3):
+        with pytest.raises(InputError, match=f"--ctx {bad} is too small"):
+            evaluate(mini_model, [mini_model], heldout_text, ctx=bad)
+    for opt, val in (("ref_dtype", "int8"), ("state_dtype", "float8")):
+        with pytest.raises(InputError, match=val):
+            evaluate(mini_model, [mini_model], heldout_text, ctx=CTX, **{opt: val})
+
+
+def test_problems_are_named_where_they_are(mini_model, noisy_candidates, heldout_text, tmp_path):
+    """A broken reference is reported under the reference's name, a broken candidate under its own; both
+    before any forward."""
+    import json as _json
+    import shutil
+
+    ref = tmp_path / "ref"
+    shutil.copytree(mini_model, ref)
+    cfg = _json.loads((ref / "config.json").read_text())
+    cfg["text_config"]["num_hidden_layers"] += 1  # the config disagrees with the weights
+    (ref / "config.json").chmod(0o644)
+    (ref / "config.json").write_text(_json.dumps(cfg))
+    with pytest.raises(MixqError) as e:
+        evaluate(ref, [noisy_candidates[0]], heldout_text, ctx=CTX, windows=1, progress=False)
+    assert str(ref) in str(e.value) and str(noisy_candidates[0]) not in str(e.value)
+    from mixq.formats.tiny import write_tiny_checkpoint
+
+    other = write_tiny_checkpoint(tmp_path / "other", vision=False)  # another architecture's shapes
+    with pytest.raises(FormatError, match=f"{other}: "):
+        evaluate(mini_model, [other], heldout_text, ctx=CTX, windows=1, progress=False)
+
+
+def test_json_dash_prints_the_report(mini_model, heldout_text, noisy_candidates, first_run, capsys):
+    _, ref_file, _ = first_run
+    rep = evaluate(mini_model, [noisy_candidates[0]], ref_logits=ref_file, windows=1, json_out="-", progress=False)
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(rep))
+    assert rep["peak_rss_mib"] > 0 and rep["peak_gpu_mib"] is None and rep["state_dtype"] == "float32"
+
+
+def test_uint16_reference_and_bfloat16_states(mini_model, noisy_candidates, heldout_text, first_run, tmp_path):
+    """--ref-dtype uint16: a later --ref-logits run reproduces the saving run exactly and both stay within 1e-6 of
+    the float32 numbers; bfloat16 hidden states move the KLD only a little."""
+    report, _, _ = first_run
+    exact = report["candidates"][1]
+    f = tmp_path / "ref-u16.safetensors"
+    saved = evaluate(mini_model, [noisy_candidates[0]], heldout_text, ctx=CTX, windows=WINDOWS, save_ref=f,
+                     ref_dtype="uint16", progress=False)["candidates"][0]
+    again = evaluate(mini_model, [noisy_candidates[0]], ref_logits=f, progress=False)["candidates"][0]
+    assert all(saved[k] == again[k] for k in KEYS if k != "path")
+    assert abs(saved["kld_mean"] - exact["kld_mean"]) < 1e-6 and saved["top1"] == exact["top1"]
+    assert saved["ppl_ref"] == pytest.approx(exact["ppl_ref"], rel=1e-12)  # true tokens stored exactly
+    assert f.stat().st_size < 0.55 * WINDOWS * (CTX - 1 - CTX // 2) * 8192 * 4
+    bf = evaluate(mini_model, [noisy_candidates[0]], heldout_text, ctx=CTX, windows=WINDOWS, state_dtype="bfloat16",
+                  progress=False)
+    c = bf["candidates"][0]
+    assert bf["state_dtype"] == "bfloat16" and c["kld_mean"] != exact["kld_mean"]
+    assert c["kld_mean"] == pytest.approx(exact["kld_mean"], rel=0.2) and c["top1"] > 0.9

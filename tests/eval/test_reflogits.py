@@ -6,14 +6,14 @@ import torch
 from safetensors import safe_open
 
 from mixq.errors import FormatError, InputError
-from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter, ref_file_bytes
+from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter, ref_file_bytes, roundtrip
 from mixq.eval.stats import log_probs
 
 
 def _write(path, dtype, n=3, ctx=10, first=5, vocab=17):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (n, ctx), generator=g)
-    rows = [log_probs(torch.randn(ctx - 1 - first, vocab, generator=g)) for _ in range(n)]
+    rows = [log_probs(8 * torch.randn(ctx - 1 - first, vocab, generator=g)) for _ in range(n)]  # some below -16
     w = RefLogitsWriter(path, tokens, first, vocab, dtype, meta={"reference": "R", "text": "T"})
     for r in rows:
         w.add(r)
@@ -21,7 +21,7 @@ def _write(path, dtype, n=3, ctx=10, first=5, vocab=17):
     return tokens, rows
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "uint16"])
 def test_round_trip(tmp_path, dtype):
     p = tmp_path / "ref.safetensors"
     tokens, rows = _write(p, dtype)
@@ -30,10 +30,20 @@ def test_round_trip(tmp_path, dtype):
     assert r.meta["text"] == "T" and torch.equal(r.tokens, tokens)
     for w, row in enumerate(rows):
         got = r.logprobs(w)
+        targets = tokens[w, 6:]
+        assert torch.equal(got, roundtrip(row, dtype, targets))  # the saving run scores exactly this
         if dtype == "float32":
             assert torch.equal(got, row)
-        else:
+        elif dtype == "float16":
             assert torch.equal(got, row.half().float())
+        else:  # a 16-bit grid from -16 to the row maximum; the true tokens exact; -16 and below come back as -16
+            kept = row > -16
+            low = ~kept
+            low[torch.arange(len(targets)), targets] = False
+            assert (got[kept] - row[kept]).abs().max() <= 16 / 65535 / 2 + 1e-6
+            assert low.any() and torch.equal(got[low], torch.full_like(got[low], -16.0))
+            assert torch.equal(got.gather(1, targets[:, None]), row.gather(1, targets[:, None]))
+            assert torch.equal(got.argmax(-1), row.argmax(-1))
     header = 8 + int.from_bytes(p.read_bytes()[:8], "little")
     assert header % 8 == 0  # data stays aligned
     assert p.stat().st_size == header + ref_file_bytes(3, 10, 5, 17, dtype)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from . import kquants_iq2
+from . import kquants_fused, kquants_fused_grid, kquants_iq2
 from .kquants_torch_search import F32, div_by, fp16_bits, nearest_int, rdiv, seq_sum, sqrt
 
 # neighbour-list width bins: each bin pads its groups only up to the longest list in it
@@ -28,6 +28,7 @@ SLOTS_PER_BATCH = 1 << 23
 @dataclass(frozen=True)
 class DeviceCodebook:
     """A codebook's search tables (see :class:`kquants_iq2.Codebook`) as tensors on one device."""
+    qtype: str
     group: int
     nlev: int
     head: int
@@ -48,7 +49,7 @@ def device_codebook(qtype: str, device: str) -> DeviceCodebook:
     cb = kquants_iq2.codebook(qtype)
     t = lambda a, dt=torch.int64: torch.as_tensor(a).to(device=device, dtype=dt)
     table = np.concatenate([cb.nb[:, :, None], cb.nb_head[:, :, None], cb.nb_tail.transpose(1, 2, 0)], axis=2)
-    return DeviceCodebook(cb.group, cb.nlev, cb.head, t(cb.shifts, torch.int32), t(cb.levels, torch.int32),
+    return DeviceCodebook(qtype, cb.group, cb.nlev, cb.head, t(cb.shifts, torch.int32), t(cb.levels, torch.int32),
                           t(cb.values, F32), t(cb.kmap), t(cb.nb_row), t(cb.nb_len), t(table))
 
 
@@ -181,6 +182,19 @@ def search(cb: DeviceCodebook, xval: torch.Tensor, w: torch.Tensor, waux: torch.
     best scale afterwards: "offgrid" (groups whose best candidate needed a neighbour), "all_if_offgrid"
     (every group, when any did or none fitted) or "all".
     """
+    rest = (steps, step, refine)
+    if kquants_fused.use_fused(xval):
+        def check() -> bool:
+            c = [kquants_fused.check_columns(a) for a in (xval, w, waux)] + [base[:256], scale[:256]]
+            return kquants_fused.same(kquants_fused_grid.search(cb.qtype, *c, *rest), search_eager(cb, *c, *rest))
+        if kquants_fused.variant_ok(("grid", cb.qtype, *rest, str(xval.device)), check):
+            return kquants_fused_grid.search(cb.qtype, xval, w, waux, base, scale, *rest)
+    return search_eager(cb, xval, w, waux, base, scale, *rest)
+
+
+def search_eager(cb: DeviceCodebook, xval: torch.Tensor, w: torch.Tensor, waux: torch.Tensor, base: torch.Tensor,
+                 scale: torch.Tensor, steps: int, step: float, refine: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`search` in elementwise torch ops."""
     m, B = xval.shape
     ng = m // cb.group
     xg, wg = xval.reshape(ng, cb.group, B), waux.reshape(ng, cb.group, B)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import kquants_fused
+
 F32 = torch.float32
 _MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds to an integer in the low mantissa bits
 _INT_MIN = -2147483648.0
@@ -139,8 +141,24 @@ def first_min(x: torch.Tensor) -> torch.Tensor:
 def make_qx_quants(x: torch.Tensor, nmax: int, qw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric signed search (ggml make_qx_quants, rmse_type 1): (scale, L int32 in [0, 2*nmax)).
 
-    Weights are ``qw`` if given, else x*x; 19 candidate scales around -nmax/max.
+    Weights are ``qw`` if given, else x*x; 19 candidate scales around -nmax/max. Runs the fused kernel
+    of :mod:`kquants_fused` where it is in use for x's device.
     """
+    if kquants_fused.use_fused(x):
+        def check() -> bool:
+            ex, ew = kquants_fused.edge_blocks(x.shape[0], x.device)
+            cx = torch.cat([ex, kquants_fused.check_columns(x.reshape(x.shape[0], -1))], dim=1)
+            cw = None if qw is None else torch.cat([ew, kquants_fused.check_columns(qw.reshape(x.shape[0], -1))], 1)
+            return kquants_fused.same(kquants_fused.qx_search(cx, nmax, cw, GROUP_MAX_EPS),
+                                      make_qx_quants_eager(cx, nmax, cw))
+        key = ("qx", x.shape[0], nmax, qw is None, str(x.device))
+        if kquants_fused.variant_ok(key, check):
+            return kquants_fused.qx_search(x, nmax, qw, GROUP_MAX_EPS)
+    return make_qx_quants_eager(x, nmax, qw)
+
+
+def make_qx_quants_eager(x: torch.Tensor, nmax: int, qw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`make_qx_quants` in elementwise torch ops."""
     amax, mx = first_absmax(x)
     zero = amax < GROUP_MAX_EPS
     mx = torch.where(zero, 1.0, mx)  # |iscale * x| <= nmax + 1 then holds for every block
@@ -226,7 +244,23 @@ def make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rd
     """Asymmetric weighted search (ggml make_qkx2_quants / make_qkx3_quants with weights given).
 
     Returns (scale, the_min >= 0, L int32 in [0, nmax]); the block decodes as scale*L - the_min.
+    Runs the fused kernel of :mod:`kquants_fused` where it is in use for x's device.
     """
+    args = (nmax, rmin, rdelta, nstep, use_mad)
+    if kquants_fused.use_fused(x):
+        def check() -> bool:
+            ex, ew = kquants_fused.edge_blocks(x.shape[0], x.device)
+            cx = torch.cat([ex, kquants_fused.check_columns(x.reshape(x.shape[0], -1))], dim=1)
+            cw = torch.cat([ew, kquants_fused.check_columns(w.reshape(x.shape[0], -1))], dim=1)
+            return kquants_fused.same(kquants_fused.qkx_search(cx, cw, *args), make_qkx_quants_eager(cx, cw, *args))
+        if kquants_fused.variant_ok(("qkx", x.shape[0], *args, str(x.device)), check):
+            return kquants_fused.qkx_search(x, w, *args)
+    return make_qkx_quants_eager(x, w, *args)
+
+
+def make_qkx_quants_eager(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
+                          use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`make_qkx_quants` in elementwise torch ops."""
     mn = first_min(x)
     mx = x.amax(0)  # the sign of a zero max never matters below
     sum_w = seq_sum_from_first(w)

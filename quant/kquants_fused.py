@@ -234,13 +234,17 @@ def _interpreting() -> bool:
 
 
 @lru_cache(maxsize=None)
-def fused_ok(device_key: str) -> bool:
-    """Whether the fused searches may run on this device: CUDA (or CPU under Triton's interpreter), Triton
-    importable, and not switched off by MIXQ_KQUANT_FUSED=0."""
-    if triton is None or os.environ.get(_ENV_OFF) == "0":
-        return False
+def _device_ok(device_key: str) -> bool:
     device = torch.device(device_key)
     return device.type == "cuda" or (device.type == "cpu" and _interpreting())
+
+
+def fused_ok(device_key: str) -> bool:
+    """Whether the fused searches may run on this device: CUDA (or CPU under Triton's interpreter), Triton
+    importable, and not switched off by MIXQ_KQUANT_FUSED=0 (read at every call)."""
+    if triton is None or os.environ.get(_ENV_OFF) == "0":
+        return False
+    return _device_ok(device_key)
 
 
 def use_fused(x: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import kquants_fused
+from . import kquants_fused, kquants_fused_descent
 
 F32 = torch.float32
 _MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds to an integer in the low mantissa bits
@@ -94,8 +94,31 @@ def half_bytes(bits: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 0xFF, (b >> 8) & 0xFF], dim=-1).to(torch.uint8)
 
 
+def _fused_sum(a: torch.Tensor, from_first: bool) -> torch.Tensor | None:
+    """The fused sequential sum for long sums on accelerators (one kernel instead of one per element)."""
+    if a.shape[0] < 8 or a.dim() < 2 or not kquants_fused.use_fused(a):
+        return None
+    def check() -> bool:
+        c = torch.cat([kquants_fused.edge_blocks(a.shape[0], a.device)[0],
+                       kquants_fused.check_columns(a.reshape(a.shape[0], -1))], dim=1)
+        return kquants_fused.same(kquants_fused_descent.seq_sum(c, from_first), _seq_sum_eager(c, from_first))
+    if kquants_fused.variant_ok(("seqsum", a.shape[0], from_first, str(a.device)), check):
+        return kquants_fused_descent.seq_sum(a, from_first)
+    return None
+
+
+def _seq_sum_eager(a: torch.Tensor, from_first: bool) -> torch.Tensor:
+    s = a[0].clone() if from_first else a[0] + 0.0
+    for i in range(1, a.shape[0]):
+        s.add_(a[i])
+    return s
+
+
 def seq_sum(a: torch.Tensor) -> torch.Tensor:
     """Sequential float32 sum over dim 0 as C's ``s = 0; for i: s += a[i]`` (so -0.0 sums to +0.0)."""
+    fused = _fused_sum(a, False)
+    if fused is not None:
+        return fused
     s = a[0] + 0.0
     for i in range(1, a.shape[0]):
         s.add_(a[i])
@@ -104,6 +127,9 @@ def seq_sum(a: torch.Tensor) -> torch.Tensor:
 
 def seq_sum_from_first(a: torch.Tensor) -> torch.Tensor:
     """Sequential sum seeded with a[0] (C: ``s = a[0]; for i >= 1: s += a[i]``)."""
+    fused = _fused_sum(a, True)
+    if fused is not None:
+        return fused
     s = a[0].clone()
     for i in range(1, a.shape[0]):
         s.add_(a[i])
@@ -223,6 +249,19 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
 
     Returns (scale, L int32 in [0, 2*nmax)); all-zero blocks give (0, L=0).
     """
+    if kquants_fused.use_fused(x):
+        def check() -> bool:
+            c = torch.cat([kquants_fused.edge_blocks(x.shape[0], x.device)[0],
+                           kquants_fused.check_columns(x.reshape(x.shape[0], -1))], dim=1)
+            return kquants_fused.same(kquants_fused_descent.q3_search(c, nmax, GROUP_MAX_EPS),
+                                      make_q3_quants_eager(c, nmax))
+        if kquants_fused.variant_ok(("q3", x.shape[0], nmax, str(x.device)), check):
+            return kquants_fused_descent.q3_search(x, nmax, GROUP_MAX_EPS)
+    return make_q3_quants_eager(x, nmax)
+
+
+def make_q3_quants_eager(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`make_q3_quants` in elementwise torch ops."""
     amax, mx = first_absmax(x)
     zero = amax < GROUP_MAX_EPS
     mx = torch.where(zero, 1.0, mx)
@@ -317,6 +356,20 @@ def make_qp_quants(x: torch.Tensor, nmax: int, qw: torch.Tensor) -> tuple[torch.
 
     Returns (scale, L int32 in [0, 255]: ggml keeps them as uint8).
     """
+    if kquants_fused.use_fused(x):
+        def check() -> bool:
+            ex, ew = kquants_fused.edge_blocks(x.shape[0], x.device)
+            cx = torch.cat([ex.abs(), kquants_fused.check_columns(x.reshape(x.shape[0], -1))], dim=1)
+            cw = torch.cat([ew, kquants_fused.check_columns(qw.reshape(x.shape[0], -1))], dim=1)
+            return kquants_fused.same(kquants_fused_descent.qp_search(cx, nmax, cw, GROUP_MAX_EPS),
+                                      make_qp_quants_eager(cx, nmax, cw))
+        if kquants_fused.variant_ok(("qp", x.shape[0], nmax, str(x.device)), check):
+            return kquants_fused_descent.qp_search(x, nmax, qw, GROUP_MAX_EPS)
+    return make_qp_quants_eager(x, nmax, qw)
+
+
+def make_qp_quants_eager(x: torch.Tensor, nmax: int, qw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`make_qp_quants` in elementwise torch ops."""
     mx = torch.clamp_min(x.amax(0), 0.0)
     zero = mx < GROUP_MAX_EPS
     mx = torch.where(zero, 1.0, mx)

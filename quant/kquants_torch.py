@@ -2,9 +2,10 @@
 
 :func:`encode` is the engine behind :func:`kquants.quantize_tensor` (which validates its input):
 float32 rows (R, n) on any device -> uint8 (R, row_bytes) there, bytes equal to ggml's (and to the
-numpy encoders) on every device. Work is cut into row chunks sized per device and type: on CUDA
-as large as memory allows (the ops are memory-bound and each launch should cover millions of
-weights), on CPU small enough to stay in cache.
+numpy encoders) on every device. On CUDA the hot searches run as fused Triton kernels
+(:mod:`kquants_fused`, :mod:`kquants_fused_grid`, :mod:`kquants_fused_descent`), the rest as eager
+torch ops. Work is cut into row chunks sized per device: on CUDA as large as memory allows (each
+launch should cover millions of weights), on CPU small enough to stay in cache.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from . import kquants_fused
 from . import kquants_torch_blocks as tb
 from . import kquants_torch_iq as ti
 from . import kquants_torch_iq4 as ti4
@@ -31,19 +33,23 @@ ROW_ENCODERS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tens
 }
 TYPES = tuple(SUPERBLOCK_ENCODERS) + tuple(ROW_ENCODERS)
 
-# weights per chunk. CUDA: the lattice searches hold every candidate scale of every group at once
-# (and the neighbour lists of the off-codebook ones), so they take smaller chunks.
+# weights per chunk. On CUDA the fused kernels (kquants_fused*) keep per-block state in registers, so
+# chunks are as large as the eager remainder's temporaries allow (~16 float32 copies of a chunk);
+# the eager lattice search holds every candidate of every group at once and takes small chunks.
 CHUNK_WEIGHTS_CPU = 1 << 18
-CHUNK_WEIGHTS_CUDA = {"IQ2_XXS": 1 << 21, "IQ2_XS": 1 << 21, "IQ2_S": 1 << 22, "IQ3_XXS": 1 << 22,
-                      "IQ3_S": 1 << 22}
-CHUNK_WEIGHTS_CUDA_DEFAULT = 1 << 24
+CHUNK_WEIGHTS_CUDA_FUSED = 1 << 26
+CHUNK_WEIGHTS_CUDA_EAGER = {"IQ2_XXS": 1 << 21, "IQ2_XS": 1 << 21, "IQ2_S": 1 << 22, "IQ3_XXS": 1 << 22,
+                            "IQ3_S": 1 << 22}
+CHUNK_WEIGHTS_CUDA_EAGER_DEFAULT = 1 << 24
 
 
 def chunk_weights(qtype: str, device: torch.device) -> int:
     """Weights encoded per chunk for ``qtype`` on ``device``."""
     if device.type == "cpu":
         return CHUNK_WEIGHTS_CPU
-    return CHUNK_WEIGHTS_CUDA.get(qtype, CHUNK_WEIGHTS_CUDA_DEFAULT)
+    if kquants_fused.fused_ok(f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)):
+        return CHUNK_WEIGHTS_CUDA_FUSED
+    return CHUNK_WEIGHTS_CUDA_EAGER.get(qtype, CHUNK_WEIGHTS_CUDA_EAGER_DEFAULT)
 
 
 def encode_rows(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None) -> torch.Tensor:

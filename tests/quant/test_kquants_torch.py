@@ -131,6 +131,17 @@ def test_cuda_edge_case_rows_match_recorded_ggml(digests):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_cuda_eager_path_matches_recorded_ggml(digests, monkeypatch):
+    monkeypatch.setenv("MIXQ_KQUANT_FUSED", "0")  # every search in elementwise torch ops
+    assert _tricky_digest_mismatches(CUDA, digests) == []
+    x, where, imats = _cases.load_tricky()
+    keep = np.ones(len(x), bool)
+    keep[where["overflow"]] = False
+    assert _iq_mismatches(CUDA, x[keep], {k: imats[k] for k in ("none", "spiky")}) == []
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_lattice_iquants_equal_numpy_on_edge_case_rows():
     x, where, imats = _cases.load_tricky()
     keep = np.ones(len(x), bool)

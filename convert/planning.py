@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from mixq.errors import InputError, PlanError
+from mixq.formats.exl3_layout import shard_count
 from mixq.formats.glm5next import ROLES, gguf_policy
 from mixq.quant import allocator as al
 from mixq.quant import gguf_mix as gm
@@ -344,7 +345,7 @@ def _plan_exl3(ckpt, *, bpw, size, overrides, head_bits, mtp_bits, vision_bits, 
     if bpw is not None:
         levels = al.allocate(units, al.bpw_budget(units, bpw), what=f"--bpw {bpw}")
     elif size is not None:
-        shards = max(1, -(-size // (8192 * 2**20)))
+        shards = shard_count(size)
         budget = (size - fixed_bytes - _st_header(n_stored, shards)) * 8
         if budget <= 0:
             raise PlanError(f"--size {size / 1e9:.3f} GB: the fixed-precision tensors alone take "
@@ -366,7 +367,7 @@ def _plan_exl3(ckpt, *, bpw, size, overrides, head_bits, mtp_bits, vision_bits, 
             b, dt, nb = fixed[name]
             tensors.append(PlannedTensor(name, info.role, [name], shape, b, dt, nb))
     data = sum(t.bytes for t in tensors)
-    shards = max(1, -(-data // (8192 * 2**20)))
+    shards = shard_count(data)
     total = data + _st_header(n_stored, shards)
     return Plan("exl3", total, al.achieved_bpw(units, levels), tensors, role_summary(tensors))
 

@@ -16,14 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mixq.errors import FormatError
-
-PAD = 128
-MUL1_MARKER = 0x83DCD12D - (1 << 32)  # int32 scalar bit pattern of the MUL1 multiplier (reference §1.4)
-MCG_MARKER = 0xCBAC1FED - (1 << 32)
-
-
-def pad_up(n: int, to: int = PAD) -> int:
-    return -(-int(n) // to) * to
+from mixq.formats.exl3_layout import MCG_MARKER, MUL1_MARKER, PAD, linear_tensors, pad_up  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -55,13 +48,7 @@ class Exl3Unit:
             if bits is None:
                 raise ValueError(f"{self.key}: bits needed for a trellis unit")
             k, n = self.padded
-            width = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
-            d = {f"{self.key}.trellis": ((k // 16, n // 16, width), "int16"),
-                 f"{self.key}.suh": ((k,), "float16"), f"{self.key}.svh": ((n,), "float16"),
-                 f"{self.key}.mul1": ((), "int32")}
-            if self.bias:
-                d[f"{self.key}.bias"] = ((n,), "float16")
-            return d
+            return linear_tensors(self.key, k, n, bits, bias=bool(self.bias))
         if self.kind == "fp16_linear":
             d = {f"{self.key}.weight": (self.shape, "float16")}
             if self.bias:

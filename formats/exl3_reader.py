@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.formats.exl3_names import MCG_MARKER, MUL1_MARKER, Exl3Unit
+from mixq.formats.exl3_layout import MCG_MARKER, MUL1_MARKER
+from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_writer import MANIFEST, load_tensor, read_header, sha256_file
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.exl3_layout import MUL1_MULTIPLIER, SHARD_SIZE, shard_names
 
 EXL3_VERSION = "1.6.5"  # the exllamav3 release whose layout this writer follows
 MANIFEST = "mixq_manifest.json"
@@ -191,16 +192,10 @@ def _atomic_json(path: Path, obj, indent: int | None = 2) -> None:
     os.replace(tmp, path)
 
 
-def shard_names(n: int) -> list[str]:
-    if n == 1:
-        return ["model.safetensors"]
-    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-
-
 class Exl3Writer:
     """Collects finished stages as part files, then compiles the output directory (see module docstring)."""
 
-    def __init__(self, out_dir: str | Path, work_dir: str | Path, *, shard_size: int = 8192 * 2**20) -> None:
+    def __init__(self, out_dir: str | Path, work_dir: str | Path, *, shard_size: int = SHARD_SIZE) -> None:
         self.out = Path(out_dir)
         self.work = Path(work_dir)
         self.parts_dir = self.work / "parts"
@@ -333,5 +328,5 @@ def tensor_storage_entry(tensors: dict[str, tuple[tuple[int, ...], str]], bits: 
     if bits is not None:
         d["quant_format"] = "exl3"
         d["bits_per_weight"] = int(bits) if bits == int(bits) else float(bits)
-        d["mul1_multiplier"] = 0x83DCD12D
+        d["mul1_multiplier"] = MUL1_MULTIPLIER
     return d

@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import Keys
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.glm5next import TEXT_PREFIX, gguf_sources
 from mixq.formats.gguf_names import GGUFTensorSpec, merge_kv_b, unbuild_tensor
 
 HF_PREFIX = TEXT_PREFIX
-_SPLIT_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+_SPLIT_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")  # parses gguf-py's SHARD_NAME_FORMAT
 
 @dataclass
 class GGUFTensorEntry:
@@ -82,7 +83,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         if si == 0:
             kv = {k: f.contents() for k, f in r.fields.items()}
         if len(paths) > 1:
-            no = r.fields.get("split.no")
+            no = r.fields.get(Keys.Split.LLM_KV_SPLIT_NO)
             if no is None or int(no.contents()) != si:
                 raise FormatError(f"{p}: split.no is {None if no is None else no.contents()}, expected {si}")
         for i, t in enumerate(r.tensors):
@@ -91,7 +92,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
             shape = tuple(int(x) for x in reversed(list(t.shape)))
             tensors[t.name] = GGUFTensorEntry(t.name, t.tensor_type.name, shape, int(t.n_bytes), si, r, i)
     if len(paths) > 1:
-        want = int(kv.get("split.tensors.count", -1))
+        want = int(kv.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, -1))
         if want != len(tensors):
             raise FormatError(f"{paths[0]}: split.tensors.count {want} but the shards hold {len(tensors)} tensors")
     return GGUFFile(paths, kv, tensors)
@@ -126,12 +127,11 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
     """Check a GGUF: arch, tensor count, each tensor's byte size, data decodes to finite values; with `model`
     (the source checkpoint) also that exactly the expected tensors with the expected shapes are present.
     Returns a report dict; problems are listed in report["problems"] (empty = OK)."""
-    from mixq.formats.gguf_writer import ARCH
-    from mixq.quant.gguf_mix import tensor_nbytes
+    from mixq.formats.gguf_writer import ARCH, tensor_nbytes
 
     g = read_gguf(path)
     problems: list[str] = []
-    arch = g.kv.get("general.architecture")
+    arch = g.kv.get(Keys.General.ARCHITECTURE)
     if arch != ARCH:
         problems.append(f"general.architecture is {arch!r}, expected {ARCH!r}")
     n_bytes = 0
@@ -156,7 +156,7 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
         from mixq.formats.gguf_names import gguf_tensors
 
         ckpt = open_checkpoint(model)
-        has_mtp = int(g.kv.get(f"{ARCH}.nextn_predict_layers", 0) or 0) > 0
+        has_mtp = int(g.kv.get(Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=ARCH), 0) or 0) > 0
         want_specs = {s.name: s for s in gguf_tensors(ckpt, include_mtp=has_mtp)}
         for n in sorted(set(want_specs) - set(g.tensors)):
             problems.append(f"{n}: missing")

@@ -8,20 +8,40 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+from gguf import GGMLQuantizationType, Keys
+from gguf.gguf_writer import SHARD_NAME_FORMAT
+from gguf.quants import quant_shape_to_byte_shape
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.gguf_integrity import data_sha256, seal, sealed_writer
-from mixq.quant.gguf_mix import ggml_type, tensor_nbytes
 
 ARCH = "glm5-next"
+LLM, Attn = Keys.LLM, Keys.Attention
+
+
+def ggml_type(name: str) -> GGMLQuantizationType:
+    """gguf-py's enum for a ggml type name ("q4_k" -> Q4_K); FormatError for an unknown name."""
+    try:
+        return GGMLQuantizationType[name.upper()]
+    except KeyError:
+        raise FormatError(f"unknown GGML type {name!r}") from None
+
+
+def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of numpy ``shape`` (row = ``shape[-1]``) stored as ``type_name`` (gguf-py's block sizes)."""
+    try:
+        return math.prod(quant_shape_to_byte_shape(tuple(int(d) for d in shape), ggml_type(type_name)))
+    except ValueError as e:
+        raise FormatError(f"{type_name} {tuple(shape)}: {e}") from None
 
 
 @dataclass
@@ -73,7 +93,6 @@ def _get(tc: dict, *keys, default=None):
 def glm5next_kv(ckpt, *, include_mtp: bool = True, file_type: str | None = None, name: str | None = None) -> list[KV]:
     """The `glm5-next.*` and `general.*` keys for `ckpt` (a Checkpoint, shapes-only is enough)."""
     tc = getattr(ckpt, "text_config", None) or ckpt.config.get("text_config", ckpt.config)
-    p = ARCH + "."
     n_trunk = int(ckpt.num_hidden_layers)
     n_nextn = len(getattr(ckpt, "nextn_layers", None) or []) if include_mtp else 0
     n_blocks = n_trunk + n_nextn
@@ -91,60 +110,81 @@ def glm5next_kv(ckpt, *, include_mtp: bool = True, file_type: str | None = None,
         dense = next((i for i, t in enumerate(mlt) if t != "dense"), len(mlt))
     idx_types = tc.get("indexer_types") or ["full"] * n_trunk
     swiglu = float(_get(tc, "swiglu_limit", default=0.0))
+    u32 = _u32_keys(tc, n_blocks, n_nextn, kv_lora, rope, dense)
+    f32 = _f32_keys(tc)
+    out = [KV(k.format(arch=ARCH), "UINT32", int(v)) for k, v in u32]
+    out += [KV(k.format(arch=ARCH), "FLOAT32", float(v)) for k, v in f32]
+    out += [
+        KV(_INDEXER_KPOOL_SELECT_TAIL.format(arch=ARCH), "BOOL", bool(tc.get("index_kpool_always_select_tail", True))),
+        KV(LLM.EXPERT_WEIGHTS_NORM.format(arch=ARCH), "BOOL", bool(tc.get("norm_topk_prob", False))),
+        KV(Attn.HEAD_COUNT_KV.format(arch=ARCH), "ARRAY", head_kv, "INT32"),
+        # indexer.types has the TRUNK length, the other per-layer arrays block_count (§1.3)
+        KV(_INDEXER_TYPES.format(arch=ARCH), "ARRAY", [t == "full" for t in idx_types[:n_trunk]], "BOOL"),
+    ]
+    if swiglu:
+        out += [KV(LLM.SWIGLU_CLAMP_EXP.format(arch=ARCH), "ARRAY", [swiglu] * n_blocks, "FLOAT32"),
+                KV(LLM.SWIGLU_CLAMP_SHEXP.format(arch=ARCH), "ARRAY", [swiglu] * n_blocks, "FLOAT32")]
+    out.append(KV(Keys.General.QUANTIZATION_VERSION, "UINT32", 2))
+    ft = _file_type(file_type)
+    if ft is not None:
+        out.append(KV(Keys.General.FILE_TYPE, "UINT32", ft))
+    out += [KV(Keys.General.TYPE, "STRING", "model"),
+            KV(Keys.General.NAME, "STRING", name or Path(str(ckpt.path)).name)]
+    return out
+
+
+# glm5-next keys gguf-py 0.19 does not name (gguf-glm5-next.md §1.2)
+_INDEXER = "{arch}.attention.indexer."
+_INDEXER_KPOOL_SELECT_TAIL = _INDEXER + "kpool_select_tail"
+_INDEXER_TYPES = _INDEXER + "types"
+_HC = "{arch}.hyper_connection."
+
+
+def _u32_keys(tc: dict, n_blocks: int, n_nextn: int, kv_lora: int, rope: int, dense: int) -> list[tuple[str, Any]]:
+    """(key template, value) of the UINT32 keys, in the order the file lists them."""
     u32 = [
-        ("block_count", n_blocks), ("context_length", _get(tc, "max_position_embeddings")),
-        ("embedding_length", _get(tc, "hidden_size")), ("feed_forward_length", _get(tc, "intermediate_size")),
-        ("attention.head_count", _get(tc, "num_attention_heads")),
-        ("expert_count", _get(tc, "n_routed_experts")), ("expert_used_count", _get(tc, "num_experts_per_tok")),
-        ("expert_group_count", _get(tc, "n_group", default=1)),
-        ("expert_group_used_count", _get(tc, "topk_group", default=1)),
-        ("vocab_size", _get(tc, "vocab_size")),
-        ("ssm.conv_kernel", _get(tc, "linear_attn_config.short_conv_kernel_size", "linear_conv_kernel_dim")),
-        ("kda.head_dim", _get(tc, "linear_attn_config.head_dim", "linear_head_dim")),
-        ("attention.q_lora_rank", _get(tc, "q_lora_rank")), ("attention.kv_lora_rank", kv_lora),
-        ("rope.dimension_count", rope),
-        ("attention.key_length", kv_lora + rope), ("attention.value_length", kv_lora),
-        ("attention.key_length_mla", int(_get(tc, "qk_nope_head_dim")) + rope),
-        ("attention.value_length_mla", _get(tc, "v_head_dim")),
-        ("attention.indexer.head_count", _get(tc, "index_n_heads")),
-        ("attention.indexer.key_length", _get(tc, "index_head_dim")),
-        ("attention.indexer.top_k", _get(tc, "index_topk")),
-        ("attention.indexer.kpool", _get(tc, "index_kpool")),
-        ("hyper_connection.count", _get(tc, "hc_mult")),
-        ("hyper_connection.sinkhorn_iterations", _get(tc, "hc_sinkhorn_iters")),
-        ("leading_dense_block_count", dense),
-        ("expert_feed_forward_length", _get(tc, "moe_intermediate_size")),
-        ("expert_shared_count", _get(tc, "n_shared_experts")),
+        (LLM.BLOCK_COUNT, n_blocks), (LLM.CONTEXT_LENGTH, _get(tc, "max_position_embeddings")),
+        (LLM.EMBEDDING_LENGTH, _get(tc, "hidden_size")), (LLM.FEED_FORWARD_LENGTH, _get(tc, "intermediate_size")),
+        (Attn.HEAD_COUNT, _get(tc, "num_attention_heads")),
+        (LLM.EXPERT_COUNT, _get(tc, "n_routed_experts")), (LLM.EXPERT_USED_COUNT, _get(tc, "num_experts_per_tok")),
+        (LLM.EXPERT_GROUP_COUNT, _get(tc, "n_group", default=1)),
+        (LLM.EXPERT_GROUP_USED_COUNT, _get(tc, "topk_group", default=1)),
+        (LLM.VOCAB_SIZE, _get(tc, "vocab_size")),
+        (Keys.SSM.CONV_KERNEL, _get(tc, "linear_attn_config.short_conv_kernel_size", "linear_conv_kernel_dim")),
+        (Keys.KDA.HEAD_DIM, _get(tc, "linear_attn_config.head_dim", "linear_head_dim")),
+        (Attn.Q_LORA_RANK, _get(tc, "q_lora_rank")), (Attn.KV_LORA_RANK, kv_lora),
+        (Keys.Rope.DIMENSION_COUNT, rope),
+        (Attn.KEY_LENGTH, kv_lora + rope), (Attn.VALUE_LENGTH, kv_lora),
+        (Attn.KEY_LENGTH_MLA, int(_get(tc, "qk_nope_head_dim")) + rope),
+        (Attn.VALUE_LENGTH_MLA, _get(tc, "v_head_dim")),
+        (_INDEXER + "head_count", _get(tc, "index_n_heads")),
+        (_INDEXER + "key_length", _get(tc, "index_head_dim")),
+        (_INDEXER + "top_k", _get(tc, "index_topk")),
+        (_INDEXER + "kpool", _get(tc, "index_kpool")),
+        (_HC + "count", _get(tc, "hc_mult")),
+        (_HC + "sinkhorn_iterations", _get(tc, "hc_sinkhorn_iters")),
+        (LLM.LEADING_DENSE_BLOCK_COUNT, dense),
+        (LLM.EXPERT_FEED_FORWARD_LENGTH, _get(tc, "moe_intermediate_size")),
+        (LLM.EXPERT_SHARED_COUNT, _get(tc, "n_shared_experts")),
     ]
     if n_nextn:
-        u32.append(("nextn_predict_layers", n_nextn))
+        u32.append((LLM.NEXTN_PREDICT_LAYERS, n_nextn))
+    return u32
+
+
+def _f32_keys(tc: dict) -> list[tuple[str, Any]]:
+    """(key template, value) of the FLOAT32 keys, in the order the file lists them."""
     f32 = [
-        ("attention.layer_norm_rms_epsilon", _get(tc, "rms_norm_eps")),
-        ("attention.layer_norm_epsilon", 1e-6),  # indexer k_norm LayerNorm eps (fixed in the reference)
-        ("kda.gate_lower_bound", _get(tc, "linear_attn_config.gate_lower_bound", "linear_lower_bound")),
-        ("hyper_connection.epsilon", _get(tc, "hc_eps")),
-        ("expert_weights_scale", _get(tc, "routed_scaling_factor")),
+        (Attn.LAYERNORM_RMS_EPS, _get(tc, "rms_norm_eps")),
+        (Attn.LAYERNORM_EPS, 1e-6),  # indexer k_norm LayerNorm eps (fixed in the reference)
+        ("{arch}.kda.gate_lower_bound", _get(tc, "linear_attn_config.gate_lower_bound", "linear_lower_bound")),
+        (_HC + "epsilon", _get(tc, "hc_eps")),
+        (LLM.EXPERT_WEIGHTS_SCALE, _get(tc, "routed_scaling_factor")),
     ]
     rope_theta = tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta")
     if rope_theta:
-        f32.append(("rope.freq_base", rope_theta))
-    out = [KV(p + k, "UINT32", int(v)) for k, v in u32] + [KV(p + k, "FLOAT32", float(v)) for k, v in f32]
-    out += [
-        KV(p + "attention.indexer.kpool_select_tail", "BOOL", bool(tc.get("index_kpool_always_select_tail", True))),
-        KV(p + "expert_weights_norm", "BOOL", bool(tc.get("norm_topk_prob", False))),
-        KV(p + "attention.head_count_kv", "ARRAY", head_kv, "INT32"),
-        # indexer.types has the TRUNK length, the other per-layer arrays block_count (§1.3)
-        KV(p + "attention.indexer.types", "ARRAY", [t == "full" for t in idx_types[:n_trunk]], "BOOL"),
-    ]
-    if swiglu:
-        out += [KV(p + "swiglu_clamp_exp", "ARRAY", [swiglu] * n_blocks, "FLOAT32"),
-                KV(p + "swiglu_clamp_shexp", "ARRAY", [swiglu] * n_blocks, "FLOAT32")]
-    out.append(KV("general.quantization_version", "UINT32", 2))
-    ft = _file_type(file_type)
-    if ft is not None:
-        out.append(KV("general.file_type", "UINT32", ft))
-    out += [KV("general.type", "STRING", "model"), KV("general.name", "STRING", name or Path(str(ckpt.path)).name)]
-    return out
+        f32.append((Keys.Rope.FREQ_BASE, rope_theta))
+    return f32
 
 
 def add_kv(writer, kvs: Iterable[KV]) -> None:
@@ -162,10 +202,10 @@ def add_kv(writer, kvs: Iterable[KV]) -> None:
 
 
 def shard_names(path: Path, n: int) -> list[Path]:
-    """llama.cpp's shard naming: `<stem>-00001-of-0000N.gguf` (plain `path` when n == 1)."""
+    """llama.cpp's shard naming (gguf-py's SHARD_NAME_FORMAT): `<stem>-00001-of-0000N.gguf`; `path` when n == 1."""
     if n == 1:
         return [path]
-    return [path.with_name(f"{path.stem}-{i + 1:05d}-of-{n:05d}.gguf") for i in range(n)]
+    return [path.with_name(SHARD_NAME_FORMAT.format(path.stem, i + 1, n)) for i in range(n)]
 
 
 def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
@@ -191,7 +231,7 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
                           split_max_tensors=int(shard_max_tensors))
         digests: dict[str, str] = {}
         # GGUFWriter already wrote general.architecture in its constructor
-        add_kv(w, [k for k in kv if k.key != "general.architecture"])
+        add_kv(w, [k for k in kv if k.key != Keys.General.ARCHITECTURE])
         if tokenizer is not None:
             tokenizer(w)
         for t in tensors:

@@ -62,8 +62,8 @@ def write_imatrix(path: str | Path, im: IMatrix) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.partial")
     w = gguf.GGUFWriter(tmp, "imatrix")
-    w.kv_data[0].pop("general.architecture", None)  # llama-imatrix files carry no architecture
-    w.add_string("general.type", "imatrix")
+    w.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)  # llama-imatrix files carry no architecture
+    w.add_string(gguf.Keys.General.TYPE, "imatrix")
     if im.datasets:
         w.add_array(KEY_DATASETS, list(im.datasets))
     else:

@@ -10,10 +10,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+from gguf import Keys
 
 from mixq.errors import InputError
-from mixq.formats.gguf_writer import KV, TensorOut, write_gguf
-from mixq.quant.gguf_mix import ggml_type
+from mixq.formats.gguf_writer import KV, TensorOut, ggml_type, write_gguf
+
+CV = Keys.ClipVision
 
 def mmproj_tensors(ckpt) -> list[tuple[str, str, tuple[int, ...], str]]:
     """(mmproj name, HF name, numpy shape, part) for every vision tensor, names from the architecture table;
@@ -62,34 +64,33 @@ def mmproj_kv(ckpt, model_dir: Path, ftype: str) -> list[KV]:
             pp = d.get("image_processor", d)
             break
     patch, merge = int(vc["patch_size"]), int(vc.get("spatial_merge_size", 2))
-    v = "clip.vision."
     kv = [
-        KV("general.type", "STRING", "mmproj"), KV("general.name", "STRING", Path(model_dir).name),
-        KV("general.file_type", "UINT32", 1 if ftype == "F16" else 7),
-        KV("clip.projector_type", "STRING", "glm5v"),
-        KV("clip.has_vision_encoder", "BOOL", True),
-        KV("clip.use_silu", "BOOL", vc.get("hidden_act", "silu") == "silu"),
-        KV(v + "projection_dim", "UINT32", int(vc["out_hidden_size"])),
-        KV(v + "image_size", "UINT32", int(vc["image_size"])),
-        KV(v + "patch_size", "UINT32", patch),
-        KV(v + "embedding_length", "UINT32", int(vc["hidden_size"])),
-        KV(v + "feed_forward_length", "UINT32", int(vc["intermediate_size"])),
-        KV(v + "block_count", "UINT32", int(vc["depth"])),
-        KV(v + "attention.head_count", "UINT32", int(vc["num_heads"])),
-        KV(v + "spatial_merge_size", "UINT32", merge),
-        KV(v + "attention.layer_norm_epsilon", "FLOAT32", float(vc.get("rms_norm_eps", 1e-5))),
-        KV(v + "swiglu_clamp", "FLOAT32", float(vc.get("swiglu_limit", 0.0))),
-        KV(v + "image_mean", "ARRAY", [float(x) for x in pp.get("image_mean", [0.48145466, 0.4578275, 0.40821073])],
+        KV(Keys.General.TYPE, "STRING", "mmproj"), KV(Keys.General.NAME, "STRING", Path(model_dir).name),
+        KV(Keys.General.FILE_TYPE, "UINT32", 1 if ftype == "F16" else 7),
+        KV(Keys.Clip.PROJECTOR_TYPE, "STRING", "glm5v"),
+        KV(Keys.Clip.HAS_VISION_ENCODER, "BOOL", True),
+        KV(CV.USE_SILU, "BOOL", vc.get("hidden_act", "silu") == "silu"),
+        KV(CV.PROJECTION_DIM, "UINT32", int(vc["out_hidden_size"])),
+        KV(CV.IMAGE_SIZE, "UINT32", int(vc["image_size"])),
+        KV(CV.PATCH_SIZE, "UINT32", patch),
+        KV(CV.EMBEDDING_LENGTH, "UINT32", int(vc["hidden_size"])),
+        KV(CV.FEED_FORWARD_LENGTH, "UINT32", int(vc["intermediate_size"])),
+        KV(CV.BLOCK_COUNT, "UINT32", int(vc["depth"])),
+        KV(CV.Attention.HEAD_COUNT, "UINT32", int(vc["num_heads"])),
+        KV(CV.SPATIAL_MERGE_SIZE, "UINT32", merge),
+        KV(CV.Attention.LAYERNORM_EPS, "FLOAT32", float(vc.get("rms_norm_eps", 1e-5))),
+        KV("clip.vision.swiglu_clamp", "FLOAT32", float(vc.get("swiglu_limit", 0.0))),  # not named by gguf-py 0.19
+        KV(CV.IMAGE_MEAN, "ARRAY", [float(x) for x in pp.get("image_mean", [0.48145466, 0.4578275, 0.40821073])],
            "FLOAT32"),
-        KV(v + "image_std", "ARRAY", [float(x) for x in pp.get("image_std", [0.26862954, 0.26130258, 0.27577711])],
+        KV(CV.IMAGE_STD, "ARRAY", [float(x) for x in pp.get("image_std", [0.26862954, 0.26130258, 0.27577711])],
            "FLOAT32"),
     ]
     # the loader takes pixel limits; processors give token limits: one token = (patch * merge)^2 pixels
     px = (patch * merge) ** 2
     if "min_image_tokens" in pp:
-        kv.append(KV(v + "image_min_pixels", "UINT32", int(pp["min_image_tokens"]) * px))
+        kv.append(KV(CV.IMAGE_MIN_PIXELS, "UINT32", int(pp["min_image_tokens"]) * px))
     if "max_image_tokens" in pp:
-        kv.append(KV(v + "image_max_pixels", "UINT32", int(pp["max_image_tokens"]) * px))
+        kv.append(KV(CV.IMAGE_MAX_PIXELS, "UINT32", int(pp["max_image_tokens"]) * px))
     return kv
 
 

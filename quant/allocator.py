@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from mixq.errors import InputError, PlanError
+from mixq.formats.exl3_layout import PAD, RATES, TILE, pad_up, trellis_words
 
-EXL3_RATES: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0)
+EXL3_RATES: tuple[float, ...] = RATES
 EXL3_INT_RATES: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
 
 # issue 4 §1: role defaults for EXL3 (head and NextN have their own keys; vision stays native unless asked)
@@ -39,7 +40,7 @@ ROLE_PRIORITY: dict[str, int] = {"attn": 4, "shared_expert": 3, "lm_head": 3, "d
 
 def pad128(n: int) -> int:
     """Round up to a multiple of 128 (exllamav3 ``Linear(pad_to=128)``, exl3-format.md §1.6)."""
-    return -(-int(n) // 128) * 128
+    return pad_up(n, PAD)
 
 
 def exl3_padded_numel(out_features: int, in_features: int) -> int:
@@ -49,10 +50,9 @@ def exl3_padded_numel(out_features: int, in_features: int) -> int:
 
 def exl3_trellis_bytes(out_features: int, in_features: int, bits: float) -> int:
     """Bytes of ``<key>.trellis``: int16 (k/16, n/16, 16·K); half rates use 16·⌊K⌋+8 = 16·K words (§1.4)."""
-    words = int(round(16 * bits))
     if float(bits) not in EXL3_RATES:
         raise PlanError(f"EXL3 bitrate {bits} is not one of {EXL3_RATES}")
-    return (pad128(in_features) // 16) * (pad128(out_features) // 16) * words * 2
+    return (pad128(in_features) // TILE) * (pad128(out_features) // TILE) * trellis_words(bits) * 2
 
 
 def exl3_linear_overhead(out_features: int, in_features: int, *, bias: bool = False, marker: bool = True) -> int:

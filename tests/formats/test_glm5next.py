@@ -7,7 +7,9 @@ import pytest
 from safetensors import safe_open
 
 from mixq.errors import InputError
-from mixq.formats.glm5next import EXL3_POLICIES, GGUF_POLICIES, ROLES, RULES, classify, normalise_layer_type
+from mixq.formats.glm5next import (EXL3_POLICIES, GGUF_POLICIES, ROLES, RULES, classify, global_gguf_name,
+                                   global_hf_name, gguf_policy, gguf_sources, in_nextn_block, module_sources,
+                                   nextn_only_shapes, normalise_layer_type)
 
 L = "model.language_model.layers"
 
@@ -99,3 +101,45 @@ def test_layer_type_spellings():
     assert normalise_layer_type("linear_attention") == "linear_attention"
     with pytest.raises(InputError, match="sliding"):
         normalise_layer_type("sliding_attention")
+
+
+def test_fusion_and_module_columns():
+    q = classify(f"{L}.0.self_attn.k_proj.weight", 4)
+    assert q.exl3_key == f"{L}.0.self_attn.qkv_proj" and q.exl3_group == "layers.0.self_attn.qkv_proj"
+    assert q.exl3_members == tuple(f"{L}.0.self_attn.{c}_proj.weight" for c in "qkv")
+    c = classify(f"{L}.0.self_attn.v_conv1d.weight", 4)
+    assert c.exl3_key == f"{L}.0.self_attn.conv1d.weight" and c.gguf_transforms == ("conv",)
+    assert c.module == "self_attn.conv1d.weight"
+    assert classify(f"{L}.0.self_attn.A_log", 4).exl3_flat
+    assert classify(f"{L}.4.eh_proj.weight", 4).exl3_pad == 1
+    e = classify(f"{L}.2.mlp.experts.5.gate_proj.weight", 4)
+    assert (e.exl3_group, e.gguf_transforms, e.module) == ("layers.2.experts", ("stack",), "mlp.experts.gate_up_proj")
+    assert classify(f"{L}.1.hc_ffn_scale", 4).module == "ffn_hc.scale"
+    assert classify(f"{L}.3.self_attn.kv_b_proj.weight", 4).gguf_transforms == ("kv_b_k", "kv_b_v")
+    p = classify("model.visual.patch_embed.proj.weight", 4)
+    assert p.mmproj_names == ("v.patch_embd.weight", "v.patch_embd.weight.1") and p.mmproj_parts == ("t0", "t1")
+    assert classify("model.visual.blocks.3.norm2.bias", 4).mmproj_names == ("v.blk.3.ln2.bias",)
+
+
+def test_inverse_lookups_invert_classify(mini_model):
+    names = _fixture_names(mini_model)
+    for n in names:
+        i = classify(n, 4)
+        for g, tr in zip(i.gguf_names, i.gguf_transforms):
+            src = gguf_sources(g, (8,) if tr == "stack" else ())
+            assert src is not None and src.transform == tr and gguf_policy(g) == i.gguf
+            assert n in src.hf_names or (tr == "stack" and i.expert >= 8)
+    assert gguf_sources("blk.0.attn_qkv.weight") is None and gguf_policy("blk.0.attn_qkv.weight") is None
+    assert module_sources(1, "mlp.experts.down_proj", 2) == [[f"{L}.1.mlp.experts.{e}.down_proj.weight"] for e in (0, 1)]
+    assert module_sources(0, "self_attn.forget_gate.A_log") == [[f"{L}.0.self_attn.A_log"]]
+    assert module_sources(0, "self_attn.conv1d.weight") == [[f"{L}.0.self_attn.{c}_conv1d.weight" for c in "qkv"]]
+    assert module_sources(0, "self_attn.rotary.inv_freq") is None
+
+
+def test_nextn_block_names():
+    before, after = nextn_only_shapes(64)
+    assert before == {"eh_proj.weight": (64, 128), "enorm.weight": (64,), "hnorm.weight": (64,)}
+    assert after == {"shared_head.norm.weight": (64,)}
+    assert in_nextn_block("mlp.experts.0.up_proj.weight") and not in_nextn_block("hc_attn_fn")
+    assert global_hf_name("embed") == "model.language_model.embed_tokens.weight"
+    assert (global_gguf_name("embed"), global_gguf_name("lm_head")) == ("token_embd.weight", "output.weight")

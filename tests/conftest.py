@@ -136,3 +136,48 @@ def bad_checkpoint(request, tmp_path):
     f = tmp_path / "model.bin"  # file_not_dir
     f.write_bytes(b"x")
     return kind, f, "model.bin"
+
+
+# --- an EXL3 directory in seconds ------------------------------------------------------------------------------
+def cheap_trellis(weight, bits, hessian=None, codebook="mul1", seed=0):
+    """Stand-in for `quant.trellis.quantize`: random but well-formed trellis codes, so that an EXL3 conversion
+    takes seconds; reading such a directory back exercises the real trellis decoder."""
+    import torch
+
+    from mixq.quant import trellis
+
+    if weight.dim() == 3:
+        return [cheap_trellis(w, bits, None, codebook, seed + i) for i, w in enumerate(weight)]
+    out_f, in_f = weight.shape
+    k, n = -(-in_f // 128) * 128, -(-out_f // 128) * 128
+    width = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
+    g = torch.Generator().manual_seed(seed + out_f * 7 + in_f)
+    codes = torch.randint(-32768, 32768, (k // 16, n // 16, width), generator=g).to(torch.int16)
+
+    def signs(m: int) -> torch.Tensor:
+        return (torch.randint(0, 2, (m,), generator=g) * 2 - 1).to(torch.float16) * 0.05
+
+    return trellis.QuantizedLinear(trellis=codes, suh=signs(k), svh=signs(n), codebook="mul1", shape=(out_f, in_f))
+
+
+@pytest.fixture(scope="session")
+def tiny_exl3_cheap(tiny_model, tmp_path_factory) -> Path:
+    """tiny_model converted to EXL3 at 4 bpw with `cheap_trellis` codes (the decoder is the real one)."""
+    from mixq.convert.api import convert
+    from mixq.quant import trellis
+
+    out = tmp_path_factory.mktemp("exl3-cheap") / "tiny-4.0"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trellis, "quantize", cheap_trellis)
+        convert(tiny_model, out, "exl3", bpw=4.0, rows=2, seq_len=16, device="cpu", progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_model, tmp_path_factory) -> Path:
+    """tiny_model as a GGUF, --type Q4_K_M (widths of 128: llama.cpp's fallback types)."""
+    from mixq.convert.gguf_pipeline import convert_gguf
+
+    out = tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M.gguf"
+    convert_gguf(tiny_model, out, qtype="Q4_K_M", progress=False)
+    return out

@@ -45,12 +45,10 @@ def test_hf_source_is_the_checkpoint(k256_fp8_model):
         src.get("model.language_model.layers.0.mlp.gate.weight.bogus")
 
 
-def test_gguf_source_equals_read_gguf_weights(tiny_model, tmp_path):
-    from mixq.convert.gguf_pipeline import convert_gguf
+def test_gguf_source_equals_read_gguf_weights(tiny_gguf):
     from mixq.formats.gguf_reader import read_gguf_weights
 
-    g = tmp_path / "tiny-Q8_0.gguf"
-    convert_gguf(tiny_model, g, qtype="Q8_0", progress=False)
+    g = tiny_gguf
     whole = read_gguf_weights(g)
     src = open_dequant(g, "gguf", num_hidden_layers=4)
     assert src.shapes() == {n: tuple(t.shape) for n, t in whole.items()}  # shapes without decoding
@@ -59,35 +57,14 @@ def test_gguf_source_equals_read_gguf_weights(tiny_model, tmp_path):
         open_dequant(g, "gguf")
 
 
-def _cheap_trellis(weight, bits, hessian=None, codebook="mul1", seed=0):
-    """Stand-in encoder: random (but well-formed) trellis codes, so that a conversion takes seconds; the
-    decoder under test is the real one."""
-    from mixq.quant import trellis
-
-    if weight.dim() == 3:
-        return [_cheap_trellis(w, bits, None, codebook, seed + i) for i, w in enumerate(weight)]
-    out_f, in_f = weight.shape
-    k, n = -(-in_f // 128) * 128, -(-out_f // 128) * 128
-    width = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
-    g = torch.Generator().manual_seed(seed + out_f * 7 + in_f)
-    codes = torch.randint(-32768, 32768, (k // 16, n // 16, width), generator=g).to(torch.int16)
-    sign = lambda m: (torch.randint(0, 2, (m,), generator=g) * 2 - 1).to(torch.float16) * 0.05  # noqa: E731
-    return trellis.QuantizedLinear(trellis=codes, suh=sign(k), svh=sign(n), codebook="mul1", shape=(out_f, in_f))
-
-
-def test_exl3_source_equals_read_exl3(tiny_model, tmp_path, monkeypatch):
-    from mixq.convert.api import convert
+def test_exl3_source_equals_read_exl3(tiny_exl3_cheap):
     from mixq.formats.exl3_reader import Exl3Dir
-    from mixq.quant import trellis
 
-    with monkeypatch.context() as mp:
-        mp.setattr(trellis, "quantize", _cheap_trellis)
-        convert(tiny_model, tmp_path / "exl3", "exl3", bpw=4.0, rows=2, seq_len=16, device="cpu", progress=False)
-    whole = read_exl3(tmp_path / "exl3")
-    src = open_dequant(tmp_path / "exl3", "exl3")
+    whole = read_exl3(tiny_exl3_cheap)
+    src = open_dequant(tiny_exl3_cheap, "exl3")
     assert src.shapes() == {n: tuple(t.shape) for n, t in whole.items()}
     _same(_assembled(src, 4), _text_only(whole, 4))
-    d = Exl3Dir(tmp_path / "exl3")
+    d = Exl3Dir(tiny_exl3_cheap)
     u = next(u for u in d.units if u.kind == "trellis")
     w = dequantize_unit(d, u)
     assert tuple(w.shape) == u.shape and bool(torch.isfinite(w).all()) and float(w.abs().max()) > 0

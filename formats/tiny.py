@@ -76,7 +76,7 @@ def fp8_quantize_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
     """(fp8 e4m3 weight, float32 scale_inv per block x block tile) with W ~= fp8 * scale_inv."""
     r, c = w.shape
     br, bc = -(-r // block), -(-c // block)
-    x = torch.zeros(br * block, bc * block, dtype=torch.float32)
+    x = torch.zeros(br * block, bc * block, dtype=torch.float32, device=w.device)
     x[:r, :c] = w.float()
     tiles = x.view(br, block, bc, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12)

@@ -230,3 +230,24 @@ def read_exl3(path: str | Path, device: str | torch.device = "cpu") -> dict[str,
         if u.bias:
             out[u.bias] = d.tensor(f"{u.key}.bias").float()[: u.shape[0]]
     return out
+
+
+def exl3_decode_check(path: str | Path, device: str | torch.device = "cpu") -> tuple[int, list[str]]:
+    """Decode every stored trellis unit of an EXL3 directory: (units decoded, problems) — a unit that does not
+    decode or decodes to non-finite values is a problem (what `verify` adds to `formats.exl3_reader`'s checks)."""
+    from mixq.formats.exl3_reader import Exl3Dir
+
+    d = Exl3Dir(path)
+    decoded, problems = 0, []
+    for u in d.units:
+        if u.kind != "trellis" or any(n not in d.where for n in u.tensor_specs(d.bits.get(u.key))):
+            continue  # missing tensors are reported by the reader's own checks
+        try:
+            w = dequantize_unit(d, u, device)
+        except (FormatError, ValueError, RuntimeError) as e:
+            problems.append(f"{u.key}: does not decode ({e})")
+            continue
+        decoded += 1
+        if not bool(torch.isfinite(w).all()):
+            problems.append(f"{u.key}: decodes to non-finite values")
+    return decoded, problems

@@ -68,3 +68,27 @@ def test_exl3_source_equals_read_exl3(tiny_exl3_cheap):
     u = next(u for u in d.units if u.kind == "trellis")
     w = dequantize_unit(d, u)
     assert tuple(w.shape) == u.shape and bool(torch.isfinite(w).all()) and float(w.abs().max()) > 0
+
+
+def test_exl3_decode_check_matches_verify(tiny_exl3_cheap, tmp_path):
+    """The decode check `verify` needs from convert (formats must not import quant): the same count and problems
+    as the reader's own decoding verify, and a unit whose scales are not finite is named."""
+    import shutil
+
+    from mixq.convert.dequant import exl3_decode_check
+    from mixq.formats.exl3_reader import Exl3Dir, verify_exl3
+
+    n, problems = exl3_decode_check(tiny_exl3_cheap)
+    assert n == verify_exl3(tiny_exl3_cheap)["quantized"] > 0 and problems == []
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_exl3_cheap, bad)
+    d = Exl3Dir(bad)
+    u = next(u for u in d.units if u.kind == "trellis")
+    from safetensors.torch import load_file, save_file
+
+    shard = bad / d.where[f"{u.key}.suh"]
+    t = load_file(str(shard))
+    t[f"{u.key}.suh"] = torch.full_like(t[f"{u.key}.suh"], float("inf"))
+    save_file(t, str(shard), metadata={"format": "pt"})
+    n2, problems2 = exl3_decode_check(bad)
+    assert n2 == n and problems2 == [f"{u.key}: decodes to non-finite values"]

@@ -2,6 +2,7 @@
 
 Same tensors for every encoder, and every result checked byte for byte against ggml's:
 - mixq CUDA: ``kquants.quantize(x, t, im, device="cuda")`` from host numpy to host bytes (the copies count);
+  "resident": ``kquants.quantize_tensor`` of a tensor already on the GPU; "eager": without the fused kernels;
 - mixq CPU 1 core: ``kquants.quantize`` (the numpy encoders) on this thread;
 - mixq CPU all cores: the same over row chunks in a pool of worker processes (as ``convert --threads``);
 - ggml 1 core / all cores: ``ggml_quantize_chunk`` (libggml-base of llama-cpp-python, or $MIXQ_GGML_BASE_LIB)
@@ -32,7 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from mixq.quant import kquants, kquants_ggml  # noqa: E402
+from mixq.quant import kquants, kquants_fused, kquants_ggml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TYPES = ["Q4_K", "IQ2_S", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ3_XXS",
@@ -89,6 +90,28 @@ def _mixq_cuda(x: np.ndarray, t: str, im, device: str) -> np.ndarray:
     return out
 
 
+class _OnDevice:
+    """mixq CUDA with the tensor already on the device (as the pipeline can hand it over): kernel throughput."""
+
+    def __init__(self, x: np.ndarray, im, device: str):
+        self.x = torch.from_numpy(x).to(device)
+        self.im = None if im is None else torch.from_numpy(im).to(device)
+
+    def __call__(self, t: str, a: np.ndarray) -> np.ndarray:
+        out = kquants.quantize_tensor(self.x[:a.shape[0]], t, self.im)
+        torch.cuda.synchronize()
+        return out.cpu().numpy()
+
+
+def _eager(fn):
+    """Run fn with the fused kernels switched off (the elementwise torch path)."""
+    os.environ["MIXQ_KQUANT_FUSED"] = "0"
+    try:
+        return fn()
+    finally:
+        os.environ.pop("MIXQ_KQUANT_FUSED", None)
+
+
 def measure(fn, x: np.ndarray, target_s: float, probe_rows: int) -> tuple[float, int, np.ndarray]:
     """(weights/s, rows measured, bytes of those rows): time a probe, then as many rows as fit target_s."""
     probe = x[:min(probe_rows, x.shape[0])]
@@ -134,7 +157,11 @@ def run(args) -> dict:
                 kquants.quantize(x[:1], t, im)
                 if cuda:
                     _mixq_cuda(x[:8], t, im, args.device)
+                    on_dev = _OnDevice(x, im, args.device)
                     enc["mixq_cuda"] = lambda a: _mixq_cuda(a, t, im, args.device)
+                    enc["mixq_cuda_resident"] = lambda a: on_dev(t, a)
+                    if args.eager:
+                        enc["mixq_cuda_eager"] = lambda a: _eager(lambda: _mixq_cuda(a, t, im, args.device))
                 enc["mixq_cpu_1"] = lambda a: kquants.quantize(a, t, im)
                 if procs is not None:
                     enc["mixq_cpu_all"] = lambda a: _mixq_pool(a, t, im, procs, 4 * args.cpu_threads)
@@ -153,7 +180,9 @@ def run(args) -> dict:
                 else:  # the numpy encoders (proven equal to ggml by the tests)
                     ref = _mixq_pool(x[:most], t, im, procs, 4 * args.cpu_threads) if procs else outs["mixq_cpu_1"]
                 row["equal"] = all(np.array_equal(o, ref[:o.shape[0]]) for o in outs.values())
-                for name in ("mixq_cuda", "mixq_cpu_all", "mixq_cpu_1"):
+                if cuda:
+                    row["fused_variants_ok"] = all(kquants_fused._VARIANTS.values())
+                for name in ("mixq_cuda", "mixq_cuda_resident", "mixq_cuda_eager", "mixq_cpu_all", "mixq_cpu_1"):
                     if f"{name}_wps" in row and "ggml_all_wps" in row:
                         row[f"{name}_vs_ggml_all"] = round(row[f"{name}_wps"] / row["ggml_all_wps"], 3)
                 results.append(row)
@@ -177,6 +206,7 @@ def main() -> None:
     ap.add_argument("--target-s", type=float, default=1.0, help="seconds per measurement (rows are cut to fit)")
     ap.add_argument("--probe-rows", type=int, default=32)
     ap.add_argument("--model", type=Path, default=None, help="k256 fixture (default: $MIXQ_SHARED/models/...)")
+    ap.add_argument("--eager", action="store_true", help="also time mixq CUDA without the fused kernels")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -10,6 +10,11 @@ codebooks from gguf-py; IQ2_XXS and IQ2_XS need an imatrix (ggml refuses them wi
 and IQ4_NL (:mod:`kquants_iq4`) share the non-linear 16-level grid.
 The imatrix is a per-column vector of length n (for an expert tensor: that expert's slice).
 
+Two paths, the same bytes: ``device="cpu"`` (the default) runs the numpy encoders on the calling
+thread (the GGUF converter's ``--threads`` worker processes use it); ``device="cuda"`` and
+:func:`quantize_tensor` run the torch encoders (:mod:`kquants_torch`; fused Triton kernels on CUDA,
+:mod:`kquants_fused`). Hand tensors to :func:`quantize_tensor` on the GPU to skip the host copies.
+
 Verified byte for byte against libggml-base of llama-cpp-python 0.3.36 (x86-64, GGML_NATIVE=OFF)
 for every type here, with and without imatrix, on edge-case rows and on every 2-D tensor of the
 k256 and mini fixtures (tests/quant/test_kquants.py; i-quants: tests/quant/test_kquants_iq.py). Speed: about 2-3x ggml's single-thread
@@ -115,6 +120,19 @@ def _encode_rows(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> np.nd
     return np.asarray(gguf_quants.quantize(x, GGMLQuantizationType[qtype]), dtype=np.uint8).reshape(R, -1)
 
 
+def _device(device: str | torch.device) -> torch.device:
+    """The torch device named by ``device``; InputError if it does not exist here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"kquants.quantize: unknown device {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"kquants.quantize: device {device!r} requested but torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"kquants.quantize: device {device!r} is not supported (cpu or cuda)")
+    return dev
+
+
 def default_device() -> str:
     """"cuda" when torch sees a GPU, else "cpu": the device to pass to :func:`quantize` for speed."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,10 +147,11 @@ def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, *,
     ``device`` "cpu" runs the numpy encoders on this thread; any other torch device (e.g. "cuda")
     runs the torch encoders there (:func:`quantize_tensor`). The bytes are the same on every device.
     """
-    if torch.device(device).type != "cpu":
-        x, imatrix = _check(x, qtype, imatrix)
-        im = None if imatrix is None else torch.from_numpy(imatrix)
-        return quantize_tensor(torch.from_numpy(x).to(device), qtype, im).cpu().numpy()
+    dev = _device(device)
+    if dev.type != "cpu":  # the checks run on the device (a host pass would cost as much)
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dev)
+        im = None if imatrix is None else torch.from_numpy(np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1))
+        return quantize_tensor(xt, qtype, im).cpu().numpy()
     x, imatrix = _check(x, qtype, imatrix)
     R, n = x.shape
     out = np.empty((R, row_bytes(qtype, n)), dtype=np.uint8)
@@ -184,9 +203,9 @@ def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = Non
         if im.size != E * n:
             raise InputError(f"kquants.quantize_stacked: imatrix has {im.size} values, expected {E}x{n}")
         im = im.reshape(E, n)
-    if torch.device(device).type != "cpu":  # one call for the whole stack: each row carries its expert's imatrix
+    if _device(device).type != "cpu":  # one call for the whole stack: each row carries its expert's imatrix
         rows = x.shape[1]
-        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(device).reshape(E * rows, n)
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dev).reshape(E * rows, n)
         imt = None
         if im is not None:
             imt = torch.from_numpy(np.ascontiguousarray(im)).to(device)[:, None].expand(E, rows, n).reshape(E * rows, n)

@@ -119,6 +119,11 @@ def test_bad_input_is_refused_naming_the_problem():
         kquants.quantize_tensor(torch.zeros(2, 256), "Q4_K", torch.ones(3, 256))
     with pytest.raises(InputError, match="IQ2_XS needs an importance matrix"):
         kquants.quantize_tensor(torch.zeros(2, 256), "IQ2_XS")
+    with pytest.raises(InputError, match="unknown device 'tpu9'"):
+        kquants.quantize(np.zeros((2, 256), np.float32), "Q4_K", device="tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="no CUDA device"):
+            kquants.quantize(np.zeros((2, 256), np.float32), "Q4_K", device="cuda")
 
 
 # ----------------------------------------------------------------------------- CUDA

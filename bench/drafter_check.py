@@ -35,13 +35,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("MIXQ_SHARED") or REPO.parent / "shared")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drafter_distill import TorchDrafter, distill  # noqa: E402
 from drafter_engine import (engine_rounds, generate, load_drafter, load_target, prompts_from,  # noqa: E402
                             target_states)
+from paths import SHARED, repo_relative  # noqa: E402
 
 KLD_LIMIT, TOP1_MIN, ACCEPT_POINTS = 1e-3, 0.99, 0.02
 
@@ -73,7 +72,8 @@ class Run:
             return None
 
     def save(self) -> None:
-        (self.out / "drafter_check.json").write_text(json.dumps(self.report, indent=2, default=str) + "\n")
+        (self.out / "drafter_check.json").write_text(json.dumps(repo_relative(self.report), indent=2, default=str)
+                                                     + "\n")
 
 
 # ------------------------------------------------------------------------------------------------ torch side
@@ -169,20 +169,12 @@ def convert_drafter_cli(src: Path, out: Path, device: str) -> dict:
     return json.loads(r.stdout)
 
 
-def rel(p: Path) -> str:
-    """A path as the report stores it: relative to the repository when inside it, else its name."""
-    try:
-        return str(Path(p).resolve().relative_to(REPO))
-    except ValueError:
-        return Path(p).name
-
-
 def check(args) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "log.txt").write_text("")
     run = Run(args.out)
     rep = run.report
-    rep["settings"] = {k: (rel(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    rep["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     target_cfg = json.loads((args.target / "config.json").read_text())
     block, history = args.block_size, args.block_size
     tokens = 1 << 16

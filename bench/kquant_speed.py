@@ -13,6 +13,7 @@ bf16-valued, per-row scales) and, when the fixture is there, the stacked experts
 
     python bench/kquant_speed.py --device cuda --ggml-threads 16 --json bench/results/kquant-speed-h200.json
     python bench/kquant_speed.py --types Q4_K --cpu-threads 2          # CPU only, this machine
+    python bench/kquant_speed.py --report bench/results/kquant-speed-h200.json   # markdown table
 
 The JSON holds one row per (tensor, type, imatrix) with weights/s of each encoder, the speed-ups of
 mixq CUDA over ggml on all cores, and whether every output equals ggml's.
@@ -196,6 +197,25 @@ def run(args) -> dict:
             "torch": torch.__version__, "results": results}
 
 
+def report(data: dict) -> str:
+    """Markdown table (M weights/s per encoder, speed-up of mixq CUDA over ggml on all cores) of a results JSON."""
+    cols = [("mixq_cuda", "mixq CUDA"), ("mixq_cuda_resident", "CUDA resident"), ("mixq_cuda_eager", "CUDA eager"),
+            ("mixq_cpu_1", "mixq 1 core"), ("mixq_cpu_all", f"mixq {data['cpu_workers']} procs"),
+            ("ggml_1", "ggml 1 thread"), ("ggml_all", f"ggml {data['ggml_threads']} threads")]
+    rows = data["results"]
+    cols = [(k, name) for k, name in cols if any(f"{k}_wps" in r for r in rows)]
+    head = ["tensor", "type", "imatrix"] + [name for _, name in cols] + ["CUDA / ggml all", "bytes = ggml"]
+    out = [f"{data['device']}, host {data['cpu']} ({data['host_cpus']} CPUs); M weights/s", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["tensor"], r["type"], "yes" if r["imatrix"] else "no"]
+        cells += [f"{r[k + '_wps'] / 1e6:.2f}" if f"{k}_wps" in r else "" for k, _ in cols]
+        ratio = r.get("mixq_cuda_vs_ggml_all")
+        cells += [f"{ratio:.1f}x" if ratio is not None else "", "yes" if r["equal"] else "NO"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cuda: also time mixq's torch encoders there")
@@ -208,7 +228,11 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="k256 fixture (default: $MIXQ_SHARED/models/...)")
     ap.add_argument("--eager", action="store_true", help="also time mixq CUDA without the fused kernels")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--report", type=Path, default=None, help="print a results JSON as a markdown table and exit")
     args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(args.report.read_text())))
+        return
     t0 = time.perf_counter()
     data = run(args)
     data["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -34,7 +34,8 @@ except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
 
 F32 = torch.float32
 LANES = 128          # blocks per program
-_OPTIONS = {"enable_fp_fusion": False, "num_warps": 4}
+# no fused multiply-add; no flush-to-zero of subnormals in libdevice's functions (div_rn)
+_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False, "num_warps": 4}
 _ENV_OFF = "MIXQ_KQUANT_FUSED"  # "0" keeps the eager searches (benchmarks, debugging)
 
 
@@ -286,14 +287,15 @@ def variant_ok(key: tuple, check: Callable[[], bool]) -> bool:
 
 
 def edge_blocks(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, w) (n, 64) blocks of edge cases for the variant checks: grid ties, zeros, tiny and huge
-    values, outliers, bf16 values, one-signed blocks, next to Gaussian ones."""
+    """(x, w) (n, 64) blocks of edge cases for the variant checks: grid ties, zeros, tiny, subnormal and
+    huge values, outliers, bf16 values, one-signed blocks, zero weights, next to Gaussian ones."""
     g = torch.Generator().manual_seed(20261201 + n)
     x = torch.randn(n, 64, generator=g)
     x[:, 8:16] = torch.randint(-3, 4, (n, 8), generator=g).float()
     x[:, 16:20] = 0.0
     x[:, 20] = -0.0
     x[:, 21:24] *= 1e-30
+    x[:, 60:64] *= 1e-40                                                    # subnormal
     x[::7, 24:32] = 1e4
     x[:, 32:48] = (x[:, 32:48] * 0.02).to(torch.bfloat16).float()
     x[:, 48:52] = x[:, 48:52].abs() + 0.1

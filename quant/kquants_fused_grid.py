@@ -70,7 +70,7 @@ if triton is not None:
         best_d2 = tl.full(sc.shape, float("inf"), tl.float32)
         best = tl.load(nb_ptr + row * MAXLEN, mask=need, other=0)
         top = tl.max(n, axis=0)
-        k = 0
+        k = top - top  # an int32 tensor: a loop-carried variable keeps its type
         while k < top:  # to the longest list among the lanes (a while: the interpreter's range wants an int)
             ok = need & (k < n)
             e = tl.load(nb_ptr + row * MAXLEN + k, mask=ok, other=0)

@@ -291,7 +291,7 @@ def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict:
         raise
     if writer is not None:
         writer.close()
-    return _report(run, scored, ref_seconds)
+    return _report(run, scored, ref_seconds, models.state_device)
 
 
 def _check_logits(path: Path, w: int, logits: torch.Tensor, lp: torch.Tensor) -> None:
@@ -301,7 +301,7 @@ def _check_logits(path: Path, w: int, logits: torch.Tensor, lp: torch.Tensor) ->
         raise InputError(f"{path}: vocabulary {logits.shape[-1]} differs from the reference {lp.shape[-1]}")
 
 
-def _report(run: EvalRun, scored: list, ref_seconds: float | None) -> dict:
+def _report(run: EvalRun, scored: list, ref_seconds: float | None, state_device: torch.device) -> dict:
     window_tokens = run.windows.count * run.windows.ctx
     ref_params = run.ref.ckpt.params
     report = {
@@ -316,6 +316,7 @@ def _report(run: EvalRun, scored: list, ref_seconds: float | None) -> dict:
         "ref_tokens_per_s": (window_tokens / ref_seconds) if ref_seconds else None,
         "ref_logits": str(run.reader.path if run.reader else run.save_ref or "") or None,
         "state_dtype": run.state_dtype,
+        "state_device": str(state_device),
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "peak_gpu_mib": None if (g := peak_gpu_mib(run.device)) is None else round(g, 1),
         "candidates": [],

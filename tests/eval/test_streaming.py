@@ -124,3 +124,23 @@ def test_quantized_candidate_equals_whole_model_forward(fmt, tiny_model, tiny_ex
     assert rep["kld_mean"] > 1e-4  # a real difference, measured the same way by both
     for k in ("kld_mean", "kld_max", "top1", "ppl", "ppl_ref"):
         assert rep[k] == whole[k], k
+
+
+@pytest.mark.gpu
+def test_streaming_on_cuda_matches_the_cpu_numbers(baseline, mini_model, heldout_text, tmp_path):
+    """On a GPU the hidden states live on the device; the numbers agree with the CPU baseline to float rounding,
+    with one window per layer call and with 4."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    b = baseline["models"]["mini"]
+    cands = _candidates("mini", mini_model, tmp_path, mini_model.parent)
+    for batch in (1, 4):
+        rep = evaluate(mini_model, cands, heldout_text, ctx=baseline["ctx"], windows=baseline["windows"],
+                       score=b["score"], device="cuda", batch_windows=batch, progress=False)
+        assert rep["state_device"].startswith("cuda") and rep["peak_gpu_mib"] > 0
+        for (name, old), new in zip(b["candidates"].items(), rep["candidates"]):
+            assert abs(new["top1"] - old["top1"]) <= 2 / old["positions"], name
+            assert new["kld_mean"] == pytest.approx(old["kld_mean"], rel=1e-3, abs=1e-6), name
+            assert new["ppl"] == pytest.approx(old["ppl"], rel=1e-4), name

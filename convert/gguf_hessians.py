@@ -110,6 +110,43 @@ class StageHessians:
         return torch.stack(out)
 
 
+def token_frequency(input_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(vocab,) float64 count of each token id in the calibration rows."""
+    return torch.bincount(input_ids.reshape(-1), minlength=vocab)[:vocab].double()
+
+
+@torch.no_grad()
+def embedding_hessian(stage: StageHessians, ckpt, embed: torch.Tensor, freq: torch.Tensor) -> torch.Tensor | None:
+    """A metric (hidden, hidden) for the rows of the token embedding, from the first decoder layer's stage.
+
+    An embedding row has no input Hessian; what its error costs is what the first layer's Linears make of it. Every
+    group of first-layer Linears that reads one normalised copy of the residual stream (one shared input
+    accumulator of the hidden width: the attention projections, the FFN's gate/up) adds Dᵀ·WᵀW·D, trace-normalised,
+    where W stacks the group's weights and D maps an embedding error into that input: x = γ⊙h/rms(h), and γ² is
+    read from the data as E[x²] / E[(h/rms)²] (h: the embedding rows, weighted by calibration frequency) instead of
+    being looked up by name. Routed experts are left out (their routing would weigh them). None when the stage
+    has no such group."""
+    hidden = embed.shape[1]
+    groups: dict[int, tuple] = {}
+    for name, acc in stage.stats.items():
+        if acc.dim != hidden or acc.hessian() is None or ckpt.info(name).role == "routed_expert":
+            continue
+        groups.setdefault(id(acc), (acc, []))[1].append(name)
+    if not groups:
+        return None
+    e = embed.double()
+    u = e * torch.rsqrt(e.square().mean(1, keepdim=True).clamp_min(1e-30))      # h / rms(h) per token
+    w = freq.double().to(u.device)
+    s = (u.square() * w[:, None]).sum(0) / w.sum().clamp_min(1.0)              # E[(h/rms)²] per dimension
+    metric = torch.zeros(hidden, hidden, dtype=torch.float64)
+    for acc, names in groups.values():
+        d = torch.sqrt(torch.diagonal(acc.hessian()).double().clamp_min(0) / s.clamp_min(1e-30))
+        wd = torch.cat([ckpt.get(n, dtype=torch.float32).double() for n in names]) * d[None, :]
+        g = wd.T @ wd
+        metric += g / torch.diagonal(g).mean().clamp_min(1e-30)
+    return metric.float()
+
+
 def layer_hessians(ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu") -> Iterator[StageHessians]:
     """Walk the calibration forward (source weights) and yield each stage's Hessians (module docstring).
 

@@ -9,7 +9,8 @@ tr(ΔW·H·ΔWᵀ) (quant/kquants_hessian.py), with H from a calibration forward
 `encode_hessian_rounded(...)` walks the calibration once and encodes every covered tensor as its layer is reached,
 spilling the encoded blocks to .npy files in a work directory (the file is written later in GGUF order, and the
 encoded model is as large as the output, so it is not kept in memory). Covered: 2-D Linears and stacked routed
-experts whose input the forward forms, in a type `kquants_hessian` supports. The rest (token_embd, the split
+experts whose input the forward forms, and token_embd (rows weighted by what the first layer's Linears make of
+their error: gguf_hessians.embedding_hessian), in a type `kquants_hessian` supports. The rest (the split
 attn_k_b/attn_v_b, the NextN block, F16/BF16/F32 tensors, types without a Hessian path) keep ggml's encoder.
 """
 from __future__ import annotations
@@ -43,8 +44,9 @@ def check_rounding(rounding: str) -> str:
 
 
 def covered(spec, qtype: str) -> bool:
-    """Whether a GGUF tensor gets Hessian rounding: a calibrated Linear (or expert stack) in a supported type."""
-    return (qtype in kh.SUPPORTED and len(spec.shape) >= 2 and not spec.mtp and spec.name != "token_embd.weight"
+    """Whether a GGUF tensor gets Hessian rounding: a calibrated Linear (or expert stack), or the token embedding
+    (with the metric of `gguf_hessians.embedding_hessian`), in a supported type."""
+    return (qtype in kh.SUPPORTED and len(spec.shape) >= 2 and not spec.mtp
             and spec.transform in ("none", "stack"))
 
 
@@ -89,7 +91,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     from tqdm.auto import tqdm
 
     from mixq.convert.calibration import calibration_rows, load_tokenizer
-    from mixq.convert.gguf_hessians import layer_hessians
+    from mixq.convert.gguf_hessians import embedding_hessian, layer_hessians, token_frequency
 
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -100,13 +102,23 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                            vocab_size=int(ckpt.text_config["vocab_size"]))
     by_layer: dict[int | None, list] = {}
+    embed = []
     for s, t in todo:
-        by_layer.setdefault(s.layer, []).append((s, t))
+        (embed if s.role == "embed" else by_layer.setdefault(s.layer, [])).append((s, t))
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     done: dict[str, Path] = {}
     bar = tqdm(total=sum(math.prod(s.shape) for s, _ in todo), desc="hessian rounding", unit="w", unit_scale=True,
                disable=not progress)
     for stage in layer_hessians(ckpt, ids, device=dev):
+        for s, t in embed:  # the first stage: its Linears read the embedding
+            w = fetch(s.hf_names[0])
+            h = embedding_hessian(stage, ckpt, w, token_frequency(ids, w.shape[0]))
+            if h is not None:
+                path = work / f"{len(done):05d}.npy"
+                np.save(path, kh.quantize_hessian(w, h, t, None, damp=DAMP, refine=REFINE_PASSES, device=dev))
+                done[s.name] = path
+            bar.update(math.prod(s.shape))
+        embed = []
         for s, t in by_layer.get(stage.layer, []):
             path = work / f"{len(done):05d}.npy"
             im = None if imatrix is None else imatrix.get(s.name)

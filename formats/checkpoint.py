@@ -1,7 +1,7 @@
 """Lazy glm5_next checkpoint loader: local directory or Hugging Face repo id, one tensor at a time.
 
-Safetensors headers are parsed and validated here (so a truncated or lying file is reported before any
-conversion starts); tensor bytes are read on demand with a seek + read of exactly that tensor.
+Safetensors headers are read and validated through the safetensors library when the checkpoint is opened (so a
+truncated or lying file is reported before any conversion starts); a tensor is read on demand, alone.
 FP8 e4m3 weights with a sibling ``<name>_scale_inv`` (128x128 blocks) are dequantized on read; the scale
 tensors are never listed as tensors of their own.
 """
@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,17 +20,10 @@ from mixq.errors import FormatError, InputError
 from mixq.formats.checkpoint_check import check_finite
 from mixq.formats.glm5next import (TEXT_PREFIX, TensorInfo, classify, in_nextn_block, is_vision,
                                    normalise_layer_type, nextn_only_shapes)
+from mixq.formats.safetensors_io import ST_DTYPES, dtype_name, open_safetensors, tensor_entries
 
-# safetensors dtype tag -> (torch dtype, bytes per element)
-_ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BF16": (torch.bfloat16, 2), "F16": (torch.float16, 2), "F32": (torch.float32, 4), "F64": (torch.float64, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1),
-    "I64": (torch.int64, 8), "I32": (torch.int32, 4), "I16": (torch.int16, 2), "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
-}
 _FP8 = ("F8_E4M3", "F8_E5M2")
 _SCALE_SUFFIX = "_scale_inv"
-_MAX_HEADER = 100 * 1024 * 1024
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.jinja"]
 
 
@@ -40,51 +32,12 @@ class _Entry:
     file: Path | None      # None: shapes-only checkpoint
     dtype: str             # safetensors tag, e.g. "BF16"
     shape: tuple[int, ...]
-    start: int = 0         # absolute byte offset of the data in the file
-    end: int = 0
 
 
 def read_safetensors_header(path: Path) -> dict[str, _Entry]:
-    """Parse and validate one safetensors header; FormatError naming the file/tensor on any inconsistency."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise FormatError(f"{path}: not a safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, _MAX_HEADER):
-                raise FormatError(f"{path}: header length {n} exceeds the file size {size} (truncated or not safetensors)")
-            raw = fh.read(n)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{path}: corrupt safetensors header ({e})") from None
-    base = 8 + n
-    out: dict[str, _Entry] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (b, e) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
-            b, e = int(b), int(e)
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{path}: tensor {name!r}: malformed header entry") from None
-        if dtype not in _ST_DTYPES:
-            raise FormatError(f"{path}: tensor {name!r}: unsupported dtype {dtype}")
-        want = math.prod(shape) * _ST_DTYPES[dtype][1]
-        if b < 0 or e < b or e - b != want:
-            raise FormatError(f"{path}: tensor {name!r}: header says {dtype}{list(shape)} = {want} bytes "
-                              f"but data_offsets [{b}, {e}] span {e - b}")
-        if base + e > size:
-            raise FormatError(f"{path}: tensor {name!r}: data ends at byte {base + e} past the end of the file "
-                              f"({size} bytes): truncated shard")
-        out[name] = _Entry(path, dtype, shape, base + b, base + e)
-    return out
+    """The tensors of one safetensors file, in data order, through the safetensors library (which validates the
+    header against the file); FormatError naming the file/tensor on any inconsistency."""
+    return {name: _Entry(path, tag, shape) for name, tag, shape in tensor_entries(path)}
 
 
 def _load_json(path: Path, what: str) -> dict:
@@ -174,7 +127,7 @@ class Checkpoint:
 
     def source_dtype(self, name: str) -> str:
         """Storage dtype as torch spells it: "bfloat16", "float8_e4m3fn", ..."""
-        return str(_ST_DTYPES[self._entry(name).dtype][0]).removeprefix("torch.")
+        return dtype_name(ST_DTYPES[self._entry(name).dtype])
 
     def is_fp8(self, name: str) -> bool:
         return self._entry(name).dtype in _FP8
@@ -195,8 +148,8 @@ class Checkpoint:
         """Bytes the tensor occupies in the source files (its FP8 ``_scale_inv`` included)."""
         e = self._entry(name)
         sc = self._scales.get(name + _SCALE_SUFFIX)
-        own = math.prod(e.shape) * _ST_DTYPES[e.dtype][1]
-        return own + (math.prod(sc.shape) * _ST_DTYPES[sc.dtype][1] if sc else 0)
+        own = math.prod(e.shape) * ST_DTYPES[e.dtype].itemsize
+        return own + (math.prod(sc.shape) * ST_DTYPES[sc.dtype].itemsize if sc else 0)
 
     def numel(self, name: str) -> int:
         return math.prod(self.shape(name))
@@ -215,18 +168,11 @@ class Checkpoint:
         if e.file is None:
             raise InputError(f"{self.path}: shapes-only checkpoint (from a config): tensor data of {name!r} "
                              "is not available")
-        try:
-            with open(e.file, "rb") as fh:
-                fh.seek(e.start)
-                buf = bytearray(fh.read(e.end - e.start))
-        except OSError as err:
-            raise InputError(f"{e.file}: cannot read tensor {name!r} ({err.strerror or err})") from None
-        if len(buf) != e.end - e.start:
-            raise FormatError(f"{e.file}: tensor {name!r}: file truncated while reading")
-        dt = _ST_DTYPES[e.dtype][0]
-        if not buf:
-            return torch.empty(e.shape, dtype=dt)
-        return torch.frombuffer(buf, dtype=dt).reshape(e.shape)
+        with open_safetensors(e.file) as h:
+            try:
+                return h.get_tensor(name)
+            except Exception as err:  # noqa: BLE001 - the library's errors for a file changed since it was opened
+                raise FormatError(f"{e.file}: tensor {name!r} cannot be read ({err})") from None
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One tensor as ``dtype``; FP8 weights are dequantized with their 128x128 ``_scale_inv`` blocks."""
@@ -286,7 +232,7 @@ def _scan_dir(path: Path) -> dict[str, _Entry]:
                 raise InputError(f"{fp}: shard named in {index.name} is missing")
             headers[f] = read_safetensors_header(fp)
         for f in files:
-            for name, e in sorted(headers[f].items(), key=lambda kv: kv[1].start):
+            for name, e in headers[f].items():
                 if wm.get(name) == f:
                     entries[name] = e
         for name, f in wm.items():
@@ -297,7 +243,7 @@ def _scan_dir(path: Path) -> dict[str, _Entry]:
     if not files:
         raise InputError(f"{path}: no model.safetensors, model.safetensors.index.json or *.safetensors files")
     for fp in files:
-        for name, e in sorted(read_safetensors_header(fp).items(), key=lambda kv: kv[1].start):
+        for name, e in read_safetensors_header(fp).items():
             if name in entries:
                 raise FormatError(f"{fp}: tensor {name!r} also in {entries[name].file}")
             entries[name] = e

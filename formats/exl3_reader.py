@@ -16,7 +16,8 @@ import torch
 from mixq.errors import FormatError, InputError
 from mixq.formats.exl3_layout import MCG_MARKER, MUL1_MARKER
 from mixq.formats.exl3_names import Exl3Unit
-from mixq.formats.exl3_writer import MANIFEST, load_tensor, read_header, sha256_file
+from mixq.formats.exl3_writer import MANIFEST, torch_dtype
+from mixq.formats.safetensors_io import dtype_tag, load_tensor, sha256_file, tensor_entries
 
 
 def _load_json(p: Path, what: str) -> dict:
@@ -52,24 +53,21 @@ class Exl3Dir:
         self.manifest = _load_json(self.path / MANIFEST, "manifest")
         self.units = _units(self.manifest)
         self.bits = {d["key"]: d.get("bits") for d in self.manifest["units"]}
-        self._headers: dict[str, tuple[int, dict]] = {}
+        self.stored: dict[str, tuple[str, tuple[int, ...]]] = {}  # tensor -> (dtype tag, shape)
         self.where: dict[str, str] = {}
         for shard in sorted(self.manifest.get("shards", {})):
             p = self.path / shard
             if not p.exists():
                 continue
-            start, header = read_header(p)
-            self._headers[shard] = (start, header)
-            for n in header:
-                if n != "__metadata__":
-                    self.where[n] = shard
+            for n, tag, shape in tensor_entries(p):
+                self.stored[n] = (tag, shape)
+                self.where[n] = shard
 
     def tensor(self, name: str) -> torch.Tensor:
         shard = self.where.get(name)
         if shard is None:
             raise FormatError(f"{self.path}: tensor {name!r} is not in any shard")
-        start, header = self._headers[shard]
-        return load_tensor(self.path / shard, name, start, header)
+        return load_tensor(self.path / shard, name)
 
     def unit_tensors(self, u: Exl3Unit) -> dict[str, torch.Tensor]:
         return {n: self.tensor(n) for n in u.tensor_specs(self.bits.get(u.key))}
@@ -148,11 +146,9 @@ def verify_exl3(path: str | Path, *, decode: bool = True, device: str | torch.de
         if shard is None:
             problems.append(f"tensor {n} missing")
             continue
-        e = d._headers[shard][1][n]
-        from mixq.formats.exl3_writer import DTYPES
-
-        if list(e["shape"]) != list(spec["shape"]) or e["dtype"] != DTYPES[spec["dtype"]][0]:
-            problems.append(f"tensor {n}: stored {e['dtype']} {e['shape']}, planned {spec['dtype']} {spec['shape']}")
+        tag, shape = d.stored[n]
+        if list(shape) != list(spec["shape"]) or tag != dtype_tag(torch_dtype(spec["dtype"])):
+            problems.append(f"tensor {n}: stored {tag} {list(shape)}, planned {spec['dtype']} {spec['shape']}")
     for n in sorted(set(d.where) - set(expected)):
         problems.append(f"unexpected tensor {n}")
     quantized = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import math
 import shutil
 import struct
 from dataclasses import dataclass
@@ -21,46 +21,26 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.atomic import atomic_open, atomic_path, write_json
 from mixq.formats.exl3_layout import MUL1_MULTIPLIER, SHARD_SIZE, shard_names
+from mixq.formats.safetensors_io import (ST_DTYPES, dtype_name, dtype_tag, load_tensor, open_safetensors,  # noqa: F401
+                                         read_header, read_metadata, sha256_file, tensor_entries, write_safetensors)
 
 EXL3_VERSION = "1.6.5"  # the exllamav3 release whose layout this writer follows
 MANIFEST = "mixq_manifest.json"
-DTYPES = {"int16": ("I16", 2), "int32": ("I32", 4), "float16": ("F16", 2), "float32": ("F32", 4),
-          "bfloat16": ("BF16", 2), "uint8": ("U8", 1), "int64": ("I64", 8)}
-ST_TO_NAME = {v[0]: k for k, v in DTYPES.items()}
-_TORCH = {"int16": torch.int16, "int32": torch.int32, "float16": torch.float16, "float32": torch.float32,
-          "bfloat16": torch.bfloat16, "uint8": torch.uint8, "int64": torch.int64}
 SKIP_COPY_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pth", ".pt")
 SKIP_COPY_NAMES = {"config.json", "model.safetensors.index.json", "quantization_config.json", MANIFEST}
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH[name]
-
-
-def dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
 # ---------------------------------------------------------------------------------------------- safetensors I/O
+# (through the library: formats/safetensors_io; only the shard compile below writes safetensors bytes itself)
 
-def read_header(path: Path) -> tuple[int, dict]:
-    """(data start offset, header dict) of a safetensors file; FormatError naming the file when malformed."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise FormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", raw)
-            size = os.fstat(f.fileno()).st_size
-            if n > size - 8:
-                raise FormatError(f"{path}: safetensors header length {n} exceeds the file")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: unreadable safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: safetensors header is not an object")
-    return 8 + n, header
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype of a storage dtype name ("float16", "int16", ...)."""
+    dt = getattr(torch, name, None)
+    if dt not in ST_DTYPES.values():
+        raise FormatError(f"unsupported storage dtype {name!r}")
+    return dt
 
 
 def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict | None) -> bytes:
@@ -69,7 +49,7 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
         hdr["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     off = 0
     for name, dt, shape, nbytes in entries:
-        hdr[name] = {"dtype": DTYPES[dt][0], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        hdr[name] = {"dtype": dtype_tag(torch_dtype(dt)), "shape": list(shape), "data_offsets": [off, off + nbytes]}
         off += nbytes
     js = json.dumps(hdr, separators=(",", ":")).encode()
     js += b" " * (-len(js) % 8)  # 8-byte alignment of the data section (allowed by the format)
@@ -79,55 +59,6 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().contiguous().cpu()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> str:
-    """Write tensors in insertion order under a temp name, fsync, rename; returns the sha256 of the file."""
-    entries = [(n, dtype_name(t), tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
-    tmp = path.with_name(path.name + ".tmp")
-    h = hashlib.sha256()
-    with open(tmp, "wb") as f:
-        for chunk in [_header_bytes(entries, metadata)] + [_tensor_bytes(t) for t in tensors.values()]:
-            f.write(chunk)
-            h.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return h.hexdigest()
-
-
-def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def load_tensor(path: Path, name: str, start: int | None = None, header: dict | None = None) -> torch.Tensor:
-    """One tensor of a safetensors file, read by offset (no mmap of the whole file)."""
-    if header is None or start is None:
-        start, header = read_header(path)
-    e = header.get(name)
-    if e is None:
-        raise FormatError(f"{path}: tensor {name!r} missing")
-    dt = ST_TO_NAME.get(e["dtype"])
-    if dt is None:
-        raise FormatError(f"{path}: tensor {name!r} has unsupported dtype {e['dtype']}")
-    a, b = e["data_offsets"]
-    shape = tuple(e["shape"])
-    n = 1
-    for d in shape:
-        n *= d
-    if b - a != n * DTYPES[dt][1]:
-        raise FormatError(f"{path}: tensor {name!r} byte size {b - a} does not match shape {shape} {dt}")
-    with open(path, "rb") as f:
-        f.seek(start + a)
-        raw = f.read(b - a)
-    if len(raw) != b - a:
-        raise FormatError(f"{path}: tensor {name!r} is truncated")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype(dt)).reshape(shape).clone() \
-        if raw else torch.empty(shape, dtype=torch_dtype(dt))
 
 
 # ---------------------------------------------------------------------------------------------- config files
@@ -183,13 +114,21 @@ class PartInfo:
 
 
 def _atomic_json(path: Path, obj, indent: int | None = 2) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=indent)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """JSON plus a final newline, atomically (formats/atomic)."""
+    write_json(path, obj, indent=indent)
+
+
+@dataclass
+class _Module:
+    """One unit's tensors in a part file: [(name, storage dtype name, shape, bytes)]."""
+
+    stage: str
+    key: str
+    items: list[tuple[str, str, tuple[int, ...], int]]
+
+    def size_bound(self) -> int:
+        # data plus an upper bound of each tensor's header entry, so a shard file never exceeds the limit
+        return sum(nb + len(n) + 96 for n, _, _, nb in self.items)
 
 
 class Exl3Writer:
@@ -224,94 +163,83 @@ class Exl3Writer:
         sha = write_safetensors(path, flat, metadata={"stage": stage, "units": json.dumps(index)})
         return PartInfo(stage, path.name, sha, path.stat().st_size, index)
 
-    def read_part_index(self, stage: str) -> tuple[int, dict, list[list]]:
+    def part_modules(self, stage: str) -> list[_Module]:
+        """The units of a stage's part file, in write order."""
         path = self.part_path(stage)
-        start, header = read_header(path)
-        units = json.loads(header.get("__metadata__", {}).get("units", "[]"))
-        return start, header, units
+        entries = {n: (tag, shape) for n, tag, shape in tensor_entries(path)}
+        out = []
+        for key, names in json.loads(read_metadata(path).get("units", "[]")):
+            items = []
+            for n in names:
+                if n not in entries:
+                    raise FormatError(f"part {path}: tensor {n!r} of unit {key} is missing")
+                tag, shape = entries[n]
+                dt = ST_DTYPES[tag]
+                items.append((n, dtype_name(dt), shape, math.prod(shape) * dt.itemsize))
+            out.append(_Module(stage, key, items))
+        return out
 
-    def finalize(self, stages: list[str], *, source_dir: Path | None, config: dict, tensor_storage: dict,
-                 manifest: dict) -> dict:
-        """Compile the parts of `stages` (in this order) into the output directory; returns the manifest."""
-        if self.state != "open":
-            raise RuntimeError(f"Exl3Writer.finalize after {self.state}")
-        # 1. plan shards at module granularity
-        modules = []  # (stage, key, [(name, dtype, shape, nbytes, offset_in_part)], start, header)
-        for st in stages:
-            start, header, units = self.read_part_index(st)
-            for key, names in units:
-                items = []
-                for n in names:
-                    e = header[n]
-                    a, b = e["data_offsets"]
-                    items.append((n, ST_TO_NAME[e["dtype"]], tuple(e["shape"]), b - a, a))
-                modules.append((st, key, items, start))
-        shards: list[list] = [[]]
+    def _plan_shards(self, modules: list[_Module]) -> list[list[_Module]]:
+        """Modules packed in order into shards of at most ``shard_size`` bytes (a module is never split)."""
+        shards: list[list[_Module]] = [[]]
         size = 24  # 8-byte length + braces + alignment padding
         for mod in modules:
-            # data plus an upper bound of each tensor's header entry, so a shard file never exceeds the limit
-            msize = sum(it[3] + len(it[0]) + 96 for it in mod[2])
+            msize = mod.size_bound()
             if shards[-1] and size + msize > self.shard_size:
                 shards.append([])
                 size = 24
             shards[-1].append(mod)
             size += msize
-        names = shard_names(len(shards))
-        total = sum(it[3] for m in modules for it in m[2])
-        check_free_space(self.out, total + 2**20, "EXL3 shards")
-        # 2. stream each shard from the parts
-        weight_map, shard_info, tensors_info = {}, {}, {}
-        for fname, mods in zip(names, shards):
-            entries = [(it[0], it[1], it[2], it[3]) for m in mods for it in m[2]]
-            tmp = self.out / (fname + ".tmp")
-            h = hashlib.sha256()
-            with open(tmp, "wb") as f:
-                hb = _header_bytes(entries, None)
-                f.write(hb)
-                h.update(hb)
-                for st, key, items, start in mods:
-                    with open(self.part_path(st), "rb") as src:
-                        for n, dt, shape, nb, off in items:
-                            src.seek(start + off)
-                            data = src.read(nb)
+        return shards
+
+    def _stream_shard(self, fname: str, mods: list[_Module], tensors_info: dict) -> dict:
+        """Write one shard: the compiled header, then each tensor's bytes read from its part file."""
+        entries = [it for m in mods for it in m.items]
+        h = hashlib.sha256()
+        with atomic_open(self.out / fname, "wb") as f:
+            hb = _header_bytes(entries, None)
+            f.write(hb)
+            h.update(hb)
+            for stage in dict.fromkeys(m.stage for m in mods):
+                with open_safetensors(self.part_path(stage)) as part:
+                    for m in (m for m in mods if m.stage == stage):
+                        for n, dt, shape, nb in m.items:
+                            data = _tensor_bytes(part.get_tensor(n))
                             if len(data) != nb:
-                                raise FormatError(f"part {self.part_path(st)} is truncated at {n}")
+                                raise FormatError(f"part {self.part_path(stage)}: tensor {n!r} has {len(data)} "
+                                                  f"bytes, its header says {nb}")
                             f.write(data)
                             h.update(data)
-                            weight_map[n] = fname
                             tensors_info[n] = {"shard": fname, "dtype": dt, "shape": list(shape)}
-                f.flush()
-                os.fsync(f.fileno())
-            shard_info[fname] = {"sha256": h.hexdigest(), "bytes": tmp.stat().st_size}
-        # 3. side files, json files (temp names), then renames with config.json last
-        pending: list[tuple[Path, Path]] = [(self.out / (n + ".tmp"), self.out / n) for n in names]
+        return {"sha256": h.hexdigest(), "bytes": (self.out / fname).stat().st_size}
+
+    def finalize(self, stages: list[str], *, source_dir: Path | None, config: dict, tensor_storage: dict,
+                 manifest: dict) -> dict:
+        """Compile the parts of `stages` (in this order) into the output directory; returns the manifest.
+        Every file is written under a temporary name and renamed when complete; config.json comes last."""
+        if self.state != "open":
+            raise RuntimeError(f"Exl3Writer.finalize after {self.state}")
+        modules = [m for st in stages for m in self.part_modules(st)]
+        shards = self._plan_shards(modules)
+        names = shard_names(len(shards))
+        total = sum(nb for m in modules for *_, nb in m.items)
+        check_free_space(self.out, total + 2**20, "EXL3 shards")
+        shard_info, tensors_info = {}, {}
+        for fname, mods in zip(names, shards):
+            shard_info[fname] = self._stream_shard(fname, mods, tensors_info)
         if len(names) > 1:
-            p = self.out / "model.safetensors.index.json.tmp"
-            with open(p, "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=4)
-            pending.append((p, self.out / "model.safetensors.index.json"))
+            weight_map = {n: i["shard"] for n, i in tensors_info.items()}
+            write_json(self.out / "model.safetensors.index.json",
+                       {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=4, newline=False)
         if source_dir is not None:
             for src in side_files(Path(source_dir)):
-                dst = self.out / (src.name + ".tmp")
-                shutil.copyfile(src, dst)
-                pending.append((dst, self.out / src.name))
+                with atomic_path(self.out / src.name) as dst:
+                    shutil.copyfile(src, dst)
         qc = dict(config.get("quantization_config", {}))
-        qc_file = dict(qc, tensor_storage=tensor_storage)
-        p = self.out / "quantization_config.json.tmp"
-        with open(p, "w") as f:
-            json.dump(qc_file, f, indent=2)
-        pending.append((p, self.out / "quantization_config.json"))
+        write_json(self.out / "quantization_config.json", dict(qc, tensor_storage=tensor_storage), newline=False)
         manifest = dict(manifest, shards=shard_info, tensors=tensors_info, total_bytes=total)
-        p = self.out / (MANIFEST + ".tmp")
-        with open(p, "w") as f:
-            json.dump(manifest, f, indent=1)
-        pending.append((p, self.out / MANIFEST))
-        p = self.out / "config.json.tmp"
-        with open(p, "w") as f:
-            json.dump(config, f, indent=2)
-        pending.append((p, self.out / "config.json"))
-        for a, b in pending:
-            os.replace(a, b)
+        write_json(self.out / MANIFEST, manifest, indent=1, newline=False)
+        write_json(self.out / "config.json", config, newline=False)
         self.state = "finalized"
         return manifest
 
@@ -323,7 +251,7 @@ def tensor_storage_entry(tensors: dict[str, tuple[tuple[int, ...], str]], bits: 
         numel = 1
         for d in shape:
             numel *= d
-        stored[n] = {"shape": list(shape), "n_bytes": numel * DTYPES[dt][1], "dtype": f"torch.{dt}"}
+        stored[n] = {"shape": list(shape), "n_bytes": numel * torch_dtype(dt).itemsize, "dtype": f"torch.{dt}"}
     d: dict = {"stored_tensors": stored}
     if bits is not None:
         d["quant_format"] = "exl3"

@@ -1,6 +1,7 @@
 """EXL3 layout (key conventions), the directory writer (shards, index, config, side files) and the raw reader."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections import namedtuple
@@ -125,10 +126,10 @@ def test_single_shard_has_no_index_and_write_is_atomic(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "mixq_manifest.json", "model.safetensors",
                                                      "quantization_config.json"]
     p = tmp_path / "x.safetensors"
-    write_safetensors(p, {"s": torch.tensor(-2082680531, dtype=torch.int32)})
-    start, hdr = read_header(p)
-    assert hdr["s"]["shape"] == [] and start % 8 == 0
-    assert load_tensor(p, "s").item() == -2082680531
+    sha = write_safetensors(p, {"s": torch.tensor(-2082680531, dtype=torch.int32)}, metadata={"k": "v"})
+    _, hdr = read_header(p)
+    assert hdr["s"] == {"dtype": "I32", "shape": []} and hdr["__metadata__"] == {"k": "v"}
+    assert load_tensor(p, "s").item() == -2082680531 and sha == hashlib.sha256(p.read_bytes()).hexdigest()
     assert not (tmp_path / "x.safetensors.tmp").exists()
 
 

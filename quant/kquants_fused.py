@@ -192,8 +192,9 @@ def _kernels():
     return triton.jit(_qkx_src), triton.jit(_qx_src)
 
 
-def _launch_opts(device: torch.device) -> dict:
-    return _OPTIONS if device.type == "cuda" else {}
+def _launch_opts(device: torch.device, num_warps: int = 4) -> dict:
+    """Compile options on CUDA (none in the interpreter)."""
+    return dict(_OPTIONS, num_warps=num_warps) if device.type == "cuda" else {}
 
 
 def qkx_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,

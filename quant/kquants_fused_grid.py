@@ -18,9 +18,12 @@ import numpy as np
 import torch
 
 from . import kquants_iq2
-from .kquants_fused import LANES, _launch_opts, triton, tl
+from .kquants_fused import _launch_opts, triton, tl
 
 F32 = torch.float32
+# sub-blocks per program: the neighbour scan runs to the longest list among a program's lanes, so
+# programs are kept small (2 warps) to waste less on lanes that finished early
+LANES = 64
 _REFINE = {"offgrid": 0, "all_if_offgrid": 1, "all": 2}
 
 
@@ -194,7 +197,7 @@ def search(qtype: str, xval: torch.Tensor, w: torch.Tensor, waux: torch.Tensor, 
         xval.contiguous(), w.contiguous(), waux.contiguous(), base.contiguous(), scale.contiguous(), num,
         tables.kmap, tables.nb_row, tables.nb_len, tables.nb, tables.codes, tmp, win, on, out_scale, B,
         NCAND=len(nums), M=M, GROUP=group, BITS=bits, NLEV=nlev, MAXLEN=tables.maxlen, REFINE=_REFINE[refine],
-        ON_INIT=int(refine != "all_if_offgrid"), LANES=LANES, **_launch_opts(dev))
+        ON_INIT=int(refine != "all_if_offgrid"), LANES=LANES, **_launch_opts(dev, num_warps=2))
     shifts = torch.as_tensor(cb.shifts, device=dev, dtype=torch.int32)
     L = (win[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)   # (ng, group, B)
     return out_scale, L

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from mixq.errors import InputError, PlanError
+from mixq.formats.atomic import write_json
 from mixq.formats.exl3_layout import shard_count
 from mixq.formats.glm5next import ROLES, gguf_policy
 from mixq.quant import allocator as al
@@ -244,10 +245,7 @@ def format_plan(plan: Plan, *, per_tensor: bool = True) -> str:
 
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write the plan JSON under a temporary name, then rename."""
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(plan.to_dict(), indent=1))
-    tmp.replace(p)
+    write_json(path, plan.to_dict(), indent=1, newline=False)
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -59,3 +61,20 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, newline: bool = True) -> None:
     """Write ``obj`` as JSON (``json.dumps(obj, indent=indent)``, plus a final newline) to ``path`` atomically."""
     write_text(path, json.dumps(obj, indent=indent) + ("\n" if newline else ""))
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory next to ``path`` to fill; on success it is renamed to ``path`` (which may
+    exist only as an empty directory), on an exception removed with its contents."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            final.rmdir()
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -9,7 +9,6 @@ What quantizers use is the mean: sum / count per matrix, 1.0 for a matrix never 
 """
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.atomic import atomic_path
 
 KEY_DATASETS = "imatrix.datasets"
 KEY_CHUNK_COUNT = "imatrix.chunk_count"
@@ -60,31 +60,27 @@ def write_imatrix(path: str | Path, im: IMatrix) -> Path:
     import gguf
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
-    w = gguf.GGUFWriter(tmp, "imatrix")
-    w.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)  # llama-imatrix files carry no architecture
-    w.add_string(gguf.Keys.General.TYPE, "imatrix")
-    if im.datasets:
-        w.add_array(KEY_DATASETS, list(im.datasets))
-    else:
-        w.add_key_value(KEY_DATASETS, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
-    w.add_uint32(KEY_CHUNK_COUNT, int(im.chunk_count))
-    w.add_uint32(KEY_CHUNK_SIZE, int(im.chunk_size))
-    for name in sorted(im.sums):
-        s = np.ascontiguousarray(im.sums[name], dtype=np.float32)
-        c = np.ascontiguousarray(np.asarray(im.counts[name], dtype=np.float32).reshape(-1, 1))
-        w.add_tensor(f"{name}.in_sum2", s)
-        w.add_tensor(f"{name}.counts", c)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)  # a failed write (disk full, Ctrl-C) leaves nothing behind
-        raise
-    w.close()
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # a failed write (disk full, Ctrl-C) leaves nothing behind
+        w = gguf.GGUFWriter(tmp, "imatrix")
+        try:
+            w.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)  # llama-imatrix files carry no architecture
+            w.add_string(gguf.Keys.General.TYPE, "imatrix")
+            if im.datasets:
+                w.add_array(KEY_DATASETS, list(im.datasets))
+            else:
+                w.add_key_value(KEY_DATASETS, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+            w.add_uint32(KEY_CHUNK_COUNT, int(im.chunk_count))
+            w.add_uint32(KEY_CHUNK_SIZE, int(im.chunk_size))
+            for name in sorted(im.sums):
+                s = np.ascontiguousarray(im.sums[name], dtype=np.float32)
+                c = np.ascontiguousarray(np.asarray(im.counts[name], dtype=np.float32).reshape(-1, 1))
+                w.add_tensor(f"{name}.in_sum2", s)
+                w.add_tensor(f"{name}.counts", c)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     return path
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from mixq.errors import InputError
+from mixq.formats.atomic import atomic_dir
+from mixq.formats.glm5next import is_vision
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -86,7 +87,7 @@ def fp8_quantize_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
 
 
 def _is_fp8_target(name: str, shape: tuple[int, ...], dsa_layers: set[int]) -> bool:
-    if len(shape) != 2 or min(shape) < FP8_BLOCK or not name.endswith(".weight") or "visual." in name:
+    if len(shape) != 2 or min(shape) < FP8_BLOCK or not name.endswith(".weight") or is_vision(name):
         return False
     if ".mlp." in name and ".mlp.gate." not in name:
         return True  # routed / shared experts and dense MLP
@@ -165,7 +166,7 @@ def write_tiny_checkpoint(
               for k, v in revert_weight_conversion(model, model.state_dict()).items()}
     del model
     if not vision:
-        sd = {k: v for k, v in sd.items() if "visual." not in k}
+        sd = {k: v for k, v in sd.items() if not is_vision(k)}
     gen = torch.Generator().manual_seed(seed + 1)
     mtp: dict[str, torch.Tensor] = {}
     if nextn:
@@ -180,8 +181,7 @@ def write_tiny_checkpoint(
                 q, s = fp8_quantize_blocks(part[name])
                 part[name], part[name + "_scale_inv"] = q, s
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
-    try:
+    with atomic_dir(out) as tmp:
         _write_files(tmp, sd, mtp, shards, save_file)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(
@@ -191,13 +191,6 @@ def write_tiny_checkpoint(
             for f in _TOKENIZER_FILES:
                 if (tok / f).is_file():
                     shutil.copyfile(tok / f, tmp / f)
-        if out.exists():
-            out.rmdir()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

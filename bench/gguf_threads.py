@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import resource
 import subprocess
@@ -25,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import REPO, SHARED, WORK, repo_relative  # noqa: E402
+
+from mixq.formats.atomic import write_json  # noqa: E402
 
 MODEL = SHARED / "models" / "glm5next-k256"
 CALIBRATION = SHARED / "data" / "calibration.txt"
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
            "load_before": [round(v, 2) for v in load0], "load_after": [round(v, 2) for v in os.getloadavg()],
            "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(a.out, res)
     print(f"k256, Q4_K_M with {a.qtype} experts + imatrix, {os.cpu_count()} cores, "
           f"load average {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}; {top} encoders together ran "
           f"{caps[0]:.2f}x / {caps[1]:.2f}x one alone (before / after: the speedup ceiling here)")

@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kld_vs_size import CALIBRATION, HELDOUT, MODELS, REPO, tensor_parity  # noqa: E402
 from paths import WORK, repo_relative  # noqa: E402
+
+from mixq.formats.atomic import write_json  # noqa: E402
 from llamacpp_tools import find_tool  # noqa: E402
 
 EXPS = r"blk\.[0-3]\.ffn_(gate|up|down)_exps"
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
         out["rows"].append({"row": label, "types": types, "mixq": {**score(f), "seconds": s},
                             "llamacpp": {**score(g), "seconds": s2}, "vs_llamacpp": tensor_parity(g, f)})
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(a.out, out)
     print(f"| row | bytes | KLD mixq | KLD llama.cpp | top-1 mixq | top-1 llama.cpp | tensors differing |")
     print("|---|---|---|---|---|---|---|")
     b = out["bf16"]

@@ -31,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import REPO, SHARED, WORK, repo_relative  # noqa: E402
+
+from mixq.formats.atomic import atomic_path, write_json, write_text  # noqa: E402
 MODELS = {"k256": SHARED / "models" / "glm5next-k256", "mini": SHARED / "models" / "glm5next-mini"}
 HELDOUT = SHARED / "data" / "heldout.txt"
 CALIBRATION = SHARED / "data" / "calibration.txt"
@@ -187,7 +189,7 @@ class Bench:
         p.parent.mkdir(parents=True, exist_ok=True)
         meta = json.loads(p.read_text()) if p.is_file() else {}
         meta[key] = value
-        p.write_text(json.dumps(meta, indent=2) + "\n")
+        write_json(p, meta)
 
     # ---- producing one quantized artifact ----------------------------------------------------------------
     def produce(self, row: Row) -> float | None:
@@ -255,9 +257,7 @@ class Bench:
                               "eval_chunk_seconds": secs, "eval_chunk_size": len(chunk)}
                 out = self.report(r)
                 out.parent.mkdir(parents=True, exist_ok=True)
-                t = out.with_name(out.name + ".tmp")
-                t.write_text(json.dumps(repo_relative({**common, "candidates": [c]}), indent=2) + "\n")
-                os.replace(t, out)
+                write_json(out, repo_relative({**common, "candidates": [c]}))
                 log(f"{r.model} {r.id}: {c['bytes']} bytes, KLD {c['kld_mean']:.4g}, top-1 {c['top1']:.4f}")
             tmp.unlink(missing_ok=True)
 
@@ -273,7 +273,7 @@ class Bench:
             if "vs_mixq" in b:
                 continue
             b["vs_mixq"] = tensor_parity(self.artifact(r), mine)
-            rep_p.write_text(json.dumps(rep, indent=2) + "\n")
+            write_json(rep_p, rep)
             log(f"{model} {r.id} vs mixq: {b['vs_mixq']['differ']} of {b['vs_mixq']['tensors']} tensors differ")
 
     def rows(self, model: str) -> list[Row]:
@@ -424,10 +424,9 @@ def plot(all_rows: dict[str, list[dict]], out: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, format="png")
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def write_reports(results: Path, models: list[str], plot_out: Path | None) -> None:
@@ -442,7 +441,7 @@ def write_reports(results: Path, models: list[str], plot_out: Path | None) -> No
                 f"{r0['windows']} windows × {r0['ctx']} tokens of heldout.txt, second half of each scored "
                 f"({r0['positions']} positions); KLD in nats/token; bytes = weight files on disk.\n\n")
         text = head + markdown_table(rows) + "\n## GGUF: mixq vs llama.cpp's quantizer\n\n" + pivot_table(rows)
-        (results / f"{m}.md").write_text(text)
+        write_text(results / f"{m}.md", text)
         log(f"wrote {results / f'{m}.md'} ({len(rows)} rows)")
     if plot_out and any(all_rows.values()):
         plot(all_rows, plot_out)

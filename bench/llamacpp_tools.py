@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import VENDOR  # noqa: E402
 
+from mixq.formats.atomic import write_text  # noqa: E402
+
 SDIST_NAME = "llama_cpp_python-0.3.36"
 BUILD = VENDOR / "llama-build"
 TOOLS_TXT = VENDOR / "TOOLS.txt"
@@ -94,9 +96,7 @@ def write_tools(paths: dict[str, Path], path: Path = TOOLS_TXT) -> None:
     have.update(paths)
     lines = ["# llama.cpp tools built by bench/llamacpp_tools.py from llama-cpp-python 0.3.36's vendored llama.cpp "
              "(-DGGML_NATIVE=OFF, static)"] + [f"{k}={v}" for k, v in sorted(have.items())]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
+    write_text(path, "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:

@@ -4,11 +4,11 @@ One calibration walk (convert/gguf_hessians.py) gives each Linear's input Hessia
 in every type of its ladder (quant.gguf_mix.ladder: the types a --bpw/--size plan may give it), with the rounding
 the conversion will use (`exact`: ggml's encoder with the imatrix or diag(H); `hessian`: quant/kquants_hessian),
 and its layer-output error tr(ΔW·H·ΔWᵀ) is recorded. Routed experts: one unit per `*_exps` tensor (all experts of
-the layer), the sum over experts with their routing-weighted Hessians. Two units have no input Hessian and are
-measured in weight space: token_embd (Σ_rows f_row·|Δrow|², f the calibration frequency of the token, +1) and,
-like every unit, they become comparable with the others only through the end-to-end rescaling of
-eval/gguf_kld.py (one KLD measurement per unit). Result: {unit: {bits per weight of the type: error}} — the curves
-format of `--measure-out` / `--measure FILE` (the GGUF ladder's types have distinct bits per weight).
+the layer), the sum over experts with their routing-weighted Hessians. token_embd has no input Hessian and is
+measured through the first layer (Σ_rows f_row·δ·M·δᵀ, f the calibration frequency of the token, M
+convert/gguf_hessians.embedding_hessian). Units become comparable with each other only through the end-to-end
+rescaling of eval/gguf_kld.py (one KLD measurement per unit). Result: {unit: {bits per weight of the type:
+error}}, the curves format of `--measure-out` / `--measure FILE` (a ladder's types have distinct widths).
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from mixq.quant.device import pick_device
 
 DEFAULT_ROWS = 16
 DEFAULT_SEQ_LEN = 256
-EMBED = "token_embd.weight"
 REFERENCE_BPW = 3.5  # the end-to-end rescaling measures each unit at its ladder type nearest this width
 MEASURED_ROLES = ("embed", "lm_head")  # budgeted by a measured plan on top of the planner's budget roles
 
@@ -119,26 +118,35 @@ def _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev) -> tuple[di
     return errs, float(kh.layer_error(w, _encode(w, ref, h, im, "exact", dev), h))
 
 
-def _embedding_curve(spec, types, fetch, ids: torch.Tensor) -> dict[float, float]:
-    """{bpw: Σ_rows f_row·|Δrow|²}: rows weighted by how often the calibration text uses the token (+1)."""
+def _embedding_curve(spec, types, fetch, stage, ckpt, ids: torch.Tensor, rounding: str, dev) -> tuple[dict, float]:
+    """({bpw: Σ_rows f_row·δ_row·M·δ_rowᵀ}, exact error at the reference type) of token_embd: rows weighted by how
+    often the calibration text uses the token (+1), M the first layer's embedding metric (identity without one)."""
+    from mixq.convert.gguf_hessians import embedding_hessian, token_frequency
+
     w = fetch(spec.hf_names[0])
-    freq = torch.bincount(ids.reshape(-1), minlength=w.shape[0])[:w.shape[0]].double() + 1.0
-    out = {}
-    for t in types:
-        d = _encode(w, t, None, None, "exact", "cpu").double() - w.double()
-        out[gm.type_bpw(t)] = float((d.square().sum(1) * freq).sum())
-    return out
+    freq = token_frequency(ids, w.shape[0]) + 1.0
+    m = embedding_hessian(stage, ckpt, w, freq)
+    metric = m.double() if m is not None else torch.eye(w.shape[1], dtype=torch.float64)
+
+    def err(t: str, how: str) -> float:
+        d = _encode(w, t, m, None, how, dev).double() - w.double()
+        return float((((d @ metric) * d).sum(1) * freq).sum())
+
+    ref = reference_type(types)
+    return {gm.type_bpw(t): err(t, rounding) for t in types}, err(ref, "exact")
 
 
 def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladder: str = "k",
                         rounding: str = "exact", imatrix: Mapping[str, np.ndarray] | None = None,
                         rows: int | None = None, seq_len: int | None = None, include_mtp: bool = True,
-                        device: str | None = None, progress: bool = True) -> GGUFMeasurement:
+                        only: Sequence[str] | None = None, device: str | None = None,
+                        progress: bool = True) -> GGUFMeasurement:
     """Measured error curves {GGUF tensor: {bpw: error}} of every budgeted tensor (module docstring).
 
     `rounding`: "exact" or "hessian" (as the conversion will encode); `imatrix`: GGUF name -> importance (the
-    --imatrix the conversion will use; default diag(H)). Errors of different units are not comparable until
-    rescaled end to end (eval/gguf_kld.py)."""
+    --imatrix the conversion will use; default: ggml's reference path, diag(H) for the types that need one).
+    Errors of different units are not comparable until rescaled end to end (eval/gguf_kld.py). `only`: measure
+    just these GGUF tensors (default: every budgeted one)."""
     from tqdm.auto import tqdm
 
     from mixq.convert.calibration import calibration_rows, load_tokenizer
@@ -147,6 +155,11 @@ def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladde
 
     rounding = check_rounding(rounding)
     units = measured_units(ckpt, include_mtp, ladder)
+    if only is not None:
+        unknown = sorted(set(only) - set(units))
+        if unknown:
+            raise InputError(f"--measure: {unknown[0]} is not a budgeted GGUF tensor of {ckpt.path}")
+        units = {n: units[n] for n in only}
     if not units:
         raise InputError(f"{ckpt.path}: no budgeted GGUF tensors to measure")
     dev = pick_device(device)
@@ -155,19 +168,21 @@ def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladde
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     by_layer: dict[int | None, list[str]] = {}
     for name, (spec, _) in units.items():
-        if name != EMBED:
+        if spec.role != "embed":
             by_layer.setdefault(spec.layer, []).append(name)
     res = GGUFMeasurement({})
     curves = res.curves
     bar = tqdm(total=sum(math.prod(s.shape) * len(t) for s, t in units.values()), desc="measure", unit="w",
                unit_scale=True, disable=not progress)
-    if EMBED in units:
-        spec, types = units[EMBED]
-        curves[EMBED] = _embedding_curve(spec, types, fetch, ids)
-        res.reference[EMBED] = reference_type(types)
-        res.reference_error[EMBED] = curves[EMBED][gm.type_bpw(res.reference[EMBED])]
-        bar.update(math.prod(spec.shape) * len(types))
+    embed = [n for n, (s, _) in units.items() if s.role == "embed"]
     for stage in layer_hessians(ckpt, ids, device=dev):
+        for name in embed:  # the first stage: its Linears read the embedding
+            spec, types = units[name]
+            curves[name], res.reference_error[name] = _embedding_curve(spec, types, fetch, stage, ckpt, ids,
+                                                                      rounding, dev)
+            res.reference[name] = reference_type(types)
+            bar.update(math.prod(spec.shape) * len(types))
+        embed = []
         for name in by_layer.get(stage.layer, []):
             spec, types = units[name]
             c = _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev)
@@ -211,3 +226,90 @@ def never_worse(units: Sequence, levels: Mapping[str, float], budget: float,
     if total(role) < total(levels):
         return dict(role), True
     return dict(levels), False
+
+
+def _fill(units: Sequence, levels: dict[str, float], remaining: float) -> dict[str, float]:
+    """Spend what the hull-greedy solver left: repeatedly take the single step (any unit, any higher level) with
+    the largest error drop per budget bit that still fits, so a --size plan lands close to its budget."""
+    lv = dict(levels)
+    while True:
+        best = None
+        for u in units:
+            if u.fixed is not None or u.errors is None:
+                continue
+            i = u.levels.index(lv[u.key])
+            for j in range(i + 1, len(u.levels)):
+                dc = u.cost_at(j) - u.cost_at(i)
+                de = u.errors[i] - u.errors[j]
+                if 0 < dc <= remaining and de > 0 and (best is None or de / dc > best[0]):
+                    best = (de / dc, u, j, dc)
+        if best is None:
+            return lv
+        _, u, j, dc = best
+        lv[u.key] = u.levels[j]
+        remaining -= dc
+
+
+def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw: float | None = None,
+                       size: int | None = None, ladder: str = "k", include_mtp: bool = True, mtp_bits: float = 4):
+    """A GGUF --bpw/--size plan from measured curves (``gguf_kld_curves``): every budgeted tensor plus token_embd
+    and output.weight get the ladder type that minimises the summed predicted KLD within the budget (the
+    allocator's hull-greedy solver, then a fill of what it left). Never worse than the role-model plan of the
+    same tensors and budget under the same curves (``never_worse``; the report says which was taken).
+    Returns a ``planning.Plan``."""
+    from mixq.convert.planning import _BUDGET_ROLES, Plan, PlannedTensor, _gguf_ctx, _kv_bytes, role_summary
+    from mixq.errors import PlanError
+    from mixq.formats.gguf_names import gguf_tensors
+    from mixq.quant import allocator as al
+
+    if (bpw is None) == (size is None):
+        raise PlanError("a measured GGUF plan needs exactly one of --bpw, --size")
+    specs = gguf_tensors(ckpt, include_mtp=include_mtp)
+    budgeted = measured_units(ckpt, include_mtp, ladder)
+    kv = _kv_bytes(ckpt, _gguf_ctx(ckpt, include_mtp).n_layer_all)
+    types: dict[str, str] = {}
+    units = []
+    for s in specs:
+        ne0 = int(s.shape[-1])
+        if s.name in budgeted:
+            lad = budgeted[s.name][1]
+            units.append(al.Unit(key=s.name, role=s.role, numel=math.prod(s.shape),
+                                 levels=tuple(gm.type_bpw(t) for t in lad),
+                                 costs=tuple(8 * gm._pad(gm.tensor_nbytes(t, s.shape)) for t in lad),
+                                 errors=unit_errors(curves, s.name, lad), layer=s.layer,
+                                 n_layers=ckpt.num_hidden_layers))
+        elif s.policy == "q8_floor" and gm.allows_quantization(s.name, s.shape):
+            types[s.name] = gm.fallback("Q8_0", ne0)
+        elif s.mtp and s.policy == "quant" and gm.allows_quantization(s.name, s.shape) \
+                and s.role in _BUDGET_ROLES + MEASURED_ROLES:
+            types[s.name] = gm.fallback(gm.bits_to_type(mtp_bits), ne0)
+        else:
+            types[s.name] = "F32" if s.policy == "f32" or len(s.shape) < 2 else "BF16"
+    if bpw is not None:
+        budget = al.bpw_budget(units, bpw)
+        what = f"--bpw {bpw}"
+    else:
+        fixed = sum(gm._pad(gm.tensor_nbytes(t, next(s.shape for s in specs if s.name == n)))
+                    for n, t in types.items())
+        header = gm._pad(24 + kv + sum(gm.tensor_info_bytes(s.name, len(s.shape)) for s in specs))
+        budget = (size - fixed - header) * 8
+        what = f"--size {size / 1e9:.6f} GB"
+        if budget <= 0:
+            raise PlanError(f"{what}: the fixed-type tensors alone take {(fixed + header) / 1e9:.6f} GB")
+    role_bits = {**{r: gm.type_bpw(t) for r, t in gm.GGUF_ROLE_TYPES.items()}, "embed": gm.type_bpw("Q4_K")}
+    levels = al.allocate(units, budget, default_bits=role_bits, what=what)
+    levels, role_taken = never_worse(units, levels, budget, role_bits)
+    spent = sum(u.cost_at(u.levels.index(levels[u.key])) for u in units)
+    levels = _fill(units, levels, budget - spent)
+    by_bpw = {s: {gm.type_bpw(t): t for t in budgeted[s][1]} for s in budgeted}
+    for u in units:
+        types[u.key] = by_bpw[u.key][levels[u.key]]
+    tensors = [PlannedTensor(s.name, s.role, list(s.hf_names), tuple(s.shape), None, types[s.name],
+                             gm.tensor_nbytes(types[s.name], s.shape)) for s in specs]
+    total, _ = gm.gguf_file_bytes([(t.name, t.shape, t.type) for t in tensors], kv)
+    bud = [t for t in tensors if t.name in budgeted]
+    plan = Plan("gguf", total, sum(t.bytes * 8 for t in bud) / max(1, sum(math.prod(t.shape) for t in bud)),
+                tensors, role_summary(tensors))
+    plan.measured = {"predicted_kld": sum(u.errors[u.levels.index(levels[u.key])] for u in units),
+                     "role_plan_taken": role_taken}
+    return plan

@@ -1,0 +1,106 @@
+"""convert/gguf_measure.py: measured GGUF error curves and the measured --size/--bpw plan (glm5next-k256)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mixq.convert import gguf_measure as gmeas
+from mixq.errors import InputError, PlanError
+from mixq.quant import allocator as al
+from mixq.quant import gguf_mix as gm
+
+# the files llama.cpp's named mixes make of k256 (bench/results/k256.md): Q2_K, Q3_K_M, Q4_K_M
+NAMED_MIX_BYTES = (10_772_320, 12_674_400, 14_816_096)
+
+
+@pytest.fixture(scope="module")
+def k256(k256_model):
+    from mixq.formats.checkpoint import open_checkpoint
+
+    return open_checkpoint(k256_model)
+
+
+def _model_curves(k256) -> dict:
+    """Curves shaped like a good quantizer's (numel·4^-bpw), token_embd and attention made costlier."""
+    out = {}
+    for name, (spec, lad) in gmeas.measured_units(k256).items():
+        w = 20.0 if spec.role in ("embed", "attn") else 1.0
+        out[name] = {gm.type_bpw(t): w * math.prod(spec.shape) * 4.0 ** -gm.type_bpw(t) for t in lad}
+    return out
+
+
+def test_measured_units_add_embedding_and_head(k256):
+    units = gmeas.measured_units(k256)
+    roles = {s.role for s, _ in units.values()}
+    assert {"embed", "lm_head", "routed_expert", "attn", "shared_expert", "dense_mlp"} <= roles
+    assert not any(s.mtp for s, _ in units.values())
+    assert "blk.1.ffn_gate_exps.weight" in units and "token_embd.weight" in units
+    assert units["token_embd.weight"][1] == ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]
+    assert gmeas.reference_type(units["token_embd.weight"][1]) == "Q3_K"
+
+
+@pytest.mark.parametrize("size", NAMED_MIX_BYTES)
+def test_measured_plan_hits_the_size_within_a_thousandth(size, k256):
+    plan = gmeas.plan_gguf_measured(k256, _model_curves(k256), size=size)
+    assert plan.total_bytes <= size and (size - plan.total_bytes) / size < 1e-3
+    types = {t.name: t.type for t in plan.tensors}
+    # costlier units get more bits than cheap ones of the same shape
+    assert gm.type_bpw(types["blk.1.attn_q.weight"]) > gm.type_bpw(types["blk.1.ffn_gate_shexp.weight"])
+    assert not plan.measured["role_plan_taken"]
+
+
+def test_measured_plan_follows_the_curves(k256):
+    curves = _model_curves(k256)
+    hot = "blk.2.ffn_down_exps.weight"
+    base = gmeas.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[1])
+    curves[hot] = {b: 50 * e for b, e in curves[hot].items()}
+    hotter = gmeas.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[1])
+    t0 = {t.name: t.type for t in base.tensors}[hot]
+    t1 = {t.name: t.type for t in hotter.tensors}[hot]
+    assert gm.type_bpw(t1) > gm.type_bpw(t0)
+
+
+def test_never_worse_takes_the_role_plan_when_greedy_stalls():
+    # unit a: its best hull step (level 0 -> 2) does not fit; the role plan's step to level 1 does
+    a = al.Unit("a", "attn", 10, levels=(2.0, 3.0, 4.0), costs=(0.0, 10.0, 40.0), errors=(10.0, 9.9, 0.0))
+    greedy = al.allocate([a], 10.0)
+    assert greedy["a"] == 2.0
+    levels, taken = gmeas.never_worse([a], greedy, 10.0, {"attn": 6.0})
+    assert taken and levels["a"] == 3.0
+
+
+def test_missing_curves_and_bad_targets_are_one_line(k256):
+    curves = _model_curves(k256)
+    del curves["blk.0.attn_q.weight"]
+    with pytest.raises(PlanError, match="no measured error for blk.0.attn_q.weight"):
+        gmeas.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[0])
+    with pytest.raises(PlanError, match="exactly one of --bpw, --size"):
+        gmeas.plan_gguf_measured(k256, _model_curves(k256))
+    with pytest.raises(PlanError, match="fixed-type tensors alone"):
+        gmeas.plan_gguf_measured(k256, _model_curves(k256), size=1_000_000)
+    with pytest.raises(InputError, match="blk.9.attn_q.weight is not a budgeted GGUF tensor"):
+        gmeas.measure_gguf_errors(k256, only=["blk.9.attn_q.weight"], progress=False)
+
+
+def _check_curves(k256, calibration_text, names, linears):
+    kw = dict(rows=2, seq_len=64, only=names, progress=False)
+    exact = gmeas.measure_gguf_errors(k256, [calibration_text], rounding="exact", **kw)
+    hess = gmeas.measure_gguf_errors(k256, [calibration_text], rounding="hessian", **kw)
+    for n in names:
+        e = [exact.curves[n][b] for b in sorted(exact.curves[n])]
+        assert all(x > y for x, y in zip(e, e[1:])), n
+        assert hess.reference_error[n] == pytest.approx(exact.curves[n][gm.type_bpw(exact.reference[n])])
+    for n in linears:  # the rounding lowers the layer error at every type (in-sample)
+        assert all(hess.curves[n][b] < exact.curves[n][b] for b in exact.curves[n]), n
+
+
+@pytest.mark.slow
+def test_measured_errors_fall_with_bits_and_hessian_rounding_helps(k256, calibration_text):
+    _check_curves(k256, calibration_text, ["blk.0.attn_q.weight"], ["blk.0.attn_q.weight"])
+
+
+@pytest.mark.slow
+def test_measured_errors_of_embedding_head_and_experts(k256, calibration_text):
+    names = ["token_embd.weight", "output.weight", "blk.1.ffn_down_exps.weight"]
+    _check_curves(k256, calibration_text, names, names[1:])

@@ -72,9 +72,10 @@ def generate(target, cache, tokenizer, prompts: list[torch.Tensor], new_tokens: 
             "tokens_per_second": round(sum(map(len, tokens)) / seconds, 1)}
 
 
-def target_states(target, ids: torch.Tensor, layers: list[int], chunk: int = 16):
+def target_states(target, ids: torch.Tensor, layers: list[int], chunk: int = 1):
     """exllamav3's exported hidden states of the target at `layers` (the states a drafter reads, in tap order:
-    list of (N, T, H) fp16) and the target's greedy guess at every position (N, T)."""
+    list of (N, T, H) fp16) and the target's greedy guess at every position (N, T). One row per forward by default,
+    the cache-less path bench/exllamav3_check.py runs."""
     per_layer: list[list[torch.Tensor]] = [[] for _ in layers]
     guesses = []
     vocab = target.config.vocab_size

@@ -158,7 +158,8 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
     Targets (at most one): ``bpw`` (EXL3: exllamav3's ``bits`` convention; GGUF: bytes·8/elements of the
     budgeted tensors), ``size`` (bytes of the main model files, headers included; "108GB" / "100GiB" accepted),
     ``qtype`` (GGUF only: a llama-quantize mix name such as "Q4_K_M", reproduced exactly). None: role defaults.
-    ``measure``: per-unit error curves {unit key: {bits: error}} for the sensitivity solver (EXL3).
+    ``measure``: per-unit error curves {unit key: {bits: error}} for the sensitivity solver (EXL3; GGUF:
+    convert/gguf_measure.plan_gguf_measured, which also budgets token_embd and output.weight).
     ``gguf_ladder``: custom GGUF candidate types, "k" (Q2_K..Q8_0, what mixq writes) or "iq" (adds IQ2_XXS..IQ4_XS)."""
     if isinstance(ckpt, (str, Path)):
         from mixq.formats.checkpoint import open_checkpoint
@@ -173,6 +174,13 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
             raise InputError(f"--type {qtype}: named mixes are GGUF only; use --bpw or --size for EXL3")
         plan = _plan_exl3(ckpt, bpw=bpw, size=size_b, overrides=ovs, head_bits=head_bits, mtp_bits=mtp_bits,
                           vision_bits=vision_bits, include_mtp=include_mtp, measure=measure)
+    elif fmt == "gguf" and measure is not None:
+        if qtype is not None or ovs or (bpw is None and size_b is None):
+            raise InputError("--measure plans a GGUF to --bpw or --size (not with --type or --override)")
+        from mixq.convert.gguf_measure import plan_gguf_measured
+
+        plan = plan_gguf_measured(ckpt, measure, bpw=bpw, size=size_b, ladder=gguf_ladder, include_mtp=include_mtp,
+                                  mtp_bits=mtp_bits)
     elif fmt == "gguf":
         plan = _plan_gguf(ckpt, bpw=bpw, size=size_b, qtype=qtype, overrides=ovs, head_bits=head_bits,
                           mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder)

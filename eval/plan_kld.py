@@ -26,21 +26,35 @@ TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09
 
 def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibration: Sequence[str] = (),
              measure_out: str | None = None, measure_sample: str = "auto", device: str | None = None,
-             from_config: str | None = None, progress: bool = True, **plan_kw):
+             from_config: str | None = None, rounding: str = "exact", imatrix=None, progress: bool = True,
+             **plan_kw):
     """What ``mixq plan`` runs: ``convert.fit.run_plan`` (same arguments), with ``--measure kld`` measured here
-    first (``kld_curves``; saved to ``measure_out`` when given)."""
+    first (EXL3: ``kld_curves``; GGUF: ``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and
+    ``imatrix``; saved to ``measure_out`` when given)."""
     from mixq.convert.fit import run_plan as plan
 
+    if fmt == "gguf" and measure in ("trellis", "proxy"):
+        raise InputError(f"--measure {measure} is EXL3's trellis measurement; GGUF measures with --measure alone")
     if measure == "kld":
-        if fmt != "exl3":
-            raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
+        if fmt not in ("exl3", "gguf"):
+            raise InputError(f"--format {fmt!r}: exl3 or gguf")
         if model is None:
             raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
         from mixq.formats.checkpoint import open_checkpoint
 
         ckpt = open_checkpoint(model)
         t0 = time.time()
-        curves = kld_curves(ckpt, calibration or None, device=device, sample=measure_sample, progress=progress)
+        if fmt == "gguf":
+            from mixq.eval.gguf_kld import gguf_kld_curves
+
+            if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
+                from mixq.formats.imatrix_file import read_imatrix
+
+                imatrix = read_imatrix(imatrix).means()
+            curves = gguf_kld_curves(ckpt, calibration or None, ladder=plan_kw.get("gguf_ladder") or "k",
+                                     rounding=rounding, imatrix=imatrix, device=device, progress=progress)
+        else:
+            curves = kld_curves(ckpt, calibration or None, device=device, sample=measure_sample, progress=progress)
         if measure_out:
             save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
                                                    "seconds": round(time.time() - t0, 1)})

@@ -89,8 +89,8 @@ def test_cli_measure_errors(tiny2, tmp_path):
                        (["--measure-out", str(tmp_path / "x.json")], "--measure-out needs --measure")):
         r = CliRunner().invoke(main, ["plan", str(tiny_model), "--format", "exl3", "--bpw", "3"] + extra)
         assert r.exit_code == 2 and msg in r.output, r.output
-    r = CliRunner().invoke(main, ["plan", str(tiny_model), "--format", "gguf", "--bpw", "3", "--measure"])
-    assert r.exit_code == 2 and "EXL3 only" in r.output
+    r = CliRunner().invoke(main, ["plan", str(tiny_model), "--format", "gguf", "--bpw", "3", "--measure", "trellis"])
+    assert r.exit_code == 2 and "EXL3's trellis measurement" in r.output, r.output
     r = CliRunner().invoke(main, ["plan", str(tiny_model), "--format", "exl3", "--bpw", "3", "--measure",
                                   "--measure-sample", "0,2"])
     assert r.exit_code == 2 and "--measure-sample '0,2'" in r.output, r.output

@@ -57,6 +57,20 @@ def edge_superblocks(S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return xs.to(device), qw.to(device)
 
 
+_ENCODERS = r"""
+import json, warnings, numpy as np, torch
+warnings.simplefilter("error", UserWarning)  # a kernel variant failing its first-use check warns
+from mixq.quant import kquants, kquants_fused
+x = (np.random.default_rng(0).standard_normal((2, 256)) * 0.02).astype(np.float32)
+im = np.random.default_rng(1).random(256).astype(np.float32)
+res = {}
+for t, imx in [("Q4_K", im), ("Q3_K", None), ("Q6_K", im), ("Q2_K", None), ("IQ2_S", im), ("Q4_1", im)]:
+    a = kquants.quantize_tensor(torch.from_numpy(x), t, None if imx is None else torch.from_numpy(imx)).numpy()
+    res[t] = bool(np.array_equal(a, kquants.quantize(x, t, imx)))
+res["variants"] = sorted({k[0] for k, ok in kquants_fused._VARIANTS.items() if ok})
+print(json.dumps(res))
+"""
+
 _CHECK = r"""
 import json, sys, torch
 from mixq.quant import kquants_fused as kf, kquants_fused_descent as kd, kquants_fused_grid as kg
@@ -86,9 +100,9 @@ print(json.dumps(res))
 """
 
 
-def _interpret(what: str) -> dict:
+def _interpret(what: str, script: str = _CHECK) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _CHECK, what, os.path.dirname(__file__)], env=env,
+    out = subprocess.run([sys.executable, "-c", script, what, os.path.dirname(__file__)], env=env,
                          capture_output=True, text=True, timeout=3000)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -107,6 +121,14 @@ def test_kquant_search_kernels_equal_eager_in_interpreter():
 @pytest.mark.parametrize("qtype", ["IQ2_S", "IQ3_S", "IQ2_XXS"])
 def test_lattice_search_kernel_equals_eager_in_interpreter(qtype):
     assert _interpret(qtype) == {qtype: True}
+
+
+@pytest.mark.slow
+def test_encoders_with_fused_kernels_equal_numpy_in_interpreter():
+    """The whole torch path with every kind of fused kernel in use (each variant passing its first-use check)."""
+    res = _interpret("", _ENCODERS)
+    assert res.pop("variants") == ["grid", "q3", "qkx", "qp", "qx", "seqsum"]
+    assert res == {t: True for t in ("Q4_K", "Q3_K", "Q6_K", "Q2_K", "IQ2_S", "Q4_1")}
 
 
 def test_fused_path_is_off_on_cpu_and_by_switch(monkeypatch):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .kquants_torch_blocks import subblocks
 from .kquants_torch_grid import device_codebook, finish, prepare, search
 from .kquants_torch_search import GROUP_MAX_EPS, f32, half_bytes, make_qp_quants
 

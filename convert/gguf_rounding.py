@@ -16,8 +16,11 @@ attn_k_b/attn_v_b, the NextN block, F16/BF16/F32 tensors, types without a Hessia
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -127,3 +130,22 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
             bar.update(math.prod(s.shape))
     bar.close()
     return done
+
+
+@contextmanager
+def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path, *,
+                    imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
+                    seq_len: int = 512, device: str | None = None,
+                    progress: bool = True) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
+    """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
+
+    The encoded tensors are spilled into a `.NAME.partial-hessian-*` directory next to `out` (the converter's
+    stale-partials cleanup knows the pattern), removed when the block exits, whatever happens."""
+    out = Path(out)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.stem}.partial-hessian-", dir=out.parent))
+    try:
+        paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
+                                       rows=rows, seq_len=seq_len, device=device, progress=progress)
+        yield {n: (lambda p=p: np.load(p)) for n, p in paths.items()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -34,6 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from mixq.formats.atomic import write_json  # noqa: E402
 from mixq.quant import kquants, kquants_fused, kquants_ggml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -238,7 +239,7 @@ def main() -> None:
     data["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        write_json(args.json, data, indent=1)
     print(f"done in {data['wall_s']} s")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mixq.errors import InputError
+from mixq.formats.atomic import write_json
 from mixq.quant import allocator as al
 from mixq.quant import trellis_loss as qs
 from mixq.quant.device import pick_device
@@ -246,10 +246,8 @@ def save_curves(curves: Mapping[str, Mapping[float, float]], path: str | Path, m
     d = {k: {f"{float(b):g}": float(v) for b, v in sorted(c.items())} for k, c in curves.items()}
     if meta:
         d = {"_meta": meta, **d}
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(d, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_json(path, d, indent=1)
     except OSError as e:
         raise InputError(f"--measure-out {path}: cannot write ({e})") from None
 

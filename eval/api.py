@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from tqdm import tqdm
 
 from mixq.convert.dequant import CheckpointSource, DequantSource
 from mixq.errors import FormatError, InputError
+from mixq.formats.atomic import write_text
 from mixq.eval import candidates as cands
 from mixq.eval import reference as refm
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
@@ -343,10 +343,7 @@ def _write_outputs(report: dict, json_out: str | Path | None, markdown_out: str 
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise InputError(f"{path}: cannot write ({e.strerror or e})") from None

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.atomic import atomic_path, write_text
 
 _REQUIRED = ("path", "format", "bytes", "bpw", "kld_mean", "top1", "dppl")
 
@@ -131,10 +131,9 @@ def plot_kld_vs_size(rows: list[dict], out: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     out = Path(out)
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, format="png")
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def compare(report_paths: list[str | Path], plot: str | Path | None = None, markdown: str | Path | None = None) -> dict:
@@ -148,8 +147,5 @@ def compare(report_paths: list[str | Path], plot: str | Path | None = None, mark
     if plot:
         plot_kld_vs_size(rows, Path(plot))
     if markdown:
-        m = Path(markdown)
-        tmp = m.with_name(m.name + ".tmp")
-        tmp.write_text(md)
-        os.replace(tmp, m)
+        write_text(Path(markdown), md)
     return {"rows": rows, "markdown": md, "plot": str(plot) if plot else None}

@@ -74,7 +74,7 @@ class DecoderStream:
         mod = self.skeleton.layers[layer]
         sd = _layer_state_dict(mod, layer, lambda n: fetch(n).float())
         mod.to_empty(device=self.device)
-        mod.load_state_dict({k: v.to(self.device) for k, v in sd.items()}, strict=True)
+        mod.load_state_dict(sd, strict=True)  # copies across devices: no second device copy of the layer
         return mod.to(self.dtype).eval()
 
     def release(self, layer: int) -> None:

@@ -147,6 +147,17 @@ def iq2s_group_scales(blocks: np.ndarray) -> np.ndarray:
     return np.repeat(db, 2, axis=1).reshape(b.shape[:-1] + (b.shape[-1] // 82 * 32,))
 
 
+def iq2s_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codebook index (..., groups), sign byte (..., groups)) of every 8-weight group of IQ2_S blocks."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    flat = b.reshape(-1, 82)
+    qh = flat[:, 66:74]
+    high = np.stack([(qh >> (2 * j)) & 3 for j in range(4)], axis=2).reshape(-1, 32).astype(np.int64)
+    index = flat[:, 2:34].astype(np.int64) | (high << 8)
+    shape = b.shape[:-1] + (b.shape[-1] // 82 * 32,)
+    return index.reshape(shape), flat[:, 34:66].reshape(shape).copy()
+
+
 def set_iq2s_groups(blocks: np.ndarray, index: np.ndarray, signs: np.ndarray) -> np.ndarray:
     """Copy of IQ2_S `blocks` with each 8-weight group's codebook index (0..1023) and sign byte (bit i set:
     weight i negative) replaced; shapes (..., groups per row). Super-scale and 4-bit scales are kept."""

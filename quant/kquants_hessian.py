@@ -13,6 +13,10 @@ grid and its error is fed forward to the columns not yet rounded through the upp
 (``targets[:, later] -= err·U⁻¹[group] · U[group, later]``), which is the greedy minimiser of the quadratic
 loss column by column. Scales stay exactly what ggml's search gives for those targets, so the block format,
 fp16 rounding and llama.cpp decoding are untouched; :mod:`ggml_levels` writes the chosen codes back.
+``refine`` > 0 then runs that many passes of coordinate descent on the exact quadratic (one code up or down per
+weight; the best of a short list of codebook entries per IQ2_S group), which the greedy walk leaves on the table:
+on k256 (Q2_K, 128 x 512 calibration tokens, held-out Hessians) 3 passes take the layer error from 0.76-0.90x
+ggml's to 0.67-0.85x.
 
 Numerics in torch (float64 factorisation, float32 walk), on CUDA when present; routed-expert stacks
 (E, rows, n) with one Hessian per expert run batched.
@@ -201,6 +205,50 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
     return gl.set_levels(blocks, qtype, codes.long().cpu().numpy())
 
 
+IQ2S_SHORTLIST = 8  # codebook entries per group scored with the exact quadratic (after a diagonal pre-selection)
+
+
+def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, passes: int = 1) -> np.ndarray:
+    """Group-wise descent on IQ2_S blocks (scales kept) for tr(ΔW·H·ΔWᵀ).
+
+    For each 8-weight group in turn: the unconstrained best values given the other groups (v + H_BB⁻¹·g_B) fix the
+    signs; the ``IQ2S_SHORTLIST`` codebook entries nearest to them in the diagonal metric are scored with the exact
+    change of the quadratic (2δ·g_B + δ·H_BB·δᵀ) and the best one replaces the group's entry when it lowers it."""
+    dev = w.device
+    grid = torch.from_numpy(gl.iq2s_grid()).to(dev)                                # (1024, 8)
+    db = torch.from_numpy(gl.iq2s_group_scales(blocks)).to(dev)                    # (E, rows, G)
+    index, signs = (torch.from_numpy(a).to(dev) for a in gl.iq2s_groups(blocks))
+    bits = 2 ** torch.arange(8, device=dev)
+    val = torch.from_numpy(dequantize_blocks(blocks, "IQ2_S")).to(dev).reshape(w.shape)
+    grad = (w - val) @ hessian                                                     # (E, rows, n)
+    for _ in range(passes):
+        for g in range(w.shape[-1] // 8):
+            cols = slice(8 * g, 8 * g + 8)
+            hbb = hessian[:, cols, cols]                                           # (E|1, 8, 8)
+            v, gb, d = val[..., cols], grad[..., cols], db[..., g:g + 1]
+            ideal = v + torch.linalg.solve(hbb, gb.transpose(-1, -2)).transpose(-1, -2)
+            sign = torch.where(ideal < 0, -1.0, 1.0)
+            hd = torch.diagonal(hbb, dim1=-2, dim2=-1).unsqueeze(-2)               # (E|1, 1, 8)
+            near = d * d * ((grid * grid) @ hd.transpose(-1, -2)).transpose(-1, -2) \
+                - 2 * d * ((hd * ideal.abs()) @ grid.T)                             # (E, rows, 1024)
+            k = near.topk(IQ2S_SHORTLIST, dim=-1, largest=False).indices            # (E, rows, K)
+            cand = d.unsqueeze(-1) * grid[k] * sign.unsqueeze(-2)                  # (E, rows, K, 8)
+            delta = v.unsqueeze(-2) - cand                                         # error change per candidate
+            dl = 2 * (delta * gb.unsqueeze(-2)).sum(-1) \
+                + torch.einsum("erki,eij,erkj->erk", delta, hbb.expand(w.shape[0], 8, 8), delta)
+            best = dl.argmin(-1, keepdim=True)                                     # (E, rows, 1)
+            take = dl.gather(-1, best).squeeze(-1) < 0
+            if not bool(take.any()):
+                continue
+            new_v = cand.gather(-2, best.unsqueeze(-1).expand(*best.shape, 8)).squeeze(-2)
+            step = torch.where(take.unsqueeze(-1), v - new_v, torch.zeros_like(v))
+            grad += step @ hessian[:, cols, :]
+            val[..., cols] = torch.where(take.unsqueeze(-1), new_v, v)
+            index[..., g] = torch.where(take, k.gather(-1, best).squeeze(-1), index[..., g])
+            signs[..., g] = torch.where(take, ((sign < 0).long() * bits).sum(-1), signs[..., g])
+    return gl.set_iq2s_groups(blocks, index.cpu().numpy(), signs.cpu().numpy())
+
+
 def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFAULT_DAMP, refine: int = 0,
                      device: str | torch.device | None = None) -> np.ndarray:
     """Encode W as ``qtype`` blocks, choosing codes for the smallest tr(ΔW·H·ΔWᵀ) (module docstring).
@@ -247,4 +295,6 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
             targets[..., c1:] -= err @ u[:, c0:c1, c1:]
     if refine and qtype in gl.CODE_RANGE:
         out = refine_codes(w3.to(dev, torch.float32), out, qtype, _damped(h3.to(dev), damp), refine)
+    elif refine and qtype == "IQ2_S":  # codebook groups: the same descent, one group of 8 at a time
+        out = refine_iq2s(w3.to(dev, torch.float32), out, _damped(h3.to(dev), damp), refine)
     return out if w.ndim == 3 else out[0]

@@ -55,6 +55,10 @@ def test_iq2s_groups_decode(k256_model):
     sign = np.where((signs[..., None] >> np.arange(8)) & 1, -1.0, 1.0)
     want = (db[..., None] * gl.iq2s_grid()[idx] * sign).reshape(x.shape)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+    own_idx, own_signs = gl.iq2s_groups(blocks)
+    assert np.array_equal(gl.set_iq2s_groups(blocks, own_idx, own_signs), blocks)
+    back = gl.iq2s_groups(gl.set_iq2s_groups(blocks, idx, signs))
+    assert np.array_equal(back[0], idx) and np.array_equal(back[1], signs)
 
 
 def test_bad_codes_and_types_are_refused():

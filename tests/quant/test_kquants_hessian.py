@@ -98,7 +98,7 @@ def test_bad_input_is_one_clear_error():
         kh.quantize_hessian(w, torch.eye(256), "Q4_K")
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0", "IQ2_S"])
 def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real):
     w, h, _, _ = k256_real
     w = w[:64]
@@ -106,6 +106,9 @@ def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real)
     errs = [_err(w, kh.quantize_hessian(w, h, qtype, damp=0.1, refine=p), qtype, kh._damped(h, 0.1)) for p in (0, 1, 3)]
     assert errs[2] <= errs[1] < errs[0]
     refined = kh.quantize_hessian(w, h, qtype, damp=0.1, refine=3)
+    if qtype == "IQ2_S":
+        assert np.array_equal(gl.iq2s_group_scales(walk), gl.iq2s_group_scales(refined))
+        return
     step0, base0 = gl.level_grid(walk, qtype)
     step1, base1 = gl.level_grid(refined, qtype)
     assert np.array_equal(step0, step1) and np.array_equal(base0, base1)  # only the codes moved

@@ -9,9 +9,6 @@ import torch
 from mixq.errors import InputError
 from mixq.quant.hessian import HessianAccumulator
 
-torch.set_num_threads(1)  # 2 shared cores: extra threads only contend
-
-
 def test_hessian_accumulator_sums_and_drops_nonfinite():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 8, generator=g)

@@ -5,7 +5,6 @@ import hashlib
 import json
 import shutil
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +13,6 @@ from mixq.errors import InputError
 from mixq.formats.exl3_names import exl3_layout, hf_names_of_key, stage_order
 from mixq.formats.exl3_writer import (Exl3Writer, check_free_space, exl3_config, load_tensor, read_header,
                                       write_safetensors)
-
-torch.set_num_threads(1)
 
 
 def test_layout_conventions_on_the_trained_fixture(mini_model):

@@ -203,11 +203,24 @@ def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = Non
         if im.size != E * n:
             raise InputError(f"kquants.quantize_stacked: imatrix has {im.size} values, expected {E}x{n}")
         im = im.reshape(E, n)
-    if _device(device).type != "cpu":  # one call for the whole stack: each row carries its expert's imatrix
-        rows = x.shape[1]
-        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dev).reshape(E * rows, n)
+    dev = _device(device)
+    if dev.type != "cpu":
+        return _quantize_stacked_on(dev, x, qtype, im)
+    return np.stack([quantize(x[e], qtype, None if im is None else im[e], device=device) for e in range(E)])
+
+
+def _quantize_stacked_on(dev: torch.device, x: np.ndarray, qtype: str, im: np.ndarray | None) -> np.ndarray:
+    """quantize_stacked on an accelerator: groups of experts per call, each row carrying its expert's imatrix
+    (the groups bound the device copies of the stack and of its per-row imatrix)."""
+    E, rows, n = x.shape
+    per = max(1, kquants_torch.chunk_weights(qtype, dev) // max(1, rows * n))
+    out = np.empty((E, rows, row_bytes(qtype, n)), dtype=np.uint8)
+    for e0 in range(0, E, per):
+        e1 = min(E, e0 + per)
+        xt = torch.from_numpy(np.ascontiguousarray(x[e0:e1], dtype=np.float32)).to(dev).reshape(-1, n)
         imt = None
         if im is not None:
-            imt = torch.from_numpy(np.ascontiguousarray(im)).to(device)[:, None].expand(E, rows, n).reshape(E * rows, n)
-        return quantize_tensor(xt, qtype, imt).cpu().numpy().reshape(E, rows, -1)
-    return np.stack([quantize(x[e], qtype, None if im is None else im[e], device=device) for e in range(E)])
+            imt = torch.from_numpy(np.ascontiguousarray(im[e0:e1])).to(dev)[:, None].expand(e1 - e0, rows, n)
+            imt = imt.reshape(-1, n)
+        out[e0:e1] = quantize_tensor(xt, qtype, imt).cpu().numpy().reshape(e1 - e0, rows, -1)
+    return out

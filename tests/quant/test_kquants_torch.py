@@ -101,6 +101,17 @@ def test_per_row_imatrix_equals_stacked_numpy():
         assert np.array_equal(got, kquants.quantize_stacked(x, t, im)), t
 
 
+def test_stacked_experts_in_groups_equal_numpy(monkeypatch):
+    """The accelerator path of quantize_stacked (groups of experts per call), run on CPU tensors."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((5, 4, 512)).astype(np.float32)
+    im = rng.random((5, 512)).astype(np.float32)
+    monkeypatch.setattr(kquants_torch, "chunk_weights", lambda qtype, device: 2 * 4 * 512)  # two experts a call
+    for t, imx in (("Q4_K", im), ("IQ4_NL", None)):
+        got = kquants._quantize_stacked_on(torch.device("cpu"), x, t, imx)
+        assert np.array_equal(got, kquants.quantize_stacked(x, t, imx)), t
+
+
 def test_chunking_does_not_change_bytes():
     x = torch.from_numpy(np.random.default_rng(5).standard_normal((6, 512)).astype(np.float32))
     im = torch.from_numpy(np.random.default_rng(6).random(512).astype(np.float32))

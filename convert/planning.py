@@ -53,7 +53,7 @@ class Plan:
         return self.total_bytes * 8 / p if p else 0.0
 
     def to_dict(self) -> dict:
-        """The JSON of ``mixq plan --json`` (issue 4 §5), plus ``file_bpw`` and ``params``."""
+        """The JSON of ``mixq plan --json``, with ``file_bpw`` and ``params``."""
         tensors = []
         for t in self.tensors:
             d = {"name": t.name, "role": t.role}
@@ -515,7 +515,7 @@ def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int =
     Proxy of the Hessian-weighted loss E[tr(ΔW·H·ΔWᵀ)]: after the random-Hadamard incoherence transform the
     trellis error is close to i.i.d. with variance D(K)·mean(W²), so the loss is D(K)·mean(W²)·out·tr(H) with
     tr(H) = Σx² / N over all N calibration tokens (the calibrator sends every token through every expert, so
-    routing is not reflected) and D(K) = 2^(−2K), the rate–distortion slope the trellis tracks (issue 3). Not a
+    routing is not reflected) and D(K) = 2^(−2K), the rate–distortion slope the trellis tracks (quant/trellis). Not a
     per-rate trellis measurement: every unit's curve has the same shape, only its weight is measured. This is
     ``--measure proxy``; ``--measure`` alone measures with the trellis (``convert/measure.py``)."""
     from mixq.convert.calibration import calibrate, calibration_rows, load_tokenizer

@@ -9,7 +9,7 @@ source in that tree:
                 becomes member `0.1`, and the runtime accepts a static member only as an identifier or an
                 integer literal (runtime.cpp `member_expression::execute_impl`: "Static member property must be
                 an identifier"). Tested with that engine compiled from the vendored sources: a single `x.0`
-                renders, a chained `x.0.1` is refused. Every `.N` is flagged (issue 10 reports plain `x.0` refused
+                renders, a chained `x.0.1` is refused. Every `.N` is flagged (plain `x.0` has been reported refused
                 too; `[N]` is accepted by every engine). Fix: rewrite every `.N` member access to `[N]` (same meaning in jinja2).
   statement     `{% do %}`, `{% with %}`, `{% include %}`, `{% import %}`, `{% from %}`, `{% extends %}`,
                 `{% block %}`, `{% raw %}`, `{% autoescape %}`, `{% trans %}`: the parser knows only set, if, for,

@@ -2,7 +2,7 @@
 
 `read_exl3(path)` returns {HF checkpoint tensor name: float32 tensor} — quantized Linears decoded
 (W = diag(suh)·H·Ŵ·H·diag(svh), padding cropped, fused qkv_proj / conv1d split back, A_log reshaped back), fp16 /
-fp32 / native tensors converted — ready for transformers' glm5_next weight loading (helper E's evaluator).
+fp32 / native tensors converted — ready for transformers' glm5_next weight loading (the evaluator).
 `verify_exl3(path)` re-reads every shard and lists problems (missing / unexpected tensors, wrong shape or dtype,
 bad hashes, undecodable or non-finite quantized tensors).
 """

@@ -30,7 +30,7 @@ from mixq.formats.exl3_layout import PAD, RATES, TILE, pad_up, trellis_words
 EXL3_RATES: tuple[float, ...] = RATES
 EXL3_INT_RATES: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
 
-# issue 4 §1: role defaults for EXL3 (head and NextN have their own keys; vision stays native unless asked)
+# role defaults for EXL3 (head and NextN have their own keys; vision stays native unless asked)
 EXL3_ROLE_BITS: dict[str, float] = {
     "routed_expert": 4.0, "attn": 6.0, "shared_expert": 6.0, "dense_mlp": 5.0, "lm_head": 6.0,
 }

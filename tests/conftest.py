@@ -64,7 +64,7 @@ def tiny_fp8_model(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "fp8", fp8=True, shards=2)
 
 
-# --- broken checkpoints: every bad-input case of issue 2 §7 -------------------------------------------------
+# --- broken checkpoints: every bad-input case of the loader -------------------------------------------------
 BAD_INPUTS = ("truncated", "lying_header", "missing_shard", "index_absent_tensor", "not_glm5next",
               "unknown_tensor", "missing_path", "file_not_dir")
 

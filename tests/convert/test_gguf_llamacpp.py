@@ -1,5 +1,5 @@
 """mixq's GGUF files in the real llama.cpp (llama-cpp-python 0.3.36): they load, and their logits match
-transformers' on a held-out window as well as llama.cpp's own converter + quantizer do (issue 6 yardsticks,
+transformers' on a held-out window as well as llama.cpp's own converter + quantizer do (the yardsticks
 measured by the reference sheet on 256 tokens with an F32 KV cache). Slow: converts and runs both engines."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from mixq.formats.gguf_writer import TensorOut, glm5next_kv, write_gguf  # noqa:
 _VENDORED_LLAMA_CPP = Path(__file__).resolve().parents[3] / "vendor" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 
 CTX = 257  # scored positions 0..255: 256 tokens, as the yardsticks
-# KLD(transformers || llama.cpp) of llama.cpp's own converter + llama-quantize on 256 tokens (issue 6)
+# KLD(transformers || llama.cpp) of llama.cpp's own converter + llama-quantize on 256 tokens
 YARDSTICK = {("mini", "Q8_0"): 6e-4, ("k256", "Q8_0"): 1.4e-3, ("mini", "Q4_K_M"): 4.6e-3, ("k256", "Q4_K_M"): 1.7e-2}
 RESULTS = os.environ.get("MIXQ_GGUF_RESULTS")  # optional JSON lines file to record the measured numbers
 

@@ -1,4 +1,4 @@
-"""The files `mixq convert` writes for a plan match the plan's bytes within 0.5% (issue 4, must show). Slow."""
+"""The files `mixq convert` writes for a plan match the plan's bytes within 0.5%. Slow."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,6 +1,6 @@
 """`--engine llamacpp`: KLD of a GGUF candidate from llama.cpp's own logits vs from its dequantized weights.
 
-Issue 7: for a GGUF at Q4_K_M or smaller the two differ by at most 5% + 3e-4 (llama.cpp's activation
+Required: for a GGUF at Q4_K_M or smaller the two differ by at most 5% + 3e-4 (llama.cpp's activation
 quantization alone adds about 2.4e-4). Slow: converts k256 to Q4_K_M and runs both engines."""
 from __future__ import annotations
 

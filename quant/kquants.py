@@ -1,6 +1,6 @@
 """ggml block encoders: ``quantize(x, qtype, imatrix=None)`` -> bytes in ggml's block layout.
 
-Pinned by issue 6. Without an importance matrix the bytes equal ggml's reference quantizer
+The contract is pinned (docs/INTERNALS.md). Without an importance matrix the bytes equal ggml's reference quantizer
 (``quantize_row_*_ref``); with one they equal ggml's importance path (``quantize_*`` with
 ``quant_weights``), which for Q8_0 ignores it. Q2_K…Q6_K and the importance paths of the legacy
 32-weight types are our vectorised numpy ports (:mod:`kquants_blocks`, :mod:`kquants_legacy`);

@@ -47,17 +47,15 @@ def _shared() -> Path:
 
 
 def k256_experts(model: Path, layer: int = 2, proj: str = "gate_proj") -> np.ndarray:
-    """All routed experts' `proj` matrices of one k256 layer stacked into rows (bf16 -> f32)."""
-    from safetensors import safe_open
+    """All routed experts' `proj` matrices of one k256 layer stacked into rows (bf16 -> f32); the expert tensors
+    are those the architecture table stacks into the layer's GGUF ``*_exps`` tensor."""
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.glm5next import gguf_sources
 
-    index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
-    names = [k for k in index if f".layers.{layer}.mlp.experts." in k and k.endswith(f"{proj}.weight")]
-    names.sort(key=lambda k: int(k.split(".experts.")[1].split(".")[0]))
-    mats = []
-    for k in names:
-        with safe_open(model / index[k], "pt") as f:
-            mats.append(f.get_tensor(k).to(torch.float32).numpy())
-    return np.concatenate(mats)
+    ck = open_checkpoint(model)
+    n_experts = int(ck.text_config["n_routed_experts"])
+    names = gguf_sources(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", (n_experts,)).hf_names
+    return np.concatenate([ck.get(n).numpy() for n in names])
 
 
 def glm53_expert(rows: int = 2048, cols: int = 4096, seed: int = 0) -> np.ndarray:

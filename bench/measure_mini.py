@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 from mixq.convert import measure as cs  # noqa: E402
 from mixq.convert.planning import _exl3_group, plan_model  # noqa: E402
+from mixq.formats.glm5next import global_hf_name  # noqa: E402
 from mixq.formats.checkpoint import open_checkpoint  # noqa: E402
 
 SHARED = Path(os.environ.get("MIXQ_SHARED", ROOT.parent / "shared"))
@@ -46,7 +47,7 @@ def actual_check(ck, keys, rates_by_key, calibration) -> dict[str, dict[float, f
 
     groups = cs.budget_units(ck)
     ids = calibration_rows(load_tokenizer(ck.path), calibration, rows=cs.DEFAULT_ROWS, seq_len=cs.DEFAULT_SEQ_LEN,
-                           vocab_size=ck.shape("model.language_model.embed_tokens.weight")[0])
+                           vocab_size=ck.shape(global_hf_name("embed"))[0])
     want = {groups[k][0].hf_names[0]: k for k in keys}
     layers = {ck.info(n).layer for n in want}
     res = {}

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
+from mixq.formats.glm5next import global_hf_name
 from mixq.quant import allocator as al
 from mixq.quant import trellis_loss as qs
 from mixq.quant.device import pick_device
@@ -136,7 +137,7 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     for key, us in groups.items():
         by_layer.setdefault(ckpt.info(us[0].hf_names[0]).layer, []).append(key)
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                           vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0])
+                           vocab_size=ckpt.shape(global_hf_name("embed"))[0])
     cal = LayerCalibrator(ckpt, ids, device=dev, full=True)
     captures: dict[int, _RoutingCapture] = {}
     for i, layer in enumerate(cal.skeleton.layers):

@@ -210,7 +210,7 @@ _NUM = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
 def collapse(name: str) -> str:
-    """Layer and expert numbers -> ``*`` ("model.language_model.layers.*.mlp.experts.*.up_proj.weight")."""
+    """Layer and expert numbers -> ``*`` (one row per tensor pattern in ``mixq plan``'s table)."""
     return _NUM.sub("*", name)
 
 

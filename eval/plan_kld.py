@@ -19,6 +19,7 @@ from mixq.convert.measure import budget_units, measure_curves, parse_sample, sav
 from mixq.errors import InputError
 from mixq.eval.reference import build_model
 from mixq.eval.stats import log_probs, token_quantities
+from mixq.formats.glm5next import global_hf_name
 from mixq.quant.device import pick_device
 
 TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
@@ -86,7 +87,7 @@ def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = No
     dev = pick_device(device)
     groups = budget_units(ckpt)
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                           vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0], seed=seed)
+                           vocab_size=ckpt.shape(global_hf_name("embed"))[0], seed=seed)
     base = {n: ckpt.get(n, dtype=torch.float32) for n in ckpt.names()}
 
     def logits(weights: dict) -> torch.Tensor:

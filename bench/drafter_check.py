@@ -190,69 +190,72 @@ def check(args) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "log.txt").write_text("")
     run = Run(args.out)
-    rep = run.report
-    rep["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    run.report["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     target_cfg = json.loads((args.target / "config.json").read_text())
-    block, history = args.block_size, args.block_size
-    tokens = 1 << 17  # cache size (target and drafters alike): every job of the largest batch, two pages each
-    target, cache, tok = run.phase("load_target", load_target, args.target, cache_tokens=tokens,
-                                   max_batch=max(args.train_prompts, args.eval_prompts), history=history) or (None,) * 3
     from mixq.formats.dflash2 import drafter_config
 
-    taps = drafter_config(target_cfg, layers=args.layers, block_size=block)["dflash_config"]["target_layer_ids"]
-
-    # 1-2. the target's own text and states, a distilled drafter
+    taps = drafter_config(target_cfg, layers=args.layers)["dflash_config"]["target_layer_ids"]
+    tokens = 1 << 17  # cache size (target and drafters alike): every job of the largest batch, two pages each
+    # a recurrent (KDA) target rolls speculative passes of up to block_size - 1 tokens back
+    target, cache, tok = run.phase("load_target", load_target, args.target, cache_tokens=tokens,
+                                   max_batch=max(args.train_prompts, args.eval_prompts),
+                                   history=args.block_size) or (None,) * 3
     data = None
     if target is not None and not args.random:
-        def training_data():
-            prompts = prompts_from(args.calibration, tok, args.train_prompts, args.prompt_tokens)
-            g = generate(target, cache, tok, prompts, args.train_new_tokens)
-            n = min(map(len, g["tokens"]))  # every job runs to max_new_tokens; cut to the shortest if not
-            ids = torch.cat([torch.cat([p.flatten(), torch.tensor(t[:n], dtype=torch.long)])[None]
-                             for p, t in zip(prompts, g["tokens"])])
-            states, _ = target_states(target, ids, taps)
-            run.log(f"training data: {tuple(ids.shape)} tokens, target {g['tokens_per_second']} tok/s")
-            return ids, [s.to(args.torch_device) for s in states]
-        data = run.phase("training_data", training_data)
+        data = run.phase("training_data", training_data, run, args, target, cache, tok, taps)
     src, config = build_drafter(run, args, target_cfg, data)
-
-    # 3. mixq convert
     exl3 = args.out / "drafter-6.0bpw"
     conv = run.phase("convert", convert_drafter_cli, src, exl3, args.convert_device)
     if conv:
-        rep["convert"] = {k: conv.get(k) for k in ("bits", "bytes", "seconds", "quantized", "tensors", "device")}
-        run.log(f"converted: {rep['convert']}")
-    if target is None:
-        return finish(run)
+        run.report["convert"] = {k: conv.get(k) for k in ("bits", "bytes", "seconds", "quantized", "tensors", "device")}
+        run.log(f"converted: {run.report['convert']}")
+    if target is not None:
+        drafters = {"bf16": run.phase("load_bf16", load_drafter, src, target, cache_tokens=tokens)}
+        if conv:
+            drafters["6bpw"] = run.phase("load_6bpw", load_drafter, exl3, target, cache_tokens=tokens)
+        logits_phase(run, args, target, tok, taps, drafters, config, src, exl3)
+        acceptance_phase(run, args, target, cache, tok, drafters)
+    return finish(run)
 
-    # 4. draft logits on the same rounds
-    drafters = {"bf16": run.phase("load_bf16", load_drafter, src, target, cache_tokens=tokens)}
-    if conv:
-        drafters["6bpw"] = run.phase("load_6bpw", load_drafter, exl3, target, cache_tokens=tokens)
-    eval_ids = torch.cat(prompts_from(args.heldout, tok, args.eval_windows, args.window))
+
+def training_data(run: Run, args, target, cache, tok, taps: list[int]):
+    """The target's greedy continuations of calibration prompts and its exported states on them."""
+    prompts = prompts_from(args.calibration, tok, args.train_prompts, args.prompt_tokens)
+    g = generate(target, cache, tok, prompts, args.train_new_tokens)
+    n = min(map(len, g["tokens"]))  # every job runs to max_new_tokens; cut to the shortest if not
+    ids = torch.cat([torch.cat([p.flatten(), torch.tensor(t[:n], dtype=torch.long)])[None]
+                     for p, t in zip(prompts, g["tokens"])])
+    states, _ = target_states(target, ids, taps)
+    run.log(f"training data: {tuple(ids.shape)} tokens, target {g['tokens_per_second']} tok/s")
+    return ids, [s.to(args.torch_device) for s in states]
+
+
+def logits_phase(run: Run, args, target, tok, taps, drafters: dict, config: dict, src: Path, exl3: Path) -> None:
+    """The same drafting rounds through every loaded drafter: BF16 vs 6 bpw, each against the torch forward."""
+    rep, block = run.report, args.block_size
+    ids = torch.cat(prompts_from(args.heldout, tok, args.eval_windows, args.window))
     anchors = list(range(args.window // 8, args.window - block, max(1, (args.window - block) // 8)))[:8]
-    states, guesses = run.phase("eval_states", target_states, target, eval_ids, taps) or (None, None)
-    engine = {}
-    for name, loaded in drafters.items():
-        if loaded is not None and states is not None:
-            engine[name] = run.phase(f"rounds_{name}", engine_rounds, loaded[0], loaded[1], target, states, taps,
-                                     eval_ids, anchors, block)
+    states, guesses = run.phase("eval_states", target_states, target, ids, taps) or (None, None)
+    if states is None:
+        return
+    engine = {name: run.phase(f"rounds_{name}", engine_rounds, d[0], d[1], target, states, taps, ids, anchors, block)
+              for name, d in drafters.items() if d is not None}
     if engine.get("bf16") and engine.get("6bpw"):
         q = compare(engine["bf16"][0], engine["6bpw"][0])
         q["selector_tokens_agree"] = (engine["bf16"][1] == engine["6bpw"][1]).float().mean().item()
         rep["quant_logits"] = q
         run.log(f"BF16 vs 6 bpw drafter in exllamav3: {q}")
-    if states is not None:
-        rep["row1_guess_is_target_greedy"] = {}
-        first = torch.tensor(anchors)
-        want = guesses[:, first].flatten()  # the target's greedy token after each anchor
-        for name, res in engine.items():
-            if res:
-                rep["row1_guess_is_target_greedy"][name] = (res[0][:, 0].argmax(-1) == want).float().mean().item()
-        rep["engine_vs_torch"] = run.phase("engine_vs_torch", engine_vs_torch, args, config, src, exl3, states,
-                                           eval_ids, anchors, engine)
+    want = guesses[:, torch.tensor(anchors)].flatten()  # the target's greedy token after each anchor
+    rep["row1_guess_is_target_greedy"] = {name: (res[0][:, 0].argmax(-1) == want).float().mean().item()
+                                          for name, res in engine.items() if res}
+    rep["engine_vs_torch"] = run.phase("engine_vs_torch", engine_vs_torch, args, config, src, exl3, states, ids,
+                                       anchors, engine)
+    run.log(f"engine vs torch forward: {rep['engine_vs_torch']}")
 
-    # 5. speculative generation
+
+def acceptance_phase(run: Run, args, target, cache, tok, drafters: dict) -> None:
+    """exllamav3's speculative generation with each drafter, against plain greedy generation."""
+    rep = run.report
     prompts = prompts_from(args.heldout, tok, args.eval_prompts, args.prompt_tokens)
     base = run.phase("generate_plain", generate, target, cache, tok, prompts, args.eval_new_tokens)
     rep["acceptance"], rep["generation"] = {}, {}
@@ -261,17 +264,17 @@ def check(args) -> dict:
             continue
         g = run.phase(f"generate_{name}", generate, target, cache, tok, prompts, args.eval_new_tokens,
                       drafter=loaded[0], draft_cache=loaded[1])
-        if g:
-            rep["acceptance"][name] = g["acceptance"]
-            rep["generation"][name] = {k: g[k] for k in ("accepted", "drafted", "seconds", "tokens_per_second")}
-            if base:
-                rep["generation"][name]["same_text_as_plain"] = sum(a == b for a, b in zip(g["tokens"], base["tokens"])
-                                                                    ) / len(prompts)
-            run.log(f"speculative generation with the {name} drafter: {rep['generation'][name]}, "
-                    f"acceptance {g['acceptance']}")
+        if not g:
+            continue
+        rep["acceptance"][name] = g["acceptance"]
+        rep["generation"][name] = {k: g[k] for k in ("accepted", "drafted", "seconds", "tokens_per_second")}
+        if base:
+            same = sum(a == b for a, b in zip(g["tokens"], base["tokens"])) / len(prompts)
+            rep["generation"][name]["same_text_as_plain"] = same
+        run.log(f"speculative generation with the {name} drafter: {rep['generation'][name]}, "
+                f"acceptance {g['acceptance']}")
     if base:
         rep["generation"]["plain"] = {k: base[k] for k in ("seconds", "tokens_per_second")}
-    return finish(run)
 
 
 def engine_vs_torch(args, config, src, exl3, states, ids, anchors, engine) -> dict:

@@ -9,7 +9,8 @@ What one drafting round computes (block size b, anchor = the newest verified tok
            y = conv_m.prepare(norm2(x)); x += conv_m.finish(down(silu(gate(y)) · up(y)))
            attention: queries from the block rows; keys/values from the context (k_proj/v_proj of c, k_norm, RoPE
            at j) and from the block rows; every block row sees the whole context and the whole block;
-  conv     grouped dynamic causal convolution over the block rows: out_t = Σ_tap (base[tap] + dyn_t[tap]) · x_{t−tap},
+  conv     grouped dynamic causal convolution over the block rows:
+           out_t = Σ_tap (base[tap] + dyn_t[tap]) · x_{t−tap},
            the dynamic part projected from the conv's input (kernel_projection, first half for prepare, second
            half for finish);
   output   draft logits of row i (1 ≤ i < b) = target_lm_head(norm(x_i)), the guess for the token at p+i.

@@ -49,7 +49,8 @@ def _small(seed: int = 0):
 
 def test_dynamic_conv_is_the_causal_sum_over_taps(distill_mod):
     g = torch.Generator().manual_seed(1)
-    x, dyn, base = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 2, 2, generator=g), torch.randn(2, 32, generator=g)
+    x, dyn = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 2, 2, generator=g)
+    base = torch.randn(2, 32, generator=g)
     out = distill_mod.dynamic_conv(x, dyn, base, 16)
     for t in range(5):
         want = (base[0] + dyn[:, t, 0].repeat_interleave(16, -1)) * x[:, t]

@@ -31,7 +31,36 @@ def _print_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
-@click.group()
+class _UsageLine(click.ClickException):
+    """A command-line mistake (unknown option, bad value), reported like a MixqError: one line, exit 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"mixq: error: {self.format_message()}", err=True)
+
+
+class _OneLineGroup(click.Group):
+    """click's usage errors as one line (`mixq: error: ...`, exit 2) instead of usage + hint + error."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:
+            raise _UsageLine(e.format_message()) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:
+            raise _UsageLine(e.format_message()) from None
+
+
+@click.group(cls=_OneLineGroup)
 @click.version_option(package_name="mixq")
 def main() -> None:
     """mixq: plan, quantize (EXL3 / GGUF), verify and evaluate glm5_next MoE checkpoints."""
@@ -74,14 +103,24 @@ def inspect(model: str, as_json: bool) -> None:
 @_reports_errors
 def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, state_dtype, json_out, markdown_out) -> None:
     """KLD, top-1 agreement and perplexity of CANDIDATES (HF dirs, EXL3 dirs, GGUF files) against REFERENCE."""
+    from mixq.convert.outputs import check_output_file, writing
     from mixq.eval.api import evaluate
     from mixq.eval.report import render_markdown
+    from mixq.quant.device import resolve_device
 
-    report = evaluate(
-        reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
-        ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device, state_dtype=state_dtype,
-        json_out=None if json_out == "-" else json_out, markdown_out=markdown_out,
-    )
+    # the outputs and the device are checked before the (long) evaluation, not after it
+    outs = {"--json": None if json_out == "-" else json_out, "--markdown": markdown_out, "--save-ref": save_ref}
+    for label, path in outs.items():
+        if path is not None:
+            check_output_file(path, overwrite=True, label=label)
+    if device is not None:
+        resolve_device(device)
+    with writing(*[p for p in outs.values() if p is not None]):
+        report = evaluate(
+            reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
+            ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device, state_dtype=state_dtype,
+            json_out=outs["--json"], markdown_out=markdown_out,
+        )
     if json_out == "-":
         _print_json(report)
     elif report["candidates"]:
@@ -113,22 +152,23 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), default="exl3", show_default=True, help="Output format.")
 @click.option("--bpw", type=float, default=None, help="Target bits per weight of the budgeted tensors.")
 @click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB).")
-@click.option("--override", "overrides", multiple=True, help="PATTERN=BITS per-tensor override (repeatable).")
-@click.option("--calibration", multiple=True, type=click.Path(), help="Calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
-@click.option("--rows", type=int, default=64, show_default=True, help="Calibration rows.")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration row.")
-@click.option("--device", default=None, help="cuda|cpu [default: cuda when available].")
-@click.option("--shard-size", default=None, help="Max shard size (EXL3 default 8GiB).")
-@click.option("--resume", is_flag=True, help="Continue an interrupted conversion in OUT.")
-@click.option("--head-bits", type=float, default=6, show_default=True, help="EXL3 lm_head bits (16 = fp16).")
-@click.option("--mtp-bits", type=float, default=4, show_default=True, help="EXL3 bits of the NextN block.")
+@click.option("--override", "overrides", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF mixes) per-tensor override, as `mixq plan` (repeatable).")
+@click.option("--calibration", multiple=True, type=click.Path(), help="EXL3: calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
+@click.option("--rows", type=int, default=None, help="EXL3: calibration rows.  [default: 64]")
+@click.option("--seq-len", type=int, default=None, help="EXL3: tokens per calibration row.  [default: 512]")
+@click.option("--device", default=None, help="EXL3: cuda|cpu [default: cuda when available].")
+@click.option("--shard-size", default=None, help="Max shard size (EXL3 default 8GiB; GGUF default: one file).")
+@click.option("--resume", is_flag=True, help="EXL3: continue an interrupted conversion in OUT.")
+@click.option("--overwrite", is_flag=True, help="GGUF: replace an existing OUT (and --mmproj file).")
+@click.option("--head-bits", type=float, default=None, help="lm_head bits (16 = unquantized; GGUF: with --bpw/--size).  [default: 6]")
+@click.option("--mtp-bits", type=float, default=None, help="Bits of the NextN block (GGUF: with --bpw/--size).  [default: 4]")
 @click.option("--vision-bits", type=float, default=None, help="Quantize the vision tower (EXL3) [default: source precision].")
 @click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
 @click.option("--measure", type=click.Path(), default=None,
               help="EXL3: plan with these error curves (`mixq plan --measure --measure-out FILE`).")
 @click.option("--type", "qtype", default=None, help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).")
 @click.option("--imatrix", type=click.Path(), default=None, help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).")
-@click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default="k", show_default=True, help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.")
+@click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default=None, help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  [default: k]")
 @click.option("--tensor-type", "tensor_type", multiple=True, help="GGUF: REGEX=TYPE on GGUF tensor names (repeatable; first match wins).")
 @click.option("--output-tensor-type", default=None, help="GGUF: type of output.weight.")
 @click.option("--token-embedding-type", default=None, help="GGUF: type of token_embd.weight.")
@@ -136,38 +176,24 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--chat-template", type=click.Path(), default=None, help="GGUF: embed this Jinja file as tokenizer.chat_template.")
 @click.option("--fix-chat-template", is_flag=True, help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).")
 @click.option("--mmproj", type=click.Path(), default=None, help="GGUF: also write the vision projector to this .gguf.")
-@click.option("--mmproj-type", type=click.Choice(["F16", "Q8_0"], case_sensitive=False), default="F16", show_default=True, help="GGUF: mmproj matrix type.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="GGUF: encoder worker processes (1 = in this process; output bytes do not depend on it) [default: all cores].")
+@click.option("--mmproj-type", type=click.Choice(["F16", "Q8_0"], case_sensitive=False), default=None, help="GGUF: mmproj matrix type.  [default: F16]")
+@click.option("--threads", type=int, default=None, help="GGUF: encoder worker processes (1 = in this process; output bytes do not depend on it) [default: all cores].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
-def convert(model, out, fmt, bpw, size, overrides, calibration, rows, seq_len, device, shard_size, resume, head_bits,
-            mtp_bits, vision_bits, no_mtp, measure, as_json, **extra) -> None:
-    """Convert MODEL (glm5_next dir / hub id, or a DFlash2 drafter) to OUT (EXL3 directory or .gguf)."""
-    from mixq.convert.api import convert as run
+def convert(model, out, fmt, as_json, **params) -> None:
+    """Convert MODEL (glm5_next dir / hub id, or a DFlash2 drafter) to OUT (EXL3 directory or .gguf).
 
-    if fmt == "exl3":
-        ctx = click.get_current_context()
-        given = [k for k in extra if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE]
-        if given:
-            opt = next((p.opts[0] for p in ctx.command.params if p.name == given[0]), given[0])
-            raise InputError(f"{opt} applies to --format gguf only")
-        opts = dict(bpw=bpw, size=size, overrides=overrides, calibration=list(calibration) or None, rows=rows,
-                    seq_len=seq_len, device=device, resume=resume, head_bits=head_bits, mtp_bits=mtp_bits,
-                    vision_bits=vision_bits, include_mtp=not no_mtp, measure=measure)
-        if shard_size is not None:
-            opts["shard_size"] = shard_size
-    else:
-        if measure is not None:
-            raise InputError("--measure applies to --format exl3 only")
-        opts = dict(bpw=bpw, size=size, no_mtp=no_mtp, **extra)
-        if shard_size is not None:
-            opts["shard_size"] = shard_size
-    res = run(model, out, fmt, **opts)
-    d = res.to_dict() if hasattr(res, "to_dict") else res
+    Options another format uses, or that the chosen target does not use, are errors."""
+    from mixq.convert.api import convert as run
+    from mixq.convert.options import options_for
+
+    ctx = click.get_current_context()
+    given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+    res = run(model, out, options_for(fmt, **given))
     if as_json:
-        _print_json(d)
+        _print_json(res.to_dict())
     else:
-        click.echo(res.summary() if hasattr(res, "summary") else json.dumps(d, indent=2, default=str))
+        click.echo(res.summary())
 
 
 @main.command()
@@ -275,7 +301,7 @@ def demo(out_dir: str, as_json: bool) -> None:
 @_reports_errors
 def imatrix(model, out, calibration, rows, seq_len, device, as_json) -> None:
     """Collect an importance matrix of MODEL and write it as a llama.cpp GGUF imatrix file OUT."""
-    from mixq.convert.gguf_pipeline import make_imatrix
+    from mixq.convert.imatrix import make_imatrix
 
     d = make_imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device)
     if as_json:

@@ -1,27 +1,49 @@
-"""Public entry points of `mixq convert` and `mixq verify`: dispatch on the output format / path."""
+"""Public entry points of `mixq convert` and `mixq verify`: typed options in, one result type out.
+
+    import mixq
+    res = mixq.convert("glm5next-mini", "mini-Q4_K_M.gguf", mixq.GGUFOptions(qtype="Q4_K_M"))
+    res = mixq.convert("glm5next-mini", "mini-exl3", mixq.Exl3Options(bpw=3.05))
+
+Every option is checked when its options object is built, every input and output before anything is written.
+The keyword form `convert(model, out, "gguf", qtype="Q4_K_M")` builds the options the same way.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 from mixq.errors import InputError
 
-FORMATS = ("exl3", "gguf")
+from .options import OPTION_CLASSES, Exl3Options, GGUFOptions, options_for, replace
+from .result import ConvertResult
+
+FORMATS = tuple(OPTION_CLASSES)
 
 
-def convert(model, out, format: str = "exl3", **opts):
-    """Convert `model` to `format` at `out`. EXL3 → `convert_exl3` (returns a ConvertResult);
-    GGUF → `mixq.convert.gguf_pipeline.convert_gguf` (returns its summary dict; `threads=N` worker processes
-    encode the tensors, default all cores)."""
-    fmt = str(format).lower()
-    if fmt == "exl3":
-        from .pipeline import convert_exl3
+def convert(model, out, options: Exl3Options | GGUFOptions | str = "exl3", **kwargs) -> ConvertResult:
+    """Convert `model` (a glm5_next directory or hub id, or a DFlash2 drafter directory for EXL3) to `out`: an
+    EXL3 directory or a .gguf file, as `options` says (`Exl3Options` / `GGUFOptions`, or a format name whose
+    options are then built from `kwargs`; with an options object, `kwargs` replace fields of it).
 
-        return convert_exl3(model, out, **opts)
-    if fmt == "gguf":
-        from .gguf_pipeline import convert_gguf
+    Returns a ConvertResult for either format. Raises InputError / PlanError / FormatError (one line naming the
+    option, file or tensor) for bad input, before any output is written."""
+    if "format" in kwargs:  # the keyword spelling of the old signature
+        if options not in ("exl3", kwargs["format"]):
+            raise InputError("give the format once: as the options or as format=")
+        options = kwargs.pop("format")
+    if isinstance(options, (Exl3Options, GGUFOptions)):
+        opts = replace(options, **kwargs) if kwargs else options
+    elif isinstance(options, str):
+        opts = options_for(options, **kwargs)
+    else:
+        raise InputError(f"convert options: expected Exl3Options, GGUFOptions or a format name, "
+                         f"got {type(options).__name__}")
+    if opts.format == "exl3":
+        from .pipeline import run_exl3
 
-        return convert_gguf(model, out, **opts)
-    raise InputError(f"unknown format {format!r}; expected one of {FORMATS}")
+        return run_exl3(model, out, opts)
+    from .gguf_pipeline import run_gguf
+
+    return run_gguf(model, out, opts)
 
 
 def verify(path, *, model=None, decode: bool = True) -> dict:

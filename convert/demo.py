@@ -34,12 +34,13 @@ def _step_plan(ctx: dict) -> dict:
 
 
 def _step_convert_gguf(ctx: dict) -> dict:
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.convert import GGUFOptions, convert
 
     out = ctx["out"] / "tiny-Q8_0.gguf"
-    convert_gguf(ctx["model"], out, qtype="Q8_0", progress=False)
+    # overwrite: a demo directory is reused from run to run
+    res = convert(ctx["model"], out, GGUFOptions(qtype="Q8_0", overwrite=True, progress=False))
     ctx["gguf"] = out
-    return {"file": str(out), "bytes": out.stat().st_size}
+    return {"file": res.out, "bytes": out.stat().st_size, "bpw": round(res.bpw, 3)}
 
 
 def _step_verify(ctx: dict) -> dict:

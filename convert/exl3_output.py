@@ -3,7 +3,6 @@ into their stored tensors, the achieved rate of a budget key, compiling the outp
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,42 +11,7 @@ from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_writer import Exl3Writer, exl3_config, tensor_storage_entry
 
 from .job import Job
-
-
-@dataclass
-class ConvertResult:
-    out: str
-    bytes: int
-    bits: float               # quantization_config.bits (budgeted Linears, padded numel, head excluded)
-    head_bits: float | None
-    seconds: float
-    peak_rss_mib: float
-    shards: list[str]
-    tensors: int
-    quantized: int
-    fallbacks: list[str] = field(default_factory=list)
-    resumed_stages: int = 0
-    device: str = "cpu"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def summary(self) -> str:
-        lines = [
-            f"EXL3 written to {self.out}",
-            f"  size      {self.bytes / 2**20:.2f} MiB in {len(self.shards)} shard(s)",
-            f"  bits      {self.bits:.2f} bpw (budgeted Linears), head {self.head_bits}",
-            f"  tensors   {self.tensors} ({self.quantized} quantized Linears)",
-            f"  time      {self.seconds:.1f} s on {self.device}" + (f", resumed after {self.resumed_stages} stages"
-                                                                  if self.resumed_stages else ""),
-            f"  peak RSS  {self.peak_rss_mib:.0f} MiB",
-            f"  fallbacks {len(self.fallbacks)}" + (f" (no Hessian: {', '.join(self.fallbacks[:4])}"
-                                                    + (", ..." if len(self.fallbacks) > 4 else "") + ")"
-                                                    if self.fallbacks else ""),
-        ]
-        return "\n".join(lines)
-
-
+from .result import ConvertResult  # noqa: F401  (one result type for EXL3 and GGUF)
 
 
 def achieved_bits(units: list[Exl3Unit], bits: dict[str, float], key: str = "bits") -> float | None:
@@ -59,8 +23,6 @@ def achieved_bits(units: list[Exl3Unit], bits: dict[str, float], key: str = "bit
             num += bits[u.key] * k * n
             den += k * n
     return round(num / den, 2) if den else None
-
-
 
 
 def _stored(u: Exl3Unit, q) -> dict[str, torch.Tensor]:
@@ -97,8 +59,6 @@ def quantize_batch(units: list[Exl3Unit], ws: list[torch.Tensor], bits: float,
                           codebook=codebook, seed=seed)
     qs = qs if isinstance(qs, list) else [qs]
     return [(_stored(u, q), q.dequantize().float().cpu()) for u, q in zip(units, qs)]
-
-
 
 
 def compile_exl3(writer: Exl3Writer, units: list[Exl3Unit], bits: dict[str, float], stages: list[str],

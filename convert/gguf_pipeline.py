@@ -1,7 +1,8 @@
-"""Convert a glm5_next checkpoint to a glm5-next GGUF: plan types -> quantize tensor by tensor -> write (shards).
+"""Convert a glm5_next checkpoint to a glm5-next GGUF, in named steps: resolve the options -> validate the checkpoint
+and the outputs -> plan the types -> encode tensor by tensor and write (shards) -> ConvertResult.
 
-`convert_gguf(model, out, qtype=... | bpw=... | size=..., imatrix=..., ...)`:
-- tensor list and transforms: formats/gguf_names; per-tensor ggml types: the plan (convert/planning, helper D)
+`run_gguf(model, out, GGUFOptions(...))` (or `convert_gguf(model, out, qtype=... | bpw=... | size=..., ...)`):
+- tensor list and transforms: formats/gguf_names; per-tensor ggml types: the plan (convert/planning)
   for mixes, or the converter's pure policy for F32/F16/BF16 (F32 pins per formats/glm5next);
 - llama-quantize options on GGUF names: `tensor_type` [(regex, TYPE)] (first match wins), `output_tensor_type`,
   `token_embedding_type`; never-quantized tensors (policy f32/keep) are left alone, as llama-quantize does;
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +23,16 @@ import numpy as np
 from mixq.errors import InputError, PlanError
 from mixq.quant.allocator import parse_size  # one size convention: GB = 10^9, GiB = 2^30
 from mixq.quant import gguf_mix
-from mixq.quant.device import pick_device
 from mixq.convert.gguf_workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
+from mixq.convert.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (their home until they moved)
+from mixq.convert.options import PURE_FLOAT, GGUFOptions, options_for
+from mixq.convert.outputs import (check_distinct, check_free_space, check_output_file, gguf_partials_lock,
+                                  writing)
+from mixq.convert.result import ConvertResult
 
-PURE_FLOAT = ("F32", "F16", "BF16")
 # llama-quantize refuses these target types for a tensor without importance data (token_embd/output excepted)
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
+METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alignment beyond the tensor data
 
 
 def fallback_type(qtype: str, n: int) -> str:
@@ -48,16 +55,12 @@ def _pure_types(specs, outtype: str) -> list[str]:
     return out
 
 
-def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k") -> list[str]:
-    try:
-        from mixq.convert.planning import plan_model
+def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k", overrides=(), head_bits=6,
+                   mtp_bits=4) -> list[str]:
+    from mixq.convert.planning import plan_model
 
-        plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
-                          gguf_ladder=gguf_ladder)
-    except ImportError as e:
-        if qtype and qtype.upper() in ("Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q4_1"):
-            return _pure_types(specs, qtype.upper())
-        raise PlanError(f"GGUF planning (mixq.convert.planning) is not available: {e}") from e
+    plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
+                      gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits, mtp_bits=mtp_bits)
     by = {t.name: t.type for t in plan.tensors}
     missing = [s.name for s in specs if s.name not in by]
     if missing:
@@ -66,7 +69,8 @@ def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k
 
 
 def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=(), output_tensor_type=None,
-                 token_embedding_type=None, include_mtp=True, gguf_ladder="k") -> list[str]:
+                 token_embedding_type=None, include_mtp=True, gguf_ladder="k", overrides=(), head_bits=6,
+                 mtp_bits=4) -> list[str]:
     """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides."""
     if sum(v is not None for v in (qtype, bpw, size)) != 1:
         raise InputError("give exactly one of --type, --bpw, --size")
@@ -74,7 +78,8 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
         types = _pure_types(specs, qtype.upper())
     else:
         types = _planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
-                               gguf_ladder=gguf_ladder)
+                               gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits,
+                               mtp_bits=mtp_bits)
     rx = []
     for item in tensor_type:
         if isinstance(item, str):
@@ -101,96 +106,187 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
     return types
 
 
-def convert_gguf(model, out, *, qtype: str | None = None, bpw: float | None = None, size: int | str | None = None,
-                 imatrix=None, tensor_type=(), output_tensor_type: str | None = None,
-                 token_embedding_type: str | None = None, no_mtp: bool = False, shard_size: int | str = 0,
-                 tokenizer_pre: str | None = None, chat_template: str | Path | None = None,
-                 fix_chat_template: bool = False, mmproj: str | Path | None = None, mmproj_type: str = "F16",
-                 gguf_ladder: str = "k", threads: int | None = None, progress: bool = True) -> dict:
-    """Convert `model` (dir or hub id) to the GGUF `out` (.gguf). Returns a summary dict (files, types, bytes).
+def convert_gguf(model, out, **options) -> dict:
+    """Convert `model` (dir or hub id) to the GGUF `out` (.gguf); keyword options as in `GGUFOptions` (`no_mtp`
+    is accepted for include_mtp=False). Returns the summary dict (`ConvertResult.to_dict()`: files, types,
+    bytes, ...). `threads` worker processes encode the tensors (default: every core); the bytes do not depend
+    on it."""
+    return run_gguf(model, out, options_for("gguf", **options)).to_dict()
 
-    `gguf_ladder` ("k" | "iq") picks the planner's candidate types for --bpw/--size mixes. `threads` worker
-    processes encode the tensors (convert/gguf_workers; default os.cpu_count(), 1 = in this process); the
-    bytes do not depend on it."""
+
+def run_gguf(model, out, opts: GGUFOptions) -> ConvertResult:
+    """resolve -> validate -> plan -> encode and write (then the --mmproj file) -> result. Every check that can
+    fail on the user's input runs before the first byte is written."""
+    t0 = time.time()
+    run = _resolve(model, out, opts)
+    _validate(run)
+    _plan(run)
+    mm_out = Path(opts.mmproj) if opts.mmproj is not None else None
+    with gguf_partials_lock(run.out, mm_out), writing(run.out, *([mm_out] if mm_out else [])):
+        files = _write(run)
+        mm = None
+        if mm_out is not None:
+            from mixq.formats.mmproj import write_mmproj
+
+            mm = write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress)
+    return _result(run, files, mm, t0)
+
+
+@dataclass
+class _GGUFRun:
+    """The state one conversion's steps share."""
+    opts: GGUFOptions
+    ckpt: object
+    out: Path
+    specs: list
+    threads: int
+    size: int | None
+    template: str | None
+    imx: dict | None = None
+    types: list[str] = field(default_factory=list)
+    tokenizer_pre: str | None = None
+    template_report: dict | None = None
+
+
+def _resolve(model, out, opts: GGUFOptions) -> _GGUFRun:
+    """Open the checkpoint, list the GGUF tensors, read the --chat-template text, count the encoder processes."""
     from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
-    from mixq.formats.gguf_names import build_tensor, gguf_tensors
-    from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
-    from mixq.formats.gguf_writer import TensorOut, glm5next_kv, write_gguf
+    from mixq.formats.gguf_names import gguf_tensors
 
-    n_threads = _thread_count(threads)
+    threads = _thread_count(opts.threads)
     ckpt = open_checkpoint(model)
-    validate_checkpoint(ckpt)  # config vs weights, before anything is planned or written
-    if mmproj is not None:  # the projector file is written after the model: check its weights before either
-        scan_finite(ckpt, [n for n in ckpt.names() if ckpt.info(n).role == "vision"], progress=progress)
-    include_mtp = not no_mtp
-    specs = gguf_tensors(ckpt, include_mtp=include_mtp)
-    if isinstance(size, str):
-        size = parse_size(size)
-    types = assign_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, tensor_type=tensor_type,
-                         output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
-                         include_mtp=include_mtp, gguf_ladder=gguf_ladder)
-    imx = None
-    if imatrix is not None:
+    specs = gguf_tensors(ckpt, include_mtp=opts.include_mtp)
+    size = parse_size(opts.size) if opts.size is not None else None
+    return _GGUFRun(opts, ckpt, Path(out), specs, threads, size, _read_template(opts.chat_template))
+
+
+def _read_template(path) -> str | None:
+    """The --chat-template file as text: one line naming the file when it is missing or not UTF-8 text."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{p}: no such chat template file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{p}: not a text (UTF-8) chat template file (byte {e.start} is {e.object[e.start]:#04x})") \
+            from None
+    if "\x00" in text:
+        raise InputError(f"{p}: not a text chat template file (it holds NUL bytes)")
+    return text
+
+
+def _validate(run: _GGUFRun) -> None:
+    """The checkpoint matches its config; the outputs can be written, replace no input and no existing file."""
+    from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
+
+    o = run.opts
+    validate_checkpoint(run.ckpt)  # config vs weights, before anything is planned or written
+    imatrix_path = o.imatrix if isinstance(o.imatrix, (str, Path)) else None
+    check_distinct({"OUT": run.out, "--mmproj": o.mmproj},
+                   {"MODEL": Path(run.ckpt.path), "--imatrix": imatrix_path, "--chat-template": o.chat_template})
+    check_output_file(run.out, overwrite=o.overwrite, suffix=".gguf")
+    if not o.overwrite:
+        splits = _existing_splits(run.out)
+        if splits:
+            raise InputError(f"OUT {run.out}: the split file {splits[0]} already exists; pass --overwrite to "
+                             "replace it")
+    if o.mmproj is not None:
+        check_output_file(o.mmproj, overwrite=o.overwrite, label="--mmproj", suffix=".gguf")
+        # the projector file is written after the model: check its weights before either
+        scan_finite(run.ckpt, [n for n in run.ckpt.names() if run.ckpt.info(n).role == "vision"],
+                    progress=o.progress)
+
+
+def _existing_splits(out: Path) -> list[Path]:
+    """Files of an earlier split set of `out` (`NAME-00001-of-00003.gguf`, ...)."""
+    pat = re.compile(re.escape(out.stem) + r"-\d{5}-of-\d{5}\.gguf")
+    return sorted(p for p in out.parent.glob(f"{out.stem}-*-of-*.gguf") if pat.fullmatch(p.name)) \
+        if out.parent.is_dir() else []
+
+
+def _plan(run: _GGUFRun) -> None:
+    """Every tensor's ggml type; the importance data they need; the room they take on disk."""
+    o = run.opts
+    run.types = assign_types(run.ckpt, run.specs, qtype=o.qtype, bpw=o.bpw, size=run.size,
+                             tensor_type=o.tensor_type, output_tensor_type=o.output_tensor_type,
+                             token_embedding_type=o.token_embedding_type, include_mtp=o.include_mtp,
+                             gguf_ladder=o.gguf_ladder or "k", overrides=o.overrides,
+                             head_bits=6 if o.head_bits is None else o.head_bits,
+                             mtp_bits=4 if o.mtp_bits is None else o.mtp_bits)
+    if o.imatrix is not None:
         from mixq.formats.imatrix_file import IMatrix, read_imatrix
 
-        imx = (imatrix if isinstance(imatrix, IMatrix) else read_imatrix(imatrix)).means()
-    for s, t in zip(specs, types):  # fail before writing anything, naming the first such tensor
+        run.imx = (o.imatrix if isinstance(o.imatrix, IMatrix) else read_imatrix(o.imatrix)).means()
+    for s, t in zip(run.specs, run.types):  # fail before writing anything, naming the first such tensor
         if t in NEEDS_IMATRIX and s.name not in ("token_embd.weight", "output.weight") \
-                and (imx is None or imx.get(s.name) is None):
-            why = "the imatrix has no entry for it" if imx is not None else "no --imatrix given"
+                and (run.imx is None or run.imx.get(s.name) is None):
+            why = "the imatrix has no entry for it" if run.imx is not None else "no --imatrix given"
             raise InputError(f"{s.name}: {t} needs an importance matrix ({why}; llama-quantize refuses it too); "
                              "make one with `mixq imatrix`")
-    outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(specs, types)]
-    by_name = {s.name: s for s in specs}
+    need = sum(gguf_mix.tensor_nbytes(t, s.shape) for s, t in zip(run.specs, run.types)) + METADATA_ROOM
+    if o.mmproj is not None:
+        need += sum(run.ckpt.nbytes(n) for n in run.ckpt.names() if run.ckpt.info(n).role == "vision")
+    check_free_space(run.out, need, "the GGUF output")
+
+
+def _write(run: _GGUFRun) -> list[Path]:
+    """Encode every tensor (worker processes) and stream the file(s): metadata, tokenizer, tensor data."""
+    from mixq.formats.gguf_names import build_tensor
+    from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
+    from mixq.formats.gguf_writer import KV, TensorOut, glm5next_kv, write_gguf
+
+    o, ckpt, imx = run.opts, run.ckpt, run.imx
+    outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(run.specs, run.types)]
+    by_name = {s.name: s for s in run.specs}
+    qtypes = {t.name: t.qtype for t in outs}
 
     def load(name: str) -> tuple[np.ndarray, np.ndarray | None]:
-        spec, qt = by_name[name], qtypes[name]
-        x = build_tensor(spec, ckpt.get).numpy()
-        w = None if imx is None or qt in PURE_FLOAT else imx.get(name)
+        x = build_tensor(by_name[name], ckpt.get).numpy()
+        w = None if imx is None or qtypes[name] in PURE_FLOAT else imx.get(name)
         if w is not None and w.size != (x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]:
             raise InputError(f"imatrix entry {name} has {w.size} values, tensor needs "
                              f"{(x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]}")
         return x, w
 
-    qtypes = {t.name: t.qtype for t in outs}
     items = [(t.name, t.qtype, f"{by_name[t.name].hf_names[0]} -> {t.name} ({t.qtype})") for t in outs]
-    with TensorEncoder(items, load, threads=n_threads) as enc:
+    with TensorEncoder(items, load, threads=run.threads) as enc:
         enc.start()  # workers spawn and build their code tables while the tokenizer and metadata are read
-        n_vocab = ckpt.shape(next(s for s in specs if s.name == "token_embd.weight").hf_names[0])[0]
-        tmeta = tokenizer_metadata(ckpt.path, n_vocab, tokenizer_pre)
-        tmpl_report = None
-        if chat_template is not None and not Path(chat_template).is_file():
-            raise InputError(f"{chat_template}: no such chat template file")
-        tmpl = Path(chat_template).read_text(encoding="utf-8") if chat_template is not None else tmeta.chat_template
+        n_vocab = ckpt.shape(next(s for s in run.specs if s.name == "token_embd.weight").hf_names[0])[0]
+        tmeta = tokenizer_metadata(ckpt.path, n_vocab, o.tokenizer_pre)
+        run.tokenizer_pre = tmeta.pre
+        tmpl = run.template if run.template is not None else tmeta.chat_template
+        run.template_report = None
         if tmpl:
             from mixq.formats.chat_template import prepare_template
 
-            tmpl_report = prepare_template(tmpl, fix=fix_chat_template)
-            tmpl = tmpl_report.pop("template")
-        label = qtype.upper() if qtype else None
-        kv = glm5next_kv(ckpt, include_mtp=include_mtp, file_type=label)
+            run.template_report = prepare_template(tmpl, fix=o.fix_chat_template)
+            tmpl = run.template_report.pop("template")
+        kv = glm5next_kv(ckpt, include_mtp=o.include_mtp, file_type=o.qtype)
         if imx is not None:
-            from mixq.formats.gguf_writer import KV
-
-            kv += [KV("quantize.imatrix.file", "STRING", str(imatrix) if isinstance(imatrix, (str, Path)) else "mixq"),
+            kv += [KV("quantize.imatrix.file", "STRING",
+                      str(o.imatrix) if isinstance(o.imatrix, (str, Path)) else "mixq"),
                    KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
-        files = write_gguf(out, kv, outs, lambda t: enc.get(t.name), tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl),
-                           shard_size=parse_size(shard_size) if isinstance(shard_size, str) else int(shard_size or 0),
-                           progress=progress)
-    mm = None
-    if mmproj is not None:
-        from mixq.formats.mmproj import write_mmproj
+        shard = 0 if o.shard_size in (0, "0", None) else parse_size(o.shard_size)
+        files = write_gguf(run.out, kv, outs, lambda t: enc.get(t.name),
+                           tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl), shard_size=shard, progress=o.progress)
+    return files
 
-        mm = write_mmproj(model, mmproj, mmproj_type, progress=progress)
+
+def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> ConvertResult:
+    from mixq.convert.job import rss_peak_mib
+
     counts: dict[str, int] = {}
-    for t in outs:
-        counts[t.qtype] = counts.get(t.qtype, 0) + 1
-    total = sum(t.nbytes for t in outs)
-    params = sum(int(np.prod(t.shape)) for t in outs)
-    return {"files": [str(f) for f in files], "tensors": len(outs), "types": counts, "bytes": total,
-            "bpw": 8.0 * total / max(params, 1), "tokenizer_pre": tmeta.pre, "mtp": include_mtp,
-            "chat_template": tmpl_report, "mmproj": mm, "threads": n_threads}
+    for t in run.types:
+        counts[t] = counts.get(t, 0) + 1
+    total = sum(gguf_mix.tensor_nbytes(t, s.shape) for s, t in zip(run.specs, run.types))
+    params = sum(int(np.prod(s.shape)) for s in run.specs)
+    return ConvertResult(format="gguf", out=str(files[0]), files=[str(f) for f in files], bytes=total,
+                         bpw=8.0 * total / max(params, 1), tensors=len(run.specs), seconds=time.time() - t0,
+                         peak_rss_mib=rss_peak_mib(), types=counts, tokenizer_pre=run.tokenizer_pre,
+                         mtp=run.opts.include_mtp, chat_template=run.template_report, mmproj=mm,
+                         threads=run.threads)
 
 
 def _thread_count(threads: int | None) -> int:
@@ -203,61 +299,3 @@ def _thread_count(threads: int | None) -> int:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise InputError(f"--threads {threads!r}: expected a positive whole number")
     return threads
-
-
-def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
-                    datasets: list[str] | None = None, progress: bool = True):
-    """Importance matrix of `model` from a calibration forward (convert/calibration, layer by layer), keyed by
-    GGUF tensor name as llama-imatrix keys it: Σx² per input column and the row count, one vector per expert
-    for `*_exps`. Differences to llama-imatrix: every calibration token passes through every routed expert
-    (so expert counts equal the token count, none is left at 0), and output.weight is always included.
-    Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix."""
-    from tqdm import tqdm
-
-    from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.checkpoint_check import validate_checkpoint
-    from mixq.formats.gguf_names import gguf_tensors
-    from mixq.formats.imatrix_file import IMatrix
-
-    ckpt = open_checkpoint(model)
-    validate_checkpoint(ckpt)
-    dev = pick_device(device)
-    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                           vocab_size=int(ckpt.text_config["vocab_size"]))
-    specs = [s for s in gguf_tensors(ckpt, include_mtp=False)
-             if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != "token_embd.weight"]
-    by_hf: dict[str, list] = {}
-    for s in specs:
-        for e, h in enumerate(s.hf_names):
-            by_hf.setdefault(h, []).append((s, e))
-    im = IMatrix(datasets=list(datasets or [str(c) for c in (calibration or ["builtin"])]),
-                 chunk_count=int(ids.shape[0]), chunk_size=int(ids.shape[1]))
-    pending: dict[str, dict[int, tuple]] = {}
-    cal = LayerCalibrator(ckpt, ids, device=dev, full=False)
-    for stage in tqdm(cal.stages(), total=ckpt.num_hidden_layers + 1, desc="imatrix", disable=not progress):
-        for hf, acc in stage.stats.items():
-            for s, e in by_hf.get(hf, []):
-                if acc.count == 0 or acc.dim != s.shape[-1]:
-                    continue
-                pending.setdefault(s.name, {})[e] = (acc.sum_sq.cpu().numpy(), acc.count)
-    for s in specs:
-        got = pending.get(s.name)
-        if not got or len(got) != len(s.hf_names):
-            continue
-        im.add(s.name, np.stack([got[e][0] for e in range(len(s.hf_names))]),
-               np.array([got[e][1] for e in range(len(s.hf_names))], dtype=np.float64))
-    return im
-
-
-def make_imatrix(model, out, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
-                 progress: bool = True) -> dict:
-    """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format."""
-    from mixq.formats.imatrix_file import write_imatrix
-
-    im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress)
-    path = write_imatrix(out, im)
-    return {"file": str(path), "entries": len(im.sums), "chunks": im.chunk_count, "chunk_size": im.chunk_size,
-            "datasets": im.datasets}
-
-

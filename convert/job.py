@@ -3,6 +3,7 @@ calibration state after the last finished stage, and a fingerprint of every sett
 
 Layout (inside the output directory, removed when the conversion completes):
   .mixq-job/job.json            {"fingerprint", "settings", "done": [{"stage", "file", "sha256", "bytes", ...}]}
+  .mixq-job/lock                the pid of the process writing OUT, flock-ed while it runs (goes with the process)
   .mixq-job/parts/<stage>.safetensors
   .mixq-job/state.<stage>.safetensors   calibration hidden state after the last finished calibrated stage
 Each file is written under a temporary name and renamed, and job.json is updated last, so a kill at any point
@@ -22,6 +23,7 @@ from mixq.errors import InputError
 from mixq.formats.exl3_writer import _atomic_json, load_tensor, read_header, sha256_file, write_safetensors
 
 JOB_DIR = ".mixq-job"
+LOCK_FILE = "lock"
 
 
 def fingerprint(settings: dict) -> str:
@@ -44,41 +46,88 @@ class Job:
         self.fp = fingerprint(settings)
         self.done: list[dict] = []
         self.extra: dict = {}
+        self._lock_fd: int | None = None
 
-    @classmethod
-    def open(cls, out_dir: str | Path, settings: dict, *, resume: bool) -> "Job":
-        """Start a job, or continue one with `resume`. InputError when OUT holds something else, when --resume
-        finds no job, or when the settings differ from the interrupted run."""
+    @staticmethod
+    def check_target(out_dir: str | Path, *, resume: bool) -> None:
+        """The checks of `open` that need no work: InputError when OUT holds something else, when --resume finds
+        no job, or when a job is there and --resume is not given. Creates nothing."""
         out = Path(out_dir)
-        job = cls(out, settings)
         if out.exists() and not out.is_dir():
             raise InputError(f"output {out} exists and is not a directory")
-        if job.path.exists():
+        if (out / JOB_DIR / "job.json").exists():
             if not resume:
                 raise InputError(f"{out} holds an unfinished conversion; pass --resume to continue it "
                                  f"or remove the directory")
-            try:
-                data = json.loads(job.path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise InputError(f"{job.path}: unreadable job state ({e})") from None
-            if data.get("fingerprint") != job.fp:
-                diff = sorted(k for k in set(data.get("settings", {})) | set(settings)
-                              if json.dumps(data.get("settings", {}).get(k), sort_keys=True, default=str)
-                              != json.dumps(settings.get(k), sort_keys=True, default=str))
-                raise InputError(f"cannot resume {out}: settings differ from the interrupted run ({', '.join(diff)})")
-            job.done = list(data.get("done", []))
-            job.extra = dict(data.get("extra", {}))
-            job._drop_unverified()
-            return job
+            return
         if out.exists() and any(out.iterdir()):
             if resume and (out / "config.json").exists():
                 raise InputError(f"{out} already holds a finished conversion; nothing to resume")
             raise InputError(f"output directory {out} is not empty" + ("" if not resume else " and has no job"))
         if resume:
             raise InputError(f"nothing to resume in {out}: no {JOB_DIR}/job.json")
+
+    @classmethod
+    def open(cls, out_dir: str | Path, settings: dict, *, resume: bool) -> "Job":
+        """Start a job, or continue one with `resume` (see `check_target`; also InputError when the settings
+        differ from the interrupted run, or when another process is writing OUT)."""
+        out = Path(out_dir)
+        job = cls(out, settings)
+        cls.check_target(out, resume=resume)
+        if job.path.exists():
+            job._take_lock()
+            try:
+                job._continue()
+            except BaseException:
+                job.release()
+                raise
+            return job
         job.dir.mkdir(parents=True, exist_ok=True)
+        job._take_lock()
         job._save()
         return job
+
+    def _continue(self) -> None:
+        """Load the interrupted run's state; InputError when its settings differ from ours."""
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"{self.path}: unreadable job state ({e})") from None
+        if data.get("fingerprint") != self.fp:
+            old = data.get("settings", {})
+            diff = sorted(k for k in set(old) | set(self.settings)
+                          if json.dumps(old.get(k), sort_keys=True, default=str)
+                          != json.dumps(self.settings.get(k), sort_keys=True, default=str))
+            raise InputError(f"cannot resume {self.out}: settings differ from the interrupted run ({', '.join(diff)})")
+        self.done = list(data.get("done", []))
+        self.extra = dict(data.get("extra", {}))
+        self._drop_unverified()
+
+    def _take_lock(self) -> None:
+        """Hold an exclusive flock on JOB_DIR/lock (holding our pid) while this job runs: a second process on the
+        same OUT (a --resume while the first still runs) is refused. The kernel drops the lock with the process,
+        so a killed run never blocks its --resume."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX
+            return
+        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise InputError(f"{self.out} is being written by another mixq process (pid {pid}); wait for it to "
+                             "end or stop it before resuming") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Drop the lock (the job's files stay for --resume)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _drop_unverified(self) -> None:
         """Keep the finished stages whose part files are intact; drop everything after the first bad one."""
@@ -129,6 +178,8 @@ class Job:
         return next(d for d in self.done if d["stage"] == stage)
 
     def cleanup(self) -> None:
+        """The conversion is complete: remove the job directory (and the lock with it)."""
+        self.release()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -138,12 +189,3 @@ def rss_peak_mib() -> float:
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-
-def sleep_hook() -> None:
-    """Test hook: MIXQ_DEBUG_STAGE_SLEEP seconds of sleep after each finished stage, so a test can kill -9 a
-    conversion mid-way deterministically enough."""
-    s = os.environ.get("MIXQ_DEBUG_STAGE_SLEEP")
-    if s:
-        import time
-
-        time.sleep(float(s))

@@ -1,5 +1,6 @@
-"""Streaming EXL3 conversion of a glm5_next checkpoint: plan → per stage (embedding, each decoder layer with its
-calibration Hessians, head, NextN, vision) quantize + write a part → compile the output directory → summary.
+"""Streaming EXL3 conversion of a glm5_next checkpoint, in named steps: resolve the options -> validate the
+checkpoint and OUT -> plan -> per stage (embedding, each decoder layer with its calibration Hessians, head,
+NextN, vision) quantize + write a part -> finalize (compile the output directory) -> ConvertResult.
 
 Each decoder layer is calibrated on the hidden states of the already quantized previous layers (the quantized
 weights are handed back to the calibrator), as exllamav3 does. The NextN block and the vision tower are
@@ -8,21 +9,22 @@ quantized without calibration. Only one layer's weights and Hessians are held at
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mixq.errors import InputError, PlanError
 from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
-from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, check_free_space
-from mixq.quant.device import pick_device
+from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer
+from mixq.quant.device import resolve_device
 
 from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
-from .job import JOB_DIR, Job, file_digest, rss_peak_mib, sleep_hook
+from .job import JOB_DIR, Job, file_digest, rss_peak_mib
+from .options import DEFAULT_EXL3_SHARD, DEFAULT_ROWS, DEFAULT_SEQ_LEN, Exl3Options, flag_of, options_for  # noqa: F401
+from .outputs import check_distinct, check_free_space, check_output_dir, writing
 
-DEFAULT_ROWS = 64
-DEFAULT_SEQ_LEN = 512
-DEFAULT_SHARD = 8192 * 2**20
+DEFAULT_SHARD = DEFAULT_EXL3_SHARD
 
 
 def parse_bytes(s: int | str) -> int:
@@ -102,6 +104,11 @@ def _raw_tensors(u: Exl3Unit, w: torch.Tensor, fetch) -> dict[str, torch.Tensor]
     return {u.key: w.to(torch_dtype(u.dtype)).contiguous()}
 
 
+def _bits(b: float | None) -> float | None:
+    """A rate as the job fingerprint records it: 6 and 6.0 are one setting (the CLI gives floats)."""
+    return None if b is None else float(b)
+
+
 def _settings(ckpt, plan_bits: dict, *, calibration_files, rows, seq_len, codebook, device, shard_size,
               vision_bits, include_mtp, head_bits, mtp_bits) -> dict:
     files = sorted((p.name, p.stat().st_size) for p in Path(ckpt.path).glob("*.safetensors"))
@@ -109,172 +116,265 @@ def _settings(ckpt, plan_bits: dict, *, calibration_files, rows, seq_len, codebo
         "mixq_exl3": 1, "model": str(Path(ckpt.path).resolve()), "source_files": files,
         "plan_bits": plan_bits, "calibration": [file_digest(f) for f in (calibration_files or [])],
         "rows": rows, "seq_len": seq_len, "codebook": codebook, "device": torch.device(device).type,
-        "shard_size": shard_size, "vision_bits": vision_bits, "include_mtp": include_mtp,
-        "head_bits": head_bits, "mtp_bits": mtp_bits,
+        "shard_size": shard_size, "vision_bits": _bits(vision_bits), "include_mtp": include_mtp,
+        "head_bits": _bits(head_bits), "mtp_bits": _bits(mtp_bits),
     }
 
 
-def convert_exl3(model, out, *, bpw: float | None = None, size: int | str | None = None, overrides=(),
-                 calibration=None, rows: int = DEFAULT_ROWS, seq_len: int = DEFAULT_SEQ_LEN,
-                 device: str | None = None, shard_size: int | str = DEFAULT_SHARD, resume: bool = False,
-                 head_bits: float = 6, mtp_bits: float = 4, vision_bits: float | None = None,
-                 include_mtp: bool = True, codebook: str = "mul1", batch_rows: int = 4, measure=None,
-                 progress: bool = True) -> ConvertResult:
-    """Convert a glm5_next checkpoint (dir or hub id) to an EXL3 directory `out`. See the module docstring.
+def convert_exl3(model, out, **options) -> ConvertResult:
+    """Convert a glm5_next checkpoint (dir or hub id) or a DFlash2 drafter to an EXL3 directory `out`; keyword
+    options as in `Exl3Options` (`measure`: error curves or the JSON `mixq plan --measure-out` wrote, for the
+    sensitivity plan `mixq plan --measure FILE` prints). See `run_exl3`."""
+    return run_exl3(model, out, options_for("exl3", **options))
 
-    ``measure``: error curves {unit: {bits: loss}} or the JSON file `mixq plan --measure-out` wrote; the plan is
-    then the sensitivity plan (`plan_model(measure=...)`) that `mixq plan --measure FILE` prints."""
-    from tqdm.auto import tqdm
 
-    from mixq.convert.planning import plan_model
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
-
+def run_exl3(model, out, opts: Exl3Options) -> ConvertResult:
+    """resolve -> validate -> plan -> per stage (quantize, write a part) -> finalize. Every check that can fail
+    on the user's input runs before OUT is created; a failure later leaves a job that --resume continues."""
     t0 = time.time()
     if _is_drafter(model):
-        from .drafter import convert_drafter
+        return _convert_drafter(model, out, opts)
+    run = _resolve(model, out, opts)
+    _validate(run)
+    _plan(run)
+    _start_job(run)
+    try:
+        with writing(run.out, hint="free some space and continue with --resume"):
+            _run_stages(run)
+            return _finalize(run, t0)
+    finally:
+        run.job.release()
 
-        return convert_drafter(model, out, bits=bpw or 6.0, device=device, shard_size=shard_size, resume=resume,
-                               codebook=codebook, progress=progress)
+
+@dataclass
+class _Exl3Run:
+    """The state one conversion's steps share."""
+    opts: Exl3Options
+    ckpt: object
+    out: Path
+    device: torch.device
+    shard_bytes: int
+    size: int | None
+    measure: object
+    plan: object = None
+    units: list[Exl3Unit] = field(default_factory=list)
+    bits: dict[str, float] = field(default_factory=dict)
+    stages: list[str] = field(default_factory=list)
+    by_stage: dict[str, list[Exl3Unit]] = field(default_factory=dict)
+    job: Job | None = None
+    writer: Exl3Writer | None = None
+    fallbacks: list[str] = field(default_factory=list)
+    resumed: int = 0
+
+
+def _resolve(model, out, opts: Exl3Options) -> _Exl3Run:
+    """Open the checkpoint and turn every option into the value the steps use (device, byte counts, curves)."""
+    from mixq.formats.checkpoint import open_checkpoint
+
     ckpt = open_checkpoint(model)
     if ckpt.config.get("model_type") != "glm5_next":
         raise InputError(f"{ckpt.path}: model_type {ckpt.config.get('model_type')!r} is not glm5_next")
-    validate_checkpoint(ckpt)  # config vs weights, before anything is planned or written
-    if bpw is None and size is None:
+    if opts.bpw is None and opts.size is None:
         raise InputError("give a target: --bpw or --size")
-    device = pick_device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda requested but CUDA is not available")
-    shard_bytes = parse_bytes(shard_size)
-    if isinstance(size, str):
-        size = parse_bytes(size)
-    for f in calibration or []:
+    device = resolve_device(opts.device)
+    for f in opts.calibration:
         if not Path(f).is_file():
             raise InputError(f"calibration file not found: {f}")
+    measure = opts.measure
     if isinstance(measure, (str, Path)):
         from mixq.convert.measure import load_curves
 
         measure = load_curves(measure)
-    plan = plan_model(ckpt, "exl3", bpw=bpw, size=size, overrides=overrides, head_bits=head_bits,
-                      mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=include_mtp, measure=measure)
-    units = exl3_layout(ckpt, vision_bits=vision_bits, include_mtp=include_mtp)
-    bits = unit_bits(units, plan)
-    settings = _settings(ckpt, bits, calibration_files=calibration, rows=rows, seq_len=seq_len,
-                         codebook=codebook, device=device, shard_size=shard_bytes, vision_bits=vision_bits,
-                         include_mtp=include_mtp, head_bits=head_bits, mtp_bits=mtp_bits)
-    out = Path(out)
-    if not resume:  # the job lives inside OUT: read every weight once for NaN/Inf before OUT is created
-        scan_finite(ckpt, progress=progress)
-    job = Job.open(out, settings, resume=resume)
-    resumed = len(job.done)
-    check_free_space(out, 2 * plan.total_bytes, "conversion (parts + shards)")
-    writer = Exl3Writer(out, job.dir, shard_size=shard_bytes)
-    stages = stage_order(units)
-    by_stage: dict[str, list[Exl3Unit]] = {s: [] for s in stages}
-    for u in units:
-        by_stage[u.stage].append(u)
-    seeds = {u.key: i for i, u in enumerate(units)}
-    fallbacks: list[str] = list(job.extra.get("fallbacks", []))
+    size = parse_bytes(opts.size) if opts.size is not None else None
+    return _Exl3Run(opts, ckpt, Path(out), device, parse_bytes(opts.shard_size), size, measure)
 
-    def fetch(n: str) -> torch.Tensor:
-        return ckpt.get(n, dtype=torch.float32)
 
-    bar = tqdm(total=len(stages), desc="exl3", unit="stage", disable=not progress, initial=resumed)
+def _validate(run: _Exl3Run) -> None:
+    """The checkpoint matches its config; OUT can be written and replaces no input."""
+    from mixq.formats.checkpoint_check import validate_checkpoint
 
-    def run_stage(stage: str, stats: dict | None):
-        """Quantize/copy the units of one stage and write its part; returns (PartInfo, {HF name: the stored
-        weight as the model will see it (dequantized / fp16-rounded)})."""
-        written: dict[str, dict] = {}
-        replaced: dict[str, torch.Tensor] = {}
-        stage_units = by_stage[stage]
-        trellis_units, hs = [], []
-        h_cache: dict[int, torch.Tensor | None] = {}  # experts share accumulators: finalise each once
-        for u in stage_units:
-            if u.kind == "trellis":
-                acc = None if stats is None else stats.get(u.hf_names[0])
-                if acc is not None and id(acc) not in h_cache:
-                    h_cache[id(acc)] = acc.hessian()
-                h = h_cache[id(acc)] if acc is not None else None
-                if h is None and stats is not None:
-                    fallbacks.append(u.key)
-                trellis_units.append(u)
-                hs.append(h)
-        groups = batches([(u, h is not None) for u, h in zip(trellis_units, hs)], bits)
-        inner = tqdm(total=len(stage_units), desc=stage, leave=False, disable=not progress, unit="t")
-        for g in groups:
-            us = [trellis_units[i] for i in g]
-            res = quantize_batch(us, [u.assemble(fetch) for u in us], bits[us[0].key], [hs[i] for i in g],
-                                 seed=seeds[us[0].key], codebook=codebook, device=device)
-            for u, (tensors, deq) in zip(us, res):
-                if u.bias:
-                    b = torch.zeros(u.padded[1], dtype=torch.float16)
-                    b[: u.shape[0]] = fetch(u.bias).half()
-                    tensors[f"{u.key}.bias"] = b
-                replaced.update(u.split_back(deq))
-                written[u.key] = tensors
-            inner.update(len(us))
-        for u in stage_units:
-            if u.kind != "trellis":
-                tensors = _raw_tensors(u, u.assemble(fetch), fetch)
-                replaced.update(u.split_back(next(iter(tensors.values())).float()))
-                written[u.key] = tensors
-                inner.update(1)
-        inner.close()
-        written = [(u.key, written[u.key]) for u in stage_units]  # parts keep the layout order
-        part = writer.write_part(stage, written)
-        return part, replaced
+    validate_checkpoint(run.ckpt)  # config vs weights, before anything is planned or written
+    check_distinct({"OUT": run.out}, {"MODEL": Path(run.ckpt.path), "--measure": _path_or_none(run.opts.measure),
+                                      **{f"--calibration {i + 1}": f for i, f in enumerate(run.opts.calibration)}})
+    check_output_dir(run.out)
+    Job.check_target(run.out, resume=run.opts.resume)  # before the plan and the weight scan, not after
 
-    # calibrated stages: decoder layers and the head, in order, resuming after the last finished one
-    layer_stages = [s for s in stages if s.startswith("layer.")]
-    todo_calibrated = [s for s in layer_stages + ["head"] if s in by_stage and not job.is_done(s)]
-    for stage in ["embed"]:
-        if stage in by_stage and not job.is_done(stage):
-            part, _ = run_stage(stage, None)
-            job.record(stage, part)
-            bar.update(1)
-            sleep_hook()
-    if todo_calibrated:
-        from .calibration import LayerCalibrator, calibration_rows, load_tokenizer
 
-        state_stage, state = job.load_state()
-        start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
-        ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                               vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0])
-        cal = LayerCalibrator(ckpt, ids, device=device, batch_rows=batch_rows, start_layer=start, state=state)
-        for st in cal.stages():
-            stage = f"layer.{st.layer}" if st.layer is not None else "head"
-            if job.is_done(stage):  # the head of a run killed after all layers but before the head
-                continue
-            part, replaced = run_stage(stage, st.stats)
-            if st.layer is not None:
-                st.advance(replaced)
-            job.extra["fallbacks"] = fallbacks
-            job.record(stage, part, state=cal.state() if st.layer is not None else None)
-            bar.update(1)
-            sleep_hook()
-            del st
-    for stage in stages:
+def _plan(run: _Exl3Run) -> None:
+    """Trellis bits of every unit (the plan `mixq plan` prints) and the stage order."""
+    from mixq.convert.planning import plan_model
+
+    o = run.opts
+    run.plan = plan_model(run.ckpt, "exl3", bpw=o.bpw, size=run.size, overrides=o.overrides, head_bits=o.head_bits,
+                          mtp_bits=o.mtp_bits, vision_bits=o.vision_bits, include_mtp=o.include_mtp,
+                          measure=run.measure)
+    run.units = exl3_layout(run.ckpt, vision_bits=o.vision_bits, include_mtp=o.include_mtp)
+    run.bits = unit_bits(run.units, run.plan)
+    run.stages = stage_order(run.units)
+    run.by_stage = {s: [] for s in run.stages}
+    for u in run.units:
+        run.by_stage[u.stage].append(u)
+
+
+def _start_job(run: _Exl3Run) -> None:
+    """Check the weights and the free space, then open (or continue) the job inside OUT."""
+    from mixq.formats.checkpoint_check import scan_finite
+
+    o = run.opts
+    settings = _settings(run.ckpt, run.bits, calibration_files=o.calibration, rows=o.rows, seq_len=o.seq_len,
+                         codebook=o.codebook, device=run.device, shard_size=run.shard_bytes,
+                         vision_bits=o.vision_bits, include_mtp=o.include_mtp, head_bits=o.head_bits,
+                         mtp_bits=o.mtp_bits)
+    if not o.resume:  # the job lives inside OUT: read every weight once for NaN/Inf before OUT is created
+        scan_finite(run.ckpt, progress=o.progress)
+    held = sum(f.stat().st_size for f in (run.out / JOB_DIR).rglob("*") if f.is_file()) if o.resume else 0
+    check_free_space(run.out, 2 * run.plan.total_bytes - held, "the conversion (parts + shards)")
+    run.job = Job.open(run.out, settings, resume=o.resume)
+    run.resumed = len(run.job.done)
+    run.writer = Exl3Writer(run.out, run.job.dir, shard_size=run.shard_bytes)
+    run.fallbacks = list(run.job.extra.get("fallbacks", []))
+
+
+def _run_stages(run: _Exl3Run) -> None:
+    """Embedding, then the calibrated decoder layers and head (resuming after the last finished one), then the
+    uncalibrated NextN block and vision tower; each stage's part is recorded in the job as it is written."""
+    from tqdm.auto import tqdm
+
+    job = run.job
+    bar = tqdm(total=len(run.stages), desc="exl3", unit="stage", disable=not run.opts.progress,
+               initial=run.resumed)
+    if "embed" in run.by_stage and not job.is_done("embed"):
+        job.record("embed", _write_stage(run, "embed", None)[0])
+        bar.update(1)
+    todo = [s for s in run.stages if (s.startswith("layer.") or s == "head") and not job.is_done(s)]
+    if todo:
+        _run_calibrated(run, bar)
+    for stage in run.stages:
         if not job.is_done(stage):  # NextN and vision: uncalibrated
-            part, _ = run_stage(stage, None)
-            job.record(stage, part)
+            job.record(stage, _write_stage(run, stage, None)[0])
             bar.update(1)
-            sleep_hook()
     bar.close()
 
-    # compile the directory
+
+def _run_calibrated(run: _Exl3Run, bar) -> None:
+    """Decoder layers (calibrated on the already quantized layers before them) and the head."""
+    from .calibration import LayerCalibrator, calibration_rows, load_tokenizer
+
+    o, ckpt, job = run.opts, run.ckpt, run.job
+    state_stage, state = job.load_state()
+    start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
+    ids = calibration_rows(load_tokenizer(ckpt.path), list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
+                           vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0])
+    cal = LayerCalibrator(ckpt, ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state)
+    for st in cal.stages():
+        stage = f"layer.{st.layer}" if st.layer is not None else "head"
+        if job.is_done(stage):  # the head of a run killed after all layers but before the head
+            continue
+        part, replaced = _write_stage(run, stage, st.stats)
+        if st.layer is not None:
+            st.advance(replaced)
+        job.extra["fallbacks"] = run.fallbacks
+        job.record(stage, part, state=cal.state() if st.layer is not None else None)
+        bar.update(1)
+        del st
+
+
+def _stage_hessians(run: _Exl3Run, stage_units: list[Exl3Unit], stats: dict | None):
+    """The trellis units of a stage and their Hessians (None without calibration statistics; such units of a
+    calibrated stage are recorded as fallbacks)."""
+    trellis_units, hs = [], []
+    h_cache: dict[int, torch.Tensor | None] = {}  # experts share accumulators: finalise each once
+    for u in stage_units:
+        if u.kind != "trellis":
+            continue
+        acc = None if stats is None else stats.get(u.hf_names[0])
+        if acc is not None and id(acc) not in h_cache:
+            h_cache[id(acc)] = acc.hessian()
+        h = h_cache[id(acc)] if acc is not None else None
+        if h is None and stats is not None:
+            run.fallbacks.append(u.key)
+        trellis_units.append(u)
+        hs.append(h)
+    return trellis_units, hs
+
+
+def _write_stage(run: _Exl3Run, stage: str, stats: dict | None):
+    """Quantize/copy the units of one stage and write its part; returns (PartInfo, {HF name: the stored weight as
+    the model will see it (dequantized / fp16-rounded)})."""
+    from tqdm.auto import tqdm
+
+    def fetch(n: str) -> torch.Tensor:
+        return run.ckpt.get(n, dtype=torch.float32)
+
+    seeds = {u.key: i for i, u in enumerate(run.units)}
+    written: dict[str, dict] = {}
+    replaced: dict[str, torch.Tensor] = {}
+    stage_units = run.by_stage[stage]
+    trellis_units, hs = _stage_hessians(run, stage_units, stats)
+    inner = tqdm(total=len(stage_units), desc=stage, leave=False, disable=not run.opts.progress, unit="t")
+    for g in batches([(u, h is not None) for u, h in zip(trellis_units, hs)], run.bits):
+        us = [trellis_units[i] for i in g]
+        res = quantize_batch(us, [u.assemble(fetch) for u in us], run.bits[us[0].key], [hs[i] for i in g],
+                             seed=seeds[us[0].key], codebook=run.opts.codebook, device=run.device)
+        for u, (tensors, deq) in zip(us, res):
+            if u.bias:
+                b = torch.zeros(u.padded[1], dtype=torch.float16)
+                b[: u.shape[0]] = fetch(u.bias).half()
+                tensors[f"{u.key}.bias"] = b
+            replaced.update(u.split_back(deq))
+            written[u.key] = tensors
+        inner.update(len(us))
+    for u in stage_units:
+        if u.kind != "trellis":
+            tensors = _raw_tensors(u, u.assemble(fetch), fetch)
+            replaced.update(u.split_back(next(iter(tensors.values())).float()))
+            written[u.key] = tensors
+            inner.update(1)
+    inner.close()
+    part = run.writer.write_part(stage, [(u.key, written[u.key]) for u in stage_units])  # layout order
+    return part, replaced
+
+
+def _finalize(run: _Exl3Run, t0: float) -> ConvertResult:
+    """quantization_config, then compile the directory (config, index, shards, manifest) and drop the job."""
+    units, bits, o = run.units, run.bits, run.opts
     achieved = achieved_bits(units, bits, "bits")
     head = achieved_bits(units, bits, "head_bits")
     qc = {"quant_method": "exl3", "version": EXL3_VERSION, "bits": achieved if achieved is not None else 0.0,
           "head_bits": (int(head) if head is not None and head == int(head) else head) if head else 16,
-          "calibration": {"rows": rows, "cols": seq_len}, "out_scales": "auto", "codebook": codebook,
+          "calibration": {"rows": o.rows, "cols": o.seq_len}, "out_scales": "auto", "codebook": o.codebook,
           "quantizer": "mixq"}
     if any(u.bits_key == "mtp_bits" for u in units):
         qc["mtp_bits"] = achieved_bits(units, bits, "mtp_bits")
     if any(u.bits_key == "vision_bits" and u.kind == "trellis" for u in units):
         qc["vision_bits"] = achieved_bits(units, bits, "vision_bits")
-    man = compile_exl3(writer, units, bits, stages, ckpt.config, Path(ckpt.path), qc, job, fallbacks)
-    job.cleanup()
-    return ConvertResult(out=str(out), bytes=man["total_bytes"], bits=qc["bits"], head_bits=qc["head_bits"],
+    man = compile_exl3(run.writer, units, bits, run.stages, run.ckpt.config, Path(run.ckpt.path), qc, run.job,
+                       run.fallbacks)
+    run.job.cleanup()
+    return ConvertResult(out=str(run.out), bytes=man["total_bytes"], bits=qc["bits"], head_bits=qc["head_bits"],
                          seconds=time.time() - t0, peak_rss_mib=rss_peak_mib(), shards=sorted(man["shards"]),
                          tensors=len(man["tensors"]), quantized=sum(u.kind == "trellis" for u in units),
-                         fallbacks=fallbacks, resumed_stages=resumed, device=device.type)
+                         fallbacks=run.fallbacks, resumed_stages=run.resumed, device=run.device.type)
+
+
+# options a DFlash2 drafter conversion uses (it is uncalibrated and takes one rate)
+_DRAFTER_OPTIONS = ("bpw", "device", "shard_size", "resume", "codebook", "progress")
+
+
+def _convert_drafter(model, out, opts: Exl3Options) -> ConvertResult:
+    from .drafter import convert_drafter
+
+    unused = [k for k in opts.given() if k not in _DRAFTER_OPTIONS]
+    if unused:
+        raise InputError(f"{flag_of(Exl3Options, unused[0])} does not apply to a DFlash2 drafter "
+                         "(it is converted uncalibrated at one rate: --bpw, default 6)")
+    check_distinct({"OUT": out}, {"MODEL": model})
+    check_output_dir(out)
+    Job.check_target(out, resume=opts.resume)
+    resolve_device(opts.device)
+    return convert_drafter(model, out, bits=opts.bpw or 6.0, device=opts.device, shard_size=opts.shard_size,
+                           resume=opts.resume, codebook=opts.codebook, progress=opts.progress)
+
+
+def _path_or_none(x) -> Path | None:
+    return Path(x) if isinstance(x, (str, Path)) else None

@@ -24,6 +24,7 @@ import torch
 torch.set_num_threads(1)  # the resume test compares bytes with a 1-thread subprocess
 
 ROWS, SEQ = 4, 32
+SLOW_STAGES_ENV = "MIXQ_TEST_STAGE_PAUSE"  # read by the fake-trellis sitecustomize only (tests, never mixq)
 ARGS = ["--bpw", "4.0", "--rows", str(ROWS), "--seq-len", str(SEQ), "--device", "cpu", "--shard-size", "3MiB"]
 
 FAKE_TRELLIS = """
@@ -91,13 +92,22 @@ def fake_trellis(tmp_path_factory):
     mp.setattr(mixq.quant, "trellis", fake, raising=False)
     d = tmp_path_factory.mktemp("fake_trellis")
     (d / "sitecustomize.py").write_text(
-        "import sys, types\n"
+        "import os, sys, time, types\n"
         "import mixq.quant\n"
         f"src = {FAKE_TRELLIS!r}\n"
         "m = types.ModuleType('mixq.quant.trellis')\n"
         "exec(src, m.__dict__)\n"
         "sys.modules['mixq.quant.trellis'] = m\n"
-        "mixq.quant.trellis = m\n")
+        "mixq.quant.trellis = m\n"
+        # SLOW_STAGES_ENV: sleep after each recorded stage, so a test can kill -9 a conversion mid-way
+        f"pause = float(os.environ.get({SLOW_STAGES_ENV!r}) or 0)\n"
+        "if pause:\n"
+        "    from mixq.convert.job import Job\n"
+        "    record = Job.record\n"
+        "    def slow_record(self, *a, **k):\n"
+        "        record(self, *a, **k)\n"
+        "        time.sleep(pause)\n"
+        "    Job.record = slow_record\n")
     yield d
     mp.undo()
 
@@ -167,6 +177,7 @@ def test_convert_verify_and_plan_coverage(tiny_model, tiny_exl3):
     assert (out / "model.safetensors.index.json").exists() and (out / "tokenizer.json").exists()
     assert not (out / ".mixq-job").exists()
     assert res.seconds > 0 and res.peak_rss_mib > 0 and "peak RSS" in res.summary()
+    assert res.format == "exl3" and res.bpw == res.bits and res.files == [f"{out}/{s}" for s in res.shards]
 
 
 def test_read_back_and_transformers_forward(tiny_model, tiny_exl3):
@@ -221,7 +232,7 @@ def test_verify_reports_corruption_and_exits_1(tiny_exl3, tmp_path):
 def test_kill9_then_resume_is_byte_identical(tiny_model, tiny_exl3, fake_trellis, tmp_path):
     ref, res = tiny_exl3
     out = tmp_path / "killed"
-    env = dict(_env(fake_trellis), MIXQ_DEBUG_STAGE_SLEEP="0.5")
+    env = dict(_env(fake_trellis), **{SLOW_STAGES_ENV: "0.5"})
     p = subprocess.Popen([sys.executable, "-m", "mixq", "convert", str(tiny_model), str(out), *ARGS],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     job = out / ".mixq-job" / "job.json"

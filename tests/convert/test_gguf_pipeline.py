@@ -73,3 +73,19 @@ def test_non_finite_weight_is_one_line_naming_the_tensor(tiny_model, tmp_path):
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("mixq: error")]  # the rest is the progress bar
     assert len(err) == 1 and name in err[0] and "NaN" in err[0] and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_typed_api_file_types_are_the_plans_with_overrides(tiny_model, tmp_path):
+    """`mixq.convert(model, out, GGUFOptions(...))`: --override steers a GGUF mix exactly as `mixq plan` shows it
+    (it used to be dropped), and the result is the one ConvertResult type."""
+    import mixq
+    from mixq.convert.planning import plan_model
+
+    opts = mixq.GGUFOptions(qtype="Q4_K_M", overrides=("routed_expert=Q8_0",), threads=1, progress=False)
+    res = mixq.convert(tiny_model, tmp_path / "m.gguf", opts)
+    assert isinstance(res, mixq.ConvertResult) and res.format == "gguf" and res.files == [str(tmp_path / "m.gguf")]
+    got = {n: e.qtype for n, e in read_gguf(res.files[0]).tensors.items()}
+    want = {t.name: t.type for t in plan_model(tiny_model, "gguf", qtype="Q4_K_M", overrides=["routed_expert=Q8_0"]).tensors}
+    assert got == want and got["blk.1.ffn_up_exps.weight"] == "Q8_0"
+    assert res.types == {t: list(got.values()).count(t) for t in set(got.values())}
+    assert res.to_dict()["types"] == res.types and "bits" not in res.to_dict()

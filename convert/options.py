@@ -1,0 +1,329 @@
+"""Typed options of `mixq convert`: one frozen dataclass per output format, checked when built.
+
+`Exl3Options` and `GGUFOptions` hold every setting of a conversion; `mixq.convert(model, out, options)` runs one.
+Building an options object checks each value on its own (a known type, a positive count, a parsable size) and
+raises InputError naming the option as the command line spells it; checks that need the model or the file system
+run in the converter's resolve/validate steps, before any output is written. `options_for(fmt, **kwargs)` builds
+the options of a format from keyword arguments (the old `convert(model, out, "gguf", **kwargs)` form): an option
+of the other format, or one neither has, is an InputError naming the option and the format.
+`to_dict()` / `from_dict()` carry a version, for job files and reports.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Union
+
+from mixq.errors import InputError, MixqError
+
+OPTIONS_VERSION = 1
+DEFAULT_ROWS = 64
+DEFAULT_SEQ_LEN = 512
+DEFAULT_EXL3_SHARD = 8192 * 2**20
+PURE_FLOAT = ("F32", "F16", "BF16")
+MMPROJ_TYPES = ("F16", "Q8_0")
+GGUF_LADDERS = ("k", "iq")
+CODEBOOKS = ("mul1", "mcg")
+
+
+def _opt(default: Any = None, flag: str | None = None, **kw) -> Any:
+    """A dataclass field whose command-line spelling (for messages) is `flag`."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable default")
+    return field(default=default, metadata={"flag": flag}, **kw)
+
+
+def flag_of(cls, name: str) -> str:
+    """The command-line spelling of option `name` of an options class ("--seq-len" for seq_len)."""
+    f = next((f for f in fields(cls) if f.name == name), None)
+    return (f.metadata.get("flag") if f is not None else None) or "--" + name.replace("_", "-")
+
+
+def _positive_int(cls, name: str, v, minimum: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise InputError(f"{flag_of(cls, name)} {v!r}: expected a whole number >= {minimum}")
+
+
+def _positive_float(cls, name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise InputError(f"{flag_of(cls, name)} {v!r}: expected a positive number")
+
+
+def _size(cls, name: str, v, *, zero_ok: bool = False) -> None:
+    """A byte count or a size string ("8GiB", "108GB"), parsed with the planner's convention."""
+    from mixq.quant.allocator import parse_size
+
+    if isinstance(v, bool):
+        raise InputError(f"{flag_of(cls, name)} {v!r}: expected a size such as 8GiB")
+    if zero_ok and v in (0, "0"):
+        return
+    try:
+        n = parse_size(v)
+    except InputError as e:
+        raise InputError(f"{flag_of(cls, name)}: {e}") from None
+    if n <= 0:
+        raise InputError(f"{flag_of(cls, name)} {v!r}: expected a positive size")
+
+
+def _device(cls, v) -> None:
+    if v is None:
+        return
+    from mixq.quant.device import parse_device
+
+    parse_device(v, flag_of(cls, "device"))
+
+
+def _tuple(v) -> tuple:
+    if v is None:
+        return ()
+    if isinstance(v, (str, Path, bytes)):
+        return (v,)
+    return tuple(v)
+
+
+class _Options:
+    """Shared behaviour of the per-format option classes."""
+
+    format: ClassVar[str]
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)  # normalising a frozen dataclass in __post_init__
+
+    def _check_target(self, names: tuple[str, ...]) -> None:
+        given = [n for n in names if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise InputError(f"give one of {', '.join(flag_of(type(self), n) for n in names)}, not "
+                             f"{' and '.join(flag_of(type(self), n) for n in given)}")
+        if self.bpw is not None:
+            _positive_float(type(self), "bpw", self.bpw)
+        if self.size is not None:
+            _size(type(self), "size", self.size)
+
+    def given(self) -> dict[str, Any]:
+        """The options that differ from their defaults (what a user set)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != f.default}
+
+    def to_dict(self) -> dict:
+        """JSON-able settings with the format and the options version (paths as strings)."""
+        def plain(v):
+            if isinstance(v, Path):
+                return str(v)
+            if isinstance(v, tuple):
+                return [plain(x) for x in v]
+            if isinstance(v, Mapping):
+                return {str(k): plain(x) for k, x in v.items()}
+            if v is None or isinstance(v, (str, int, float, bool, list)):
+                return v
+            return repr(v)  # an in-memory object (an IMatrix): recorded, not restorable
+        return {"format": self.format, "version": OPTIONS_VERSION,
+                **{f.name: plain(getattr(self, f.name)) for f in fields(self)}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "_Options":
+        """Inverse of `to_dict` (InputError for another format, a newer version or an unknown key)."""
+        d = dict(d)
+        if d.pop("format", cls.format) != cls.format:
+            raise InputError(f"options for format {d.get('format')!r} given where {cls.format} options are needed")
+        version = d.pop("version", OPTIONS_VERSION)
+        if not isinstance(version, int) or version > OPTIONS_VERSION:
+            raise InputError(f"{cls.format} options version {version!r} is newer than this mixq ({OPTIONS_VERSION})")
+        return options_for(cls.format, **d)
+
+
+@dataclass(frozen=True)
+class Exl3Options(_Options):
+    """Settings of a glm5_next (or DFlash2 drafter) conversion to an EXL3 directory.
+
+    Target: `bpw` or `size` (a drafter defaults to 6 bpw). `overrides`: PATTERN=BITS (role, glob or regex).
+    `calibration`: text files (empty: the built-in sample), `rows` x `seq_len` tokens. `measure`: error curves
+    (a mapping or the JSON `mixq plan --measure-out` wrote) for the sensitivity plan."""
+
+    format: ClassVar[str] = "exl3"
+    bpw: float | None = _opt(None, "--bpw")
+    size: int | str | None = _opt(None, "--size")
+    overrides: tuple[str, ...] = _opt((), "--override")
+    calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
+    rows: int = _opt(DEFAULT_ROWS, "--rows")
+    seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
+    device: str | None = _opt(None, "--device")
+    shard_size: int | str = _opt(DEFAULT_EXL3_SHARD, "--shard-size")
+    resume: bool = _opt(False, "--resume")
+    head_bits: float = _opt(6, "--head-bits")
+    mtp_bits: float = _opt(4, "--mtp-bits")
+    vision_bits: float | None = _opt(None, "--vision-bits")
+    include_mtp: bool = _opt(True, "--no-mtp")
+    measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
+    codebook: str = _opt("mul1", "codebook")
+    batch_rows: int = _opt(4, "batch_rows")
+    progress: bool = _opt(True, "progress")
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        self._set("overrides", _tuple(self.overrides))
+        self._set("calibration", _tuple(self.calibration))
+        self._check_target(("bpw", "size"))
+        _positive_int(cls, "rows", self.rows)
+        _positive_int(cls, "seq_len", self.seq_len, 2)
+        _positive_int(cls, "batch_rows", self.batch_rows)
+        _size(cls, "shard_size", self.shard_size)
+        for name in ("head_bits", "mtp_bits") + (("vision_bits",) if self.vision_bits is not None else ()):
+            _positive_float(cls, name, getattr(self, name))
+        if self.codebook not in CODEBOOKS:
+            raise InputError(f"codebook {self.codebook!r}: expected one of {', '.join(CODEBOOKS)}")
+        _device(cls, self.device)
+
+
+@dataclass(frozen=True)
+class GGUFOptions(_Options):
+    """Settings of a glm5_next conversion to a GGUF file (or split set).
+
+    Target: exactly one of `qtype` (a llama-quantize mix such as Q4_K_M, or F32/F16/BF16/Q8_0), `bpw` or `size`.
+    `overrides` (PATTERN=TYPE) steer the plan; `tensor_type` ((REGEX, TYPE) or "REGEX=TYPE"),
+    `output_tensor_type` and `token_embedding_type` then replace types as llama-quantize's options do.
+    `threads`: encoder worker processes (None: every core; the bytes do not depend on it). `overwrite`: replace
+    an existing OUT (and --mmproj file) instead of refusing."""
+
+    format: ClassVar[str] = "gguf"
+    qtype: str | None = _opt(None, "--type")
+    bpw: float | None = _opt(None, "--bpw")
+    size: int | str | None = _opt(None, "--size")
+    overrides: tuple[str, ...] = _opt((), "--override")
+    head_bits: float | None = _opt(None, "--head-bits")
+    mtp_bits: float | None = _opt(None, "--mtp-bits")
+    gguf_ladder: str | None = _opt(None, "--gguf-ladder")
+    imatrix: Any = _opt(None, "--imatrix")
+    tensor_type: tuple = _opt((), "--tensor-type")
+    output_tensor_type: str | None = _opt(None, "--output-tensor-type")
+    token_embedding_type: str | None = _opt(None, "--token-embedding-type")
+    include_mtp: bool = _opt(True, "--no-mtp")
+    shard_size: int | str = _opt(0, "--shard-size")
+    tokenizer_pre: str | None = _opt(None, "--tokenizer-pre")
+    chat_template: Union[str, Path, None] = _opt(None, "--chat-template")
+    fix_chat_template: bool = _opt(False, "--fix-chat-template")
+    mmproj: Union[str, Path, None] = _opt(None, "--mmproj")
+    mmproj_type: str = _opt("F16", "--mmproj-type")
+    threads: int | None = _opt(None, "--threads")
+    overwrite: bool = _opt(False, "--overwrite")
+    progress: bool = _opt(True, "progress")
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        self._set("overrides", _tuple(self.overrides))
+        self._set("tensor_type", tuple(_tensor_type_pair(x) for x in _tuple(self.tensor_type)))
+        if self.qtype is None and self.bpw is None and self.size is None:
+            raise InputError("give a target: --type, --bpw or --size")
+        self._check_target(("qtype", "bpw", "size"))
+        if self.qtype is not None:
+            self._set("qtype", _gguf_mix_name(self.qtype))
+        for name in ("output_tensor_type", "token_embedding_type"):
+            if getattr(self, name) is not None:
+                self._set(name, encodable_type(getattr(self, name), flag_of(cls, name)))
+        for name in ("head_bits", "mtp_bits"):
+            if getattr(self, name) is not None:
+                _positive_float(cls, name, getattr(self, name))
+        if self.gguf_ladder is not None and self.gguf_ladder not in GGUF_LADDERS:
+            raise InputError(f"--gguf-ladder {self.gguf_ladder!r}: expected one of {', '.join(GGUF_LADDERS)}")
+        self._set("mmproj_type", str(self.mmproj_type).upper())
+        if self.mmproj_type not in MMPROJ_TYPES:
+            raise InputError(f"--mmproj-type {self.mmproj_type!r}: expected one of {', '.join(MMPROJ_TYPES)}")
+        if self.threads is not None:
+            _positive_int(cls, "threads", self.threads)
+        _size(cls, "shard_size", self.shard_size, zero_ok=True)
+        self._check_mode()
+
+    def _check_mode(self) -> None:
+        """Options that the chosen target does not use are errors, never silently dropped."""
+        if self.qtype is not None:
+            for name in ("head_bits", "mtp_bits", "gguf_ladder"):
+                if getattr(self, name) is not None:
+                    raise InputError(f"{flag_of(GGUFOptions, name)} applies to --bpw/--size, not to --type "
+                                     f"{self.qtype} (the mix decides; --tensor-type / --output-tensor-type "
+                                     "change single tensors)")
+            if self.overrides and self.qtype in PURE_FLOAT:
+                raise InputError(f"--override applies to quantized mixes, not to --type {self.qtype}; "
+                                 "use --tensor-type REGEX=TYPE")
+        if self.mmproj is None and self.mmproj_type != "F16":
+            raise InputError("--mmproj-type applies with --mmproj only")
+
+
+def _tensor_type_pair(item) -> tuple[str, str]:
+    """("REGEX", "TYPE") from "REGEX=TYPE" or a pair; the regex compiles and the type can be written."""
+    if isinstance(item, str):
+        if "=" not in item:
+            raise InputError(f"--tensor-type {item!r}: expected REGEX=TYPE")
+        item = tuple(item.rsplit("=", 1))
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise InputError(f"--tensor-type {item!r}: expected REGEX=TYPE")
+    pat, qtype = str(item[0]), str(item[1])
+    try:
+        re.compile(pat)
+    except re.error as e:
+        raise InputError(f"--tensor-type {pat!r}: bad regex ({e})") from None
+    return pat, encodable_type(qtype, f"--tensor-type {pat}={qtype}")
+
+
+def encodable_type(name: str, what: str) -> str:
+    """The upper-case ggml type `name` if mixq can write it, else InputError naming `what`."""
+    from mixq.quant import gguf_mix
+
+    t = str(name).upper()
+    try:
+        gguf_mix.ggml_type(t)
+    except MixqError:
+        raise InputError(f"{what}: unknown GGUF type {name!r}") from None
+    if not gguf_mix.has_encoder(t):
+        raise InputError(f"{what}: mixq has no encoder for {t} (it writes {', '.join(gguf_mix.encodable_types())})")
+    return t
+
+
+def _gguf_mix_name(qtype: str) -> str:
+    """--type: F32/F16/BF16, or a llama-quantize mix name (Q4_K_M, Q8_0, ...), upper-cased."""
+    from mixq.quant import gguf_mix
+
+    q = str(qtype).upper()
+    if q in PURE_FLOAT:
+        return q
+    try:
+        gguf_mix.normalize_mix(q)
+    except MixqError:
+        raise InputError(f"--type {qtype!r}: unknown; use F32, F16, BF16 or a mix "
+                         f"({', '.join(sorted(gguf_mix.MIX_DEFAULT))})") from None
+    return q
+
+
+OPTION_CLASSES: dict[str, type] = {"exl3": Exl3Options, "gguf": GGUFOptions}
+# keyword spellings of the old convert_gguf / convert_exl3 signatures, kept working
+_ALIASES = {"no_mtp": ("include_mtp", lambda v: not v)}
+
+
+def options_for(fmt: str, **kwargs) -> Exl3Options | GGUFOptions:
+    """The options of format `fmt` ("exl3" | "gguf") from keyword arguments. An option of the other format, or an
+    unknown one, is an InputError naming the option and the format."""
+    f = str(fmt).lower()
+    if f not in OPTION_CLASSES:
+        raise InputError(f"unknown format {fmt!r}; expected one of {', '.join(OPTION_CLASSES)}")
+    cls = OPTION_CLASSES[f]
+    names = {x.name for x in fields(cls)}
+    args = {}
+    for k, v in kwargs.items():
+        if k in _ALIASES:
+            k, conv = _ALIASES[k]
+            v = conv(v)
+        if k not in names:
+            other = [o for o, c in OPTION_CLASSES.items() if o != f and k in {x.name for x in fields(c)}]
+            if other:
+                raise InputError(f"{flag_of(OPTION_CLASSES[other[0]], k)} applies to --format {other[0]} only")
+            raise InputError(f"unknown convert option {k!r} for --format {f}")
+        args[k] = v
+    return cls(**args)
+
+
+def replace(options: Exl3Options | GGUFOptions, **changes) -> Exl3Options | GGUFOptions:
+    """A copy of `options` with `changes` (checked like new options)."""
+    return options_for(options.format, **{**{f.name: getattr(options, f.name) for f in fields(options)},
+                                          **changes})
+
+

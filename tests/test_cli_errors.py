@@ -1,0 +1,26 @@
+"""Every command-line mistake is one `mixq: error:` line and exit 2, click's own usage errors included."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from mixq.cli import main
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["convert", "m", "o", "--bogus"], "No such option '--bogus'"),
+    (["convert", "m"], "Missing argument 'OUT'"),
+    (["convert", "m", "o", "--format", "onnx"], "'onnx' is not one of"),
+    (["convert", "m", "o", "--bpw", "four"], "'four' is not a valid float"),
+    (["frobnicate"], "No such command 'frobnicate'"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("mixq: error: ")
+    assert needle in r.stderr and "Usage:" not in r.stderr
+
+
+def test_help_is_still_help():
+    r = CliRunner().invoke(main, ["convert", "--help"])
+    assert r.exit_code == 0 and "--overwrite" in r.output and "Usage:" in r.output

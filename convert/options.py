@@ -125,8 +125,9 @@ class _Options:
     def from_dict(cls, d: Mapping) -> "_Options":
         """Inverse of `to_dict` (InputError for another format, a newer version or an unknown key)."""
         d = dict(d)
-        if d.pop("format", cls.format) != cls.format:
-            raise InputError(f"options for format {d.get('format')!r} given where {cls.format} options are needed")
+        fmt = d.pop("format", cls.format)
+        if fmt != cls.format:
+            raise InputError(f"options for format {fmt!r} given where {cls.format} options are needed")
         version = d.pop("version", OPTIONS_VERSION)
         if not isinstance(version, int) or version > OPTIONS_VERSION:
             raise InputError(f"{cls.format} options version {version!r} is newer than this mixq ({OPTIONS_VERSION})")

@@ -87,7 +87,7 @@ def test_peak_memory_does_not_grow_with_layers(heldout_text, tmp_path):
         m = write_tiny_checkpoint(tmp_path / f"l{n}", hidden=256, n_experts=32, layer_types=types, vision=False)
         peaks[n] = peak_of(m, heldout_text)
         assert peaks[n]["kld"] < 1e-9
-        assert 0 < peaks[n]["reported"] <= peaks[n]["lifetime"]
+        assert 0 < peaks[n]["reported"] <= peaks[n]["lifetime"] + 0.1  # reported to 0.1 MiB
     assert peaks[12]["lifetime"] <= 1.3 * peaks[3]["lifetime"], peaks
 
 

@@ -62,10 +62,7 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.n
         return x.astype(np.float16)
     if q in ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1") and imatrix is None:
         return gguf.quants.quantize(x, ggml_type(q))
-    try:
-        from mixq.quant import kquants
-    except ImportError:
-        kquants = None
+    from mixq.quant import kquants
     n = x.shape[-1]
     # one (rows, n) matrix per expert / slice of a 3-D tensor
     mats = x if x.ndim == 3 else x.reshape(1, -1, n)
@@ -78,7 +75,7 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.n
     for e in range(mats.shape[0]):
         w = None if imx is None else imx[e if imx.shape[0] > 1 else 0]
         rows = mats[e]
-        if kquants is not None and q in kquants.SUPPORTED:
+        if q in kquants.SUPPORTED:
             # errors (non-finite weights, bad widths) propagate: never hide them behind another encoder
             out.append(np.asarray(kquants.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
             continue

@@ -156,7 +156,7 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--calibration", multiple=True, type=click.Path(), help="EXL3: calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
 @click.option("--rows", type=int, default=None, help="EXL3: calibration rows.  [default: 64]")
 @click.option("--seq-len", type=int, default=None, help="EXL3: tokens per calibration row.  [default: 512]")
-@click.option("--device", default=None, help="EXL3: cuda|cpu [default: cuda when available].")
+@click.option("--device", default=None, help="cuda|cpu: EXL3 quantization, GGUF encoding [default: cuda when available; GGUF with --threads: cpu].")
 @click.option("--shard-size", default=None, help="Max shard size (EXL3 default 8GiB; GGUF default: one file).")
 @click.option("--resume", is_flag=True, help="EXL3: continue an interrupted conversion in OUT.")
 @click.option("--overwrite", is_flag=True, help="GGUF: replace an existing OUT (and --mmproj file).")
@@ -177,7 +177,7 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--fix-chat-template", is_flag=True, help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).")
 @click.option("--mmproj", type=click.Path(), default=None, help="GGUF: also write the vision projector to this .gguf.")
 @click.option("--mmproj-type", type=click.Choice(["F16", "Q8_0"], case_sensitive=False), default=None, help="GGUF: mmproj matrix type.  [default: F16]")
-@click.option("--threads", type=int, default=None, help="GGUF: encoder worker processes (1 = in this process; output bytes do not depend on it) [default: all cores].")
+@click.option("--threads", type=int, default=None, help="GGUF: CPU encoder worker processes (1 = in this process; output bytes do not depend on it) [default: all cores, or the GPU when present].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, as_json, **params) -> None:

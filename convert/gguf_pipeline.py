@@ -142,6 +142,7 @@ class _GGUFRun:
     threads: int
     size: int | None
     template: str | None
+    device: str | None = None  # an accelerator that encodes; None: CPU worker processes
     imx: dict | None = None
     types: list[str] = field(default_factory=list)
     tokenizer_pre: str | None = None
@@ -153,11 +154,25 @@ def _resolve(model, out, opts: GGUFOptions) -> _GGUFRun:
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
 
-    threads = _thread_count(opts.threads)
+    device = _encode_device(opts)
+    threads = 1 if device is not None else _thread_count(opts.threads)
     ckpt = open_checkpoint(model)
     specs = gguf_tensors(ckpt, include_mtp=opts.include_mtp)
     size = parse_size(opts.size) if opts.size is not None else None
-    return _GGUFRun(opts, ckpt, Path(out), specs, threads, size, _read_template(opts.chat_template))
+    return _GGUFRun(opts, ckpt, Path(out), specs, threads, size, _read_template(opts.chat_template), device)
+
+
+def _encode_device(opts: GGUFOptions) -> str | None:
+    """Where the quantized types are encoded: --device, else CUDA when present unless --threads asks for CPU
+    worker processes. None: the CPU worker processes."""
+    from mixq.quant.device import resolve_device
+
+    if opts.device is None and opts.threads is not None:
+        return None
+    dev = resolve_device(opts.device)
+    if dev.type != "cpu" and opts.threads is not None:
+        raise InputError(f"--threads applies to CPU encoding, not to --device {opts.device}")
+    return None if dev.type == "cpu" else str(dev)
 
 
 def _read_template(path) -> str | None:
@@ -251,7 +266,7 @@ def _write(run: _GGUFRun) -> list[Path]:
         return x, w
 
     items = [(t.name, t.qtype, f"{by_name[t.name].hf_names[0]} -> {t.name} ({t.qtype})") for t in outs]
-    with TensorEncoder(items, load, threads=run.threads) as enc:
+    with TensorEncoder(items, load, threads=run.threads, device=run.device) as enc:
         enc.start()  # workers spawn and build their code tables while the tokenizer and metadata are read
         n_vocab = ckpt.shape(next(s for s in run.specs if s.name == "token_embd.weight").hf_names[0])[0]
         tmeta = tokenizer_metadata(ckpt.path, n_vocab, o.tokenizer_pre)
@@ -286,7 +301,7 @@ def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> Con
                          bpw=8.0 * total / max(params, 1), tensors=len(run.specs), seconds=time.time() - t0,
                          peak_rss_mib=rss_peak_mib(), types=counts, tokenizer_pre=run.tokenizer_pre,
                          mtp=run.opts.include_mtp, chat_template=run.template_report, mmproj=mm,
-                         threads=run.threads)
+                         threads=run.threads, device=run.device or "cpu")
 
 
 def _thread_count(threads: int | None) -> int:

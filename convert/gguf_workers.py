@@ -46,10 +46,11 @@ THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
               "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")
 
 
-def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.ndarray:
+def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device: str | None = None) -> np.ndarray:
     """Encode a float32 array (..., n) as ggml `qtype`: float arrays for F32/F16, raw block bytes otherwise.
 
-    `imatrix` is (n,) or, for stacked 3-D tensors, (E, n): one importance vector per expert/slice."""
+    `imatrix` is (n,) or, for stacked 3-D tensors, (E, n): one importance vector per expert/slice. `device`
+    (e.g. "cuda"): the quantized types run on mixq's torch encoders there (same bytes); None or "cpu": numpy."""
     import gguf
 
     from mixq.quant.gguf_mix import ggml_type
@@ -71,6 +72,10 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None) -> np.n
         imx = np.asarray(imatrix, dtype=np.float32).reshape(-1, n)
         if imx.shape[0] not in (1, mats.shape[0]):
             raise InputError(f"imatrix has {imx.shape[0]} vectors for {mats.shape[0]} matrices")
+    if device is not None and str(device) != "cpu" and q in kquants.SUPPORTED:
+        im = None if imx is None else np.broadcast_to(imx, (mats.shape[0], n))
+        res = kquants.quantize_stacked(mats, q, im, device=device)  # groups of experts per device call
+        return res.reshape(x.shape[:-1] + (res.shape[-1],))
     out = []
     for e in range(mats.shape[0]):
         w = None if imx is None else imx[e if imx.shape[0] > 1 else 0]
@@ -157,9 +162,10 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _worker_encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None, label: str) -> np.ndarray:
+def _worker_encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None, label: str,
+                   device: str | None = None) -> np.ndarray:
     try:
-        return encode(x, qtype, imatrix)
+        return encode(x, qtype, imatrix, device)
     except InputError as e:
         raise InputError(f"{label}: {e}") from None
 
@@ -211,13 +217,15 @@ class TensorEncoder:
     InputErrors come back as one line `"{label}: {message}"`; load errors propagate as raised, each when its
     tensor is asked for, so the first failing tensor is the one reported, whatever the thread count.
     Use as a context manager (`with TensorEncoder(...) as enc:`): leaving it stops the workers, killing them
-    when an exception leaves. `start()` spawns them early; otherwise the first task does."""
+    when an exception leaves. `start()` spawns them early; otherwise the first task does.
+    `device` (e.g. "cuda"): every tensor is encoded in this process on that device, no worker processes."""
 
     def __init__(self, items: Sequence[tuple[str, str, str]], load: Callable[[str], tuple[np.ndarray, np.ndarray | None]],
-                 threads: int = 1, task_weights: int | None = None):
+                 threads: int = 1, task_weights: int | None = None, device: str | None = None):
         self.items = [(n, q.upper(), lab) for n, q, lab in items]
         self.load = load
-        self.threads = max(1, int(threads))
+        self.device = None if device is None or str(device) == "cpu" else str(device)
+        self.threads = 1 if self.device else max(1, int(threads))
         self.task_weights = task_weights  # None: TASK_WEIGHTS, or TASK_WEIGHTS_IQ for the i-quants
         self._pos = {n: i for i, (n, _, _) in enumerate(self.items)}
         self._asked = 0                      # index of the next tensor get() must be asked for
@@ -245,7 +253,7 @@ class TensorEncoder:
         _, qtype, label = self.items[i]
         if self.threads == 1 or qtype in LOCAL_TYPES:
             x, w = self.load(name)
-            return _worker_encode(x, qtype, w, label)
+            return _worker_encode(x, qtype, w, label, self.device)
         self._fill()
         t = self._tensors[name]
         while True:

@@ -184,8 +184,9 @@ class GGUFOptions(_Options):
     Target: exactly one of `qtype` (a llama-quantize mix such as Q4_K_M, or F32/F16/BF16/Q8_0), `bpw` or `size`.
     `overrides` (PATTERN=TYPE) steer the plan; `tensor_type` ((REGEX, TYPE) or "REGEX=TYPE"),
     `output_tensor_type` and `token_embedding_type` then replace types as llama-quantize's options do.
-    `threads`: encoder worker processes (None: every core; the bytes do not depend on it). `overwrite`: replace
-    an existing OUT (and --mmproj file) instead of refusing."""
+    `device`: where the quantized types are encoded (None: CUDA when present, unless `threads` asks for CPU worker
+    processes); `threads`: CPU encoder processes (None: every core). The bytes depend on neither. `overwrite`:
+    replace an existing OUT (and --mmproj file) instead of refusing."""
 
     format: ClassVar[str] = "gguf"
     qtype: str | None = _opt(None, "--type")
@@ -207,6 +208,7 @@ class GGUFOptions(_Options):
     mmproj: Union[str, Path, None] = _opt(None, "--mmproj")
     mmproj_type: str = _opt("F16", "--mmproj-type")
     threads: int | None = _opt(None, "--threads")
+    device: str | None = _opt(None, "--device")
     overwrite: bool = _opt(False, "--overwrite")
     progress: bool = _opt(True, "progress")
 
@@ -232,6 +234,7 @@ class GGUFOptions(_Options):
             raise InputError(f"--mmproj-type {self.mmproj_type!r}: expected one of {', '.join(MMPROJ_TYPES)}")
         if self.threads is not None:
             _positive_int(cls, "threads", self.threads)
+        _device(cls, self.device)
         _size(cls, "shard_size", self.shard_size, zero_ok=True)
         self._check_mode()
 

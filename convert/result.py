@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 COMMON_KEYS = ("format", "out", "files", "bytes", "bpw", "tensors", "seconds", "peak_rss_mib")
 EXL3_KEYS = ("bits", "head_bits", "shards", "quantized", "fallbacks", "resumed_stages", "device")
-GGUF_KEYS = ("types", "tokenizer_pre", "mtp", "chat_template", "mmproj", "threads")
+GGUF_KEYS = ("types", "tokenizer_pre", "mtp", "chat_template", "mmproj", "threads", "device")
 
 
 @dataclass
@@ -15,7 +15,8 @@ class ConvertResult:
     EXL3 only: `bits` (quantization_config.bits: budgeted Linears, padded numel, head excluded), `head_bits`,
     `shards` (names in `out`), `quantized` Linears, `fallbacks` (units quantized without a Hessian),
     `resumed_stages`, `device`. GGUF only: `types` ({ggml type: tensors}), `tokenizer_pre`, `mtp`,
-    `chat_template` (the template report), `mmproj` (the projector's summary), `threads`."""
+    `chat_template` (the template report), `mmproj` (the projector's summary), `threads` (CPU encoder
+    processes; 1 when `device` encodes)."""
 
     out: str
     bytes: int
@@ -77,7 +78,8 @@ class ConvertResult:
             f"GGUF written to {self.out}" + (f" ({len(self.files)} files)" if len(self.files) > 1 else ""),
             f"  size      {self.bytes / 2**20:.2f} MiB of tensor data, {self.bpw:.3f} bpw",
             f"  tensors   {self.tensors}: {types}",
-            f"  time      {self.seconds:.1f} s, {self.threads} encoder process(es)",
+            f"  time      {self.seconds:.1f} s, " + (f"encoded on {self.device}" if self.device != "cpu"
+                                                  else f"{self.threads} encoder process(es)"),
         ]
         if self.mmproj:
             lines.append(f"  mmproj    {self.mmproj.get('file', self.mmproj)}")

@@ -171,3 +171,33 @@ def test_unguarded_script_gets_one_clear_error(tmp_path):
     last = lines[-1]
     assert last.startswith("mixq.errors.MixqError: the GGUF encoder worker processes could not start")
     assert "__main__" in last
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_encoding_writes_the_cpu_bytes(k256_model, tmp_path):
+    """--device cuda (mixq's torch encoders, in this process) writes the file the CPU encoders write: Q4_K_M with
+    an imatrix, and i-quants on the experts."""
+    im = _synthetic_imatrix(k256_model)
+    cases = {"q4km": {}, "iq": {"tensor_type": [(r"ffn_(up|gate)_exps", "IQ2_XS"), (r"ffn_down_exps", "IQ3_S")]}}
+    for label, kw in cases.items():
+        cpu = convert_gguf(k256_model, tmp_path / f"{label}-cpu.gguf", qtype="Q4_K_M", imatrix=im, threads=1,
+                           progress=False, **kw)
+        gpu = convert_gguf(k256_model, tmp_path / f"{label}-gpu.gguf", qtype="Q4_K_M", imatrix=im, device="cuda",
+                           progress=False, **kw)
+        assert gpu["device"].startswith("cuda") and gpu["threads"] == 1 and cpu["device"] == "cpu"
+        assert cpu["types"] == gpu["types"]
+        assert _sha256(cpu["files"][0]) == _sha256(gpu["files"][0]), label
+
+
+def test_threads_with_an_accelerator_is_refused(tiny_model, tmp_path):
+    """--threads sizes the CPU worker pool: with --device cuda it would be silently unused."""
+    import torch
+
+    if torch.cuda.is_available():
+        with pytest.raises(InputError, match="--threads applies to CPU encoding"):
+            convert_gguf(tiny_model, tmp_path / "x.gguf", qtype="Q8_0", threads=2, device="cuda", progress=False)
+    else:
+        with pytest.raises(InputError, match="CUDA is not available"):
+            convert_gguf(tiny_model, tmp_path / "x.gguf", qtype="Q8_0", device="cuda", progress=False)
+    assert not list(tmp_path.iterdir())

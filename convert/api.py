@@ -56,7 +56,14 @@ def verify(path, *, model=None, decode: bool = True) -> dict:
     if p.is_dir():
         from mixq.formats.exl3_reader import verify_exl3
 
-        return verify_exl3(p, decode=decode)
+        report = verify_exl3(p)
+        if decode:  # the trellis decode lives in convert (formats does not import quant)
+            from .dequant import exl3_decode_check
+
+            report["quantized"], problems = exl3_decode_check(p)
+            report["problems"] += problems
+            report["ok"] = not report["problems"]
+        return report
     raise InputError(f"{p}: neither an EXL3 directory nor a .gguf file")
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from mixq.errors import InputError
-from mixq.formats.exl3_writer import _atomic_json, load_tensor, read_header, sha256_file, write_safetensors
+from mixq.formats.atomic import write_json
+from mixq.formats.safetensors_io import load_tensors, sha256_file, write_safetensors
 
 JOB_DIR = ".mixq-job"
 LOCK_FILE = "lock"
@@ -140,8 +141,8 @@ class Job:
         self.done = keep
 
     def _save(self) -> None:
-        _atomic_json(self.path, {"fingerprint": self.fp, "settings": self.settings, "done": self.done,
-                                 "extra": self.extra})
+        write_json(self.path, {"fingerprint": self.fp, "settings": self.settings, "done": self.done,
+                               "extra": self.extra})
 
     def is_done(self, stage: str) -> bool:
         return any(d["stage"] == stage for d in self.done)
@@ -171,8 +172,7 @@ class Job:
         p = self._state_path(want)
         if not p.exists():
             raise InputError(f"cannot resume: calibration state {p} is missing")
-        start, header = read_header(p)
-        return want, {n: load_tensor(p, n, start, header) for n in header if n != "__metadata__"}
+        return want, load_tensors(p)
 
     def part_info(self, stage: str) -> dict:
         return next(d for d in self.done if d["stage"] == stage)

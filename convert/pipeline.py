@@ -17,6 +17,7 @@ import torch
 from mixq.errors import InputError, PlanError
 from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
 from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer
+from mixq.formats.glm5next import global_hf_name
 from mixq.quant.device import resolve_device
 
 from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
@@ -264,7 +265,7 @@ def _run_calibrated(run: _Exl3Run, bar) -> None:
     state_stage, state = job.load_state()
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
     ids = calibration_rows(load_tokenizer(ckpt.path), list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
-                           vocab_size=ckpt.shape("model.language_model.embed_tokens.weight")[0])
+                           vocab_size=ckpt.shape(global_hf_name("embed"))[0])
     cal = LayerCalibrator(ckpt, ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state)
     for st in cal.stages():
         stage = f"layer.{st.layer}" if st.layer is not None else "head"

@@ -1,10 +1,9 @@
-"""Reads an EXL3 directory written by mixq: dequantized HF-named weights, and a full verification.
+"""Reads an EXL3 directory written by mixq: its units and stored tensors, and a structural verification.
 
-`read_exl3(path)` returns {HF checkpoint tensor name: float32 tensor} — quantized Linears decoded
-(W = diag(suh)·H·Ŵ·H·diag(svh), padding cropped, fused qkv_proj / conv1d split back, A_log reshaped back), fp16 /
-fp32 / native tensors converted — ready for transformers' glm5_next weight loading (the evaluator).
-`verify_exl3(path)` re-reads every shard and lists problems (missing / unexpected tensors, wrong shape or dtype,
-bad hashes, undecodable or non-finite quantized tensors).
+`Exl3Dir(path)` opens the directory (config, manifest, the units and where each stored tensor lives) and reads
+stored tensors on demand; decoding trellis units into weights is convert's job (convert/dequant: `read_exl3`,
+`open_dequant`), as formats do not import the quantizer. `verify_exl3(path)` re-reads every shard and lists
+problems (missing / unexpected tensors, wrong shape or dtype, bad hashes, a broken index).
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.formats.exl3_layout import MCG_MARKER, MUL1_MARKER
 from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_writer import MANIFEST, torch_dtype
 from mixq.formats.safetensors_io import dtype_tag, load_tensor, sha256_file, tensor_entries
@@ -72,48 +70,11 @@ class Exl3Dir:
     def unit_tensors(self, u: Exl3Unit) -> dict[str, torch.Tensor]:
         return {n: self.tensor(n) for n in u.tensor_specs(self.bits.get(u.key))}
 
-    def dequantize(self, u: Exl3Unit, device: str | torch.device = "cpu") -> torch.Tensor:
-        """The unit's weight as the model sees it, float32, logical (unpadded) shape."""
-        t = self.unit_tensors(u)
-        if u.kind == "trellis":
-            w = decode_linear(t, u.key, device=device)
-            return w[: u.shape[0], : u.shape[1]].float().cpu()
-        return next(iter(t.values())).float().reshape(u.shape)
 
-
-def decode_linear(t: dict[str, torch.Tensor], key: str, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Dequantize one EXL3 Linear from its stored tensors -> padded HF-orientation weight (n, k) float32."""
-    from mixq.quant import trellis
-
-    trel = t[f"{key}.trellis"]
-    if trel.dtype != torch.int16 or trel.dim() != 3:
-        raise FormatError(f"{key}.trellis: expected a 3-D int16 tensor, got {tuple(trel.shape)} {trel.dtype}")
-    marker = "mul1" if f"{key}.mul1" in t else "mcg" if f"{key}.mcg" in t else None
-    if marker:
-        want = MUL1_MARKER if marker == "mul1" else MCG_MARKER
-        if int(t[f"{key}.{marker}"].item()) != want:
-            raise FormatError(f"{key}.{marker}: marker value {int(t[f'{key}.{marker}'].item())} != {want}")
-    parts = {"trellis": trel.to(device), "suh": t[f"{key}.suh"].to(device), "svh": t[f"{key}.svh"].to(device)}
-    if marker:
-        parts[marker] = t[f"{key}.{marker}"]
-    k, n = 16 * trel.shape[0], 16 * trel.shape[1]
-    q = trellis.from_tensors(parts, (n, k))
-    return q.dequantize().float()
-
-
-def read_exl3(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """{HF checkpoint name: float32 tensor} of every tensor stored in the EXL3 directory `path`."""
-    d = Exl3Dir(path)
-    out: dict[str, torch.Tensor] = {}
-    for u in d.units:
-        out.update(u.split_back(d.dequantize(u, device)))
-        if u.bias:
-            out[u.bias] = d.tensor(f"{u.key}.bias").float()[: u.shape[0]]
-    return out
-
-
-def verify_exl3(path: str | Path, *, decode: bool = True, device: str | torch.device = "cpu") -> dict:
-    """Re-read an EXL3 directory; returns {"ok", "problems": [...], "tensors", "shards", "quantized", "bytes"}."""
+def verify_exl3(path: str | Path) -> dict:
+    """Re-read an EXL3 directory (shards, hashes, index, every planned tensor's dtype and shape); returns {"ok",
+    "problems": [...], "tensors", "shards", "quantized", "bytes", "bits"}. "quantized" counts decoded units: 0
+    here, the trellis decode is convert's (convert/dequant.exl3_decode_check, run by `mixq verify`)."""
     problems: list[str] = []
     d = Exl3Dir(path)
     shards = d.manifest.get("shards", {})
@@ -151,20 +112,7 @@ def verify_exl3(path: str | Path, *, decode: bool = True, device: str | torch.de
             problems.append(f"tensor {n}: stored {tag} {list(shape)}, planned {spec['dtype']} {spec['shape']}")
     for n in sorted(set(d.where) - set(expected)):
         problems.append(f"unexpected tensor {n}")
-    quantized = 0
-    if decode:
-        for u in d.units:
-            if u.kind != "trellis" or any(n not in d.where for n in u.tensor_specs(d.bits.get(u.key))):
-                continue
-            try:
-                w = d.dequantize(u, device)
-            except (FormatError, ValueError, RuntimeError) as e:
-                problems.append(f"{u.key}: does not decode ({e})")
-                continue
-            quantized += 1
-            if not bool(torch.isfinite(w).all()):
-                problems.append(f"{u.key}: decodes to non-finite values")
     return {"ok": not problems, "problems": problems, "path": str(d.path), "tensors": len(d.where),
-            "shards": len(shards), "quantized": quantized,
+            "shards": len(shards), "quantized": 0,
             "bytes": sum(int(s.get("bytes", 0)) for s in shards.values()),
             "bits": d.config["quantization_config"].get("bits")}

@@ -71,15 +71,18 @@ def test_exl3_source_equals_read_exl3(tiny_exl3_cheap):
 
 
 def test_exl3_decode_check_matches_verify(tiny_exl3_cheap, tmp_path):
-    """The decode check `verify` needs from convert (formats must not import quant): the same count and problems
-    as the reader's own decoding verify, and a unit whose scales are not finite is named."""
+    """The decode check `mixq verify` runs from convert (formats do not import quant): every trellis unit decoded,
+    and a unit whose scales are not finite is named."""
     import shutil
 
+    from mixq.convert.api import verify
     from mixq.convert.dequant import exl3_decode_check
     from mixq.formats.exl3_reader import Exl3Dir, verify_exl3
 
     n, problems = exl3_decode_check(tiny_exl3_cheap)
-    assert n == verify_exl3(tiny_exl3_cheap)["quantized"] > 0 and problems == []
+    trellis_units = sum(u.kind == "trellis" for u in Exl3Dir(tiny_exl3_cheap).units)
+    assert verify_exl3(tiny_exl3_cheap)["ok"] and problems == []
+    assert n == verify(tiny_exl3_cheap)["quantized"] == trellis_units > 0
     bad = tmp_path / "bad"
     shutil.copytree(tiny_exl3_cheap, bad)
     d = Exl3Dir(bad)

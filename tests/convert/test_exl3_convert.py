@@ -21,11 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(1)  # the resume test compares bytes with a 1-thread subprocess
-
 ROWS, SEQ = 4, 32
 SLOW_STAGES_ENV = "MIXQ_TEST_STAGE_PAUSE"  # read by the fake-trellis sitecustomize only (tests, never mixq)
 ARGS = ["--bpw", "4.0", "--rows", str(ROWS), "--seq-len", str(SEQ), "--device", "cpu", "--shard-size", "3MiB"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The resume test compares bytes with a 1-thread subprocess: this module computes with one thread too."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 FAKE_TRELLIS = """
 import torch
@@ -183,7 +190,7 @@ def test_convert_verify_and_plan_coverage(tiny_model, tiny_exl3):
 def test_read_back_and_transformers_forward(tiny_model, tiny_exl3):
     from mixq.eval.reference import build_model
     from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.exl3_reader import read_exl3
+    from mixq.convert.dequant import read_exl3
 
     out, _ = tiny_exl3
     ck = open_checkpoint(tiny_model)
@@ -307,16 +314,6 @@ def test_fp8_source_keeps_original_quantization_config(tiny_fp8_model, fake_trel
     d = Exl3Dir(out)
     assert not [n for n in d.where if n.endswith("scale_inv")]
     assert d.tensor("model.language_model.layers.3.self_attn.kv_b_proj.weight").dtype == torch.float16
-
-
-def test_size_strings_mean_the_same_bytes_in_plan_and_both_converters():
-    """`--size 108GB` / `--shard-size` must mean the plan's bytes (GB = 10^9, GiB = 2^30) for EXL3 and GGUF alike."""
-    from mixq.convert.gguf_pipeline import parse_size as gguf_size
-    from mixq.convert.pipeline import parse_bytes
-    from mixq.quant.allocator import parse_size
-
-    for s, b in [("108GB", 108 * 10**9), ("100GiB", 100 * 2**30), ("2G", 2 * 10**9), ("512MiB", 512 * 2**20)]:
-        assert parse_size(s) == parse_bytes(s) == gguf_size(s) == b
 
 
 def test_convert_with_measured_curves_follows_the_sensitivity_plan(tiny_model, fake_trellis, tmp_path):

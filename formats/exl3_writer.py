@@ -23,8 +23,8 @@ import torch
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import atomic_open, atomic_path, write_json
 from mixq.formats.exl3_layout import MUL1_MULTIPLIER, SHARD_SIZE, shard_names
-from mixq.formats.safetensors_io import (ST_DTYPES, dtype_name, dtype_tag, load_tensor, open_safetensors,  # noqa: F401
-                                         read_header, read_metadata, sha256_file, tensor_entries, write_safetensors)
+from mixq.formats.safetensors_io import (ST_DTYPES, dtype_name, dtype_tag, open_safetensors, read_metadata,
+                                         tensor_entries, write_safetensors)
 
 EXL3_VERSION = "1.6.5"  # the exllamav3 release whose layout this writer follows
 MANIFEST = "mixq_manifest.json"

@@ -286,7 +286,7 @@ def test_bad_input_exits_2(tiny_model, tmp_path):
 
 def test_head16_vision_bits_and_no_mtp(tiny_model, fake_trellis, tmp_path):
     from mixq.convert.api import convert, verify
-    from mixq.formats.exl3_writer import read_header
+    from mixq.formats.safetensors_io import read_header
 
     out = tmp_path / "v"
     res = convert(tiny_model, out, "exl3", bpw=4.0, rows=2, seq_len=16, device="cpu", head_bits=16,

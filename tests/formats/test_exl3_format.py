@@ -11,8 +11,8 @@ import torch
 
 from mixq.errors import InputError
 from mixq.formats.exl3_names import exl3_layout, hf_names_of_key, stage_order
-from mixq.formats.exl3_writer import (Exl3Writer, check_free_space, exl3_config, load_tensor, read_header,
-                                      write_safetensors)
+from mixq.formats.exl3_writer import Exl3Writer, check_free_space, exl3_config
+from mixq.formats.safetensors_io import load_tensor, read_header, write_safetensors
 
 
 def test_layout_conventions_on_the_trained_fixture(mini_model):

@@ -75,7 +75,7 @@ def main() -> None:
 @_reports_errors
 def inspect(model: str, as_json: bool) -> None:
     """Roles, tensor counts, parameters and bytes of MODEL (directory, hub repo id, config.json or .gguf)."""
-    from mixq.formats.inspect import format_report, inspect_path
+    from mixq.formats.model_summary import format_report, inspect_path
 
     d = inspect_path(model)
     if as_json:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from mixq.formats.inspect import inspect_model
+from mixq.formats.model_summary import inspect_model
 from mixq.formats.tiny import write_tiny_checkpoint
 
 

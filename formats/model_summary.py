@@ -1,4 +1,4 @@
-"""`mixq inspect`: what a checkpoint holds, by role (JSON shape pinned in issue 2 §5)."""
+"""`mixq inspect`: what a checkpoint holds, by role (its JSON shape is pinned), or a GGUF file's summary."""
 from __future__ import annotations
 
 import os
@@ -57,7 +57,7 @@ def inspect_model(path: str | os.PathLike) -> dict:
 def inspect_path(path: str | os.PathLike) -> dict:
     """Dispatch on what ``path`` is: a ``.gguf`` file (formats/gguf_inspect) or an HF checkpoint."""
     if str(path).endswith(".gguf"):
-        from mixq.formats.gguf_inspect import inspect_gguf  # helper G's module
+        from mixq.formats.gguf_inspect import inspect_gguf
 
         return inspect_gguf(path)
     return inspect_model(path)

@@ -112,3 +112,17 @@ def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real)
     step0, base0 = gl.level_grid(walk, qtype)
     step1, base1 = gl.level_grid(refined, qtype)
     assert np.array_equal(step0, step1) and np.array_equal(base0, base1)  # only the codes moved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_S"])
+def test_cuda_rounding_matches_the_cpu_quality(qtype, k256_real):
+    """On CUDA the scale search runs in the torch encoders and the walk on the device: same layout, and the
+    layer error within 2% of the CPU result (float sums differ, so the codes may too)."""
+    w, h, w_e, h_e = k256_real
+    for ww, hh in ((w, h), (w_e, h_e)):
+        cpu = kh.quantize_hessian(ww, hh, qtype, damp=0.1, refine=3, device="cpu")
+        gpu = kh.quantize_hessian(ww, hh, qtype, damp=0.1, refine=3, device="cuda")
+        assert gpu.shape == cpu.shape
+        e_cpu, e_gpu = _err(ww, cpu, qtype, hh), _err(ww, gpu, qtype, hh)
+        assert abs(e_gpu - e_cpu) <= 0.02 * e_cpu

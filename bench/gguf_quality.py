@@ -177,7 +177,8 @@ def table(res: dict) -> str:
     exact = {r["type"]: r for r in rows if r["row"] == "exact"}
     out = [f"{res['model']}: KLD vs BF16 in llama.cpp's logits ({res['windows']} x 512 tokens, half scored), "
            f"imatrix and Hessians from {res['rows_calibration']} x 512 calibration tokens", "",
-           "| row | type / size | bytes | KLD ± s.e. | ratio to llama.cpp | top-1 % | verify | tensors ≠ llama.cpp |",
+           "| row | type / size | bytes | KLD ± s.e. | ratio to llama.cpp | top-1 % | verify "
+           "| tensors ≠ llama.cpp |",
            "|---|---|---:|---:|---:|---:|:-:|:-:|"]
     for r in rows:
         e = r["eval"]

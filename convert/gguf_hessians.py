@@ -121,7 +121,7 @@ def embedding_hessian(stage: StageHessians, ckpt, embed: torch.Tensor, freq: tor
 
     An embedding row has no input Hessian; what its error costs is what the first layer's Linears make of it. Every
     group of first-layer Linears that reads one normalised copy of the residual stream (one shared input
-    accumulator of the hidden width: the attention projections, the FFN's gate/up) adds Dᵀ·WᵀW·D, trace-normalised,
+    accumulator of the hidden width: the attention projections, the FFN's gate/up) adds Dᵀ·WᵀW·D (normalised),
     where W stacks the group's weights and D maps an embedding error into that input: x = γ⊙h/rms(h), and γ² is
     read from the data as E[x²] / E[(h/rms)²] (h: the embedding rows, weighted by calibration frequency) instead of
     being looked up by name. Routed experts are left out (their routing would weigh them). None when the stage

@@ -119,8 +119,8 @@ def _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev) -> tuple[di
 
 
 def _embedding_curve(spec, types, fetch, stage, ckpt, ids: torch.Tensor, rounding: str, dev) -> tuple[dict, float]:
-    """({bpw: Σ_rows f_row·δ_row·M·δ_rowᵀ}, exact error at the reference type) of token_embd: rows weighted by how
-    often the calibration text uses the token (+1), M the first layer's embedding metric (identity without one)."""
+    """({bpw: Σ_rows f_row·δ_row·M·δ_rowᵀ}, exact error at the reference type) of token_embd: rows weighted by
+    how often the calibration text uses the token (+1), M the first layer's embedding metric (else identity)."""
     from mixq.convert.gguf_hessians import embedding_hessian, token_frequency
 
     w = fetch(spec.hf_names[0])

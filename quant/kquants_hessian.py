@@ -163,7 +163,8 @@ def _check(w: torch.Tensor, hessian: torch.Tensor, qtype: str, imatrix) -> tuple
         raise InputError(f"quantize_hessian: row length {n} is not a multiple of {bs} ({qtype})")
     h3 = hessian if hessian.ndim == 3 else hessian.unsqueeze(0)
     if h3.shape[-2:] != (n, n) or h3.shape[0] not in (1, w3.shape[0]):
-        raise InputError(f"quantize_hessian: Hessian shape {tuple(hessian.shape)} does not fit weights {tuple(w.shape)}")
+        raise InputError(f"quantize_hessian: Hessian shape {tuple(hessian.shape)} does not fit weights "
+                         f"{tuple(w.shape)}")
     if not bool(torch.isfinite(w3).all()) or not bool(torch.isfinite(h3).all()):
         raise InputError("quantize_hessian: weights or Hessian contain NaN or infinite values")
     return w3, h3
@@ -220,7 +221,7 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
 
     For each 8-weight group in turn: the unconstrained best values given the other groups (v + H_BB⁻¹·g_B) fix the
     signs; the ``IQ2S_SHORTLIST`` codebook entries nearest to them in the diagonal metric are scored with the exact
-    change of the quadratic (2δ·g_B + δ·H_BB·δᵀ) and the best one replaces the group's entry when it lowers it."""
+    change of the quadratic (2δ·g_B + δ·H_BB·δᵀ); the best replaces the group's entry when it lowers it."""
     dev = w.device
     grid = torch.from_numpy(gl.iq2s_grid()).to(dev)                                # (1024, 8)
     db = torch.from_numpy(gl.iq2s_group_scales(blocks)).to(dev)                    # (E, rows, G)

@@ -37,7 +37,7 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
     from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.checkpoint_check import validate_checkpoint
-    from mixq.formats.gguf_names import gguf_tensors
+    from mixq.formats.gguf_names import TOKEN_EMBD, gguf_tensors
     from mixq.formats.imatrix_file import IMatrix
 
     dev = resolve_device(device)  # before the checkpoint is read: a missing CUDA is a one-line error
@@ -46,7 +46,7 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                            vocab_size=int(ckpt.text_config["vocab_size"]))
     specs = [s for s in gguf_tensors(ckpt, include_mtp=False)
-             if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != "token_embd.weight"]
+             if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != TOKEN_EMBD]
     by_hf: dict[str, list] = {}
     for s in specs:
         for e, h in enumerate(s.hf_names):

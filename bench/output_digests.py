@@ -2,8 +2,8 @@
 
 Run it before and after a change that must not alter any output; the two JSON files must be equal:
 
-    python bench/output_digests.py --out /tmp/digests-before --json before.json
-    python bench/output_digests.py --out /tmp/digests-after --json after.json
+    python bench/output_digests.py --out ../bench-work/digests-before --json before.json
+    python bench/output_digests.py --out ../bench-work/digests-after --json after.json
     python bench/output_digests.py --diff before.json after.json
 
 Uses the trained fixtures (``../shared/models`` or ``$MIXQ_SHARED/models``) and the CLI, as a user would.

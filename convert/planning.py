@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+import torch
+
 from mixq.errors import InputError, PlanError
 from mixq.formats.atomic import write_json
 from mixq.formats.exl3_layout import shard_count
+from mixq.formats.exl3_names import storage_dtype
 from mixq.formats.glm5next import ROLES, gguf_policy
 from mixq.quant import allocator as al
 from mixq.quant import gguf_mix as gm
@@ -266,18 +269,13 @@ def load_plan(path: str | Path) -> Plan:
 
 
 # --- EXL3 ----------------------------------------------------------------------------------------------------
-_EXL3_NATIVE = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2), "float32": ("fp16", 2)}  # exl3-format.md §1.5
+_STORAGE_LABEL = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # the plan JSON's "storage" values
 
 
 def _exl3_stored(ckpt, name: str, policy: str) -> tuple[str, int]:
-    """(storage dtype, bytes) of an unquantized tensor: fp16/fp32 by policy, native keeps bf16/fp16, fp32->fp16."""
-    n = _numel(ckpt.shape(name))
-    if policy == "fp16":
-        return "fp16", 2 * n
-    if policy == "fp32":
-        return "fp32", 4 * n
-    dt, item = _EXL3_NATIVE.get(ckpt.source_dtype(name), ("fp16", 2))
-    return dt, item * n
+    """(storage label, bytes) of an unquantized tensor, stored as formats/exl3_names stores it."""
+    dt = storage_dtype(policy, ckpt.source_dtype(name), name)
+    return _STORAGE_LABEL[dt], getattr(torch, dt).itemsize * _numel(ckpt.shape(name))
 
 
 def _st_header(names_shapes: Iterable[tuple[str, int]], n_shards: int) -> int:

@@ -73,7 +73,8 @@ class Exl3Unit:
         return {n: c.reshape(s) for n, c, s in zip(self.hf_names, chunks, self.src_shapes)}
 
 
-def _raw_dtype(policy: str, source_dtype: str, name: str) -> str:
+def storage_dtype(policy: str, source_dtype: str, name: str) -> str:
+    """The dtype an unquantized tensor is stored in, by its EXL3 policy and source dtype (exl3-format.md §1.5)."""
     if policy == "fp32":
         # e_score_correction_bias keeps fp16 when the source is fp16 (reference §1.5)
         return "float16" if (source_dtype == "float16" and name.endswith("e_score_correction_bias")) else "float32"
@@ -106,7 +107,7 @@ def _fused_unit(ckpt, info, have: set[str], stage: str) -> Exl3Unit:
         return Exl3Unit(info.exl3_key, "trellis", srcs, fused, info.role, stage, info.exl3_bits_key, split=split,
                         src_shapes=shapes)
     return Exl3Unit(info.exl3_key, "raw", srcs, fused, info.role, stage,
-                    dtype=_raw_dtype(info.exl3, ckpt.source_dtype(info.name), info.name), split=split,
+                    dtype=storage_dtype(info.exl3, ckpt.source_dtype(info.name), info.name), split=split,
                     src_shapes=shapes)
 
 
@@ -142,7 +143,7 @@ def exl3_layout(ckpt, *, vision_bits: float | None = None, include_mtp: bool = T
         dtype_src = ckpt.source_dtype(name)
         if info.exl3_flat:
             units.append(Exl3Unit(name, "raw", [name], (math.prod(shape),), info.role, stage,
-                                  dtype=_raw_dtype(info.exl3, dtype_src, name), src_shapes=[shape]))
+                                  dtype=storage_dtype(info.exl3, dtype_src, name), src_shapes=[shape]))
             continue
         quantize = info.exl3 == "trellis" and not (info.role == "vision" and vision_bits is None)
         is_linear = name.endswith(".weight") and len(shape) == 2
@@ -157,7 +158,7 @@ def exl3_layout(ckpt, *, vision_bits: float | None = None, include_mtp: bool = T
                                   dtype="float16", src_shapes=[shape]))
         else:
             units.append(Exl3Unit(name, "raw", [name], shape, info.role, stage,
-                                  dtype=_raw_dtype(info.exl3, dtype_src, name), src_shapes=[shape]))
+                                  dtype=storage_dtype(info.exl3, dtype_src, name), src_shapes=[shape]))
     return units
 
 

@@ -105,3 +105,24 @@ def test_measure_curves_drive_the_allocation(mini_model):
     assert _avg(p, "routed_expert") > _avg(p, "attn")
     with pytest.raises(PlanError, match="no error curve"):
         plan_model(ck, "exl3", bpw=4.0, measure={k: v for k, v in list(curves.items())[1:]})
+
+
+def test_exl3_unquantized_bytes_are_what_the_writer_stores(k256_fp8_model):
+    """The plan's storage and bytes of every unquantized tensor follow the EXL3 unit layout (one storage rule)."""
+    import torch
+
+    from mixq.formats.exl3_names import exl3_layout
+
+    ck = open_checkpoint(k256_fp8_model)
+    plan = {t.name: t for t in plan_model(ck, "exl3").tensors}
+    label = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    n = 0
+    for u in exl3_layout(ck):
+        if u.kind == "trellis":
+            continue
+        for name in u.hf_names:
+            t = plan[name]
+            numel = torch.Size(ck.shape(name)).numel()
+            assert (t.type, t.bytes) == (label[u.dtype], getattr(torch, u.dtype).itemsize * numel), name
+            n += 1
+    assert n > 100 and {plan[m].type for m in plan if plan[m].bits is None} >= {"bf16", "fp16", "fp32"}

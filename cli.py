@@ -153,9 +153,9 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--bpw", type=float, default=None, help="Target bits per weight of the budgeted tensors.")
 @click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB).")
 @click.option("--override", "overrides", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF mixes) per-tensor override, as `mixq plan` (repeatable).")
-@click.option("--calibration", multiple=True, type=click.Path(), help="EXL3: calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
-@click.option("--rows", type=int, default=None, help="EXL3: calibration rows.  [default: 64]")
-@click.option("--seq-len", type=int, default=None, help="EXL3: tokens per calibration row.  [default: 512]")
+@click.option("--calibration", multiple=True, type=click.Path(), help="EXL3, GGUF --rounding hessian: calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
+@click.option("--rows", type=int, default=None, help="EXL3, GGUF --rounding hessian: calibration rows.  [default: 64]")
+@click.option("--seq-len", type=int, default=None, help="EXL3, GGUF --rounding hessian: tokens per calibration row.  [default: 512]")
 @click.option("--device", default=None, help="cuda|cpu: EXL3 quantization, GGUF encoding [default: cuda when available; GGUF with --threads: cpu].")
 @click.option("--shard-size", default=None, help="Max shard size (EXL3 default 8GiB; GGUF default: one file).")
 @click.option("--resume", is_flag=True, help="EXL3: continue an interrupted conversion in OUT.")
@@ -165,7 +165,12 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--vision-bits", type=float, default=None, help="Quantize the vision tower (EXL3) [default: source precision].")
 @click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
 @click.option("--measure", type=click.Path(), default=None,
-              help="EXL3: plan with these error curves (`mixq plan --measure --measure-out FILE`).")
+              help="Plan --bpw/--size with these error curves (`mixq plan --measure --measure-out FILE`; GGUF: "
+                   "measured with the same --rounding and --imatrix).")
+@click.option("--rounding", type=click.Choice(["exact", "hessian"]), default=None,
+              help="GGUF: exact = ggml's encoder, byte-identical to llama-quantize; hessian = the same types and "
+                   "bytes, codes chosen for each layer's output error from a calibration pass (--calibration, "
+                   "--rows, --seq-len).  [default: exact]")
 @click.option("--type", "qtype", default=None, help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).")
 @click.option("--imatrix", type=click.Path(), default=None, help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).")
 @click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default=None, help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  [default: k]")
@@ -243,6 +248,10 @@ def verify(path, no_decode, as_json) -> None:
                    "(1,2 on CPU; on CUDA all, or 8,16 beyond 2e9 budgeted weights).")
 @click.option("--device", help="--measure: cuda|cpu [default: cuda when available].")
 @click.option("--calibration", multiple=True, type=click.Path(exists=True), help="--measure: calibration text.")
+@click.option("--rounding", type=click.Choice(["exact", "hessian"]), default="exact", show_default=True,
+              help="GGUF --measure: the rounding the conversion will use (the curves measure it).")
+@click.option("--imatrix", type=click.Path(exists=True), default=None,
+              help="GGUF --measure: the imatrix the conversion will use.")
 @click.option("--fit", help="Memory to fit (weights + cache + reserve), e.g. 121GB.")
 @click.option("--context", help="Context length for --fit, e.g. 262144 or 256K.")
 @click.option("--cache", help="Cache type: llama.cpp f16/q8_0/q4_0/...; exllamav3 fp16/q8/q6/q4.")
@@ -254,8 +263,8 @@ def verify(path, no_decode, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (or fit) as JSON.")
 @_reports_errors
 def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bits, vision_bits, no_mtp, gguf_ladder,
-         measure, measure_out, measure_sample, device, calibration, fit, context, cache, reserve, mmproj, devices,
-         seqs, per_tensor, as_json) -> None:
+         measure, measure_out, measure_sample, device, calibration, rounding, imatrix, fit, context, cache, reserve,
+         mmproj, devices, seqs, per_tensor, as_json) -> None:
     """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting."""
     from mixq.eval.plan_kld import run_plan
 
@@ -263,7 +272,8 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
                    head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=not no_mtp,
                    gguf_ladder=gguf_ladder, measure=measure, fit=fit, context=context, cache=cache,
                    reserve=reserve, mmproj=mmproj, devices=devices, n_seq=seqs, calibration=calibration,
-                   measure_out=measure_out, measure_sample=measure_sample, device=device)
+                   measure_out=measure_out, measure_sample=measure_sample, device=device, rounding=rounding,
+                   imatrix=imatrix)
     if as_json:
         _print_json(res.to_dict())
     elif hasattr(res, "headroom"):

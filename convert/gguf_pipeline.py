@@ -12,11 +12,13 @@ and the outputs -> plan the types -> encode tensor by tensor and write (shards) 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -56,11 +58,12 @@ def _pure_types(specs, outtype: str) -> list[str]:
 
 
 def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k", overrides=(), head_bits=6,
-                   mtp_bits=4) -> list[str]:
+                   mtp_bits=4, measure=None) -> list[str]:
     from mixq.convert.planning import plan_model
 
     plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
-                      gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits, mtp_bits=mtp_bits)
+                      gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits, mtp_bits=mtp_bits,
+                      measure=measure)
     by = {t.name: t.type for t in plan.tensors}
     missing = [s.name for s in specs if s.name not in by]
     if missing:
@@ -70,8 +73,9 @@ def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k
 
 def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=(), output_tensor_type=None,
                  token_embedding_type=None, include_mtp=True, gguf_ladder="k", overrides=(), head_bits=6,
-                 mtp_bits=4) -> list[str]:
-    """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides."""
+                 mtp_bits=4, measure=None) -> list[str]:
+    """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides.
+    `measure`: measured curves {tensor: {bpw: error}} for a --bpw/--size plan (convert/gguf_measure)."""
     if sum(v is not None for v in (qtype, bpw, size)) != 1:
         raise InputError("give exactly one of --type, --bpw, --size")
     if qtype is not None and qtype.upper() in PURE_FLOAT:
@@ -79,7 +83,7 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
     else:
         types = _planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
                                gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits,
-                               mtp_bits=mtp_bits)
+                               mtp_bits=mtp_bits, measure=measure)
     rx = []
     for item in tensor_type:
         if isinstance(item, str):
@@ -229,7 +233,7 @@ def _plan(run: _GGUFRun) -> None:
                              token_embedding_type=o.token_embedding_type, include_mtp=o.include_mtp,
                              gguf_ladder=o.gguf_ladder or "k", overrides=o.overrides,
                              head_bits=6 if o.head_bits is None else o.head_bits,
-                             mtp_bits=4 if o.mtp_bits is None else o.mtp_bits)
+                             mtp_bits=4 if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure))
     if o.imatrix is not None:
         from mixq.formats.imatrix_file import IMatrix, read_imatrix
 
@@ -241,9 +245,20 @@ def _plan(run: _GGUFRun) -> None:
             raise InputError(f"{s.name}: {t} needs an importance matrix ({why}; llama-quantize refuses it too); "
                              "make one with `mixq imatrix`")
     need = sum(gguf_mix.tensor_nbytes(t, s.shape) for s, t in zip(run.specs, run.types)) + METADATA_ROOM
+    if o.rounding == "hessian":  # the rounded tensors are spilled next to OUT before the file is written
+        need *= 2
     if o.mmproj is not None:
         need += sum(run.ckpt.nbytes(n) for n in run.ckpt.names() if run.ckpt.info(n).role == "vision")
     check_free_space(run.out, need, "the GGUF output")
+
+
+def _curves(measure):
+    """--measure for GGUF: a curves mapping as given, or the JSON file `mixq plan --measure-out` wrote."""
+    if measure is None or isinstance(measure, Mapping):
+        return measure
+    from mixq.convert.measure import load_curves
+
+    return load_curves(measure)
 
 
 def _write(run: _GGUFRun) -> list[Path]:
@@ -266,7 +281,8 @@ def _write(run: _GGUFRun) -> list[Path]:
         return x, w
 
     items = [(t.name, t.qtype, f"{by_name[t.name].hf_names[0]} -> {t.name} ({t.qtype})") for t in outs]
-    with TensorEncoder(items, load, threads=run.threads, device=run.device) as enc:
+    with _rounded(run) as pre, TensorEncoder([i for i in items if i[0] not in pre], load, threads=run.threads,
+                                             device=run.device) as enc:
         enc.start()  # workers spawn and build their code tables while the tokenizer and metadata are read
         n_vocab = ckpt.shape(next(s for s in run.specs if s.name == "token_embd.weight").hf_names[0])[0]
         tmeta = tokenizer_metadata(ckpt.path, n_vocab, o.tokenizer_pre)
@@ -284,9 +300,22 @@ def _write(run: _GGUFRun) -> list[Path]:
                       str(o.imatrix) if isinstance(o.imatrix, (str, Path)) else "mixq"),
                    KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
         shard = 0 if o.shard_size in (0, "0", None) else parse_size(o.shard_size)
-        files = write_gguf(run.out, kv, outs, lambda t: enc.get(t.name),
+        files = write_gguf(run.out, kv, outs, lambda t: pre[t.name]() if t.name in pre else enc.get(t.name),
                            tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl), shard_size=shard, progress=o.progress)
     return files
+
+
+def _rounded(run: _GGUFRun):
+    """--rounding hessian: a context holding loaders of the tensors Hessian rounding encodes (its calibration pass
+    runs on entry, convert/gguf_rounding.py); exact: an empty mapping, every tensor goes to ggml's encoders."""
+    o = run.opts
+    if o.rounding != "hessian":
+        return contextlib.nullcontext({})
+    from mixq.convert.gguf_rounding import hessian_rounded
+
+    return hessian_rounded(run.ckpt, run.specs, run.types, run.out, imatrix=run.imx,
+                           calibration=list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len, device=o.device,
+                           progress=o.progress)
 
 
 def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> ConvertResult:

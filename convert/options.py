@@ -185,8 +185,11 @@ class GGUFOptions(_Options):
     `overrides` (PATTERN=TYPE) steer the plan; `tensor_type` ((REGEX, TYPE) or "REGEX=TYPE"),
     `output_tensor_type` and `token_embedding_type` then replace types as llama-quantize's options do.
     `device`: where the quantized types are encoded (None: CUDA when present, unless `threads` asks for CPU worker
-    processes); `threads`: CPU encoder processes (None: every core). The bytes depend on neither. `overwrite`:
-    replace an existing OUT (and --mmproj file) instead of refusing."""
+    processes); `threads`: CPU encoder processes (None: every core). The bytes depend on neither. `rounding`:
+    "exact" (ggml's encoder: byte-identical to llama-quantize) or "hessian" (same types and bytes, codes chosen
+    for the layer-output error from a calibration pass over `calibration` files, `rows` x `seq_len` tokens).
+    `measure`: GGUF error curves (`mixq plan --format gguf --measure --measure-out FILE`) for a --bpw/--size
+    plan. `overwrite`: replace an existing OUT (and --mmproj file) instead of refusing."""
 
     format: ClassVar[str] = "gguf"
     qtype: str | None = _opt(None, "--type")
@@ -209,6 +212,11 @@ class GGUFOptions(_Options):
     mmproj_type: str = _opt("F16", "--mmproj-type")
     threads: int | None = _opt(None, "--threads")
     device: str | None = _opt(None, "--device")
+    rounding: str = _opt("exact", "--rounding")
+    calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
+    rows: int = _opt(DEFAULT_ROWS, "--rows")
+    seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
+    measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
     overwrite: bool = _opt(False, "--overwrite")
     progress: bool = _opt(True, "progress")
 
@@ -236,6 +244,12 @@ class GGUFOptions(_Options):
             _positive_int(cls, "threads", self.threads)
         _device(cls, self.device)
         _size(cls, "shard_size", self.shard_size, zero_ok=True)
+        from mixq.convert.gguf_rounding import check_rounding
+
+        self._set("rounding", check_rounding(self.rounding))
+        self._set("calibration", _tuple(self.calibration))
+        _positive_int(cls, "rows", self.rows)
+        _positive_int(cls, "seq_len", self.seq_len, 2)
         self._check_mode()
 
     def _check_mode(self) -> None:
@@ -251,6 +265,13 @@ class GGUFOptions(_Options):
                                  "use --tensor-type REGEX=TYPE")
         if self.mmproj is None and self.mmproj_type != "F16":
             raise InputError("--mmproj-type applies with --mmproj only")
+        if self.rounding != "hessian":
+            for name, default in (("calibration", ()), ("rows", DEFAULT_ROWS), ("seq_len", DEFAULT_SEQ_LEN)):
+                if getattr(self, name) != default:
+                    raise InputError(f"{flag_of(GGUFOptions, name)} applies to GGUF with --rounding hessian "
+                                     "(its calibration pass)")
+        if self.measure is not None and self.qtype is not None:
+            raise InputError(f"--measure plans a GGUF to --bpw or --size, not --type {self.qtype}")
 
 
 def _tensor_type_pair(item) -> tuple[str, str]:

@@ -34,6 +34,8 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
     ``imatrix``; saved to ``measure_out`` when given)."""
     from mixq.convert.fit import run_plan as plan
 
+    if (rounding != "exact" or imatrix is not None) and not (fmt == "gguf" and measure == "kld"):
+        raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure them)")
     if fmt == "gguf" and measure in ("trellis", "proxy"):
         raise InputError(f"--measure {measure} is EXL3's trellis measurement; GGUF measures with --measure alone")
     if measure == "kld":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from mixq.convert import gguf_rounding as gr
 from mixq.errors import InputError
@@ -74,3 +75,77 @@ def test_work_directory_is_removed_on_error(k256_specs, tmp_path, monkeypatch):
         with gr.hessian_rounded(ck, specs, types, tmp_path / "m.gguf"):
             pass
     assert not list(tmp_path.iterdir())
+
+
+def _layout(path):
+    import gguf
+
+    return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in gguf.GGUFReader(path).tensors}
+
+
+def _llama_logits_finite(path) -> bool:
+    """The file loads in llama-cpp-python 0.3.36 and scores a short window with finite logits."""
+    from mixq.eval.llamacpp import LlamaCppScorer
+
+    sc = LlamaCppScorer(path, ctx=33, first=0, cache_type="f32")
+    try:
+        return bool(torch.isfinite(sc(torch.arange(1, 34))).all())
+    finally:
+        sc.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", ["Q4_K_M", "IQ2_S-exps"])
+def test_convert_rounding_hessian_same_layout_loads_and_verifies(mix, k256_model, calibration_text, tmp_path):
+    """`mixq convert --rounding hessian`: every tensor keeps llama-quantize's type and byte count, the covered
+    tensors' codes change, the file passes `mixq verify` and llama.cpp loads and runs it."""
+    pytest.importorskip("llama_cpp")
+    from mixq.convert.api import verify
+    from mixq.convert.gguf_pipeline import convert_gguf, make_imatrix
+
+    imx = tmp_path / "imx.gguf"
+    make_imatrix(k256_model, imx, [calibration_text], rows=2, seq_len=64, progress=False)
+    kw = dict(qtype="Q4_K_M", imatrix=imx, threads=1, progress=False,
+              tensor_type=[r"blk\.[0-3]\.ffn_(gate|up|down)_exps=IQ2_S"] if mix != "Q4_K_M" else [])
+    convert_gguf(k256_model, tmp_path / "exact.gguf", **kw)
+    convert_gguf(k256_model, tmp_path / "hess.gguf", rounding="hessian", calibration=[calibration_text], rows=2,
+                 seq_len=64, **kw)
+    a, b = _layout(tmp_path / "exact.gguf"), _layout(tmp_path / "hess.gguf")
+    assert a == b
+    import gguf
+
+    da = {t.name: bytes(t.data) for t in gguf.GGUFReader(tmp_path / "exact.gguf").tensors}
+    db = {t.name: bytes(t.data) for t in gguf.GGUFReader(tmp_path / "hess.gguf").tensors}
+    changed = {n for n in da if da[n] != db[n]}
+    assert {"token_embd.weight", "blk.1.ffn_up_exps.weight", "output.weight"} <= changed
+    assert not any(n.startswith("blk.4.") for n in changed)  # the NextN block keeps ggml's bytes
+    assert not list(tmp_path.glob(".hess.partial-*"))
+    assert verify(tmp_path / "hess.gguf", model=k256_model)["problems"] == []
+    assert _llama_logits_finite(tmp_path / "hess.gguf")
+
+
+@pytest.mark.slow
+def test_convert_measured_plan_hits_the_size_loads_and_verifies(k256_model, tmp_path):
+    """`mixq convert --size S --measure CURVES`: the file is within 0.1% of S, has the plan's types, passes
+    `mixq verify` and runs in llama.cpp (curves shaped like a good quantizer's, so no calibration is needed)."""
+    pytest.importorskip("llama_cpp")
+    import json
+    import math
+
+    from mixq.convert.api import verify
+    from mixq.convert.gguf_measure import measured_units
+    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.quant import gguf_mix as gm
+
+    units = measured_units(open_checkpoint(k256_model))
+    curves = {n: {f"{gm.type_bpw(t):g}": (20.0 if s.role == "embed" else 1.0) * math.prod(s.shape)
+                  * 4.0 ** -gm.type_bpw(t) for t in lad} for n, (s, lad) in units.items()}
+    (tmp_path / "curves.json").write_text(json.dumps(curves))
+    size = 12_674_400  # llama.cpp's Q3_K_M file of k256
+    out = tmp_path / "m.gguf"
+    convert_gguf(k256_model, out, size=size, measure=tmp_path / "curves.json", threads=1, progress=False)
+    assert abs(out.stat().st_size - size) / size < 1e-3
+    assert _layout(out)["token_embd.weight"][0] != "BF16"  # the measured plan budgets the embedding
+    assert verify(out, model=k256_model)["problems"] == []
+    assert _llama_logits_finite(out)

@@ -38,7 +38,9 @@ OPTION_CASES = [
     ("gguf-ladder-with-mix", [*GGUF, "--type", "Q4_K_M", "--gguf-ladder", "iq"], "--gguf-ladder"),
     ("gguf-override-with-float", [*GGUF, "--type", "BF16", "--override", "attn=Q8_0"], "--override"),
     ("gguf-mmproj-type-alone", [*GGUF, "--type", "Q8_0", "--mmproj-type", "Q8_0"], "--mmproj-type"),
-    ("gguf-rows", [*GGUF, "--type", "Q8_0", "--rows", "8"], "--rows applies to --format exl3 only"),
+    ("gguf-rows", [*GGUF, "--type", "Q8_0", "--rows", "8"], "--rows applies to GGUF with --rounding hessian"),
+    ("gguf-rounding-unknown", [*GGUF, "--type", "Q8_0", "--rounding", "gptq"], "--rounding"),
+    ("gguf-measure-with-mix", [*GGUF, "--type", "Q4_K_M", "--measure", "c.json"], "--measure plans a GGUF"),
     ("gguf-resume", [*GGUF, "--type", "Q8_0", "--resume"], "--resume applies to --format exl3 only"),
     ("gguf-vision-bits", [*GGUF, "--type", "Q8_0", "--vision-bits", "4"], "--vision-bits"),
     ("gguf-threads-zero", [*GGUF, "--type", "Q8_0", "--threads", "0"], "--threads 0"),
@@ -101,7 +103,8 @@ def test_iq_ladder_plans_only_types_with_an_encoder(mini_model):
 # --- the Python API -------------------------------------------------------------------------------------------
 API_CASES = [
     ("exl3-threads", "exl3", {"bpw": 4, "threads": 4}, "--threads applies to --format gguf only"),
-    ("gguf-rows", "gguf", {"qtype": "Q8_0", "rows": 4}, "--rows applies to --format exl3 only"),
+    ("gguf-rows", "gguf", {"qtype": "Q8_0", "rows": 4}, "--rows applies to GGUF with --rounding hessian"),
+    ("gguf-rounding", "gguf", {"qtype": "Q8_0", "rounding": "gptq"}, "--rounding 'gptq': expected one of"),
     ("unknown-option", "gguf", {"qtype": "Q8_0", "colour": "red"}, "unknown convert option 'colour'"),
     ("unknown-format", "onnx", {}, "unknown format 'onnx'"),
 ]

@@ -348,4 +348,4 @@ def test_convert_with_measured_curves_follows_the_sensitivity_plan(tiny_model, f
     assert all(want[u.key] < role[u.key] for u in groups[cold])
     r = _run("convert", str(tiny_model), str(tmp_path / "g.gguf"), "--format", "gguf", "--type", "Q8_0",
              "--measure", str(path))
-    assert r.exit_code == 2 and "--measure applies to --format exl3 only" in r.output
+    assert r.exit_code == 2 and "--measure plans a GGUF to --bpw or --size, not --type Q8_0" in r.output

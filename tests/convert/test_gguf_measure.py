@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from mixq.convert import gguf_measure as gmeas
@@ -104,3 +105,41 @@ def test_measured_errors_fall_with_bits_and_hessian_rounding_helps(k256, calibra
 def test_measured_errors_of_embedding_head_and_experts(k256, calibration_text):
     names = ["token_embd.weight", "output.weight", "blk.1.ffn_down_exps.weight"]
     _check_curves(k256, calibration_text, names, names[1:])
+
+
+def test_cli_plan_gguf_measure_passes_rounding_and_imatrix(k256_model, tmp_path, monkeypatch):
+    """`mixq plan --format gguf --size S --measure --rounding hessian --imatrix IMX --measure-out F`: the measurement
+    gets the conversion's rounding and imatrix, the curves are saved, the plan budgets the embedding."""
+    import json
+
+    from click.testing import CliRunner
+
+    import mixq.eval.gguf_kld as gk
+    from mixq.cli import main
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.imatrix_file import IMatrix, write_imatrix
+
+    seen = {}
+
+    def fake_curves(ckpt, calibration=None, *, ladder, rounding, imatrix, device, progress):
+        seen.update(rounding=rounding, imatrix=imatrix, ladder=ladder)
+        return _model_curves(ckpt)
+
+    monkeypatch.setattr(gk, "gguf_kld_curves", fake_curves)
+    ck = open_checkpoint(k256_model)
+    im = IMatrix(datasets=["x"], chunk_count=1, chunk_size=8)
+    im.add("blk.0.attn_q.weight", np.ones((1, 256), np.float32), np.array([8.0]))
+    write_imatrix(tmp_path / "imx.gguf", im)
+    out = tmp_path / "curves.json"
+    r = CliRunner().invoke(main, ["plan", str(k256_model), "--format", "gguf", "--size", str(NAMED_MIX_BYTES[1]),
+                                  "--measure", "--rounding", "hessian", "--imatrix", str(tmp_path / "imx.gguf"),
+                                  "--measure-out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert seen["rounding"] == "hessian" and seen["ladder"] == "k"
+    assert np.allclose(seen["imatrix"]["blk.0.attn_q.weight"], 1.0 / 8)  # Σx² / count, as the converter reads it
+    assert set(json.loads(out.read_text())) - {"_meta"} == set(_model_curves(ck))
+    plan = json.loads(r.output[r.output.index("{"):])
+    types = {t["name"]: t["type"] for t in plan["tensors"]}
+    assert types["token_embd.weight"] != "BF16"
+    r = CliRunner().invoke(main, ["plan", str(k256_model), "--format", "gguf", "--bpw", "4", "--rounding", "hessian"])
+    assert r.exit_code == 2 and "--rounding and --imatrix apply to" in r.output

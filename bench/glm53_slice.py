@@ -169,6 +169,343 @@ def build(work: Path, experts: int, *, small: bool, device: str, seed: int = 0) 
     return res
 
 
+
+# --- where the time goes: wrappers around mixq's hot functions (measurement only; the code is unchanged) -------
+
+class Probe:
+    """Seconds per key, from wrappers around functions of mixq modules (CUDA synchronised around each call)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.events: list[tuple[str, float, float]] = []
+        self.active: set[str] = set()
+
+    def wrap(self, owners, attr: str, key, group: str | None = None) -> None:
+        """Time `attr` of each owner under `key(*args)`; calls nested in another call of the same `group` are
+        not counted again."""
+        import torch
+
+        owners = [o for o in owners if hasattr(o, attr)]
+        if not owners:
+            return
+        orig = getattr(owners[0], attr)
+
+        def timed(*a, **k):
+            if group is not None and group in self.active:
+                return orig(*a, **k)
+            if group is not None:
+                self.active.add(group)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                self.active.discard(group)
+                name = key(*a, **k)
+                self.seconds[name] = self.seconds.get(name, 0.0) + t1 - t0
+                self.events.append((name, t0, t1))
+
+        for o in owners:
+            if getattr(o, attr) is orig:
+                setattr(o, attr, timed)
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in sorted(self.seconds.items())}
+
+
+def _exl3_probe() -> Probe:
+    import mixq.convert.exl3_output as xo
+    import mixq.convert.pipeline as pl
+    from mixq.formats import checkpoint_check, exl3_writer
+
+    mods = [xo, pl]
+    try:
+        import mixq.convert.exl3_ranks as xr
+        mods.append(xr)
+    except ImportError:
+        pass
+    p = Probe()
+    p.wrap(mods, "quantize_batch", lambda units, *a, **k: f"encode/{units[0].stage}/{units[0].role}")
+    p.wrap([pl], "_write_stage", lambda run, stage, *a, **k: f"stage/{stage}")
+    p.wrap([exl3_writer.Exl3Writer], "write_part", lambda self, stage, *a, **k: f"write/{stage}")
+    p.wrap([checkpoint_check, pl], "scan_finite", lambda *a, **k: "scan")
+    p.wrap(mods, "compile_exl3", lambda *a, **k: "finalize")
+    return p
+
+
+def _calibration_seconds(p: Probe) -> dict[str, float]:
+    """Time between one calibrated stage's end and the next one's start: the calibration forward of that layer."""
+    stages = sorted((t0, t1, k.split("/", 1)[1]) for k, t0, t1 in p.events if k.startswith("stage/"))
+    out, prev_end = {}, None
+    for t0, t1, st in stages:
+        if (st.startswith("layer.") or st == "head") and prev_end is not None:
+            out[st] = round(t0 - prev_end, 3)
+        prev_end = t1
+    return out
+
+
+# --- stages (each runs in a child process: `--child STAGE`) --------------------------------------------------
+
+def _peaks() -> dict:
+    import resource
+
+    import torch
+
+    d = {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if torch.cuda.is_available():
+        d["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return d
+
+
+def _timed(fn, *a, **k):
+    t = time.time()
+    out = fn(*a, **k)
+    return out, round(time.time() - t, 2)
+
+
+def stage_load(work: Path, device: str) -> dict:
+    """Read every tensor of the BF16 and the FP8 slice through mixq's reader (FP8 dequantized)."""
+    from mixq.formats.checkpoint import open_checkpoint
+
+    out = {}
+    for kind in ("bf16", "fp8"):
+        ck = open_checkpoint(work / kind)
+        t, n = time.time(), 0
+        for name in ck.names():
+            n += ck.get(name).numel()
+        sec = time.time() - t
+        nbytes = sum(f.stat().st_size for f in (work / kind).glob("*.safetensors"))
+        out[kind] = {"seconds": round(sec, 2), "params": n, "file_bytes": nbytes,
+                     "gb_per_s": round(nbytes / sec / 1e9, 3)}
+    return out
+
+
+def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_len: int = 512) -> dict:
+    """mixq's EXL3 conversion of the slice (calibration with every expert, trellis, write), then verify."""
+    from mixq.convert import Exl3Options, convert, verify
+
+    out = work / "mixq-exl3"
+    shutil.rmtree(out, ignore_errors=True)
+    probe = _exl3_probe()
+    res, sec = _timed(convert, work / "bf16", out, Exl3Options(bpw=bpw, device=device, rows=rows,
+                                                                       seq_len=seq_len, progress=False))
+    rep, vsec = _timed(verify, out)
+    d = res.to_dict()
+    d.update(wall_seconds=sec, timings=probe.rounded(), calibration=_calibration_seconds(probe), verify_seconds=vsec,
+             verify_ok=bool(rep.get("ok", not rep.get("problems"))), **_peaks())
+    return d
+
+
+def stage_eval(work: Path, device: str, windows: int = 16, ctx: int = 4096) -> dict:
+    """Streaming `mixq eval` of the EXL3 slice against the BF16 slice on held-out text."""
+    from mixq.convert import dequant, layer_stream
+    from mixq.eval.api import evaluate
+
+    probe = Probe()
+    for cls in (dequant.CheckpointSource, dequant.GGUFSource, dequant.Exl3Source):
+        probe.wrap([cls], "layer", lambda self, i, _c=cls.__name__: f"load/{_c}")
+    for m in ("run_layer", "run_layer_inplace"):
+        probe.wrap([layer_stream.DecoderStream], m, lambda *a, **k: "forward")
+    rep, sec = _timed(evaluate, work / "bf16", [work / "mixq-exl3"], SHARED / "data" / "heldout.txt", ctx=ctx,
+                      windows=windows, device=device, progress=False)
+    c = rep["candidates"][0]
+    keep = ("kld_mean", "top1", "ppl", "peak_rss_mib", "peak_gpu_mib", "seconds", "timings")
+    return {"wall_seconds": sec, "windows": windows, "ctx": ctx, "timings": probe.rounded(),
+            "report": {k: rep[k] for k in keep if k in rep},
+            "candidate": {k: c[k] for k in ("kld_mean", "top1_agreement", "ppl", "bpw", "bytes") if k in c},
+            **_peaks()}
+
+
+def stage_gguf(work: Path, device: str, rows: int = 64, seq_len: int = 512) -> dict:
+    """imatrix, then Q4_K_M with it, then the 108 GB plan's i-quant ladder at its bpw."""
+    from mixq.convert import GGUFOptions, convert
+    from mixq.convert.imatrix import make_imatrix
+
+    from mixq.quant import kquants
+
+    imat = work / "slice.imatrix.gguf"
+    imat.unlink(missing_ok=True)
+    out: dict = {}
+    probe = Probe()
+    for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
+        probe.wrap([kquants], fn, lambda x, qtype, *a, **k: f"encode/{qtype}", group="encode")
+    _, out["imatrix_seconds"] = _timed(make_imatrix, work / "bf16", imat, rows=rows, seq_len=seq_len, device=device,
+                                       progress=False)
+    enc = {"device": device} if device != "cpu" else {"threads": 1}  # in this process, where the probe is
+    for label, opts in (("Q4_K_M", GGUFOptions(qtype="Q4_K_M", imatrix=str(imat), progress=False, overwrite=True,
+                                                **enc)),
+                        ("iq-2.6bpw", GGUFOptions(bpw=2.6, gguf_ladder="iq", imatrix=str(imat), progress=False,
+                                                  overwrite=True, **enc))):
+        res, sec = _timed(convert, work / "bf16", work / f"slice-{label}.gguf", opts)
+        d = res.to_dict()
+        out[label] = {"wall_seconds": sec, "bytes": d["bytes"], "bpw": d["bpw"], "types": d["types"],
+                      "weights_by_type": _gguf_weights_by_type(work / f"slice-{label}.gguf"),
+                      "timings": probe.rounded()}
+        probe.seconds.clear()
+    out.update(_peaks())
+    return out
+
+
+def _gguf_weights_by_type(path: Path) -> dict[str, int]:
+    from gguf import GGUFReader
+
+    out: dict[str, int] = {}
+    for t in GGUFReader(path).tensors:
+        out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return out
+
+
+def stage_exllamav3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_len: int = 512) -> dict:
+    """exllamav3's own converter on the same slice at the same bpw and calibration size."""
+    out, tmp = work / "exllamav3-exl3", work / "exllamav3-work"
+    for d in (out, tmp):
+        shutil.rmtree(d, ignore_errors=True)
+    cmd = [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(work / "bf16"), "-o", str(out),
+           "-w", str(tmp), "-b", str(bpw), "-cr", str(rows), "-cc", str(seq_len)]
+    t = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    sec = time.time() - t
+    (work / "exllamav3-convert.log").write_text(r.stdout[-20000:] + "\n" + r.stderr[-20000:])
+    nbytes = sum(f.stat().st_size for f in out.glob("*.safetensors")) if out.is_dir() else 0
+    return {"returncode": r.returncode, "wall_seconds": round(sec, 1), "bytes": nbytes, "bpw": bpw,
+            "calibration": f"{rows} x {seq_len}", "tail": (r.stdout + r.stderr)[-1500:] if r.returncode else ""}
+
+
+# --- projection to the release ---------------------------------------------------------------------------------
+
+def _release_counts(experts: int) -> dict:
+    """Parameters per role of the release and of the slice, from their configs (shapes only)."""
+    import tempfile
+
+    from mixq.formats.checkpoint import checkpoint_from_config
+
+    shape = json.loads(SHAPE_CONFIG.read_text())
+    out = {}
+    for label, cfg in (("release", shape), ("slice", slice_config(shape, experts))):
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_text(json.dumps(cfg))
+            ck = checkpoint_from_config(Path(d) / "config.json")
+            roles: dict[str, int] = {}
+            for n in ck.names():
+                k = 1
+                for x in ck.shape(n):
+                    k *= int(x)
+                roles[ck.info(n).role] = roles.get(ck.info(n).role, 0) + k
+        out[label] = roles
+    return out
+
+
+def _release_gguf_weights() -> dict[str, int]:
+    """Weights per ggml type of the 108 GB i-quant plan of the release (`mixq plan --size 108GB --gguf-ladder iq`)."""
+    from mixq.convert.planning import plan_model
+    from mixq.formats.checkpoint import checkpoint_from_config
+
+    plan = plan_model(checkpoint_from_config(SHAPE_CONFIG), "gguf", size=108 * 10**9, gguf_ladder="iq")
+    out: dict[str, int] = {}
+    for t in plan.tensors:
+        n = 1
+        for x in t.shape:
+            n *= int(x)
+        out[t.type] = out.get(t.type, 0) + n
+    return out
+
+
+def project(res: dict, experts: int) -> dict:
+    """Each measured stage scaled to the release: 45 layers (3 KDA+dense, 31 KDA+MoE, 11 DSA+MoE) + NextN, 288
+    experts per MoE layer. Parts that scale with the experts (their encode, read and write; the expert share of a
+    layer's calibration forward, by parameters) are multiplied by 288/E, the rest counted per layer."""
+    st = res["stages"]
+    counts = _release_counts(experts)
+    rel, sl = counts["release"], counts["slice"]
+    ex = 288 / experts
+    out: dict = {"assumptions": {"experts_slice": experts, "experts_release": 288,
+                                 "layers": "3 KDA+dense, 31 KDA+MoE, 11 DSA+MoE, 1 NextN (DSA+MoE, uncalibrated)"}}
+    e = st.get("exl3", {})
+    if "timings" in e:
+        tm, cal = e["timings"], e.get("calibration", {})
+        f_exp = sl.get("routed_expert", 0) / max(1, sl.get("routed_expert", 0) + sl.get("shared_expert", 0) / 3
+                                                 + sl.get("attn", 0) / 4)  # expert share of a MoE layer's params
+
+        def parts(i: int) -> tuple[float, float, float, float]:
+            """(stage time not scaling with experts, stage time scaling, calibration fixed, calibration scaling)"""
+            total = tm.get(f"stage/layer.{i}", 0.0)
+            fixed = sum(v for k, v in tm.items() if k.startswith(f"encode/layer.{i}/") and "routed_expert" not in k)
+            c = cal.get(f"layer.{i}", 0.0)
+            moe = MLP_TYPES[i] == "sparse"
+            return fixed, total - fixed, c * (1 - f_exp) if moe else c, c * f_exp if moe else 0.0
+
+        def cost(p: tuple[float, float, float, float], calibrated: bool = True) -> float:
+            return p[0] + ex * p[1] + (p[2] + ex * p[3] if calibrated else 0.0)
+
+        p = [parts(i) for i in range(len(LAYER_TYPES))]
+        kda_moe = [(x + y) / 2 for x, y in zip(p[1], p[2])]
+        layers = 3 * cost(p[0]) + 31 * cost(kda_moe) + 11 * cost(p[3])
+        nextn = cost(p[3], calibrated=False)
+        once = sum(tm.get(f"stage/{s}", 0.0) for s in ("embed", "head", "vision")) + cal.get("head", 0.0)
+        byte_ratio = sum(rel.values()) / max(1, sum(sl.values()))
+        scan = tm.get("scan", 0.0) * byte_ratio
+        fin = tm.get("finalize", 0.0) * byte_ratio
+        total = layers + nextn + once + scan + fin
+        out["exl3_3.05_hours"] = round(total / 3600, 2)
+        out["exl3_parts_hours"] = {"decoder layers": round(layers / 3600, 2), "nextn": round(nextn / 3600, 2),
+                                   "embed/head/vision": round(once / 3600, 3), "nan scan": round(scan / 3600, 2),
+                                   "finalize": round(fin / 3600, 3)}
+    g = st.get("gguf", {})
+    if "iq-2.6bpw" in g:
+        rates, secs = {}, {}
+        for label in ("Q4_K_M", "iq-2.6bpw"):
+            for k, v in g[label]["timings"].items():
+                t = k.split("/", 1)[1]
+                w = g[label]["weights_by_type"].get(t, 0)
+                if w and v > 0:
+                    rates[t] = w / v
+        real = _release_gguf_weights()
+        mean_rate = sum(rates.values()) / len(rates) if rates else float("nan")
+        enc = sum(w / rates.get(t, mean_rate) for t, w in real.items() if t not in ("F32", "F16", "BF16"))
+        rest = g["iq-2.6bpw"]["wall_seconds"] - sum(g["iq-2.6bpw"]["timings"].values())
+        byte_ratio = sum(rel.values()) / max(1, sum(sl.values()))
+        cal_ratio = 1.0
+        if "timings" in e and e.get("calibration"):
+            c = e["calibration"]
+            cal_ratio = (3 * c.get("layer.0", 0) + 31 * ex * (c.get("layer.1", 0) + c.get("layer.2", 0)) / 2
+                         + 11 * ex * c.get("layer.3", 0)) / max(1e-9, sum(c.get(f"layer.{i}", 0) for i in range(4)))
+        imat = g.get("imatrix_seconds", 0.0) * cal_ratio
+        out["gguf_108GB_hours"] = round((enc + rest * byte_ratio + imat) / 3600, 2)
+        out["gguf_parts_hours"] = {"encode": round(enc / 3600, 2), "read/write/seal": round(rest * byte_ratio / 3600, 2),
+                                   "imatrix": round(imat / 3600, 2)}
+        out["gguf_rates_mweights_per_s"] = {t: round(r / 1e6, 2) for t, r in rates.items()}
+    v = st.get("eval", {})
+    if "timings" in v:
+        tm = v["timings"]
+        load = sum(x for k, x in tm.items() if k.startswith("load/"))
+        fwd = tm.get("forward", 0.0)
+        rest = v["wall_seconds"] - load - fwd
+        w_ratio = (sum(rel.values()) - rel.get("vision", 0)) / max(1, sum(sl.values()) - sl.get("vision", 0))
+        total = load * w_ratio + fwd * 45 / 4 + rest
+        out["eval_one_candidate_hours"] = round(total / 3600, 2)
+        out["eval_parts_hours"] = {"load+dequantize": round(load * w_ratio / 3600, 2),
+                                   "forward": round(fwd * 45 / 4 / 3600, 2), "head+other": round(rest / 3600, 3)}
+    return out
+
+
+CHILD_STAGES = {"load": stage_load, "exl3": stage_exl3, "eval": stage_eval, "gguf": stage_gguf,
+                "exllamav3": stage_exllamav3}
+
+
+def _run_child(stage: str, work: Path, device: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--work", str(work), "--json", os.devnull, "--child", stage, "--device", device,
+           *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode or not lines:
+        return {"error": f"exit {r.returncode}", "tail": (r.stdout + r.stderr)[-3000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True, help="directory for the slice and every output")
@@ -177,7 +514,18 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--small", action="store_true", help="toy widths (CPU test of the script)")
     ap.add_argument("--device", default=None, help="cuda|cpu [default: cuda when present]")
+    ap.add_argument("--rows", type=int, default=64, help="calibration rows (mixq and exllamav3)")
+    ap.add_argument("--seq-len", type=int, default=512, help="calibration tokens per row")
+    ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--eval-ctx", type=int, default=4096)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child:  # one stage in this process; its JSON on the last stdout line
+        dev = a.device or "cuda"
+        kw = ({"windows": a.eval_windows, "ctx": a.eval_ctx} if a.child == "eval"
+              else {"rows": a.rows, "seq_len": a.seq_len} if a.child in ("exl3", "gguf", "exllamav3") else {})
+        print("RESULT " + json.dumps(CHILD_STAGES[a.child](a.work, dev, **kw)), flush=True)
+        return
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -188,6 +536,11 @@ def main() -> None:
         t = time.time()
         if stage == "build":
             out = build(a.work, a.experts, small=a.small, device=device)
+        elif stage == "project":
+            out = project(res, res["stages"].get("build", {}).get("experts", a.experts))
+        elif stage in CHILD_STAGES:
+            out = _run_child(stage, a.work, device, ["--eval-windows", str(a.eval_windows), "--eval-ctx",
+                                                     str(a.eval_ctx), "--rows", str(a.rows), "--seq-len", str(a.seq_len)])
         else:
             raise SystemExit(f"unknown stage {stage}")
         out["seconds"] = round(time.time() - t, 1)

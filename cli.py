@@ -157,6 +157,7 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--rows", type=int, default=None, help="EXL3, GGUF --rounding hessian: calibration rows.  [default: 64]")
 @click.option("--seq-len", type=int, default=None, help="EXL3, GGUF --rounding hessian: tokens per calibration row.  [default: 512]")
 @click.option("--device", default=None, help="cuda|cpu: EXL3 quantization, GGUF encoding [default: cuda when available; GGUF with --threads: cpu].")
+@click.option("--devices", default=None, help="EXL3: several devices of one type, one rank each (0,1 or cpu,cpu; or run under torchrun); the same output as one device.")
 @click.option("--shard-size", default=None, help="Max shard size (EXL3 default 8GiB; GGUF default: one file).")
 @click.option("--resume", is_flag=True, help="EXL3: continue an interrupted conversion in OUT.")
 @click.option("--overwrite", is_flag=True, help="GGUF: replace an existing OUT (and --mmproj file).")
@@ -195,6 +196,8 @@ def convert(model, out, fmt, as_json, **params) -> None:
     ctx = click.get_current_context()
     given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
     res = run(model, out, options_for(fmt, **given))
+    if res is None:  # a rank other than 0 of a torchrun conversion: rank 0 reports
+        return
     if as_json:
         _print_json(res.to_dict())
     else:

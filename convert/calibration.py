@@ -6,6 +6,11 @@ yields a `Stage` with the input statistics of every Linear (`{hf_tensor_name: He
 read the same input share one accumulator object). Routed experts: every calibration token goes through every
 expert for the statistics, while the output fed forward uses the model's real top-k routing. The caller may hand
 the quantized weights back (`stage.advance(...)`) so the next layer sees the quantized model's hidden states.
+
+Over several ranks (`ranks`, convert/distributed.py) each rank runs the layer's forward itself and puts every
+token through its own block of routed experts only (the all-expert statistics are what costs E times a forward);
+each expert's finished Hessian is then shared with every rank, so every rank yields the same statistics as one
+process. The statistics pass then leaves the routed output out, so `advance` needs the weights to run the layer.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +28,9 @@ from mixq.errors import InputError
 from mixq.formats import glm5next
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
+
+if TYPE_CHECKING:
+    from mixq.convert.distributed import RankContext
 
 PREFIX = glm5next.TEXT_PREFIX.rstrip(".")
 RANDOM_ROW_FRACTION = 0.15  # a share of uniform random-token rows, so rarely seen embeddings still get data
@@ -148,16 +156,27 @@ class Stage:
         self.advanced = True
 
 
+class SharedHessian:
+    """A finished Hessian in place of its accumulator (an expert another rank accumulated): `hessian()` only."""
+
+    def __init__(self, h: torch.Tensor | None) -> None:
+        self.h = h
+
+    def hessian(self) -> torch.Tensor | None:
+        return self.h
+
+
 class LayerCalibrator:
     """Drives transformers' glm5_next decoder one layer at a time over calibration rows.
 
     ckpt: a `mixq.formats.checkpoint.Checkpoint` (only `.config` and `.get(name)` are used).
     input_ids: (rows, seq_len) token ids. full=False accumulates only Σx² (imatrix), not Σxxᵀ.
+    ranks: a multi-rank run's RankContext (full=True only): routed-expert statistics split over the ranks.
     """
 
     def __init__(self, ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = 4,
-                 start_layer: int = 0, state: dict | None = None) -> None:
+                 start_layer: int = 0, state: dict | None = None, ranks: RankContext | None = None) -> None:
         from mixq.convert.layer_stream import DecoderStream
 
         self.ckpt = ckpt
@@ -174,6 +193,10 @@ class LayerCalibrator:
         # state: hidden streams (rows, seq, hc, hidden) and the DSA top-k carried to "shared" indexer layers
         self.hidden: torch.Tensor | None = None if state is None else state["hidden"]
         self.topk: torch.Tensor | None = None if state is None else state.get("topk")
+        self.ranks = ranks if ranks is not None and ranks.world > 1 else None
+        if self.ranks is not None and not full:
+            raise ValueError("a calibration split over ranks accumulates full Hessians (full=True)")
+        self._expert_inputs: dict[str, list[str]] = {}  # routed experts' down_proj names of the last stats pass
 
     # -- helpers
     def _get(self, name: str) -> torch.Tensor:
@@ -277,6 +300,10 @@ class LayerCalibrator:
             w = torch.zeros(x.shape[0], n_exp + 1, dtype=x.dtype, device=x.device)
             w.scatter_(1, top_k_index, top_k_weights.to(x.dtype))
             out = torch.zeros_like(x)
+            if stats is not None and self.ranks is not None:
+                self._expert_inputs[path] = down
+                self._own_expert_stats(experts, x, down, stats, limit)
+                return out  # split statistics pass: the routed output is left out (see the module docstring)
             for e in range(n_exp):
                 if stats is None:  # no statistics wanted: only the routed tokens matter
                     rows = w[:, e].nonzero().squeeze(1)
@@ -298,6 +325,37 @@ class LayerCalibrator:
 
         return forward
 
+    def _own_expert_stats(self, experts: nn.Module, x: torch.Tensor, down: list[str], stats, limit: float) -> None:
+        """This rank's block of routed experts: every token through each, its down_proj input accumulated (the
+        same operations as the one-process loop, so the same sums)."""
+        from mixq.convert.distributed import block_owner
+
+        for e in range(len(down)):
+            if block_owner(e, len(down), self.ranks.world) != self.ranks.rank:
+                continue
+            gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            acc = stats.get(down[e])
+            if acc is None:
+                acc = stats[down[e]] = HessianAccumulator(act.shape[-1], full=self.full, device=self.device)
+            acc.add(act)
+
+    def _share_expert_hessians(self, stats: dict) -> None:
+        """Every routed expert's Hessian from the rank that accumulated it to every rank, in place of the
+        accumulators (a SharedHessian each, None where an expert saw no finite token)."""
+        from mixq.convert.distributed import block_owner
+
+        for down in self._expert_inputs.values():
+            for r in range(self.ranks.world):
+                names = [n for e, n in enumerate(down) if block_owner(e, len(down), self.ranks.world) == r]
+                mine = None
+                if r == self.ranks.rank:
+                    mine = {n: h for n in names if (h := stats[n].hessian()) is not None}
+                got = self.ranks.share_tensors(mine, src=r)
+                for n in names:
+                    stats[n] = SharedHessian(got.get(n))
+        self._expert_inputs.clear()
+
     # -- the walk
     def stages(self) -> Iterator[Stage]:
         """Yield one Stage per decoder layer (from `start_layer`), then the head stage (lm_head input)."""
@@ -307,8 +365,12 @@ class LayerCalibrator:
             mod = self._materialize(i, None)
             stats: dict[str, HessianAccumulator] = {}
             hidden, topk = self._run_layer(mod, i, stats)
+            if self.ranks is not None:
+                self._share_expert_hessians(stats)
 
             def advance(weights, _i=i, _hidden=hidden, _topk=topk):
+                if self.ranks is not None and not weights:
+                    raise ValueError("a calibration split over ranks advances with the stage's weights")
                 if weights:
                     self._release(_i)
                     m = self._materialize(_i, weights)

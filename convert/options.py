@@ -140,7 +140,8 @@ class Exl3Options(_Options):
 
     Target: `bpw` or `size` (a drafter defaults to 6 bpw). `overrides`: PATTERN=BITS (role, glob or regex).
     `calibration`: text files (empty: the built-in sample), `rows` x `seq_len` tokens. `measure`: error curves
-    (a mapping or the JSON `mixq plan --measure-out` wrote) for the sensitivity plan."""
+    (a mapping or the JSON `mixq plan --measure-out` wrote) for the sensitivity plan. `devices`: several devices
+    of one type ("0,1", "cpu,cpu"): one rank each, the same output as one device of that type."""
 
     format: ClassVar[str] = "exl3"
     bpw: float | None = _opt(None, "--bpw")
@@ -150,6 +151,7 @@ class Exl3Options(_Options):
     rows: int = _opt(DEFAULT_ROWS, "--rows")
     seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
     device: str | None = _opt(None, "--device")
+    devices: tuple[str, ...] = _opt((), "--devices")
     shard_size: int | str = _opt(DEFAULT_EXL3_SHARD, "--shard-size")
     resume: bool = _opt(False, "--resume")
     head_bits: float = _opt(6, "--head-bits")
@@ -175,6 +177,15 @@ class Exl3Options(_Options):
         if self.codebook not in CODEBOOKS:
             raise InputError(f"codebook {self.codebook!r}: expected one of {', '.join(CODEBOOKS)}")
         _device(cls, self.device)
+        self._set_devices()
+
+    def _set_devices(self) -> None:
+        """--devices (several ranks, convert/distributed.py) as normalised device names; not with --device."""
+        from mixq.convert.distributed import parse_devices
+
+        self._set("devices", parse_devices(self.devices if self.devices else None, flag_of(type(self), "devices")))
+        if self.devices and self.device is not None:
+            raise InputError("give --device or --devices, not both")
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,14 @@ NextN, vision) quantize + write a part -> finalize (compile the output directory
 Each decoder layer is calibrated on the hidden states of the already quantized previous layers (the quantized
 weights are handed back to the calibrator), as exllamav3 does. The NextN block and the vision tower are
 quantized without calibration. Only one layer's weights and Hessians are held at a time.
+
+With several devices (`devices`, or under torchrun) every rank runs these steps: the routed experts' calibration
+statistics and the stacked trellis calls are split over the ranks and their results shared
+(convert/exl3_ranks.py), rank 0 alone writes OUT; the output is the one-device output, byte for byte.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +23,9 @@ from mixq.errors import InputError, PlanError
 from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
 from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer
 from mixq.formats.glm5next import global_hf_name
-from mixq.quant.device import resolve_device
 
+from .distributed import RankContext, launch, needs_launch, rank_context
+from .exl3_ranks import encode_batches, scan_share, share_job, shared_state
 from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
 from .job import JOB_DIR, Job, file_digest, rss_peak_mib
 from .options import DEFAULT_EXL3_SHARD, DEFAULT_ROWS, DEFAULT_SEQ_LEN, Exl3Options, flag_of, options_for  # noqa: F401
@@ -135,16 +141,19 @@ def run_exl3(model, out, opts: Exl3Options) -> ConvertResult:
     t0 = time.time()
     if _is_drafter(model):
         return _convert_drafter(model, out, opts)
-    run = _resolve(model, out, opts)
-    _validate(run)
-    _plan(run)
-    _start_job(run)
-    try:
-        with writing(run.out, hint="free some space and continue with --resume"):
-            _run_stages(run)
-            return _finalize(run, t0)
-    finally:
-        run.job.release()
+    if needs_launch(opts.devices):  # one worker process per device; rank 0's result comes back
+        return launch(run_exl3, (model, out, opts), opts.devices)
+    with rank_context(opts.devices, opts.device) as ranks:
+        run = _resolve(model, out, opts, ranks)
+        _validate(run)
+        _plan(run)
+        _start_job(run)
+        try:
+            with writing(run.out, hint="free some space and continue with --resume"):
+                _run_stages(run)
+                return _finalize(run, t0) if ranks.is_main else None  # a worker rank returns nothing
+        finally:
+            run.job.release()
 
 
 @dataclass
@@ -166,9 +175,15 @@ class _Exl3Run:
     writer: Exl3Writer | None = None
     fallbacks: list[str] = field(default_factory=list)
     resumed: int = 0
+    ranks: RankContext = field(default_factory=RankContext)
+
+    @property
+    def progress(self) -> bool:
+        """Progress bars: rank 0 only."""
+        return self.opts.progress and self.ranks.is_main
 
 
-def _resolve(model, out, opts: Exl3Options) -> _Exl3Run:
+def _resolve(model, out, opts: Exl3Options, ranks: RankContext) -> _Exl3Run:
     """Open the checkpoint and turn every option into the value the steps use (device, byte counts, curves)."""
     from mixq.formats.checkpoint import open_checkpoint
 
@@ -177,7 +192,7 @@ def _resolve(model, out, opts: Exl3Options) -> _Exl3Run:
         raise InputError(f"{ckpt.path}: model_type {ckpt.config.get('model_type')!r} is not glm5_next")
     if opts.bpw is None and opts.size is None:
         raise InputError("give a target: --bpw or --size")
-    device = resolve_device(opts.device)
+    device = ranks.device
     for f in opts.calibration:
         if not Path(f).is_file():
             raise InputError(f"calibration file not found: {f}")
@@ -187,7 +202,7 @@ def _resolve(model, out, opts: Exl3Options) -> _Exl3Run:
 
         measure = load_curves(measure)
     size = parse_bytes(opts.size) if opts.size is not None else None
-    return _Exl3Run(opts, ckpt, Path(out), device, parse_bytes(opts.shard_size), size, measure)
+    return _Exl3Run(opts, ckpt, Path(out), device, parse_bytes(opts.shard_size), size, measure, ranks=ranks)
 
 
 def _validate(run: _Exl3Run) -> None:
@@ -227,12 +242,15 @@ def _start_job(run: _Exl3Run) -> None:
                          vision_bits=o.vision_bits, include_mtp=o.include_mtp, head_bits=o.head_bits,
                          mtp_bits=o.mtp_bits)
     if not o.resume:  # the job lives inside OUT: read every weight once for NaN/Inf before OUT is created
-        scan_finite(run.ckpt, progress=o.progress)
-    held = sum(f.stat().st_size for f in (run.out / JOB_DIR).rglob("*") if f.is_file()) if o.resume else 0
-    check_free_space(run.out, 2 * run.plan.total_bytes - held, "the conversion (parts + shards)")
-    run.job = Job.open(run.out, settings, resume=o.resume)
+        scan_finite(run.ckpt, scan_share(run.ranks, run.ckpt.names()), progress=run.progress)
+        run.ranks.barrier()  # every rank's share is clean before rank 0 creates OUT
+    if run.ranks.is_main:
+        held = sum(f.stat().st_size for f in (run.out / JOB_DIR).rglob("*") if f.is_file()) if o.resume else 0
+        check_free_space(run.out, 2 * run.plan.total_bytes - held, "the conversion (parts + shards)")
+        run.job = Job.open(run.out, settings, resume=o.resume)
+        run.writer = Exl3Writer(run.out, run.job.dir, shard_size=run.shard_bytes)
+    run.job = share_job(run.ranks, run.job)
     run.resumed = len(run.job.done)
-    run.writer = Exl3Writer(run.out, run.job.dir, shard_size=run.shard_bytes)
     run.fallbacks = list(run.job.extra.get("fallbacks", []))
 
 
@@ -242,8 +260,7 @@ def _run_stages(run: _Exl3Run) -> None:
     from tqdm.auto import tqdm
 
     job = run.job
-    bar = tqdm(total=len(run.stages), desc="exl3", unit="stage", disable=not run.opts.progress,
-               initial=run.resumed)
+    bar = tqdm(total=len(run.stages), desc="exl3", unit="stage", disable=not run.progress, initial=run.resumed)
     if "embed" in run.by_stage and not job.is_done("embed"):
         job.record("embed", _write_stage(run, "embed", None)[0])
         bar.update(1)
@@ -262,11 +279,12 @@ def _run_calibrated(run: _Exl3Run, bar) -> None:
     from .calibration import LayerCalibrator, calibration_rows, load_tokenizer
 
     o, ckpt, job = run.opts, run.ckpt, run.job
-    state_stage, state = job.load_state()
+    state_stage, state = shared_state(run.ranks, job)
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
     ids = calibration_rows(load_tokenizer(ckpt.path), list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
                            vocab_size=ckpt.shape(global_hf_name("embed"))[0])
-    cal = LayerCalibrator(ckpt, ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state)
+    cal = LayerCalibrator(ckpt, ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state,
+                          ranks=run.ranks)
     for st in cal.stages():
         stage = f"layer.{st.layer}" if st.layer is not None else "head"
         if job.is_done(stage):  # the head of a run killed after all layers but before the head
@@ -312,26 +330,36 @@ def _write_stage(run: _Exl3Run, stage: str, stats: dict | None):
     replaced: dict[str, torch.Tensor] = {}
     stage_units = run.by_stage[stage]
     trellis_units, hs = _stage_hessians(run, stage_units, stats)
-    inner = tqdm(total=len(stage_units), desc=stage, leave=False, disable=not run.opts.progress, unit="t")
-    for g in batches([(u, h is not None) for u, h in zip(trellis_units, hs)], run.bits):
+    inner = tqdm(total=len(stage_units), desc=stage, leave=False, disable=not run.progress, unit="t")
+    keep = stage.startswith("layer.")  # the next layer is calibrated on these weights: every rank needs them
+
+    def encode(g: list[int]):
         us = [trellis_units[i] for i in g]
         res = quantize_batch(us, [u.assemble(fetch) for u in us], run.bits[us[0].key], [hs[i] for i in g],
                              seed=seeds[us[0].key], codebook=run.opts.codebook, device=run.device)
-        for u, (tensors, deq) in zip(us, res):
+        inner.update(len(us))
+        return res
+
+    groups = batches([(u, h is not None) for u, h in zip(trellis_units, hs)], run.bits)
+    costs = [sum(math.prod(trellis_units[i].padded) for i in g) for g in groups]
+    for g, res in encode_batches(run.ranks, groups, costs, encode, keep_deq=keep):
+        for u, (tensors, deq) in zip([trellis_units[i] for i in g], res):
             if u.bias:
                 b = torch.zeros(u.padded[1], dtype=torch.float16)
                 b[: u.shape[0]] = fetch(u.bias).half()
                 tensors[f"{u.key}.bias"] = b
-            replaced.update(u.split_back(deq))
+            if deq is not None:
+                replaced.update(u.split_back(deq))
             written[u.key] = tensors
-        inner.update(len(us))
     for u in stage_units:
-        if u.kind != "trellis":
+        if u.kind != "trellis" and (keep or run.ranks.is_main):
             tensors = _raw_tensors(u, u.assemble(fetch), fetch)
             replaced.update(u.split_back(next(iter(tensors.values())).float()))
             written[u.key] = tensors
             inner.update(1)
     inner.close()
+    if not run.ranks.is_main:
+        return None, replaced
     part = run.writer.write_part(stage, [(u.key, written[u.key]) for u in stage_units])  # layout order
     return part, replaced
 
@@ -355,7 +383,13 @@ def _finalize(run: _Exl3Run, t0: float) -> ConvertResult:
     return ConvertResult(out=str(run.out), bytes=man["total_bytes"], bits=qc["bits"], head_bits=qc["head_bits"],
                          seconds=time.time() - t0, peak_rss_mib=rss_peak_mib(), shards=sorted(man["shards"]),
                          tensors=len(man["tensors"]), quantized=sum(u.kind == "trellis" for u in units),
-                         fallbacks=run.fallbacks, resumed_stages=run.resumed, device=run.device.type)
+                         fallbacks=run.fallbacks, resumed_stages=run.resumed, device=_device_name(run))
+
+
+def _device_name(run: _Exl3Run) -> str:
+    """The device type, with the rank count of a multi-device run ("cuda x2")."""
+    t = run.device.type
+    return t if run.ranks.world == 1 else f"{t} x{run.ranks.world}"
 
 
 # options a DFlash2 drafter conversion uses (it is uncalibrated and takes one rate)
@@ -372,6 +406,8 @@ def _convert_drafter(model, out, opts: Exl3Options) -> ConvertResult:
     check_distinct({"OUT": out}, {"MODEL": model})
     check_output_dir(out)
     Job.check_target(out, resume=opts.resume)
+    from mixq.quant.device import resolve_device
+
     resolve_device(opts.device)
     return convert_drafter(model, out, bits=opts.bpw or 6.0, device=opts.device, shard_size=opts.shard_size,
                            resume=opts.resume, codebook=opts.codebook, progress=opts.progress)

@@ -14,6 +14,8 @@ Stages (each a separate process, so peak host memory is per stage; timings and p
   eval      `mixq eval` of that EXL3 against the BF16 slice (16 windows x 4096 tokens, past the DSA dense prefix)
   gguf      imatrix, `--type Q4_K_M --imatrix`, and the 108 GB plan's i-quant types (`--gguf-ladder iq`)
   exllamav3 exllamav3's own convert.py on the same slice at the same bpw (wall time)
+  k256      on the trained k256 fixture: exllamav3's converter vs mixq's role and measured plans at equal bytes,
+            scored by `mixq eval`
   project   each stage scaled to the release: 45 layers (3 KDA+dense, 31 KDA+MoE, 11 DSA+MoE), 288 experts
 
     python bench/glm53_slice.py --work DIR --json OUT.json --stages build,load,exl3,eval  [--experts 32]
@@ -375,6 +377,49 @@ def stage_exllamav3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, 
             "calibration": f"{rows} x {seq_len}", "tail": (r.stdout + r.stderr)[-1500:] if r.returncode else ""}
 
 
+def stage_k256(work: Path, device: str, bpw: float = 3.05, windows: int = 32, ctx: int = 512) -> dict:
+    """On the trained k256 fixture: exllamav3's converter at `bpw`, then mixq's role plan and its measured
+    (`plan --measure`) plan at exllamav3's bytes; all three scored by `mixq eval` against the BF16 model."""
+    model = SHARED / "models" / "glm5next-k256"
+    d = work / "k256"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    out: dict = {}
+
+    def run(name: str, cmd: list[str]) -> dict:
+        t = time.time()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        (d / f"{name}.log").write_text(r.stdout[-20000:] + "\n" + r.stderr[-20000:])
+        res = {"returncode": r.returncode, "seconds": round(time.time() - t, 1)}
+        if r.returncode:
+            res["tail"] = (r.stdout + r.stderr)[-1500:]
+        out[name] = res
+        return res
+
+    mixq = [sys.executable, "-m", "mixq"]
+    run("exllamav3", [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(model), "-o",
+                      str(d / "exllamav3"), "-w", str(d / "exllamav3-work"), "-b", str(bpw)])
+    size = sum(f.stat().st_size for f in (d / "exllamav3").glob("*.safetensors")) if (d / "exllamav3").is_dir() \
+        else None
+    out["exllamav3"]["bytes"] = size
+    if size:
+        run("mixq_role", mixq + ["convert", str(model), str(d / "mixq-role"), "--format", "exl3", "--size",
+                                 str(size), "--device", device])
+        run("measure", mixq + ["plan", str(model), "--format", "exl3", "--size", str(size), "--measure",
+                               "--measure-out", str(d / "curves.json"), "--device", device, "--json"])
+        run("mixq_measured", mixq + ["convert", str(model), str(d / "mixq-measured"), "--format", "exl3", "--size",
+                                     str(size), "--measure", str(d / "curves.json"), "--device", device])
+    cands = [str(d / n) for n in ("exllamav3", "mixq-role", "mixq-measured") if (d / n).is_dir()]
+    ev = run("eval", mixq + ["eval", str(model), *cands, "--text", str(SHARED / "data" / "heldout.txt"), "--ctx",
+                             str(ctx), "--windows", str(windows), "--device", device, "--json", str(d / "eval.json")])
+    if ev["returncode"] == 0:
+        rep = json.loads((d / "eval.json").read_text())
+        out["scores"] = [{k: c.get(k) for k in ("name", "path", "bytes", "bpw", "file_bpw", "kld_mean",
+                                                "kld_mean_err", "top1_agreement", "ppl") if k in c}
+                         for c in rep["candidates"]]
+    return out
+
+
 # --- projection to the release ---------------------------------------------------------------------------------
 
 def _release_counts(experts: int) -> dict:
@@ -493,7 +538,7 @@ def project(res: dict, experts: int) -> dict:
 
 
 CHILD_STAGES = {"load": stage_load, "exl3": stage_exl3, "eval": stage_eval, "gguf": stage_gguf,
-                "exllamav3": stage_exllamav3}
+                "exllamav3": stage_exllamav3, "k256": stage_k256}
 
 
 def _run_child(stage: str, work: Path, device: str, extra: list[str]) -> dict:
@@ -510,7 +555,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True, help="directory for the slice and every output")
     ap.add_argument("--json", type=Path, required=True, help="results (updated after every stage)")
-    ap.add_argument("--stages", default="build,load,exl3,eval,gguf,exllamav3,project")
+    ap.add_argument("--stages", default="build,load,exl3,eval,gguf,exllamav3,k256,project")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--small", action="store_true", help="toy widths (CPU test of the script)")
     ap.add_argument("--device", default=None, help="cuda|cpu [default: cuda when present]")

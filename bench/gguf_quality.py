@@ -12,7 +12,7 @@ rows, the same calibration tokens:
   measured  `--size S --measure CURVES --rounding hessian`, S = the bytes of llama.cpp's Q2_K/Q3_K_M/Q4_K_M file,
             CURVES from `plan --measure` (measured once per model, same rounding and imatrix)
 T: Q2_K, Q3_K_M, Q4_K_M, and "IQ2_S-exps" = Q4_K_M with the main layers' routed experts at IQ2_S
-(`--tensor-type 'blk\\.[0-9]+\\.ffn_(gate|up|down)_exps=IQ2_S'`; the NextN experts have no imatrix entry and stay).
+(`--tensor-type 'blk\\.(0|1|2|3)\\.ffn_(gate|up|down)_exps=IQ2_S'`: the NextN experts have no imatrix entry).
 Every file is checked with `mixq verify` and scored with llama.cpp's own logits (`mixq eval --engine llamacpp`,
 --windows x 512 tokens of heldout.txt, second half scored) against the BF16 checkpoint. The JSON (paths relative to
 the repo) holds every row's eval report; the table (KLD ± standard error, ratio to the exact row) is printed.
@@ -34,7 +34,6 @@ from paths import REPO, SHARED, WORK, repo_relative  # noqa: E402
 
 MODELS = {"k256": "glm5next-k256", "mini": "glm5next-mini"}
 TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "IQ2_S-exps")
-EXPS = r"blk\.[0-9]+\.ffn_(gate|up|down)_exps=IQ2_S"
 NAMED_SIZES = ("Q2_K", "Q3_K_M", "Q4_K_M")
 
 
@@ -59,8 +58,13 @@ def convert(model: Path, out: Path, **kw) -> None:
     convert_gguf(model, out, progress=False, overwrite=True, **kw)
 
 
-def mix_options(t: str) -> dict:
-    return {"qtype": "Q4_K_M", "tensor_type": [EXPS]} if t == "IQ2_S-exps" else {"qtype": t}
+def mix_options(t: str, n_layers: int) -> dict:
+    """--type (and --tensor-type) of a row type; IQ2_S-exps: the main layers' routed experts (the NextN block's
+    have no imatrix entry, and llama-quantize refuses IQ2_S without one)."""
+    if t != "IQ2_S-exps":
+        return {"qtype": t}
+    layers = "|".join(str(i) for i in range(n_layers))
+    return {"qtype": "Q4_K_M", "tensor_type": [rf"blk\.({layers})\.ffn_(gate|up|down)_exps=IQ2_S"]}
 
 
 class Bench:
@@ -70,6 +74,8 @@ class Bench:
         self.work = Path(a.work) / f"gguf-quality-{model}"
         self.work.mkdir(parents=True, exist_ok=True)
         self.cal = [str(SHARED / "data" / "calibration.txt")]
+        self.n_layers = int(json.loads((self.model / "config.json").read_text()).get("text_config", {})
+                            .get("num_hidden_layers", 0))
         self.seconds: dict[str, float] = {}
 
     def step(self, key: str, path: Path, make) -> Path:
@@ -110,13 +116,13 @@ class Bench:
         hess = dict(rounding="hessian", calibration=self.cal, rows=self.a.rows, seq_len=512, device=self.a.device)
         for t in self.a.types:
             ex = self.step(f"exact-{t}", self.work / f"exact-{t}.gguf",
-                           lambda tmp: convert(self.model, tmp, imatrix=imx, **mix_options(t)))
+                           lambda tmp: convert(self.model, tmp, imatrix=imx, **mix_options(t, self.n_layers)))
             rows.append({"row": "exact", "type": t, "file": ex})
             lc = self.llamacpp(t, imx)
             if lc is not None:
                 rows[-1]["vs_llamacpp"] = tensor_parity(ex, lc)
             hs = self.step(f"hessian-{t}", self.work / f"hessian-{t}.gguf",
-                           lambda tmp: convert(self.model, tmp, imatrix=imx, **mix_options(t), **hess))
+                           lambda tmp: convert(self.model, tmp, imatrix=imx, **mix_options(t, self.n_layers), **hess))
             rows.append({"row": "hessian", "type": t, "file": hs, "vs_exact": layout_parity(ex, hs)})
         if self.a.measure:
             curves = self.step("curves", self.work / f"curves-hessian-r{self.a.rows}.json", lambda tmp: measure(

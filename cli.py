@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
+import warnings
 
 import click
 
@@ -60,10 +62,31 @@ class _OneLineGroup(click.Group):
             raise _UsageLine(e.format_message()) from None
 
 
+def _quiet_transformers() -> None:
+    """transformers' notes (kernel fallbacks, load reports) off for every command; mixq's own messages stay.
+    The environment variable reaches transformers when it is first imported (and the GGUF encoder processes);
+    an already imported transformers is told directly. A TRANSFORMERS_VERBOSITY the user set is kept."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+    if "transformers" in sys.modules and os.environ["TRANSFORMERS_VERBOSITY"] == "error":
+        from transformers.utils import logging as tlog
+
+        tlog.set_verbosity_error()
+
+
 @click.group(cls=_OneLineGroup)
 @click.version_option(package_name="mixq")
 def main() -> None:
-    """mixq: plan, quantize (EXL3 / GGUF), verify and evaluate glm5_next MoE checkpoints."""
+    """mixq: plan, quantize (EXL3 / GGUF), verify and evaluate glm5_next MoE checkpoints.
+
+    \b
+    Start here:
+      mixq demo                                      # a tiny model through every step, in a few minutes
+      mixq inspect MODEL                             # what is in a checkpoint
+      mixq plan MODEL --format gguf --type Q4_K_M    # sizes and bits before converting
+      mixq convert MODEL OUT.gguf --type Q4_K_M      # the format follows OUT: .gguf or a directory (EXL3)
+    """
+    _quiet_transformers()
 
 
 # --- commands are added below, one function each ---
@@ -74,7 +97,14 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the full JSON (every tensor with its role).")
 @_reports_errors
 def inspect(model: str, as_json: bool) -> None:
-    """Roles, tensor counts, parameters and bytes of MODEL (directory, hub repo id, config.json or .gguf)."""
+    """Roles, tensor counts, parameters and bytes of MODEL (directory, hub repo id, config.json or .gguf).
+
+    \b
+    Examples:
+      mixq inspect ./GLM-5.3-Flash
+      mixq inspect ./GLM-5.3-Flash/config.json     # shapes only, no weights needed
+      mixq inspect glm-Q4_K_M.gguf --json
+    """
     from mixq.formats.model_summary import format_report, inspect_path
 
     d = inspect_path(model)
@@ -89,7 +119,7 @@ def inspect(model: str, as_json: bool) -> None:
 @click.argument("candidates", nargs=-1)
 @click.option("--text", type=click.Path(), help="Held-out text file (not needed with --ref-logits).")
 @click.option("--ctx", type=int, default=None, help="Window length in tokens [default: 512, or the --ref-logits file's].")
-@click.option("--windows", type=int, default=None, help="Use at most N windows [default: all].")
+@click.option("--windows", default=None, metavar="N|all", help="Score the first N windows, or all of them.  [default: 32]")
 @click.option("--score", type=click.Choice(["half", "all"]), default="half", show_default=True, help="Score the second half of each window (llama-perplexity) or every position.")
 @click.option("--save-ref", type=click.Path(), help="Write the reference log-probs to FILE for later --ref-logits runs.")
 @click.option("--ref-logits", type=click.Path(), help="Reuse reference log-probs (and tokens) from a --save-ref FILE.")
@@ -97,12 +127,23 @@ def inspect(model: str, as_json: bool) -> None:
 @click.option("--engine", type=click.Choice(["torch", "llamacpp"]), default="torch", show_default=True, help="llamacpp: GGUF candidates take logits from llama.cpp itself.")
 @click.option("--cache-type", type=click.Choice(["f32", "f16", "q8_0"]), default="f32", show_default=True, help="llama.cpp KV cache type (--engine llamacpp).")
 @click.option("--device", default=None, help="torch device [default: cuda when present, else cpu].")
+@click.option("--devices", default=None, help="Deal the windows over several devices of one type (0,1 or cpu,cpu; or run under torchrun); the same numbers.")
 @click.option("--state-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="Storage of the hidden states of all windows (bfloat16 halves them; float32 gives a whole-model forward's numbers).")
 @click.option("--json", "json_out", type=click.Path(), help="Write the JSON report to OUT ('-' prints it).")
 @click.option("--markdown", "markdown_out", type=click.Path(), help="Write a markdown table to OUT.")
 @_reports_errors
-def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, state_dtype, json_out, markdown_out) -> None:
-    """KLD, top-1 agreement and perplexity of CANDIDATES (HF dirs, EXL3 dirs, GGUF files) against REFERENCE."""
+def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, devices, state_dtype, json_out, markdown_out) -> None:
+    """KLD, top-1 agreement and perplexity of CANDIDATES (HF dirs, EXL3 dirs, GGUF files) against REFERENCE.
+
+    Scores the first 32 windows of --ctx tokens by default (like llama-perplexity --chunks 32); the progress
+    bar shows the time left. --windows all scores the whole text.
+
+    \b
+    Examples:
+      mixq eval ./GLM-5.3-Flash glm-Q4_K_M.gguf --text heldout.txt
+      mixq eval ./GLM-5.3-Flash --text heldout.txt --save-ref ref.bin           # reference once
+      mixq eval ./GLM-5.3-Flash glm-exl3 glm.gguf --ref-logits ref.bin --json -
+    """
     from mixq.convert.outputs import check_output_file, writing
     from mixq.eval.api import evaluate
     from mixq.eval.report import render_markdown
@@ -115,12 +156,16 @@ def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_log
             check_output_file(path, overwrite=True, label=label)
     if device is not None:
         resolve_device(device)
+    if windows is None:
+        from mixq.eval.api import DEFAULT_WINDOWS as windows
     with writing(*[p for p in outs.values() if p is not None]):
         report = evaluate(
             reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
             ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device, state_dtype=state_dtype,
-            json_out=outs["--json"], markdown_out=markdown_out,
+            json_out=outs["--json"], markdown_out=markdown_out, devices=devices,
         )
+    if report is None:  # a rank other than 0 of a torchrun evaluation: rank 0 reports
+        return
     if json_out == "-":
         _print_json(report)
     elif report["candidates"]:
@@ -136,7 +181,13 @@ def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_log
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @_reports_errors
 def compare(reports, plot, markdown_out, as_json) -> None:
-    """One table across `mixq eval --json` REPORTS (bytes, bpw, KLD, top-1, ΔPPL) and an optional plot."""
+    """One table across `mixq eval --json` REPORTS (bytes, bpw, KLD, top-1, ΔPPL) and an optional plot.
+
+    \b
+    Examples:
+      mixq compare q4.json q3.json exl3.json
+      mixq compare reports/*.json --plot kld_vs_size.png --markdown table.md
+    """
     from mixq.eval.report import compare as compare_reports
 
     res = compare_reports(list(reports), plot=plot, markdown=markdown_out)
@@ -149,7 +200,7 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @main.command()
 @click.argument("model")
 @click.argument("out")
-@click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), default="exl3", show_default=True, help="Output format.")
+@click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), default=None, help="Output format.  [default: gguf when OUT ends in .gguf, else exl3]")
 @click.option("--bpw", type=float, default=None, help="Target bits per weight of the budgeted tensors.")
 @click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB).")
 @click.option("--override", "overrides", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF mixes) per-tensor override, as `mixq plan` (repeatable).")
@@ -187,15 +238,22 @@ def compare(reports, plot, markdown_out, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, as_json, **params) -> None:
-    """Convert MODEL (glm5_next dir / hub id, or a DFlash2 drafter) to OUT (EXL3 directory or .gguf).
+    """Convert MODEL (glm5_next dir / hub id, or a DFlash2 drafter) to OUT: a .gguf file (GGUF) or a directory
+    (EXL3). Options another format uses, or that the chosen target does not use, are errors. Without a GPU an
+    EXL3 conversion that would take more than a few minutes is refused unless --device cpu is given.
 
-    Options another format uses, or that the chosen target does not use, are errors."""
+    \b
+    Examples:
+      mixq convert ./GLM-5.3-Flash glm-Q4_K_M.gguf --type Q4_K_M --imatrix glm.imatrix.gguf
+      mixq convert ./GLM-5.3-Flash glm-108G.gguf --size 108GB --gguf-ladder iq
+      mixq convert ./GLM-5.3-Flash glm-exl3-2.7 --bpw 2.7          # EXL3 (a directory); wants a GPU
+    """
     from mixq.convert.api import convert as run
     from mixq.convert.options import options_for
 
     ctx = click.get_current_context()
     given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    res = run(model, out, options_for(fmt, **given))
+    res = run(model, out, fmt, **given)
     if res is None:  # a rank other than 0 of a torchrun conversion: rank 0 reports
         return
     if as_json:
@@ -210,7 +268,13 @@ def convert(model, out, fmt, as_json, **params) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_reports_errors
 def verify(path, no_decode, as_json) -> None:
-    """Re-read a converted output (EXL3 dir or .gguf); exit 1 listing the problems."""
+    """Re-read a converted output (EXL3 dir or .gguf); exit 1 listing the problems.
+
+    \b
+    Examples:
+      mixq verify glm-Q4_K_M.gguf
+      mixq verify glm-exl3-2.7 --no-decode        # headers and sizes only, no trellis decode
+    """
     from mixq.convert.api import verify as run
 
     rep = run(path, decode=not no_decode)
@@ -262,13 +326,21 @@ def verify(path, no_decode, as_json) -> None:
 @click.option("--mmproj", is_flag=True, help="--fit: also hold the GGUF vision projector file.")
 @click.option("--devices", help="--fit: split layers over cards, e.g. 64GB,64GB.")
 @click.option("--seqs", type=int, default=1, show_default=True, help="--fit: parallel sequences (cache slots).")
-@click.option("--per-tensor/--summary", default=True, help="Show the per-tensor table (layers collapsed).")
+@click.option("--tensors/--summary", "--per-tensor", "per_tensor", default=False, help="Also print every tensor pattern (layers/experts collapsed) with its bits/type mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (or fit) as JSON.")
 @_reports_errors
 def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bits, vision_bits, no_mtp, gguf_ladder,
          measure, measure_out, measure_sample, device, calibration, rounding, imatrix, fit, context, cache, reserve,
          mmproj, devices, seqs, per_tensor, as_json) -> None:
-    """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting."""
+    """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting. Prints the
+    per-role summary and the file size (--tensors: every tensor pattern too); with --fit, whether it fits.
+
+    \b
+    Examples:
+      mixq plan ./GLM-5.3-Flash --format gguf --type Q4_K_M
+      mixq plan --from-config config.json --format exl3 --size 108GB --fit 121GB --context 256K
+      mixq plan ./GLM-5.3-Flash --format exl3 --bpw 2.7 --tensors
+    """
     from mixq.eval.plan_kld import run_plan
 
     res = run_plan(model, fmt, from_config=from_config, bpw=bpw, size=size, qtype=qtype, overrides=override,
@@ -290,13 +362,21 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
 @main.command()
 @click.option("--out", "out_dir", default="mixq-demo", show_default=True, type=click.Path(),
               help="Directory for the tiny checkpoint and every step's output.")
+@click.option("--no-exl3", is_flag=True, help="Leave out the EXL3 conversion (the slowest step without a GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the demo report as JSON.")
 @_reports_errors
-def demo(out_dir: str, as_json: bool) -> None:
-    """Write a tiny random glm5_next checkpoint and run every pipeline step on it."""
+def demo(out_dir: str, no_exl3: bool, as_json: bool) -> None:
+    """Write a tiny random glm5_next checkpoint and run every step on it: inspect, plan, GGUF and EXL3
+    convert, verify, eval. A few minutes on 2 CPU cores; prints what each number means and what to try next.
+
+    \b
+    Examples:
+      mixq demo
+      mixq demo --out /tmp/mixq-demo --no-exl3 --json
+    """
     from mixq.convert.demo import format_demo, run_demo
 
-    report = run_demo(out_dir)
+    report = run_demo(out_dir, progress=True, skip=("convert_exl3",) if no_exl3 else ())
     if as_json:
         _print_json(report)
     else:
@@ -313,7 +393,13 @@ def demo(out_dir: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def imatrix(model, out, calibration, rows, seq_len, device, as_json) -> None:
-    """Collect an importance matrix of MODEL and write it as a llama.cpp GGUF imatrix file OUT."""
+    """Collect an importance matrix of MODEL and write it as a llama.cpp GGUF imatrix file OUT.
+
+    \b
+    Examples:
+      mixq imatrix ./GLM-5.3-Flash glm.imatrix.gguf --calibration calibration.txt
+      mixq convert ./GLM-5.3-Flash glm-Q3_K_M.gguf --type Q3_K_M --imatrix glm.imatrix.gguf
+    """
     from mixq.convert.imatrix import make_imatrix
 
     d = make_imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device)

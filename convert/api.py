@@ -19,17 +19,25 @@ from .result import ConvertResult
 FORMATS = tuple(OPTION_CLASSES)
 
 
-def convert(model, out, options: Exl3Options | GGUFOptions | str = "exl3", **kwargs) -> ConvertResult:
+def output_format(out) -> str:
+    """The format an OUT path asks for: "gguf" for a name ending in .gguf, else "exl3" (a directory)."""
+    return "gguf" if Path(out).suffix.lower() == ".gguf" else "exl3"
+
+
+def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, **kwargs) -> ConvertResult:
     """Convert `model` (a glm5_next directory or hub id, or a DFlash2 drafter directory for EXL3) to `out`: an
     EXL3 directory or a .gguf file, as `options` says (`Exl3Options` / `GGUFOptions`, or a format name whose
-    options are then built from `kwargs`; with an options object, `kwargs` replace fields of it).
+    options are then built from `kwargs`; with an options object, `kwargs` replace fields of it; None: the
+    format `out` names, `output_format(out)`).
 
     Returns a ConvertResult for either format. Raises InputError / PlanError / FormatError (one line naming the
     option, file or tensor) for bad input, before any output is written."""
     if "format" in kwargs:  # the keyword spelling of the old signature
-        if options not in ("exl3", kwargs["format"]):
+        if options not in (None, kwargs["format"]):
             raise InputError("give the format once: as the options or as format=")
         options = kwargs.pop("format")
+    if options is None:
+        options = output_format(out)
     if isinstance(options, (Exl3Options, GGUFOptions)):
         opts = replace(options, **kwargs) if kwargs else options
     elif isinstance(options, str):
@@ -37,6 +45,9 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str = "exl3", **kwa
     else:
         raise InputError(f"convert options: expected Exl3Options, GGUFOptions or a format name, "
                          f"got {type(options).__name__}")
+    if opts.format == "exl3" and output_format(out) == "gguf":
+        raise InputError(f"OUT {out}: a .gguf name for an EXL3 output (a directory); leave --format out to "
+                         "write GGUF, or name the EXL3 directory without .gguf")
     if opts.format == "exl3":
         from .pipeline import run_exl3
 

@@ -9,6 +9,7 @@ fp16 (out, in) padded to 128 on both sides, norms / conv base kernels / codebook
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -162,4 +163,5 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
     job.cleanup()
     return ConvertResult(out=str(out), bytes=man["total_bytes"], bits=b, head_bits=None, seconds=time.time() - t0,
                          peak_rss_mib=rss_peak_mib(), shards=sorted(man["shards"]), tensors=len(man["tensors"]),
-                         quantized=len(bitmap), resumed_stages=resumed, device=dev.type)
+                         quantized=len(bitmap), resumed_stages=resumed, device=dev.type,
+                         ref_params=sum(math.prod(e[2]) for e in src.entries.values()))

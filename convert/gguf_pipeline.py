@@ -330,7 +330,7 @@ def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> Con
                          bpw=8.0 * total / max(params, 1), tensors=len(run.specs), seconds=time.time() - t0,
                          peak_rss_mib=rss_peak_mib(), types=counts, tokenizer_pre=run.tokenizer_pre,
                          mtp=run.opts.include_mtp, chat_template=run.template_report, mmproj=mm,
-                         threads=run.threads, device=run.device or "cpu")
+                         threads=run.threads, device=run.device or "cpu", ref_params=run.ckpt.params)
 
 
 def _thread_count(threads: int | None) -> int:

@@ -13,6 +13,7 @@ statistics and the stacked trellis calls are split over the ranks and their resu
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from mixq.formats.glm5next import global_hf_name
 from .distributed import RankContext, launch, needs_launch, rank_context
 from .exl3_ranks import encode_batches, scan_share, share_job, shared_state
 from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
+from .exl3_estimate import check_cpu_time, describe_seconds
 from .job import JOB_DIR, Job, file_digest, rss_peak_mib
 from .options import DEFAULT_EXL3_SHARD, DEFAULT_ROWS, DEFAULT_SEQ_LEN, Exl3Options, flag_of, options_for  # noqa: F401
 from .outputs import check_distinct, check_free_space, check_output_dir, writing
@@ -230,6 +232,13 @@ def _plan(run: _Exl3Run) -> None:
     run.by_stage = {s: [] for s in run.stages}
     for u in run.units:
         run.by_stage[u.stage].append(u)
+    # on a machine without a GPU: the time estimate up front; hours are refused unless the CPU was asked for
+    est = check_cpu_time(run.plan, run.device,
+                         explicit=o.device is not None or bool(getattr(o, "devices", None)))
+    if est is not None and o.progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"EXL3 on the CPU: about {describe_seconds(est)} of trellis encoding", file=sys.stderr)
 
 
 def _start_job(run: _Exl3Run) -> None:
@@ -383,7 +392,8 @@ def _finalize(run: _Exl3Run, t0: float) -> ConvertResult:
     return ConvertResult(out=str(run.out), bytes=man["total_bytes"], bits=qc["bits"], head_bits=qc["head_bits"],
                          seconds=time.time() - t0, peak_rss_mib=rss_peak_mib(), shards=sorted(man["shards"]),
                          tensors=len(man["tensors"]), quantized=sum(u.kind == "trellis" for u in units),
-                         fallbacks=run.fallbacks, resumed_stages=run.resumed, device=_device_name(run))
+                         fallbacks=run.fallbacks, resumed_stages=run.resumed, ref_params=run.ckpt.params,
+                         device=_device_name(run))
 
 
 def _device_name(run: _Exl3Run) -> str:

@@ -44,6 +44,7 @@ class Plan:
     bpw: float
     tensors: list[PlannedTensor]
     roles: dict[str, dict]  # role -> {"tensors", "params", "bytes", "bpw"}
+    ref_params: int | None = None  # parameters of the source checkpoint (every tensor; plan_model sets it)
 
     @property
     def params(self) -> int:
@@ -51,8 +52,10 @@ class Plan:
 
     @property
     def file_bpw(self) -> float:
-        """Effective bits per parameter of the whole file: total bytes (headers included) x 8 / all parameters."""
-        p = self.params
+        """mixq's one bits-per-weight figure: file bytes (total_bytes, headers included) x 8 / the source
+        checkpoint's parameters (`ref_params`; the planned tensors' own count when unknown). `mixq convert` and
+        `mixq eval` report the same figure of the written file."""
+        p = self.ref_params or self.params
         return self.total_bytes * 8 / p if p else 0.0
 
     def to_dict(self) -> dict:
@@ -68,8 +71,8 @@ class Plan:
             d.update(bytes=t.bytes, shape=list(t.shape), hf_names=list(t.hf_names))
             tensors.append(d)
         return {"format": self.format, "total_bytes": self.total_bytes, "bpw": round(self.bpw, 4),
-                "file_bpw": round(self.file_bpw, 4), "params": self.params, "tensors": tensors,
-                "roles": self.roles}
+                "file_bpw": round(self.file_bpw, 4), "params": self.params, "ref_params": self.ref_params,
+                "tensors": tensors, "roles": self.roles}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
@@ -79,7 +82,7 @@ class Plan:
                                  type=t.get("type") or t.get("storage") or ("trellis" if t.get("bits") else ""),
                                  bytes=int(t["bytes"])) for t in d["tensors"]]
         return cls(format=fmt, total_bytes=int(d["total_bytes"]), bpw=float(d["bpw"]), tensors=tensors,
-                   roles=dict(d.get("roles") or {}))
+                   roles=dict(d.get("roles") or {}), ref_params=d.get("ref_params"))
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -192,6 +195,7 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
     from mixq.convert.plan_check import check_plan
 
     check_plan(ckpt, plan)  # what plan shows, convert can write (one check for both)
+    plan.ref_params = getattr(ckpt, "params", None)  # file_bpw's denominator, the same in convert and eval
     return plan
 
 
@@ -233,7 +237,8 @@ def pattern_table(plan: Plan) -> list[dict]:
 
 
 def format_plan(plan: Plan, *, per_tensor: bool = True) -> str:
-    """The human table of ``mixq plan``."""
+    """The human view of ``mixq plan``: with ``per_tensor`` one row per tensor pattern (layer and expert numbers
+    collapsed) and its bits/type mix, then always the per-role summary, the file size and the one bpw figure."""
     lines = []
     if per_tensor:
         lines.append(f"{'tensor (layers/experts collapsed)':<64} {'role':<14} {'n':>6} {'bits/type':<22} {'GB':>9}")
@@ -242,16 +247,27 @@ def format_plan(plan: Plan, *, per_tensor: bool = True) -> str:
             lines.append(f"{r['pattern'][:64]:<64} {r['role']:<14} {r['count']:>6} {lv[:22]:<22} "
                          f"{r['bytes'] / 1e9:>9.4f}")
         lines.append("")
-    lines.append(f"{'role':<14} {'tensors':>8} {'params':>16} {'bytes':>16} {'GB':>9} {'bpw':>7}")
+    lines.append(f"{'role':<14} {'tensors':>8} {'params':>16} {'bytes':>16} {'GB':>9} {'bits/param':>10}")
     for role, r in plan.roles.items():
         lines.append(f"{role:<14} {r['tensors']:>8} {r['params']:>16,} {r['bytes']:>16,} {r['bytes'] / 1e9:>9.3f} "
-                     f"{r['bpw']:>7.3f}")
+                     f"{r['bpw']:>10.3f}")
     lines.append(f"{'total':<14} {len(plan.tensors):>8} {plan.params:>16,} {plan.total_bytes:>16,} "
-                 f"{plan.total_bytes / 1e9:>9.3f} {plan.file_bpw:>7.3f}")
-    conv = "exllamav3 bits (budgeted Linears)" if plan.format == "exl3" else "budgeted tensors"
-    lines.append(f"format {plan.format}: bpw {plan.bpw:.3f} ({conv}), whole file {plan.file_bpw:.3f} bits/param, "
-                 f"{plan.total_bytes / 1e9:.3f} GB ({plan.total_bytes / 2**30:.3f} GiB) incl. headers")
+                 f"{plan.total_bytes / 1e9:>9.3f}")
+    lines.append("")
+    lines.extend(plan_totals(plan))
     return "\n".join(lines)
+
+
+def plan_totals(plan: Plan) -> list[str]:
+    """The closing lines of ``mixq plan``: file size, the one bpw figure and what ``--bpw`` counted."""
+    conv = ("exllamav3's bits: the budgeted Linears" if plan.format == "exl3"
+            else "bits per weight of the budgeted tensors")
+    params = plan.ref_params or plan.params
+    gb, gib = plan.total_bytes / 1e9, plan.total_bytes / 2**30
+    return [f"{plan.format} file  {gb:.3f} GB ({gib:.3f} GiB), headers included",
+            f"bpw        {plan.file_bpw:.3f} = file bytes x 8 / {params:,} model parameters "
+            "(the figure convert and eval report)",
+            f"--bpw      counts {plan.bpw:.3f} ({conv})"]
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

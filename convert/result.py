@@ -2,16 +2,21 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-COMMON_KEYS = ("format", "out", "files", "bytes", "bpw", "tensors", "seconds", "peak_rss_mib")
+COMMON_KEYS = ("format", "out", "files", "bytes", "bpw", "tensors", "seconds", "peak_rss_mib", "file_bytes",
+               "ref_params", "file_bpw")
 EXL3_KEYS = ("bits", "head_bits", "shards", "quantized", "fallbacks", "resumed_stages", "device")
 GGUF_KEYS = ("types", "tokenizer_pre", "mtp", "chat_template", "mmproj", "threads", "device")
 
 
 @dataclass
 class ConvertResult:
-    """One conversion's output. Common: `out` (EXL3 directory / first .gguf), `files` (every file written),
-    `bytes` (EXL3: shard bytes; GGUF: tensor data), `bpw`, `tensors`, `seconds`, `peak_rss_mib`.
+    """One conversion's output. Common: `out` (EXL3 directory / first .gguf), `files` (every weight file written),
+    `bytes` (EXL3: shard bytes; GGUF: tensor data), `bpw` (EXL3: `bits`; GGUF: tensor data x 8 / its elements),
+    `tensors`, `seconds`, `peak_rss_mib`, and mixq's one size figure: `file_bytes` (the bytes of `files` on
+    disk), `ref_params` (parameters of the source checkpoint) and `file_bpw` = file_bytes x 8 / ref_params, the
+    number `mixq plan` predicts and `mixq eval` reports for the same file.
     EXL3 only: `bits` (quantization_config.bits: budgeted Linears, padded numel, head excluded), `head_bits`,
     `shards` (names in `out`), `quantized` Linears, `fallbacks` (units quantized without a Hessian),
     `resumed_stages`, `device`. GGUF only: `types` ({ggml type: tensors}), `tokenizer_pre`, `mtp`,
@@ -39,6 +44,8 @@ class ConvertResult:
     chat_template: dict | None = None
     mmproj: dict | None = None
     threads: int | None = None
+    file_bytes: int = 0
+    ref_params: int | None = None
 
     def __post_init__(self) -> None:
         if self.format == "exl3":
@@ -46,41 +53,53 @@ class ConvertResult:
                 self.bpw = self.bits
             if not self.files:
                 self.files = [f"{self.out.rstrip('/')}/{s}" for s in self.shards]
+        if not self.file_bytes:
+            self.file_bytes = sum(Path(f).stat().st_size for f in self.files if Path(f).is_file())
+
+    @property
+    def file_bpw(self) -> float | None:
+        """file_bytes x 8 / ref_params: mixq's one bits-per-weight figure (None without the parameter count)."""
+        return self.file_bytes * 8 / self.ref_params if self.ref_params else None
 
     def to_dict(self) -> dict:
         """The JSON of `mixq convert --json`: the common keys and those of this result's format."""
         keys = COMMON_KEYS + (EXL3_KEYS if self.format == "exl3" else GGUF_KEYS)
-        d = asdict(self)
+        d = {**asdict(self), "file_bpw": self.file_bpw}
         return {k: d[k] for k in keys}
 
     def summary(self) -> str:
-        """A few lines for the terminal."""
-        return self._exl3_summary() if self.format == "exl3" else self._gguf_summary()
-
-    def _exl3_summary(self) -> str:
-        fb = self.fallbacks
-        lines = [
-            f"EXL3 written to {self.out}",
-            f"  size      {self.bytes / 2**20:.2f} MiB in {len(self.shards)} shard(s)",
-            f"  bits      {self.bits:.2f} bpw (budgeted Linears), head {self.head_bits}",
-            f"  tensors   {self.tensors} ({self.quantized} quantized Linears)",
-            f"  time      {self.seconds:.1f} s on {self.device}" + (f", resumed after {self.resumed_stages} stages"
-                                                                  if self.resumed_stages else ""),
-            f"  peak RSS  {self.peak_rss_mib:.0f} MiB",
-            f"  fallbacks {len(fb)}" + (f" (no Hessian: {', '.join(fb[:4])}" + (", ..." if len(fb) > 4 else "")
-                                        + ")" if fb else ""),
-        ]
+        """The readable report of `mixq convert`: the same lines for both formats, then the commands to try next."""
+        what = "EXL3 directory" if self.format == "exl3" else "GGUF"
+        n = len(self.files)
+        lines = [f"{what} written to {self.out}",
+                 f"  size       {self.file_bytes / 2**20:.2f} MiB in {n} file{'s' if n != 1 else ''}"]
+        if self.file_bpw is not None:
+            lines.append(f"  bpw        {self.file_bpw:.3f} = file bytes x 8 / {self.ref_params:,} model parameters")
+        lines += self._exl3_lines() if self.format == "exl3" else self._gguf_lines()
+        lines.append(f"  peak RSS   {self.peak_rss_mib:.0f} MiB")
+        lines.append(f"next: mixq verify {self.out}   |   mixq eval MODEL {self.out} --text HELD_OUT.txt")
         return "\n".join(lines)
 
-    def _gguf_summary(self) -> str:
+    def _exl3_lines(self) -> list[str]:
+        fb = self.fallbacks
+        head = "unquantized" if self.head_bits in (None, 16) else f"{self.head_bits:g} bits"
+        return [
+            f"  trellis    {self.bits:.2f} exllamav3 bits over the budgeted Linears (what --bpw counts), head {head}",
+            f"  tensors    {self.tensors} ({self.quantized} quantized Linears)",
+            f"  time       {self.seconds:.1f} s on {self.device}" + (f", resumed after {self.resumed_stages} stages"
+                                                                   if self.resumed_stages else ""),
+            f"  fallbacks  {len(fb)}" + (f" (no Hessian: {', '.join(fb[:4])}" + (", ..." if len(fb) > 4 else "")
+                                         + ")" if fb else ""),
+        ]
+
+    def _gguf_lines(self) -> list[str]:
         types = ", ".join(f"{t} x{n}" for t, n in sorted(self.types.items(), key=lambda kv: -kv[1]))
         lines = [
-            f"GGUF written to {self.out}" + (f" ({len(self.files)} files)" if len(self.files) > 1 else ""),
-            f"  size      {self.bytes / 2**20:.2f} MiB of tensor data, {self.bpw:.3f} bpw",
-            f"  tensors   {self.tensors}: {types}",
-            f"  time      {self.seconds:.1f} s, " + (f"encoded on {self.device}" if self.device != "cpu"
-                                                  else f"{self.threads} encoder process(es)"),
+            f"  tensors    {self.tensors}: {types}",
+            f"  time       {self.seconds:.1f} s, " + (f"encoded on {self.device}" if self.device != "cpu"
+                                                   else f"{self.threads} encoder process(es)"),
         ]
         if self.mmproj:
-            lines.append(f"  mmproj    {self.mmproj.get('file', self.mmproj)}")
-        return "\n".join(lines)
+            files = self.mmproj.get("files") or ["?"]
+            lines.append(f"  mmproj     {files[0]} ({self.mmproj.get('tensors', '?')} vision tensors)")
+        return lines

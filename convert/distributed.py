@@ -275,15 +275,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, devices: Sequence[str], port: int, target: Callable, args: tuple, queue) -> None:
-    """One rank: join the group, run `target(*args)`, report ("ok", result) / ("error", class, message) /
+def _worker(rank: int, devices: Sequence[str], port: int, target: Callable, args: tuple, kwargs: dict,
+            queue) -> None:
+    """One rank: join the group, run `target(*args, **kwargs)`, report ("ok", result) / ("error", class, message) /
     ("crash", message) on `queue`."""
     import torch.distributed as dist
 
     os.environ["LOCAL_RANK"] = str(rank)
     try:
         _init_group(rank, len(devices), torch.device(devices[rank]), f"tcp://127.0.0.1:{port}")
-        result = target(*args)
+        result = target(*args, **kwargs)
         # pickled here, by value: the queue's own pickler would pass tensors as shared memory of this process
         queue.put((rank, "ok", pickle.dumps(result if rank == 0 else None)))
     except MixqError as e:
@@ -297,8 +298,8 @@ def _worker(rank: int, devices: Sequence[str], port: int, target: Callable, args
             dist.destroy_process_group()
 
 
-def launch(target: Callable, args: tuple, devices: Sequence[str]) -> Any:
-    """Run `target(*args)` in one spawned process per device (rank i on devices[i]) and return rank 0's result.
+def launch(target: Callable, args: tuple, devices: Sequence[str], kwargs: dict | None = None) -> Any:
+    """Run `target(*args, **kwargs)` in one spawned process per device (rank i on devices[i]) and return rank 0's result.
     A rank that raises ends every rank: its MixqError is raised again here (same class, same one line), any
     other failure as a RankError naming the rank."""
     import multiprocessing as mp
@@ -309,7 +310,8 @@ def launch(target: Callable, args: tuple, devices: Sequence[str]) -> Any:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, tuple(devices), port, target, args, queue), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, tuple(devices), port, target, args, kwargs or {}, queue),
+                         daemon=False)
              for r in range(len(devices))]
     for p in procs:
         p.start()

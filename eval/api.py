@@ -10,13 +10,14 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from mixq.convert.dequant import CheckpointSource, DequantSource
+from mixq.convert.distributed import RankContext, launch, needs_launch, parse_devices, rank_context
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import write_text
 from mixq.eval import candidates as cands
@@ -26,10 +27,13 @@ from mixq.eval.reflogits import REF_DTYPES, RefLogitsReader, RefLogitsWriter, ro
 from mixq.eval.report import render_markdown
 from mixq.eval.stats import KLAccumulator, log_probs, token_quantities
 from mixq.eval.streamed import STATE_DTYPES, StreamedModel, StreamedModels, state_bytes
+from mixq.eval.window_split import gather_in_order, rank_window_ids
 from mixq.formats.checkpoint_check import validate_checkpoint
 
 ENGINES = ("torch", "llamacpp")
 DEFAULT_CTX = 512
+DEFAULT_WINDOWS = 32  # `mixq eval`'s default: a bounded run (like llama-perplexity --chunks), not the whole text
+SAVE_REF_ONE_DEVICE = "--save-ref writes every window from one process: give one device"
 GPU_STATE_SHARE = 0.5  # hidden streams go to the GPU when all of them take at most this share of its free memory
 
 
@@ -52,10 +56,18 @@ class EvalRun:
     ref_dtype: str
     state_dtype: str
     batch_windows: int
+    ranks: RankContext = field(default_factory=RankContext)
+    mine: list[int] = field(default_factory=list)  # this rank's windows (indices into `windows`)
 
     @property
     def n_layers(self) -> int:
         return refm.num_hidden_layers(self.config)
+
+    @property
+    def local_tokens(self) -> torch.Tensor:
+        """The token rows of this rank's windows."""
+        t = self.windows.tokens
+        return t if len(self.mine) == t.shape[0] else t[self.mine]
 
 
 def evaluate(
@@ -64,7 +76,7 @@ def evaluate(
     text: str | Path | None = None,
     *,
     ctx: int | None = None,
-    windows: int | None = None,
+    windows: int | str | None = None,
     score: str = "half",
     save_ref: str | Path | None = None,
     ref_logits: str | Path | None = None,
@@ -72,6 +84,7 @@ def evaluate(
     engine: str = "torch",
     cache_type: str = "f32",
     device: str | None = None,
+    devices: str | list[str] | None = None,
     state_dtype: str = "float32",
     batch_windows: int = 1,
     json_out: str | Path | None = None,
@@ -86,21 +99,53 @@ def evaluate(
     float32, float16 or uint16). The models run layer by layer over all windows at once: peak memory is about
     one layer of the reference plus one of a candidate plus the hidden streams (`state_dtype` float32 or
     bfloat16), independent of the number of layers. `batch_windows` > 1 runs several windows per layer call
-    (faster on a GPU; float rounding then differs from a one-window forward in the last bits).
-    `json_out` "-" prints the JSON report to stdout.
+    (faster on a GPU; float rounding then differs from a one-window forward in the last bits). `devices`
+    ("0,1", "cpu,cpu"; or a torchrun launch): the windows dealt over one rank per device, the same numbers.
+    `json_out` "-" prints the JSON report to stdout. `windows`: at most that many windows (the first ones);
+    None or "all": every window of the text (or of the `ref_logits` file).
     """
-    run = _resolve(reference, candidates, text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
-                   ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type,
-                   device=device, state_dtype=state_dtype, batch_windows=batch_windows)
-    _validate(run)
-    reset_peaks(run.device)
-    models = _forward(run, progress)
-    report = _finalize(run, models, progress)
-    _write_outputs(report, json_out, markdown_out)
-    return report
+    given = dict(locals())  # every argument, for the worker ranks of a multi-device run
+    windows = window_count(windows)
+    devs = parse_devices(devices)
+    if len(devs) > 1 and save_ref:
+        raise InputError(SAVE_REF_ONE_DEVICE)
+    if needs_launch(devs):
+        return launch(evaluate, (), devs, kwargs=given)
+    with rank_context(devs, device) as ranks:
+        run = _resolve(reference, candidates, text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
+                       ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type,
+                       device=str(ranks.device) if ranks.world > 1 else device, state_dtype=state_dtype,
+                       batch_windows=batch_windows)
+        _validate(run)
+        _split_windows(run, ranks)
+        progress = progress and ranks.is_main
+        if progress:
+            tqdm.write(_announce(run, windows), file=sys.stderr)
+        reset_peaks(run.device)
+        models = _forward(run, progress)
+        report = _finalize(run, models, progress)
+        if report is None:
+            return None  # a rank other than 0: rank 0 reports
+        _write_outputs(report, json_out, markdown_out)
+        return report
 
 
 # --- resolve -------------------------------------------------------------------------------------------------------
+def window_count(value: int | str | None) -> int | None:
+    """--windows as given: a whole number >= 1, or None / "all" for every window."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise InputError(f"--windows {value!r}: expected a whole number or 'all'") from None
+    if isinstance(value, float) and value != n:
+        raise InputError(f"--windows {value!r}: expected a whole number or 'all'")
+    if n < 1:
+        raise InputError(f"--windows must be at least 1, not {n}")
+    return n
+
+
 def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine,
              cache_type, device, state_dtype, batch_windows) -> EvalRun:
     """Check the options, open the reference and candidates (headers only) and cut the windows."""
@@ -163,6 +208,29 @@ def _validate(run: EvalRun) -> None:
         raise InputError(f"{run.reader.path}: vocabulary {run.reader.vocab} differs from the reference's {vocab}")
 
 
+def _announce(run: EvalRun, windows: int | None) -> str:
+    """The line `evaluate` prints before the forward: what is scored, and how to score more."""
+    w = run.windows
+    torch_models = (0 if run.reader else 1) + sum(s is not None for s in run.sources)
+    capped = windows is not None and w.count == windows
+    return (f"eval: {w.count} window{'s' if w.count != 1 else ''} of {w.ctx} tokens ({w.count * w.ctx:,} tokens"
+            f"{', the first of the text' if capped else ''}) through {torch_models} model"
+            f"{'s' if torch_models != 1 else ''}, {run.n_layers} layers each"
+            + ("; --windows all scores the whole text" if capped else ""))
+
+
+def _split_windows(run: EvalRun, ranks: RankContext) -> None:
+    """This rank's windows (eval/window_split.py); with several ranks, the options that need every window in one
+    process are refused first."""
+    if ranks.world > 1:
+        if run.save_ref:
+            raise InputError(SAVE_REF_ONE_DEVICE)
+        if any(s is None for s in run.sources):
+            raise InputError("--engine llamacpp scores GGUF candidates in llama.cpp: give one device")
+    run.ranks = ranks
+    run.mine = rank_window_ids(run.windows.count, run.batch_windows, ranks)
+
+
 def _vocab(config: dict) -> int:
     return int(config.get("text_config", config)["vocab_size"])
 
@@ -172,7 +240,7 @@ def _state_device(run: EvalRun, n_models: int) -> torch.device:
     """The GPU when every model's hidden streams fit in GPU_STATE_SHARE of its free memory, else the host."""
     if run.device.type != "cuda" or n_models == 0:
         return torch.device("cpu")
-    need = n_models * state_bytes(run.config, run.windows.count, run.windows.ctx, run.state_dtype)
+    need = n_models * state_bytes(run.config, len(run.mine), run.windows.ctx, run.state_dtype)
     free, _ = torch.cuda.mem_get_info(run.device)
     return run.device if need <= GPU_STATE_SHARE * free else torch.device("cpu")
 
@@ -181,7 +249,7 @@ def _forward(run: EvalRun, progress: bool) -> StreamedModels:
     """The reference (unless its log-probs come from a file) and every torch candidate through all layers."""
     names = ([] if run.reader else [(str(run.ref_dir), run.ref)]) + [
         (str(c.path), s) for c, s in zip(run.candidates, run.sources) if s is not None]
-    models = StreamedModels(run.config, run.windows.tokens, device=run.device, state_dtype=run.state_dtype,
+    models = StreamedModels(run.config, run.local_tokens, device=run.device, state_dtype=run.state_dtype,
                             state_device=_state_device(run, len(names)), batch_windows=run.batch_windows)
     for name, src in names:
         models.add(name, src)
@@ -243,17 +311,18 @@ def _candidate_logits(run: EvalRun, models: StreamedModels, i: int):
     return _TorchLogits(models, model, run.windows.first)
 
 
-def _reference_log_probs(run: EvalRun, ref: _TorchLogits | None, w: int) -> torch.Tensor:
-    """Window w's reference log-probs: from the --ref-logits file, or log-softmax of the reference's logits."""
+def _reference_log_probs(run: EvalRun, ref: _TorchLogits | None, w: int, j: int) -> torch.Tensor:
+    """Window w's reference log-probs (the rank's j-th window): from the --ref-logits file, or log-softmax of
+    the reference's logits."""
     if ref is None:
         return run.reader.logprobs(w)
-    logits = ref(w)
+    logits = ref(j)
     if not bool(torch.isfinite(logits).all()):
         raise FormatError(f"{run.ref_dir}: the reference gives non-finite logits in window {w}")
     return log_probs(logits)
 
 
-def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict:
+def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict | None:
     """Score every candidate window by window (one candidate head in memory at a time) and build the report.
     With --save-ref the first pass writes the reference log-probs; every pass scores exactly what the file holds."""
     writer = None
@@ -267,30 +336,35 @@ def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict:
         with ref if ref is not None else contextlib.nullcontext():
             for p, i in enumerate(range(len(run.candidates)) if run.candidates else [None]):
                 cand = None if i is None else _candidate_logits(run, models, i)
-                acc = KLAccumulator()
+                per_window = []
                 desc = "reference log-probs" if cand is None else f"scoring {run.candidates[i].path.name}"
                 with cand if cand is not None else contextlib.nullcontext():
-                    for w in tqdm(range(run.windows.count), desc=desc, unit="win", disable=not progress):
-                        lp = _reference_log_probs(run, ref, w)
+                    for j, w in enumerate(tqdm(run.mine, desc=desc, unit="win", disable=not progress)):
+                        lp = _reference_log_probs(run, ref, w, j)
                         if writer is not None:
                             if p == 0:
                                 writer.add(lp)
                             lp = roundtrip(lp, run.ref_dtype, run.windows.targets(w))  # what --ref-logits reads back
                         if cand is None:
                             continue
-                        logits = cand(w)
+                        logits = cand(j)
                         _check_logits(run.candidates[i].path, w, logits, lp)
-                        acc.add(token_quantities(lp.to(logits.device), logits, run.windows.targets(w)))
+                        per_window.append(token_quantities(lp.to(logits.device), logits, run.windows.targets(w)))
                 if p == 0 and ref is not None:
-                    ref_seconds = ref.seconds
-                if cand is not None:
-                    scored.append((acc, cand.seconds))
+                    ref_seconds = (gather_in_order(run.ranks, [], [], ref.seconds) or (None, None))[1]
+                if cand is not None and (got := gather_in_order(run.ranks, run.mine, per_window, cand.seconds)):
+                    acc = KLAccumulator()
+                    for q in got[0]:  # window order, whichever rank scored each
+                        acc.add(q)
+                    scored.append((acc, got[1]))
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
     if writer is not None:
         writer.close()
+    if not run.ranks.is_main:
+        return None
     return _report(run, scored, ref_seconds, models.state_device)
 
 
@@ -322,12 +396,14 @@ def _report(run: EvalRun, scored: list, ref_seconds: float | None, state_device:
         "candidates": [],
     }
     for c, (acc, secs) in zip(run.candidates, scored):
+        # bpw: mixq's one figure, file bytes x 8 / reference parameters (file_bpw in plan and convert JSONs too)
         entry = {"path": str(c.path), "format": c.format, "bytes": c.bytes, "bpw": c.bytes * 8 / ref_params}
         entry.update(acc.summary())
         entry["engine"] = run.engine if c.format == "gguf" else "torch"
         if entry["engine"] == "llamacpp":
             entry["cache_type"] = run.cache_type
         entry["tokens_per_s"] = window_tokens / secs if secs > 0 else None
+        entry.update(file_bytes=c.bytes, file_bpw=entry["bpw"])  # the names plan and convert use (keys appended)
         report["candidates"].append(entry)
     return report
 

@@ -177,7 +177,7 @@ def _build_triton() -> None:
         arg = tl.zeros((BLOCK,), tl.int32)
         for u in range(1 << D):
             s = (u << (16 - D)) | e
-            c = tl.load(table2_ptr + s) - 2.0 * xp * tl.load(table_ptr + s)
+            c = tl.fma(tl.load(table_ptr + s), -2.0 * xp, tl.load(table2_ptr + s))  # one rounding, as addcmul
             if not FREE:
                 c += tl.load(mprev_ptr + t * (65536 >> DPREV) + (s >> DPREV))
             better = c < best
@@ -345,7 +345,12 @@ def ring_consistent(states: torch.Tensor, bits: float) -> bool:
     return bool(((nxt >> dn) == (states & ((1 << (16 - dn)) - 1))).all())
 
 
-def _self_check_fused(k: float, tiles: int = 8) -> bool:
+# Self-check tolerance on the mean squared error of 32 tiles. It catches a broken build (garbage is many times
+# worse), not rounding: where rounding makes pass 1 pick another seam edge, a ring can be ~1% better or worse.
+_CHECK_RTOL = {"exact": 1e-2, "fp32": 1e-2, "mixed": 1e-2, "fp16": 3e-2}
+
+
+def _self_check_fused(k: float, tiles: int = 32) -> bool:
     from . import viterbi_fused
     from .codebooks import codebook_table
 
@@ -353,15 +358,16 @@ def _self_check_fused(k: float, tiles: int = 8) -> bool:
     g = torch.Generator().manual_seed(2)
     table = codebook_table("mul1", dev)
     x = (torch.randn(tiles, 256, generator=g) * 0.9).to(dev)
-    a = viterbi_fused.encode(x, table.half(), k)
+    costs = viterbi_fused.default_costs(k)
+    a = viterbi_fused.encode(x, table.half(), k, costs=costs)
     b = viterbi_tiles_reference(x, table, float(k))
     ea = (table[a] - x).square().mean()
     eb = (table[b] - x).square().mean()
     ring = ring_consistent(a, k)
-    ok = ring and float(ea) <= float(eb) * (1 + 5e-3) + 1e-6  # fp16 costs: equal up to rare near-ties
+    ok = ring and float(ea) <= float(eb) * (1 + _CHECK_RTOL[costs]) + 1e-7
     if not ok:
-        warnings.warn(f"trellis: fused Viterbi check failed for K={k} (ring={ring}, mse {float(ea):.6g} vs "
-                      f"{float(eb):.6g}); using the per-step path")
+        warnings.warn(f"trellis: fused Viterbi check failed for K={k} ({costs} costs, ring={ring}, mse "
+                      f"{float(ea):.7g} vs {float(eb):.7g}); using the per-step path")
     return ok
 
 

@@ -5,21 +5,33 @@ Same trellis and two-pass tail-biting scheme as quant/viterbi.py (reference §3.
 * The 65,536 codebook values are loaded once per program into registers as fp16 (128 KB: an fp32 table
   would fill the whole register file), viewed as (U, EH, EL) = (top D bits, middle 16-2D bits, low D bits)
   of the state, so the 2^D candidates of an edge and the 2^D edges sharing a predecessor sit in one thread.
-* Edge costs stay on chip across the steps (registers, exchanged through shared memory once per step) in
-  fp16, renormalised every ``RENORM_EVERY`` steps (subtracting the running minimum keeps them small, where
-  fp16 is precise).
+* Edge costs stay on chip across the steps (registers, exchanged through shared memory once per step), in the
+  arithmetic chosen by ``COSTS`` (a compile-time switch, :data:`COST_MODES`; :func:`default_costs` per rate):
+  - ``mixed`` (the default up to K = 6): fp32 costs plus fp32 squares of the fp16 differences c − fp16(x)
+    (half2 subtractions, one conversion and one fma per state). Rounding x to fp16 shifts the target by
+    < 2^-11 of itself: the MSE of N(0, 0.81) targets grows by 3.5e-8, 1.8e-4 of D(R) at K = 6.
+  - ``fp32`` (the default from K = 7, where that shift is 7e-4 of D(R) and more): ``mixed`` corrected by the
+    part of x that fp16 drops (one more add per state); a difference is exact where c is within a factor 2 of
+    fp16(x), i.e. for every candidate near the target.
+  - ``exact``: the torch path's own arithmetic, fp32 c² − 2xc (x² is common to all states and dropped) with one
+    rounding, added to fp32 costs: the same states as the torch path, at ~1.4x the instructions of ``mixed``.
+  - ``fp16``: fp16 differences, squares and costs (half2 arithmetic), renormalised every ``RENORM_EVERY``
+    steps: an 11-bit cost decides near-ties wrongly.
+  All pick the lowest predecessor on ties, like the torch path's ``argmin``. Offline sm_90 builds (8 warps,
+  255 registers): at D = 1 (K = 1, 1.5: 32,768 edges) fp32 costs beside the fp16 codebook spill a little; at
+  K = 7, 8 one of the two passes spills (the 2^D candidates of an edge and their predecessor costs in one thread).
 * Each step writes its argmin choices packed, D bits per edge (1 byte per edge from D = 5 up), to global
   memory; a second kernel traces all tiles back at once, one thread per tile.
 
 Pass 1 starts free at position 128, runs once round the ring and traces back to position 0: that picks the
-seam edge (the high 16-D bits of s_0, = the low bits of s_255). Pass 2 runs 0..255 from that edge and ends on
-it, so the ring is self-consistent by construction. Half rates (1.5, 2.5, 3.5: D(p) = ⌊K⌋ + (p odd)) run
-``_forward_half_src``: two steps per iteration, the edge costs of a step indexed by the low 16 − D(p+1) bits of
-its state, so the even and odd steps see the codebook as (2^B, M, 2^A) and (2^A, M, 2^B) (A = ⌊K⌋, B = A + 1).
+seam edge (the high 16-D bits of s_0, = the low bits of s_255); the traceback starts from the lowest state of
+least cost, as the torch path's ``argmin``. Pass 2 runs 0..255 from that edge and ends on it, so the ring is
+self-consistent by construction. Half rates (1.5, 2.5, 3.5: D(p) = ⌊K⌋ + (p odd)) run ``_forward_half_src``:
+two steps per iteration, the edge costs of a step indexed by the low 16 − D(p+1) bits of its state, so the even
+and odd steps see the codebook as (2^B, M, 2^A) and (2^A, M, 2^B) (A = ⌊K⌋, B = A + 1).
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
@@ -31,17 +43,24 @@ RENORM_EVERY = 16
 # Backpointer budget per launch group; a tile needs 256 rows of (65536 >> D) · D / 8 bytes (1 MB at D = 2).
 MAX_BP_BYTES = 4 << 30
 # One program per SM: the fp16 codebook alone takes half the register file. 8 warps of 255 registers hold
-# 256 states per thread without spills at K ≤ 4 (sm_90 SASS: ~4 instructions per state and step); 32 warps
-# of 64 registers spill.
+# 256 states per thread (sm_90 SASS, default arithmetic: no or few spills at K = 2..6); 32 warps of 64
+# registers spill.
 NUM_WARPS = 8
 
-
 HALF_RATES = (1.5, 2.5, 3.5)
+COST_MODES = {"fp16": 0, "mixed": 1, "exact": 2, "fp32": 3}
 
 
 def supported(bits: float) -> bool:
     """Whether the fused kernel handles this bitrate (integer K 1..8, or 1.5/2.5/3.5)."""
     return (float(bits) == int(bits) and 1 <= int(bits) <= 8) or float(bits) in HALF_RATES
+
+
+def default_costs(bits: float) -> str:
+    """The cost arithmetic used for this bitrate: ``mixed`` up to K = 6, ``fp32`` above (there fp16(x) would
+    move the target by as much as the trellis error: rounding N(0, 0.81) targets to fp16 adds 3.5e-8 to the MSE,
+    = 1.8e-4 of D(R) at K = 6, 7e-4 at K = 7, 2.8e-3 at K = 8)."""
+    return "mixed" if float(bits) <= 6 else "fp32"
 
 
 def bp_layout(d: int) -> tuple[torch.dtype, int]:
@@ -57,10 +76,76 @@ def bp_layout(d: int) -> tuple[torch.dtype, int]:
     return torch.uint8, NSTATES >> d
 
 
+@triton.jit
+def _branch_costs(old, c, x, COSTS: tl.constexpr):
+    """cost[u, m, l] = old[u, m] + the error of codebook value c[u, m, l] (fp16) against the target x (fp32)."""
+    xh = x.to(tl.float16)
+    if COSTS == 0:  # fp16
+        d = c - xh
+        cost = old[:, :, None] + d * d
+    elif COSTS == 2:
+        # exact: the torch path's c² − 2xc (x² is common to all states) with one rounding. The zero depends on
+        # the step: it keeps the compiler from hoisting an fp32 codebook (256 more registers per thread) out of
+        # the loop (c + 0 is exact)
+        cf = (c + (x * 0.0).to(tl.float16)).to(tl.float32)
+        cost = old[:, :, None] + tl.fma(cf, -2.0 * x, cf * cf)
+    else:
+        d = (c - xh).to(tl.float32)  # exact where c is within a factor 2 of fp16(x) (Sterbenz): near the target
+        if COSTS == 3:  # fp32: corrected by the part of x that fp16 drops
+            d = d - (x - xh.to(tl.float32))
+        cost = tl.fma(d, d, old[:, :, None])
+    return cost
+
+
+@triton.jit
+def _keep_lower(a, ia, b, ib):
+    take = b < a  # strict: a tie keeps the lower index (the reduction combines in index order)
+    return tl.where(take, b, a), tl.where(take, ib, ia)
+
+
+@triton.jit
+def _select(cost, iu, U: tl.constexpr):
+    """(min over axis 0, its lowest index): the torch path's argmin order. fp32: one compare and two selects
+    per candidate; fp16: min, then compare and select (packed half2 compares are cheaper than the pairs)."""
+    if cost.dtype == tl.float32:
+        return tl.reduce((cost, tl.broadcast_to(iu, cost.shape)), 0, _keep_lower)
+    new = tl.min(cost, axis=0).to(cost.dtype)  # (tl.min widens fp16)
+    return new, tl.min(tl.where(cost == new[None, :, :], iu, U), axis=0)
+
+
+@triton.jit
+def _lowest_best_state(cost, flat):
+    """The lowest state index among the cheapest (``flat``: the state index of each cost entry)."""
+    best = tl.min(tl.reshape(cost, (65536,)), axis=0)
+    return tl.min(tl.reshape(tl.where(cost == best, flat, 65536), (65536,)), axis=0)
+
+
+@triton.jit
+def _store_bp(bp_ptr, t, p, arg, keep, D: tl.constexpr):
+    """Write one step's argmins (EH, EL) packed, D bits per edge (D ≤ 4), else one byte per edge."""
+    U: tl.constexpr = 1 << D
+    EH: tl.constexpr = 1 << (16 - 2 * D)
+    if D <= 4:
+        shifts = (tl.arange(0, U) * D)[None, :]
+        row = tl.arange(0, EH)
+        if D <= 2:
+            packed = tl.sum(arg << shifts, axis=1).to(tl.uint8)
+        elif D == 3:
+            packed = tl.sum(arg << shifts, axis=1)
+        else:
+            packed = tl.sum(arg.to(tl.int64) << shifts.to(tl.int64), axis=1)
+        tl.store(bp_ptr + (t * 256 + p) * EH + row, packed, mask=keep)
+    else:
+        row = tl.arange(0, EH * U).reshape(EH, U)
+        tl.store(bp_ptr + (t * 256 + p) * (EH * U) + row, arg.to(tl.uint8), mask=keep)
+
+
 def _forward_src(x_ptr, table_ptr, bp_ptr, seam_ptr, final_ptr, D: tl.constexpr, FREE: tl.constexpr,
-                 RENORM: tl.constexpr):
+                 COSTS: tl.constexpr, RENORM: tl.constexpr, GATHER: tl.constexpr):
     """One pass of one tile. FREE: pass 1 (positions 128..255, 0..127, free start, backpointers kept for
-    positions < 128, writes the cheapest final edge); else pass 2 (0..255, starts on the tile's seam edge)."""
+    positions < 128, writes the edge of the cheapest final state); else pass 2 (0..255, starts on the tile's
+    seam edge). GATHER: move the edge costs to their next-step layout with an identity gather instead of a
+    reshape (Triton lowers it differently: at D = 2, 22 barriers per step instead of 34)."""
     U: tl.constexpr = 1 << D
     EH: tl.constexpr = 1 << (16 - 2 * D)
     NE: tl.constexpr = 1 << (16 - D)
@@ -68,46 +153,34 @@ def _forward_src(x_ptr, table_ptr, bp_ptr, seam_ptr, final_ptr, D: tl.constexpr,
     # c[u, eh, el] = codebook(state (u << 16-D) | (eh << D) | el): the flat table read in state order
     c = tl.load(table_ptr + tl.arange(0, 65536)).reshape(U, EH, U)
     iu = tl.arange(0, U)[:, None, None]
-    j = tl.arange(0, NE).reshape(U, EH)  # predecessor edge index (u << 16-2D) | eh
+    rows = tl.broadcast_to(tl.arange(0, U)[:, None], (U, EH))
     if FREE:
-        old = tl.zeros((U, EH), tl.float16)
+        old = tl.zeros((U, EH), tl.float32)
         offset = 128
     else:
-        seam = tl.load(seam_ptr + t)
-        old = tl.where(j == seam, 0.0, float("inf")).to(tl.float16)
+        j = tl.arange(0, NE).reshape(U, EH)  # predecessor edge index (u << 16-2D) | eh
+        old = tl.where(j == tl.load(seam_ptr + t), 0.0, float("inf"))
         offset = 0
-    if D <= 4:
-        shifts = (tl.arange(0, U) * D)[None, :]
-        row = tl.arange(0, EH)
-    else:
-        row = tl.arange(0, NE).reshape(EH, U)
-    for i in range(256):
+    if COSTS == 0:
+        old = old.to(tl.float16)
+    for i in range(255):
         p = (i + offset) & 255
-        x = tl.load(x_ptr + t * 256 + p).to(tl.float16)
-        d = c - x
-        cost = old[:, :, None] + d * d
-        new = tl.min(cost, axis=0).to(tl.float16)  # (EH, EL): edge e = (eh << D) | el
-        arg = tl.max(tl.where(cost == new[None, :, :], iu, 0), axis=0)
-        if FREE:
-            keep = p < 128
-        else:
-            keep = p >= 0
-        if D <= 2:
-            packed = tl.sum(arg << shifts, axis=1).to(tl.uint8)
-            tl.store(bp_ptr + (t * 256 + p) * EH + row, packed, mask=keep)
-        elif D == 3:
-            packed = tl.sum(arg << shifts, axis=1)
-            tl.store(bp_ptr + (t * 256 + p) * EH + row, packed, mask=keep)
-        elif D == 4:
-            packed = tl.sum(arg.to(tl.int64) << shifts.to(tl.int64), axis=1)
-            tl.store(bp_ptr + (t * 256 + p) * EH + row, packed, mask=keep)
-        else:
-            tl.store(bp_ptr + (t * 256 + p) * NE + row, arg.to(tl.uint8), mask=keep)
+        cost = _branch_costs(old, c, tl.load(x_ptr + t * 256 + p), COSTS)
+        new, arg = _select(cost, iu, U)
+        _store_bp(bp_ptr, t, p, arg, (p < 128) | (not FREE), D)
         old = tl.reshape(new, (U, EH))  # next step's predecessor index = this edge
-        if (i % RENORM) == RENORM - 1:
-            old = (old - tl.min(old).to(tl.float16)).to(tl.float16)
+        if GATHER:
+            old = tl.gather(old, rows, 0)
+        if COSTS == 0:
+            if (i % RENORM) == RENORM - 1:
+                old = old - tl.min(tl.min(old, axis=1), axis=0).to(tl.float16)
+    p = (255 + offset) & 255  # the last step, outside the loop: pass 1 picks its final state from its costs
+    cost = _branch_costs(old, c, tl.load(x_ptr + t * 256 + p), COSTS)
+    new, arg = _select(cost, iu, U)
+    _store_bp(bp_ptr, t, p, arg, True, D)
     if FREE:
-        tl.store(final_ptr + t, tl.argmin(tl.reshape(old, (NE,)), axis=0).to(tl.int32))
+        s = _lowest_best_state(cost, tl.arange(0, 65536).reshape(U, EH, U))
+        tl.store(final_ptr + t, (s & (NE - 1)).to(tl.int32))
 
 
 def _traceback_src(bp_ptr, edge_ptr, out_ptr, seam_out_ptr, T, D: tl.constexpr, LAST: tl.constexpr,
@@ -137,20 +210,19 @@ def _traceback_src(bp_ptr, edge_ptr, out_ptr, seam_out_ptr, T, D: tl.constexpr, 
 
 
 @triton.jit
-def _acs_half(old, c, iu, x, RED: tl.constexpr, EL: tl.constexpr, PT: tl.constexpr):
+def _step_half(old, c, iu, x, RED: tl.constexpr, EL: tl.constexpr, COSTS: tl.constexpr, PT: tl.constexpr):
     """One step of a half rate: old (2^RED, M) predecessor costs, c (2^RED, M, 2^EL) codebook view; returns the
-    new costs (M · 2^EL,) and the argmins packed RED bits per edge, one PT word per M row."""
-    d = c - x
-    cost = old[:, :, None] + d * d
-    new = tl.min(cost, axis=0).to(tl.float16)
-    arg = tl.max(tl.where(cost == new[None, :, :], iu, 0), axis=0)
+    cost (2^RED, M, 2^EL), the new costs (M · 2^EL,) and the argmins packed RED bits per edge, one PT word per
+    M row."""
+    cost = _branch_costs(old, c, x, COSTS)
+    new, arg = _select(cost, iu, 1 << RED)
     shifts = (tl.arange(0, 1 << EL) * RED)[None, :].to(PT)
     packed = tl.sum(arg.to(PT) << shifts, axis=1)
-    return tl.reshape(new, ((1 << (16 - EL - RED)) << EL,)), packed
+    return cost, tl.reshape(new, ((1 << (16 - EL - RED)) << EL,)), packed
 
 
 def _forward_half_src(x_ptr, table_ptr, bp_ptr, seam_ptr, final_ptr, A: tl.constexpr, FREE: tl.constexpr,
-                      RENORM: tl.constexpr, PT: tl.constexpr):
+                      COSTS: tl.constexpr, RENORM: tl.constexpr, PT: tl.constexpr):
     """``_forward_src`` for the half rate A + 0.5: even positions carry A new bits, odd ones A + 1."""
     B: tl.constexpr = A + 1
     M: tl.constexpr = 1 << (16 - A - B)
@@ -162,30 +234,35 @@ def _forward_half_src(x_ptr, table_ptr, bp_ptr, seam_ptr, final_ptr, A: tl.const
     iu_odd = tl.arange(0, 1 << A)[:, None, None]
     row = tl.arange(0, M)
     if FREE:
-        old = tl.zeros((1 << B, M), tl.float16)
+        old = tl.zeros((1 << B, M), tl.float32)
         offset = 128
     else:
-        seam = tl.load(seam_ptr + t)
         j = tl.arange(0, 1 << (16 - A)).reshape(1 << B, M)
-        old = tl.where(j == seam, 0.0, float("inf")).to(tl.float16)
+        old = tl.where(j == tl.load(seam_ptr + t), 0.0, float("inf"))
         offset = 0
-    for i in range(0, 256, 2):
+    if COSTS == 0:
+        old = old.to(tl.float16)
+    for i in range(0, 254, 2):
         p = (i + offset) & 255
-        if FREE:
-            keep = p < 128
-        else:
-            keep = p >= 0
-        x = tl.load(x_ptr + t * 256 + p).to(tl.float16)
-        new, packed = _acs_half(old, c_even, iu_even, x, B, A, PT)
+        keep = (p < 128) | (not FREE)
+        _, new, packed = _step_half(old, c_even, iu_even, tl.load(x_ptr + t * 256 + p), B, A, COSTS, PT)
         tl.store(bp_ptr + (t * 256 + p) * M + row, packed, mask=keep)
-        x = tl.load(x_ptr + t * 256 + p + 1).to(tl.float16)
-        new, packed = _acs_half(tl.reshape(new, (1 << A, M)), c_odd, iu_odd, x, A, B, PT)
+        _, new, packed = _step_half(tl.reshape(new, (1 << A, M)), c_odd, iu_odd, tl.load(x_ptr + t * 256 + p + 1),
+                                    A, B, COSTS, PT)
         tl.store(bp_ptr + (t * 256 + p + 1) * M + row, packed, mask=keep)
         old = tl.reshape(new, (1 << B, M))
-        if (i % RENORM) == RENORM - 2:
-            old = (old - tl.min(old).to(tl.float16)).to(tl.float16)
+        if COSTS == 0:
+            if (i % RENORM) == RENORM - 2:
+                old = old - tl.min(tl.min(old, axis=1), axis=0).to(tl.float16)
+    p = (254 + offset) & 255  # the last pair, outside the loop: pass 1 picks its final state from its costs
+    _, new, packed = _step_half(old, c_even, iu_even, tl.load(x_ptr + t * 256 + p), B, A, COSTS, PT)
+    tl.store(bp_ptr + (t * 256 + p) * M + row, packed)
+    cost, new, packed = _step_half(tl.reshape(new, (1 << A, M)), c_odd, iu_odd, tl.load(x_ptr + t * 256 + p + 1),
+                                   A, B, COSTS, PT)
+    tl.store(bp_ptr + (t * 256 + p + 1) * M + row, packed)
     if FREE:
-        tl.store(final_ptr + t, tl.argmin(tl.reshape(old, (1 << (16 - A),)), axis=0).to(tl.int32))
+        s = _lowest_best_state(cost, tl.arange(0, 65536).reshape(1 << A, M, 1 << B))
+        tl.store(final_ptr + t, (s & ((1 << (16 - A)) - 1)).to(tl.int32))
 
 
 def _traceback_half_src(bp_ptr, edge_ptr, out_ptr, seam_out_ptr, T, A: tl.constexpr, LAST: tl.constexpr,
@@ -223,62 +300,80 @@ def kernels():
     return triton.jit(_forward_src), triton.jit(_traceback_src)
 
 
-def encode(x: torch.Tensor, table16: torch.Tensor, bits: float,
-           max_bp_bytes: int = MAX_BP_BYTES) -> torch.Tensor:
-    """Tail-biting Viterbi of (T, 256) targets (tensor-core order) against an fp16 codebook table (65536,);
-    returns (T, 256) int64 states forming consistent rings."""
+def _cost_mode(bits: float, costs: str | None) -> int:
+    name = default_costs(bits) if costs is None else costs
+    if name not in COST_MODES:
+        raise ValueError(f"unknown cost arithmetic {name!r}; expected one of {sorted(COST_MODES)}")
+    return COST_MODES[name]
+
+
+def _launch_plan(bits: float, costs: str | None, exchange: str = "reshape"):
+    """(forward, traceback, backpointer dtype, elements per backpointer row, forward and traceback constexprs)."""
+    mode = _cost_mode(bits, costs)
+    if exchange not in ("reshape", "gather"):
+        raise ValueError(f"unknown cost exchange {exchange!r}; expected 'reshape' or 'gather'")
     if float(bits) in HALF_RATES:
-        return _encode_half(x, table16, int(bits), max_bp_bytes)  # A = ⌊K⌋
+        a = int(bits)  # A = ⌊K⌋
+        fwd, back = half_kernels()
+        return (fwd, back, torch.int64 if a == 3 else torch.int32, 1 << (15 - 2 * a),
+                dict(A=a, COSTS=mode, RENORM=RENORM_EVERY, PT=tl.int64 if a == 3 else tl.int32), dict(A=a))
     d = int(bits)
     fwd, back = kernels()
+    dtype, row = bp_layout(d)
+    return fwd, back, dtype, row, dict(D=d, COSTS=mode, RENORM=RENORM_EVERY, GATHER=exchange == "gather"), dict(D=d)
+
+
+def encode(x: torch.Tensor, table16: torch.Tensor, bits: float, max_bp_bytes: int = MAX_BP_BYTES,
+           costs: str | None = None, exchange: str = "reshape") -> torch.Tensor:
+    """Tail-biting Viterbi of (T, 256) targets (tensor-core order) against an fp16 codebook table (65536,).
+
+    Args:
+        x: (T, 256) targets, any float dtype (read as fp32).
+        table16: (65536,) fp16 codebook values in state order.
+        bits: K (integer 1..8 or a half rate).
+        max_bp_bytes: backpointer memory per launch group.
+        costs: cost arithmetic, a key of :data:`COST_MODES`; None: :func:`default_costs`.
+        exchange: "reshape" or "gather" (integer K only): how the edge costs reach their next-step layout.
+    Returns:
+        (T, 256) int64 states forming consistent rings.
+    """
+    fwd, back, dtype, row, fwd_args, back_args = _launch_plan(bits, costs, exchange)
     x = x.float().contiguous()
     t_all = x.shape[0]
     out = torch.empty(t_all, 256, dtype=torch.int32, device=x.device)
     if t_all == 0:
         return out.long()
-    dtype, row = bp_layout(d)
     per_tile = 256 * row * torch.empty((), dtype=dtype).element_size()
     chunk = max(1, min(t_all, max_bp_bytes // per_tile))
     bp = torch.empty(chunk, 256, row, dtype=dtype, device=x.device)
     final = torch.empty(chunk, dtype=torch.int32, device=x.device)
     seam = torch.empty(chunk, dtype=torch.int32, device=x.device)
-    warps = NUM_WARPS
     block = 128
     for lo in range(0, t_all, chunk):
         xs = x[lo:lo + chunk]
         n = xs.shape[0]
         os_ = out[lo:lo + n]
         grid_t = (-(-n // block),)
-        fwd[(n,)](xs, table16, bp, seam, final, D=d, FREE=True, RENORM=RENORM_EVERY, num_warps=warps)
-        back[grid_t](bp, final, os_, seam, n, D=d, LAST=127, WRITE=False, BLOCK=block, num_warps=4)
-        fwd[(n,)](xs, table16, bp, seam, final, D=d, FREE=False, RENORM=RENORM_EVERY, num_warps=warps)
-        back[grid_t](bp, seam, os_, seam, n, D=d, LAST=255, WRITE=True, BLOCK=block, num_warps=4)
+        fwd[(n,)](xs, table16, bp, seam, final, FREE=True, num_warps=NUM_WARPS, **fwd_args)
+        back[grid_t](bp, final, os_, seam, n, LAST=127, WRITE=False, BLOCK=block, num_warps=4, **back_args)
+        fwd[(n,)](xs, table16, bp, seam, final, FREE=False, num_warps=NUM_WARPS, **fwd_args)
+        back[grid_t](bp, seam, os_, seam, n, LAST=255, WRITE=True, BLOCK=block, num_warps=4, **back_args)
     return out.long()
 
 
-def _encode_half(x: torch.Tensor, table16: torch.Tensor, a: int, max_bp_bytes: int) -> torch.Tensor:
-    """``encode`` for the half rate a + 0.5."""
-    fwd, back = half_kernels()
-    x = x.float().contiguous()
-    t_all = x.shape[0]
-    out = torch.empty(t_all, 256, dtype=torch.int32, device=x.device)
-    if t_all == 0:
-        return out.long()
-    dtype = torch.int64 if a == 3 else torch.int32
-    pt = tl.int64 if a == 3 else tl.int32
-    row = 1 << (15 - 2 * a)
-    chunk = max(1, min(t_all, max_bp_bytes // (256 * row * torch.empty((), dtype=dtype).element_size())))
-    bp = torch.empty(chunk, 256, row, dtype=dtype, device=x.device)
-    final = torch.empty(chunk, dtype=torch.int32, device=x.device)
-    seam = torch.empty(chunk, dtype=torch.int32, device=x.device)
-    block = 128
-    for lo in range(0, t_all, chunk):
-        xs = x[lo:lo + chunk]
-        n = xs.shape[0]
-        os_ = out[lo:lo + n]
-        grid_t = (-(-n // block),)
-        fwd[(n,)](xs, table16, bp, seam, final, A=a, FREE=True, RENORM=RENORM_EVERY, PT=pt, num_warps=NUM_WARPS)
-        back[grid_t](bp, final, os_, seam, n, A=a, LAST=127, WRITE=False, BLOCK=block, num_warps=4)
-        fwd[(n,)](xs, table16, bp, seam, final, A=a, FREE=False, RENORM=RENORM_EVERY, PT=pt, num_warps=NUM_WARPS)
-        back[grid_t](bp, seam, os_, seam, n, A=a, LAST=255, WRITE=True, BLOCK=block, num_warps=4)
-    return out.long()
+def forward_resources(bits: float, costs: str | None = None, device: str = "cuda",
+                      exchange: str = "reshape") -> dict[str, dict[str, int]]:
+    """Registers per thread, spilled registers and shared memory bytes of the compiled forward kernels
+    ({"pass1": ..., "pass2": ...}) for a bitrate and cost arithmetic (compiles them if needed; for benchmarks)."""
+    fwd, _, dtype, row, fwd_args, _ = _launch_plan(bits, costs, exchange)
+    x = torch.zeros(1, 256, device=device)
+    table16 = torch.zeros(NSTATES, dtype=torch.float16, device=device)
+    bp = torch.empty(1, 256, row, dtype=dtype, device=device)
+    edge = torch.zeros(1, dtype=torch.int32, device=device)
+    out = {}
+    for name, free in (("pass1", True), ("pass2", False)):
+        kern = fwd.warmup(x, table16, bp, edge, edge, FREE=free, num_warps=NUM_WARPS, grid=(1,), **fwd_args)
+        kern = kern.result() if hasattr(kern, "result") else kern  # (an asynchronous compile)
+        kern._init_handles()
+        out[name] = {"n_regs": int(kern.n_regs), "n_spills": int(kern.n_spills), "shared": int(kern.metadata.shared)}
+    return out

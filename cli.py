@@ -12,7 +12,7 @@ import warnings
 
 import click
 
-from mixq.errors import InputError, MixqError
+from mixq.errors import MixqError
 
 
 def _reports_errors(fn):
@@ -249,7 +249,6 @@ def convert(model, out, fmt, as_json, **params) -> None:
       mixq convert ./GLM-5.3-Flash glm-exl3-2.7 --bpw 2.7          # EXL3 (a directory); wants a GPU
     """
     from mixq.convert.api import convert as run
-    from mixq.convert.options import options_for
 
     ctx = click.get_current_context()
     given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
@@ -374,7 +373,7 @@ def demo(out_dir: str, no_exl3: bool, as_json: bool) -> None:
       mixq demo
       mixq demo --out /tmp/mixq-demo --no-exl3 --json
     """
-    from mixq.convert.demo import format_demo, run_demo
+    from mixq.demo import format_demo, run_demo
 
     report = run_demo(out_dir, progress=True, skip=("convert_exl3",) if no_exl3 else ())
     if as_json:

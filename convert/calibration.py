@@ -450,3 +450,39 @@ The committee reviewed 14 proposals, approved 9, and asked for revised budgets o
 for the year is expected to reach 2.4 million, about 6% above the previous estimate, mostly because of energy costs.
 She opened the letter slowly, read the first line twice, and then laughed out loud for the first time in weeks.
 """
+
+
+class RoutingCapture:
+    """Forward pre-hook on a layer's experts module: keeps its input tokens (float32) and their routing, for the
+    per-expert statistics of `plan --measure` and `--rounding hessian`."""
+
+    def __init__(self) -> None:
+        self.x: list[torch.Tensor] = []
+        self.idx: list[torch.Tensor] = []
+        self.w: list[torch.Tensor] = []
+        self.module = None
+
+    def __call__(self, module, args) -> None:
+        x, idx, w = args[:3]
+        self.module = module
+        self.x.append(x.detach().float())
+        self.idx.append(idx.detach())
+        self.w.append(w.detach().float())
+
+    def clear(self) -> None:
+        self.x, self.idx, self.w, self.module = [], [], [], None
+
+    def routed(self, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x (T, hidden), dense gates (T, E))."""
+        x = torch.cat(self.x)
+        # a spare column: the router may emit index n_experts for "no expert" (as the calibrator's dense routing)
+        g = torch.zeros(x.shape[0], n_experts + 1, dtype=x.dtype, device=x.device)
+        g.scatter_(1, torch.cat(self.idx).long(), torch.cat(self.w).to(x.dtype))
+        return x, g[:, :n_experts]
+
+
+def expert_activation(module, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Routed expert e's down_proj input for tokens x: glm5_next's clamped SwiGLU, as the calibrator computes it."""
+    limit = float(getattr(module, "swiglu_limit", 10.0))
+    gate, up = F.linear(x, module.gate_up_proj[e].to(x)).chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)

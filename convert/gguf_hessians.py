@@ -20,41 +20,12 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
-from mixq.convert.calibration import LayerCalibrator
+from mixq.convert.calibration import LayerCalibrator, RoutingCapture, expert_activation
 
 # weight of the (trace-normalised) all-token Hessian in each routed expert's Hessian: per-expert routed statistics
 # from a few thousand tokens over-fit (k256, held-out Hessians: down_exps error 1.08x exact at 0.05, 0.96x at 1)
 ALL_TOKEN_SHARE = 1.0
-
-
-class RoutingCapture:
-    """Forward pre-hook on a layer's experts module: keeps its input tokens and their routing."""
-
-    def __init__(self) -> None:
-        self.x: list[torch.Tensor] = []
-        self.idx: list[torch.Tensor] = []
-        self.w: list[torch.Tensor] = []
-        self.module = None
-
-    def __call__(self, module, args) -> None:
-        x, idx, w = args[:3]
-        self.module = module
-        self.x.append(x.detach().float())
-        self.idx.append(idx.detach())
-        self.w.append(w.detach().float())
-
-    def clear(self) -> None:
-        self.x, self.idx, self.w, self.module = [], [], [], None
-
-    def routed(self, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x (T, hidden), dense gates (T, E))."""
-        x = torch.cat(self.x)
-        # a spare column: the router may emit index n_experts for "no expert" (as the calibrator's dense routing)
-        g = torch.zeros(x.shape[0], n_experts + 1, dtype=x.dtype, device=x.device)
-        g.scatter_(1, torch.cat(self.idx).long(), torch.cat(self.w).to(x.dtype))
-        return x, g[:, :n_experts]
 
 
 def _normalised(h: torch.Tensor) -> torch.Tensor:
@@ -94,14 +65,12 @@ class StageHessians:
         x, g = self._routed
         down = spec.hf_names[0].endswith("down_proj.weight")
         mod = self.capture.module
-        limit = float(getattr(mod, "swiglu_limit", 10.0))
         out = []
         for e in range(e0, e1):
             rows = g[:, e].nonzero().squeeze(1)
             xe = x[rows].to(mod.gate_up_proj.device)
             if down:
-                gate, up = F.linear(xe, mod.gate_up_proj[e].to(xe)).chunk(2, dim=-1)
-                xe = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+                xe = expert_activation(mod, e, xe)
             xg = xe.double() * g[rows, e:e + 1].to(xe.device, torch.float64)
             r = (xg.T @ xg / max(x.shape[0], 1)).float()
             all_tok = self.stats[spec.hf_names[e]].hessian().to(r.device)

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from mixq.convert.calibration import RoutingCapture, expert_activation
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.glm5next import global_hf_name
@@ -57,40 +57,6 @@ def budget_units(ckpt) -> dict[str, list]:
             n = u.hf_names[0]
             groups.setdefault(_exl3_group(ckpt.info(n), n), []).append(u)
     return groups
-
-
-class _RoutingCapture:
-    """Forward pre-hook on a layer's experts module: keeps the (tokens, hidden) input and the routing."""
-
-    def __init__(self) -> None:
-        self.x: list[torch.Tensor] = []
-        self.idx: list[torch.Tensor] = []
-        self.w: list[torch.Tensor] = []
-        self.module = None
-
-    def __call__(self, module, args) -> None:
-        x, idx, w = args[:3]
-        self.module = module
-        self.x.append(x.detach().float())
-        self.idx.append(idx.detach())
-        self.w.append(w.detach().float())
-
-    def clear(self) -> None:
-        self.x, self.idx, self.w = [], [], []
-
-    def routed(self, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x (T, hidden), dense gates (T, E))."""
-        x = torch.cat(self.x)
-        # one spare column, as the calibrator's dense routing: an index == n_experts routes to no expert
-        g = torch.zeros(x.shape[0], n_experts + 1, dtype=x.dtype, device=x.device)
-        g.scatter_(1, torch.cat(self.idx).long(), torch.cat(self.w).to(x.dtype))
-        return x, g[:, :n_experts]
-
-
-def _expert_act(module, e: int, x: torch.Tensor, limit: float) -> torch.Tensor:
-    """Expert e's down_proj input for tokens x (the glm5_next clamped SwiGLU, as the calibrator computes it)."""
-    gate, up = F.linear(x, module.gate_up_proj[e].to(x)).chunk(2, dim=-1)
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 def _pick(n: int, count: int | None, seed: int, candidates: torch.Tensor) -> list[int]:
@@ -139,11 +105,11 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                            vocab_size=ckpt.shape(global_hf_name("embed"))[0])
     cal = LayerCalibrator(ckpt, ids, device=dev, full=True)
-    captures: dict[int, _RoutingCapture] = {}
+    captures: dict[int, RoutingCapture] = {}
     for i, layer in enumerate(cal.skeleton.layers):
         ex = getattr(getattr(layer, "mlp", None), "experts", None)
         if ex is not None and hasattr(ex, "gate_up_proj"):
-            captures[i] = _RoutingCapture()
+            captures[i] = RoutingCapture()
             ex.register_forward_pre_hook(captures[i])
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     curves: dict[str, dict[float, float]] = {}
@@ -178,7 +144,7 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
 
 
 @torch.no_grad()
-def _measure_experts(stage, us, cap: _RoutingCapture | None, fetch, rates, strips, experts, scale_tiles, seed,
+def _measure_experts(stage, us, cap: RoutingCapture | None, fetch, rates, strips, experts, scale_tiles, seed,
                      dev) -> torch.Tensor:
     """Summed loss of all routed experts of one layer, from a routing-mass-scaled sample of experts."""
     by = {}
@@ -194,7 +160,6 @@ def _measure_experts(stage, us, cap: _RoutingCapture | None, fetch, rates, strip
     picked = _pick(n_exp, experts, seed, (mass > 0).nonzero().squeeze(1))
     if not picked:
         return torch.zeros(len(rates), dtype=torch.float64)
-    limit = float(getattr(cap.module, "swiglu_limit", 10.0))
     total = torch.zeros(len(rates), dtype=torch.float64)
     gu_w, gu_h, gu_l, dn_w, dn_h, dn_l = [], [], [], [], [], []
     for e in picked:
@@ -202,7 +167,7 @@ def _measure_experts(stage, us, cap: _RoutingCapture | None, fetch, rates, strip
         xe, ge = x[rows], g[rows, e:e + 1]
         xg = (xe * ge).double()
         r_gu = (xg.T @ xg / n_tok).float()
-        a = _expert_act(cap.module, e, xe, limit).double() * ge.double()
+        a = expert_activation(cap.module, e, xe).double() * ge.double()
         r_dn = (a.T @ a / n_tok).float()
         for proj in ("gate_proj", "up_proj"):
             u = by[e][proj]

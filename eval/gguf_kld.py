@@ -19,11 +19,9 @@ import torch
 
 from mixq.convert.gguf_measure import GGUFMeasurement, measure_gguf_errors, measured_units
 from mixq.errors import InputError
-from mixq.eval.reference import build_model
-from mixq.eval.stats import log_probs, token_quantities
+from mixq.eval.reference import PerturbedKLD
 from mixq.quant import kquants
 from mixq.quant import kquants_hessian as kh
-from mixq.quant.device import pick_device
 
 
 def _dequantized(x: torch.Tensor, qtype: str, imatrix: np.ndarray | None) -> torch.Tensor:
@@ -39,23 +37,9 @@ def unit_klds(ckpt, measurement: GGUFMeasurement, calibration: Sequence[str] | N
     tokens. Experts are encoded one by one with their own imatrix slice, as the converter does."""
     from tqdm.auto import tqdm
 
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
-
-    dev = pick_device(device)
     units = measured_units(ckpt)
-    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                           vocab_size=int(ckpt.text_config["vocab_size"]), seed=seed)
-    base = {n: ckpt.get(n, dtype=torch.float32) for n in ckpt.names()}
-
-    def logits(weights: dict) -> torch.Tensor:
-        model = build_model(ckpt.path, weights, dev)
-        with torch.no_grad():
-            out = torch.cat([model(r.view(1, -1).to(dev), use_cache=False).logits[0].float().cpu() for r in ids])
-        del model
-        return out
-
-    ref = log_probs(logits(base))
-    targets = ids.reshape(-1)
+    scorer = PerturbedKLD(ckpt, calibration, rows=rows, seq_len=seq_len, seed=seed, device=device)
+    base = scorer.base
     out: dict[str, float] = {}
     for name in tqdm(list(measurement.reference), desc="unit kld", unit="unit", disable=not progress):
         if name not in units:
@@ -71,7 +55,7 @@ def unit_klds(ckpt, measurement: GGUFMeasurement, calibration: Sequence[str] | N
         else:
             h = spec.hf_names[0]
             w[h] = _dequantized(base[h], qtype, im)
-        out[name] = float(token_quantities(ref, logits(w), targets)["kld"].mean())
+        out[name] = scorer.kld(w)
     return out
 
 

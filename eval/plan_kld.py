@@ -17,10 +17,7 @@ import torch
 
 from mixq.convert.measure import budget_units, measure_curves, parse_sample, save_curves
 from mixq.errors import InputError
-from mixq.eval.reference import build_model
-from mixq.eval.stats import log_probs, token_quantities
-from mixq.formats.glm5next import global_hf_name
-from mixq.quant.device import pick_device
+from mixq.eval.reference import PerturbedKLD
 
 TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
 
@@ -84,23 +81,9 @@ def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = No
     models that fit (fixtures, drafters); a per-layer variant for 320B models is not built."""
     from tqdm.auto import tqdm
 
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
-
-    dev = pick_device(device)
     groups = budget_units(ckpt)
-    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                           vocab_size=ckpt.shape(global_hf_name("embed"))[0], seed=seed)
-    base = {n: ckpt.get(n, dtype=torch.float32) for n in ckpt.names()}
-
-    def logits(weights: dict) -> torch.Tensor:
-        model = build_model(ckpt.path, weights, dev)
-        with torch.no_grad():
-            out = torch.cat([model(r.view(1, -1).to(dev), use_cache=False).logits[0].float().cpu() for r in ids])
-        del model
-        return out
-
-    ref = log_probs(logits(base))
-    targets = ids.reshape(-1)  # token_quantities wants targets; only its KLD is read here
+    scorer = PerturbedKLD(ckpt, calibration, rows=rows, seq_len=seq_len, seed=seed, device=device)
+    base = scorer.base
     gen = torch.Generator().manual_seed(seed)
     gains: dict[str, float] = {}
     for key in tqdm(list(units), desc="kld gains", unit="unit", disable=not progress):
@@ -110,7 +93,7 @@ def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = No
                 t = base[n]
                 sigma = (TRELLIS_D * 2.0 ** (-2 * ref_bits) * float(t.square().mean())) ** 0.5
                 w[n] = t + sigma * torch.randn(t.shape, generator=gen)
-        gains[key] = float(token_quantities(ref, logits(w), targets)["kld"].mean())
+        gains[key] = scorer.kld(w)
     return gains
 
 

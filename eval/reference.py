@@ -15,7 +15,7 @@ import torch
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
-from mixq.formats.glm5next import classify
+from mixq.formats.glm5next import classify, global_hf_name
 from mixq.quant.device import pick_device  # noqa: F401 - re-exported for callers
 
 DEFAULT_ARCH = "Glm5NextForConditionalGeneration"
@@ -153,3 +153,36 @@ def scored_logits(model: torch.nn.Module, window: torch.Tensor, first: int) -> t
     device = next(model.parameters()).device
     out = model(input_ids=window.view(1, ctx).to(device), use_cache=False, logits_to_keep=ctx - first)
     return out.logits[0, :-1].float()
+
+
+class PerturbedKLD:
+    """The source model's log-probs on calibration rows, computed once; then, for any other set of weights, the mean
+    KLD (source || the same architecture holding those weights) over the same tokens, `mixq eval`'s KLD. This is
+    the end-to-end cost `plan --measure` gives each unit. Holds the whole model in memory (`base`: every tensor,
+    float32): for models that fit."""
+
+    def __init__(self, ckpt, calibration=None, *, rows: int, seq_len: int, seed: int, device: str | None) -> None:
+        from mixq.convert.calibration import calibration_rows
+        from mixq.eval.stats import log_probs
+
+        self.path = ckpt.path
+        self.device = pick_device(device)
+        self.ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                                    vocab_size=ckpt.shape(global_hf_name("embed"))[0], seed=seed)
+        self.targets = self.ids.reshape(-1)
+        self.base = {n: ckpt.get(n, dtype=torch.float32) for n in ckpt.names()}
+        self.ref = log_probs(self._logits(self.base))
+
+    def _logits(self, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        model = build_model(self.path, weights, self.device)
+        with torch.no_grad():
+            out = torch.cat([model(r.view(1, -1).to(self.device), use_cache=False).logits[0].float().cpu()
+                             for r in self.ids])
+        del model
+        return out
+
+    def kld(self, weights: dict[str, torch.Tensor]) -> float:
+        """Mean KLD of the model holding `weights` against the source model."""
+        from mixq.eval.stats import token_quantities
+
+        return float(token_quantities(self.ref, self._logits(weights), self.targets)["kld"].mean())

@@ -84,7 +84,26 @@ class CheckpointSource(DequantSource):
         return self.ckpt.get(name, dtype=torch.float32)
 
 
-class GGUFSource(DequantSource):
+class _UnitSource(DequantSource):
+    """A written file decoded per stored unit (a GGUF tensor, an EXL3 unit): subclasses fill `_by_layer` (layer ->
+    units), `_global` (HF name -> unit of the tensors outside the decoder layers) and `_decode(units)`."""
+
+    _by_layer: dict
+    _global: dict
+
+    def _decode(self, units) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return self._decode(self._by_layer.get(i, []))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._global:
+            raise self._missing(name)
+        return self._decode([self._global[name]])[name]
+
+
+class GGUFSource(_UnitSource):
     """A glm5-next GGUF file or split set (memory-mapped; a GGUF tensor is dequantized when its layer is asked)."""
 
     format = "gguf"
@@ -120,16 +139,9 @@ class GGUFSource(DequantSource):
             parts.update(unbuild_tensor(self._specs[name], t))
         return merge_kv_b(parts)
 
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
-        return self._decode(self._by_layer.get(i, []))
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self._global:
-            raise self._missing(name)
-        return self._decode([self._global[name]])[name]
 
 
-class Exl3Source(DequantSource):
+class Exl3Source(_UnitSource):
     """An EXL3 directory written by mixq: stored tensors read per unit, trellis units decoded on `device`."""
 
     format = "exl3"
@@ -165,13 +177,6 @@ class Exl3Source(DequantSource):
                 out[u.bias] = self.dir.tensor(f"{u.key}.bias").float()[: u.shape[0]]
         return out
 
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
-        return self._decode(self._by_layer.get(i, []))
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self._global:
-            raise self._missing(name)
-        return self._decode([self._global[name]])[name]
 
 
 def open_dequant(path: str | Path, fmt: str, *, num_hidden_layers: int | None = None,

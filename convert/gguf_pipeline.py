@@ -23,10 +23,11 @@ from typing import Mapping
 import numpy as np
 
 from mixq.errors import InputError, PlanError
+from mixq.formats.gguf_names import OUTPUT, TOKEN_EMBD
 from mixq.quant.allocator import parse_size  # one size convention: GB = 10^9, GiB = 2^30
 from mixq.quant import gguf_mix
 from mixq.convert.gguf_workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
-from mixq.convert.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (their home until they moved)
+from mixq.convert.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (re-exported)
 from mixq.convert.options import PURE_FLOAT, GGUFOptions, options_for
 from mixq.convert.outputs import (check_distinct, check_free_space, check_output_file, gguf_partials_lock,
                                   writing)
@@ -99,9 +100,9 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
         if s.policy in ("f32", "keep") or len(s.shape) < 2:
             continue  # never quantized by llama-quantize (not quantizable / glm5-next exclusions)
         want = None
-        if s.name == "output.weight" and output_tensor_type:
+        if s.name == OUTPUT and output_tensor_type:
             want = output_tensor_type.upper()
-        elif s.name == "token_embd.weight" and token_embedding_type:
+        elif s.name == TOKEN_EMBD and token_embedding_type:
             want = token_embedding_type.upper()
         else:
             want = next((t for r, t in rx if r.search(s.name)), None)
@@ -239,7 +240,7 @@ def _plan(run: _GGUFRun) -> None:
 
         run.imx = (o.imatrix if isinstance(o.imatrix, IMatrix) else read_imatrix(o.imatrix)).means()
     for s, t in zip(run.specs, run.types):  # fail before writing anything, naming the first such tensor
-        if t in NEEDS_IMATRIX and s.name not in ("token_embd.weight", "output.weight") \
+        if t in NEEDS_IMATRIX and s.name not in (TOKEN_EMBD, OUTPUT) \
                 and (run.imx is None or run.imx.get(s.name) is None):
             why = "the imatrix has no entry for it" if run.imx is not None else "no --imatrix given"
             raise InputError(f"{s.name}: {t} needs an importance matrix ({why}; llama-quantize refuses it too); "
@@ -284,7 +285,7 @@ def _write(run: _GGUFRun) -> list[Path]:
     with _rounded(run) as pre, TensorEncoder([i for i in items if i[0] not in pre], load, threads=run.threads,
                                              device=run.device) as enc:
         enc.start()  # workers spawn and build their code tables while the tokenizer and metadata are read
-        n_vocab = ckpt.shape(next(s for s in run.specs if s.name == "token_embd.weight").hf_names[0])[0]
+        n_vocab = ckpt.shape(next(s for s in run.specs if s.name == TOKEN_EMBD).hf_names[0])[0]
         tmeta = tokenizer_metadata(ckpt.path, n_vocab, o.tokenizer_pre)
         run.tokenizer_pre = tmeta.pre
         tmpl = run.template if run.template is not None else tmeta.chat_template

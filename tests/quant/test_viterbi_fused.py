@@ -121,10 +121,12 @@ def _assert_within_rounding(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, t
 
 def _assert_same_distortion(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, table: torch.Tensor,
                             bits: float) -> None:
-    """MSE/D(R) of many tiles (x ~ N(0, 0.81)) within 0.0005 of the torch path's."""
+    """MSE/D(R) of many tiles (x ~ N(0, 0.81)) no worse than 0.0005 above the torch path's. One-sided: at K = 7, 8
+    the torch path's fp32 c² − 2xc cancels (its error is ~2^-16 of x², the size of the trellis error), and the
+    fused ``fp32`` costs, exact near the target, come out better (H200: by 0.6% of D(R) at K = 8)."""
     ea = (table[a].double() - x.double()).square().mean()
     eb = (table[b].double() - x.double()).square().mean()
-    assert abs(float(ea - eb)) / (0.81 * 2.0 ** (-2 * bits)) <= 5e-4
+    assert float(ea - eb) / (0.81 * 2.0 ** (-2 * bits)) <= 5e-4
 
 
 def test_exact_costs_give_the_torch_path_states_in_interpreter():

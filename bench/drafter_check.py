@@ -40,8 +40,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drafter_distill import TorchDrafter, distill  # noqa: E402
-from drafter_engine import (engine_rounds, generate, load_drafter, load_target, prompts_from,  # noqa: E402
-                            target_states)
+from drafter_engine import (engine_rounds, generate, greedy_without_cache, load_drafter, load_target,  # noqa: E402
+                            prompts_from, target_states)
 from paths import SHARED, repo_relative  # noqa: E402
 
 KLD_LIMIT, TOP1_MIN, ACCEPT_POINTS = 1e-3, 0.99, 0.02
@@ -221,12 +221,20 @@ def check(args) -> dict:
 def training_data(run: Run, args, target, cache, tok, taps: list[int]):
     """The target's greedy continuations of calibration prompts and its exported states on them."""
     prompts = prompts_from(args.calibration, tok, args.train_prompts, args.prompt_tokens)
-    g = generate(target, cache, tok, prompts, args.train_new_tokens)
+    try:
+        g = generate(target, cache, tok, prompts, args.train_new_tokens)
+        how = f"engine generator, {g['tokens_per_second']} tok/s"
+    except RuntimeError as e:  # e.g. exllamav3's recurrent KDA kernel: 128 x 128 heads only
+        run.log(f"engine generation failed ({e}); greedy continuations through the cache-less forward instead")
+        t0 = time.time()
+        g = {"tokens": greedy_without_cache(target, prompts, args.train_new_tokens)}
+        how = f"cache-less forward, {time.time() - t0:.1f} s (engine generation failed: {e})"
+    run.report["training_generation"] = how
     n = min(map(len, g["tokens"]))  # every job runs to max_new_tokens; cut to the shortest if not
     ids = torch.cat([torch.cat([p.flatten(), torch.tensor(t[:n], dtype=torch.long)])[None]
                      for p, t in zip(prompts, g["tokens"])])
     states, _ = target_states(target, ids, taps)
-    run.log(f"training data: {tuple(ids.shape)} tokens, target {g['tokens_per_second']} tok/s")
+    run.log(f"training data: {tuple(ids.shape)} tokens ({how})")
     return ids, [s.to(args.torch_device) for s in states]
 
 

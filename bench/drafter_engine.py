@@ -72,6 +72,22 @@ def generate(target, cache, tokenizer, prompts: list[torch.Tensor], new_tokens: 
             "tokens_per_second": round(sum(map(len, tokens)) / seconds, 1)}
 
 
+def greedy_without_cache(target, prompts: list[torch.Tensor], new_tokens: int, chunk: int = 64) -> list[list[int]]:
+    """Greedy continuations through the cache-less forward (``target_states``' path): each step runs the whole
+    prefix again. For targets the engine's generator cannot run (its recurrent KDA kernel wants 128 x 128 heads).
+    The prompts must have equal lengths (they are batched)."""
+    ids = torch.cat([p.reshape(1, -1) for p in prompts])
+    vocab = target.config.vocab_size
+    for _ in range(new_tokens):
+        nxt = []
+        for i in range(0, ids.shape[0], chunk):
+            logits = target.forward(ids[i:i + chunk], {"attn_mode": "flash_attn_nc"})
+            nxt.append(logits[:, -1, :vocab].argmax(-1).cpu())
+        ids = torch.cat([ids, torch.cat(nxt)[:, None]], 1)
+    p = prompts[0].numel()
+    return [row[p:].tolist() for row in ids]
+
+
 def target_states(target, ids: torch.Tensor, layers: list[int], chunk: int = 1):
     """exllamav3's exported hidden states of the target at `layers` (the states a drafter reads, in tap order:
     list of (N, T, H) fp16) and the target's greedy guess at every position (N, T). One row per forward by default,

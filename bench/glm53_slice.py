@@ -266,7 +266,10 @@ def _peaks() -> dict:
 def _timed(fn, *a, **k):
     t = time.time()
     out = fn(*a, **k)
-    return out, round(time.time() - t, 2)
+    sec = round(time.time() - t, 2)
+    # a progress line on stderr (the parent passes it through): a stage cut by a time limit still shows its steps
+    print(f"  {getattr(fn, '__name__', fn)}: {sec} s", file=sys.stderr, flush=True)
+    return out, sec
 
 
 def stage_load(work: Path, device: str) -> dict:
@@ -544,10 +547,10 @@ CHILD_STAGES = {"load": stage_load, "exl3": stage_exl3, "eval": stage_eval, "ggu
 def _run_child(stage: str, work: Path, device: str, extra: list[str]) -> dict:
     cmd = [sys.executable, __file__, "--work", str(work), "--json", os.devnull, "--child", stage, "--device", device,
            *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr (progress, tracebacks) passes through
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode or not lines:
-        return {"error": f"exit {r.returncode}", "tail": (r.stdout + r.stderr)[-3000:]}
+        return {"error": f"exit {r.returncode} (its traceback is on stderr)", "tail": r.stdout[-3000:]}
     return json.loads(lines[-1][len("RESULT "):])
 
 

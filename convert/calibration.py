@@ -486,3 +486,14 @@ def expert_activation(module, e: int, x: torch.Tensor) -> torch.Tensor:
     limit = float(getattr(module, "swiglu_limit", 10.0))
     gate, up = F.linear(x, module.gate_up_proj[e].to(x)).chunk(2, dim=-1)
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def capture_routing(cal: "LayerCalibrator") -> dict[int, RoutingCapture]:
+    """A RoutingCapture hooked on the routed experts of every MoE layer of `cal`'s skeleton, by layer index."""
+    captures: dict[int, RoutingCapture] = {}
+    for i, layer in enumerate(cal.skeleton.layers):
+        ex = getattr(getattr(layer, "mlp", None), "experts", None)
+        if ex is not None and hasattr(ex, "gate_up_proj"):
+            captures[i] = RoutingCapture()
+            ex.register_forward_pre_hook(captures[i])
+    return captures

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from mixq.convert.calibration import LayerCalibrator, RoutingCapture, expert_activation
+from mixq.convert.calibration import LayerCalibrator, RoutingCapture, capture_routing, expert_activation
 
 # weight of the (trace-normalised) all-token Hessian in each routed expert's Hessian: per-expert routed statistics
 # from a few thousand tokens over-fit (k256, held-out Hessians: down_exps error 1.08x exact at 0.05, 0.96x at 1)
@@ -122,12 +122,7 @@ def layer_hessians(ckpt, input_ids: torch.Tensor, *, device: str | torch.device 
     A stage's tensors must be consumed before the next item is requested: the layer's weights and captured
     routing are released when the walk moves on."""
     cal = LayerCalibrator(ckpt, input_ids, device=device, full=True)
-    captures: dict[int, RoutingCapture] = {}
-    for i, layer in enumerate(cal.skeleton.layers):
-        ex = getattr(getattr(layer, "mlp", None), "experts", None)
-        if ex is not None and hasattr(ex, "gate_up_proj"):
-            captures[i] = RoutingCapture()
-            ex.register_forward_pre_hook(captures[i])
+    captures = capture_routing(cal)
     for stage in cal.stages():
         cap = captures.get(stage.layer) if stage.layer is not None else None
         yield StageHessians(stage.layer, stage.stats, cap)

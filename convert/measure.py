@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from mixq.convert.calibration import RoutingCapture, expert_activation
+from mixq.convert.calibration import RoutingCapture, capture_routing, expert_activation
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.glm5next import global_hf_name
@@ -105,12 +105,7 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                            vocab_size=ckpt.shape(global_hf_name("embed"))[0])
     cal = LayerCalibrator(ckpt, ids, device=dev, full=True)
-    captures: dict[int, RoutingCapture] = {}
-    for i, layer in enumerate(cal.skeleton.layers):
-        ex = getattr(getattr(layer, "mlp", None), "experts", None)
-        if ex is not None and hasattr(ex, "gate_up_proj"):
-            captures[i] = RoutingCapture()
-            ex.register_forward_pre_hook(captures[i])
+    captures = capture_routing(cal)
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     curves: dict[str, dict[float, float]] = {}
     bar = tqdm(total=len(groups), desc="measure", unit="unit", disable=not progress)

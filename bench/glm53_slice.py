@@ -364,20 +364,33 @@ def _gguf_weights_by_type(path: Path) -> dict[str, int]:
     return out
 
 
-def stage_exllamav3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_len: int = 512) -> dict:
-    """exllamav3's own converter on the same slice at the same bpw and calibration size."""
+def stage_exllamav3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_len: int = 512,
+                    limit_s: float | None = None) -> dict:
+    """exllamav3's own converter on the same slice at the same bpw and calibration size. Its log goes to
+    WORK/exllamav3-convert.log as it runs; the per-layer seconds it prints are parsed from there, so a run cut
+    by `limit_s` still gives them (``project`` scales mixq's projection by their ratio to mixq's layers)."""
+    import re
+
     out, tmp = work / "exllamav3-exl3", work / "exllamav3-work"
     for d in (out, tmp):
         shutil.rmtree(d, ignore_errors=True)
     cmd = [sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(work / "bf16"), "-o", str(out),
            "-w", str(tmp), "-b", str(bpw), "-cr", str(rows), "-cc", str(seq_len)]
+    log = work / "exllamav3-convert.log"
     t = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
     sec = time.time() - t
-    (work / "exllamav3-convert.log").write_text(r.stdout[-20000:] + "\n" + r.stderr[-20000:])
+    text = log.read_text(errors="replace")
+    layers = {m[1]: float(m[2]) for m in
+              re.finditer(r"Quantized: model\.language_model\.layers\.(\d+)\s.*\[([\d.]+) s\]", text)}
     nbytes = sum(f.stat().st_size for f in out.glob("*.safetensors")) if out.is_dir() else 0
-    return {"returncode": r.returncode, "wall_seconds": round(sec, 1), "bytes": nbytes, "bpw": bpw,
-            "calibration": f"{rows} x {seq_len}", "tail": (r.stdout + r.stderr)[-1500:] if r.returncode else ""}
+    return {"returncode": rc, "wall_seconds": round(sec, 1), "bytes": nbytes, "bpw": bpw,
+            "calibration": f"{rows} x {seq_len}", "layers_seconds": layers,
+            "tail": text[-1500:] if rc else ""}
 
 
 def stage_k256(work: Path, device: str, bpw: float = 3.05, windows: int = 32, ctx: int = 512) -> dict:
@@ -502,9 +515,16 @@ def project(res: dict, experts: int) -> dict:
         out["exl3_parts_hours"] = {"decoder layers": round(layers / 3600, 2), "nextn": round(nextn / 3600, 2),
                                    "embed/head/vision": round(once / 3600, 3), "nan scan": round(scan / 3600, 2),
                                    "finalize": round(fin / 3600, 3)}
+    x = (st.get("exllamav3") or {}).get("layers_seconds") or {}
+    moe = [i for i in range(len(LAYER_TYPES)) if MLP_TYPES[i] == "sparse" and str(i) in x]
+    if moe and "exl3_3.05_hours" in out:
+        mine = sum(e["timings"].get(f"stage/layer.{i}", 0.0) for i in moe)
+        ratio = sum(x[str(i)] for i in moe) / max(mine, 1e-9)
+        out["exllamav3_moe_layer_ratio"] = round(ratio, 3)
+        out["exllamav3_3.05_hours_by_layer_ratio"] = round(out["exl3_3.05_hours"] * ratio, 2)
     g = st.get("gguf", {})
     if "iq-2.6bpw" in g:
-        rates, secs = {}, {}
+        rates = {}
         for label in ("Q4_K_M", "iq-2.6bpw"):
             for k, v in g[label]["timings"].items():
                 t = k.split("/", 1)[1]
@@ -566,12 +586,16 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512, help="calibration tokens per row")
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--eval-ctx", type=int, default=4096)
+    ap.add_argument("--exllamav3-limit", type=float, default=None,
+                    help="seconds: stop exllamav3's converter there (its per-layer times are still recorded)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:  # one stage in this process; its JSON on the last stdout line
         dev = a.device or "cuda"
         kw = ({"windows": a.eval_windows, "ctx": a.eval_ctx} if a.child == "eval"
               else {"rows": a.rows, "seq_len": a.seq_len} if a.child in ("exl3", "gguf", "exllamav3") else {})
+        if a.child == "exllamav3":
+            kw["limit_s"] = a.exllamav3_limit
         print("RESULT " + json.dumps(CHILD_STAGES[a.child](a.work, dev, **kw)), flush=True)
         return
     import torch
@@ -588,7 +612,8 @@ def main() -> None:
             out = project(res, res["stages"].get("build", {}).get("experts", a.experts))
         elif stage in CHILD_STAGES:
             out = _run_child(stage, a.work, device, ["--eval-windows", str(a.eval_windows), "--eval-ctx",
-                                                     str(a.eval_ctx), "--rows", str(a.rows), "--seq-len", str(a.seq_len)])
+                                                     str(a.eval_ctx), "--rows", str(a.rows), "--seq-len", str(a.seq_len)]
+                             + (["--exllamav3-limit", str(a.exllamav3_limit)] if a.exllamav3_limit else []))
         else:
             raise SystemExit(f"unknown stage {stage}")
         out["seconds"] = round(time.time() - t, 1)

@@ -9,14 +9,9 @@ import sys
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from mixq.cli import main
+from cli_helpers import run_cli as _cli
 from mixq.convert.api import output_format
-
-
-def _cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def _one_error_line(r) -> str:

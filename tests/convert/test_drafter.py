@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_helpers import run_cli as _cli
 from mixq.formats.dflash2 import (LAYOUT, DrafterDims, drafter_config, drafter_shapes, random_weights, write_drafter,
                                   write_tiny_drafter)
 
@@ -47,14 +48,6 @@ def stand_in_trellis(monkeypatch):
         return _StandIn(weight, bits)
 
     monkeypatch.setattr(trellis, "quantize", quantize)
-
-
-def _cli(*args):
-    from click.testing import CliRunner
-
-    from mixq.cli import main
-
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def _header(path: Path) -> dict:

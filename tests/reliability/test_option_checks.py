@@ -3,22 +3,10 @@ the chosen target does not use is one line (exit 2) naming the option; `plan` re
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
-from mixq.cli import main
+from cli_helpers import error_line as _error_line
+from cli_helpers import run_cli as _cli
 from mixq.errors import InputError, MixqError
-
-
-def _cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def _error_line(r) -> str:
-    assert r.exit_code == 2, r.output[-2000:]
-    assert "Traceback" not in r.output
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("mixq: error")]
-    assert len(lines) == 1, r.stderr[-2000:]
-    return lines[0]
 
 
 GGUF = ["--format", "gguf"]

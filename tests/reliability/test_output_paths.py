@@ -7,22 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from mixq.cli import main
-
-
-def _cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def _error_line(r) -> str:
-    """The single `mixq: error:` line of a run that must exit 2 (no traceback)."""
-    assert r.exit_code == 2, r.output[-2000:]
-    assert "Traceback" not in r.output
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("mixq: error")]
-    assert len(lines) == 1, r.stderr[-2000:]
-    return lines[0]
+from cli_helpers import error_line as _error_line
+from cli_helpers import run_cli as _cli
 
 
 def _no_partials(d: Path) -> bool:

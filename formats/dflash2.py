@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,6 +18,8 @@ from typing import Callable
 import torch
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.atomic import atomic_dir, write_json
+from mixq.formats.safetensors_io import write_safetensors
 
 ARCHITECTURE = "DFlash2DraftModel"
 
@@ -198,7 +198,6 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 def write_drafter(out_dir: str | os.PathLike, config: dict, weights: dict[str, torch.Tensor]) -> Path:
     """Write config.json and one BF16 model.safetensors (table order) to `out_dir` (created; must not hold
     files), through a temporary directory renamed at the end."""
-    from safetensors.torch import save_file
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -211,17 +210,9 @@ def write_drafter(out_dir: str | os.PathLike, config: dict, weights: dict[str, t
         if tuple(weights[n].shape) != s:
             raise InputError(f"drafter weight {n!r} has shape {tuple(weights[n].shape)}, expected {s}")
     tensors = {n: weights[n].detach().to("cpu", torch.bfloat16).contiguous() for n in shapes}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_dir(out) as tmp:
+        write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
     return out
 
 

@@ -72,7 +72,7 @@ def generate(target, cache, tokenizer, prompts: list[torch.Tensor], new_tokens: 
             "tokens_per_second": round(sum(map(len, tokens)) / seconds, 1)}
 
 
-def greedy_without_cache(target, prompts: list[torch.Tensor], new_tokens: int, chunk: int = 64) -> list[list[int]]:
+def greedy_without_cache(target, prompts: list[torch.Tensor], new_tokens: int, chunk: int = 256) -> list[list[int]]:
     """Greedy continuations through the cache-less forward (``target_states``' path): each step runs the whole
     prefix again. For targets the engine's generator cannot run (its recurrent KDA kernel wants 128 x 128 heads).
     The prompts must have equal lengths (they are batched)."""

@@ -177,7 +177,8 @@ def build(work: Path, experts: int, *, small: bool, device: str, seed: int = 0) 
 class Probe:
     """Seconds per key, from wrappers around functions of mixq modules (CUDA synchronised around each call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_over: float | None = None) -> None:
+        self.log_over = log_over  # print every call longer than this many seconds (a cut stage shows its steps)
         self.seconds: dict[str, float] = {}
         self.events: list[tuple[str, float, float]] = []
         self.active: set[str] = set()
@@ -210,6 +211,8 @@ class Probe:
                 name = key(*a, **k)
                 self.seconds[name] = self.seconds.get(name, 0.0) + t1 - t0
                 self.events.append((name, t0, t1))
+                if self.log_over is not None and t1 - t0 > self.log_over:
+                    print(f"    {name}: {t1 - t0:.2f} s", file=sys.stderr, flush=True)
 
         for o in owners:
             if getattr(o, attr) is orig:
@@ -305,27 +308,59 @@ def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_l
     return d
 
 
+EVAL_CANDIDATES = ("mixq-exl3", "slice-iq-2.6bpw.gguf", "slice-Q4_K_M.gguf")
+
+
 def stage_eval(work: Path, device: str, windows: int = 16, ctx: int = 4096) -> dict:
-    """Streaming `mixq eval` of the EXL3 slice against the BF16 slice on held-out text."""
+    """Streaming `mixq eval` against the BF16 slice on held-out text, of every candidate the earlier stages left
+    (mixq's EXL3 directory, the i-quant GGUF, the Q4_K_M GGUF): one reference pass, each candidate's layers
+    loaded (dequantized) and run; the load times are kept per source format."""
     from mixq.convert import dequant, layer_stream
     from mixq.eval.api import evaluate
 
-    probe = Probe()
+    cands = [work / n for n in EVAL_CANDIDATES if (work / n).exists()]
+    if not cands:
+        raise SystemExit(f"no candidate in {work}: run the exl3 or gguf stage first")
+    probe = Probe(log_over=5.0)
     for cls in (dequant.CheckpointSource, dequant.GGUFSource, dequant.Exl3Source):
         probe.wrap([cls], "layer", lambda self, i, _c=cls.__name__: f"load/{_c}")
     for m in ("run_layer", "run_layer_inplace"):
         probe.wrap([layer_stream.DecoderStream], m, lambda *a, **k: "forward")
-    rep, sec = _timed(evaluate, work / "bf16", [work / "mixq-exl3"], SHARED / "data" / "heldout.txt", ctx=ctx,
+    rep, sec = _timed(evaluate, work / "bf16", cands, SHARED / "data" / "heldout.txt", ctx=ctx,
                       windows=windows, device=device, progress=False)
-    c = rep["candidates"][0]
     keep = ("kld_mean", "top1", "ppl", "peak_rss_mib", "peak_gpu_mib", "seconds", "timings")
     return {"wall_seconds": sec, "windows": windows, "ctx": ctx, "timings": probe.rounded(),
             "report": {k: rep[k] for k in keep if k in rep},
-            "candidate": {k: c[k] for k in ("kld_mean", "top1_agreement", "ppl", "bpw", "bytes") if k in c},
+            "candidates": [{"name": p.name, **{k: c[k] for k in ("kld_mean", "top1_agreement", "ppl", "bpw", "file_bpw",
+                                                               "bytes") if k in c}}
+                           for p, c in zip(cands, rep["candidates"])],
             **_peaks()}
 
 
-def stage_gguf(work: Path, device: str, rows: int = 64, seq_len: int = 512) -> dict:
+def _eager_for(types: set[str]) -> None:
+    """Encode `types` without the fused Triton kernels (MIXQ_KQUANT_FUSED=0 around their calls): for a type whose
+    kernel compiles for longer than the run can wait."""
+    from mixq.quant import kquants
+
+    for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
+        orig = getattr(kquants, fn)
+
+        def eager(x, qtype, *a, _orig=orig, **k):
+            if qtype not in types:
+                return _orig(x, qtype, *a, **k)
+            old = os.environ.get("MIXQ_KQUANT_FUSED")
+            os.environ["MIXQ_KQUANT_FUSED"] = "0"
+            try:
+                return _orig(x, qtype, *a, **k)
+            finally:
+                if old is None:
+                    os.environ.pop("MIXQ_KQUANT_FUSED")
+                else:
+                    os.environ["MIXQ_KQUANT_FUSED"] = old
+        setattr(kquants, fn, eager)
+
+
+def stage_gguf(work: Path, device: str, rows: int = 64, seq_len: int = 512, eager_types: str = "") -> dict:
     """imatrix, then Q4_K_M with it, then the 108 GB plan's i-quant ladder at its bpw."""
     from mixq.convert import GGUFOptions, convert
     from mixq.convert.imatrix import make_imatrix
@@ -334,8 +369,10 @@ def stage_gguf(work: Path, device: str, rows: int = 64, seq_len: int = 512) -> d
 
     imat = work / "slice.imatrix.gguf"
     imat.unlink(missing_ok=True)
-    out: dict = {}
-    probe = Probe()
+    out: dict = {"eager_types": eager_types}
+    if eager_types:
+        _eager_for(set(eager_types.split(",")))
+    probe = Probe(log_over=2.0)
     for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
         probe.wrap([kquants], fn, lambda x, qtype, *a, **k: f"encode/{qtype}", group="encode")
     _, out["imatrix_seconds"] = _timed(make_imatrix, work / "bf16", imat, rows=rows, seq_len=seq_len, device=device,
@@ -534,6 +571,9 @@ def project(res: dict, experts: int) -> dict:
         real = _release_gguf_weights()
         mean_rate = sum(rates.values()) / len(rates) if rates else float("nan")
         enc = sum(w / rates.get(t, mean_rate) for t, w in real.items() if t not in ("F32", "F16", "BF16"))
+        # release types the slice's plans did not pick are encoded at the mean measured rate
+        out["gguf_types_at_mean_rate"] = {t: round(w / 1e9, 2) for t, w in real.items()
+                                          if t not in rates and t not in ("F32", "F16", "BF16")}
         rest = g["iq-2.6bpw"]["wall_seconds"] - sum(g["iq-2.6bpw"]["timings"].values())
         byte_ratio = sum(rel.values()) / max(1, sum(sl.values()))
         cal_ratio = 1.0
@@ -548,15 +588,29 @@ def project(res: dict, experts: int) -> dict:
         out["gguf_rates_mweights_per_s"] = {t: round(r / 1e6, 2) for t, r in rates.items()}
     v = st.get("eval", {})
     if "timings" in v:
+        # one run = the reference pass + every candidate's: one candidate costs the reference's load, its own
+        # load and two of the (1 + n) forward passes; the rest (windows, logits, KLD) is shared
         tm = v["timings"]
-        load = sum(x for k, x in tm.items() if k.startswith("load/"))
-        fwd = tm.get("forward", 0.0)
-        rest = v["wall_seconds"] - load - fwd
+        names = [c["name"] for c in v.get("candidates", [])] or ["mixq-exl3"]
+        n = len(names)
+        ref_load = tm.get("load/CheckpointSource", 0.0)
+        fwd = tm.get("forward", 0.0) / (1 + n)
+        rest = v["wall_seconds"] - sum(x for k, x in tm.items() if k.startswith("load/")) - tm.get("forward", 0.0)
         w_ratio = (sum(rel.values()) - rel.get("vision", 0)) / max(1, sum(sl.values()) - sl.get("vision", 0))
-        total = load * w_ratio + fwd * 45 / 4 + rest
-        out["eval_one_candidate_hours"] = round(total / 3600, 2)
-        out["eval_parts_hours"] = {"load+dequantize": round(load * w_ratio / 3600, 2),
-                                   "forward": round(fwd * 45 / 4 / 3600, 2), "head+other": round(rest / 3600, 3)}
+        src = {"mixq-exl3": "Exl3Source"}
+        by_format: dict[str, list[str]] = {}
+        for name in names:
+            by_format.setdefault(src.get(name, "GGUFSource"), []).append(name)
+        for cls, members in by_format.items():
+            load = ref_load + tm.get(f"load/{cls}", 0.0) / len(members)
+            total = load * w_ratio + 2 * fwd * 45 / 4 + rest / n
+            key = "exl3" if cls == "Exl3Source" else "gguf"
+            out[f"eval_one_{key}_candidate_hours"] = round(total / 3600, 2)
+            out[f"eval_{key}_parts_hours"] = {"load+dequantize": round(load * w_ratio / 3600, 2),
+                                              "forward (reference + candidate)": round(2 * fwd * 45 / 4 / 3600, 2),
+                                              "head+other": round(rest / n / 3600, 3)}
+        out["eval_one_candidate_hours"] = out.get("eval_one_exl3_candidate_hours",
+                                                  out.get("eval_one_gguf_candidate_hours"))
     return out
 
 
@@ -588,6 +642,7 @@ def main() -> None:
     ap.add_argument("--eval-ctx", type=int, default=4096)
     ap.add_argument("--exllamav3-limit", type=float, default=None,
                     help="seconds: stop exllamav3's converter there (its per-layer times are still recorded)")
+    ap.add_argument("--eager-types", default="", help="gguf stage: types encoded without the fused kernels")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:  # one stage in this process; its JSON on the last stdout line
@@ -596,6 +651,8 @@ def main() -> None:
               else {"rows": a.rows, "seq_len": a.seq_len} if a.child in ("exl3", "gguf", "exllamav3") else {})
         if a.child == "exllamav3":
             kw["limit_s"] = a.exllamav3_limit
+        if a.child == "gguf":
+            kw["eager_types"] = a.eager_types
         print("RESULT " + json.dumps(CHILD_STAGES[a.child](a.work, dev, **kw)), flush=True)
         return
     import torch
@@ -613,7 +670,8 @@ def main() -> None:
         elif stage in CHILD_STAGES:
             out = _run_child(stage, a.work, device, ["--eval-windows", str(a.eval_windows), "--eval-ctx",
                                                      str(a.eval_ctx), "--rows", str(a.rows), "--seq-len", str(a.seq_len)]
-                             + (["--exllamav3-limit", str(a.exllamav3_limit)] if a.exllamav3_limit else []))
+                             + (["--exllamav3-limit", str(a.exllamav3_limit)] if a.exllamav3_limit else [])
+                             + (["--eager-types", a.eager_types] if a.eager_types else []))
         else:
             raise SystemExit(f"unknown stage {stage}")
         out["seconds"] = round(time.time() - t, 1)

@@ -107,9 +107,10 @@ def test_distillation_learns_a_learnable_task(distill_mod):
 class FakeEngine:
     """Build the fake `exllamav3` module (see the module docstring)."""
 
-    def __init__(self, distill_mod, engine_error: float = 0.0) -> None:
+    def __init__(self, distill_mod, engine_error: float = 0.0, generator_error: bool = False) -> None:
         self.distill = distill_mod
         self.engine_error = engine_error  # relative noise the fake engine adds to an EXL3 drafter's Linears
+        self.generator_error = generator_error  # the generator fails as exllamav3's does for 64-wide KDA heads
 
     def module(self) -> types.ModuleType:
         eng = self
@@ -140,7 +141,7 @@ class FakeEngine:
                 self.ids, self.max_new, self.identifier = input_ids.flatten().tolist(), max_new_tokens, identifier
 
         m.Config, m.Model, m.Cache, m.Tokenizer, m.Job = Config, Model, Cache, Tokenizer, Job
-        m.Generator, m.ArgmaxSampler = FakeGenerator, lambda: None
+        m.Generator, m.ArgmaxSampler = (FailingGenerator if self.generator_error else FakeGenerator), lambda: None
         m.constants = types.SimpleNamespace(PAGE_SIZE=256)
         return m
 
@@ -271,6 +272,11 @@ class FakeGenerator:
         return r
 
 
+class FailingGenerator(FakeGenerator):
+    def iterate(self) -> list[dict]:
+        raise RuntimeError("recurrent KDA kernel: head dims other than 128 x 128 are not supported")
+
+
 # ------------------------------------------------------------------------------------------------ the check
 
 ARGS = ["--layers", "1", "--block-size", "4", "--train-seconds", "20", "--train-steps", "30", "--train-batch", "16",
@@ -303,10 +309,10 @@ def stand_in(monkeypatch):
 
 
 def _check(monkeypatch, tmp_path, tiny_model, calibration_text, heldout_text, convert=None, lossless=False,
-           engine_error=0.0):
+           engine_error=0.0, generator_error=False):
     dm = _bench("drafter_distill")
     check = _bench("drafter_check")
-    fake = FakeEngine(dm, engine_error).module()
+    fake = FakeEngine(dm, engine_error, generator_error).module()
     monkeypatch.setitem(sys.modules, "exllamav3", fake)
     monkeypatch.setitem(sys.modules, "exllamav3.constants", fake.constants)
     if convert is not None:
@@ -340,6 +346,26 @@ def test_check_passes_when_the_6bpw_drafter_is_lossless(monkeypatch, tmp_path, t
     md = (out / "results.md").read_text()
     assert "mutual KLD 0.000e+00" in md and md.rstrip().endswith("PASS (strict limits: PASS)")
     assert (out / "drafter-bf16" / "model.safetensors").is_file() and "distill step 0" in (out / "log.txt").read_text()
+
+
+def test_acceptance_from_drafting_rounds_when_the_generator_cannot_run(monkeypatch, tmp_path, tiny_model,
+                                                                       calibration_text, heldout_text, stand_in):
+    """exllamav3's generator refuses k256 (64-wide KDA heads): the training data come from the cache-less greedy
+    forward and acceptance from drafting rounds on the target's greedy continuations; each round's accepted count
+    is the drafted prefix that equals the continuation."""
+    rc, rep, out = _check(monkeypatch, tmp_path, tiny_model, calibration_text, heldout_text, stand_in, lossless=True,
+                          generator_error=True)
+    assert rep["errors"] == {} and rc == 0 and rep["pass"], rep["why_not"]
+    assert rep["training_generation"].startswith("cache-less forward")
+    assert rep["acceptance_method"].startswith("drafting rounds") and "128 x 128" in rep["acceptance_method"]
+    g = rep["generation"]
+    rounds = len(range(8, 8 + 6 - 4 + 1, 2))  # prompt 8 tokens + 6 new, block 4, stride 2
+    assert g["plain"]["rows"] == 2 and g["plain"]["rounds_per_row"] == rounds
+    assert g["bf16"]["drafted"] == 2 * rounds * 3 and g["bf16"]["rounds"] == 2 * rounds
+    assert g["bf16"] == {**g["6bpw"], "seconds": g["bf16"]["seconds"]}  # lossless: the same drafts
+    assert rep["acceptance"]["bf16"] == g["bf16"]["accepted"] / g["bf16"]["drafted"]
+    assert 0 <= g["bf16"]["mean_accepted_per_round"] <= 3
+    assert "drafting rounds on k256's greedy continuations" in (out / "results.md").read_text()
 
 
 def test_quantization_error_fails_the_strict_limits(monkeypatch, tmp_path, tiny_model, calibration_text,

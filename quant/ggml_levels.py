@@ -127,6 +127,130 @@ def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     return step.astype(np.float32), base.astype(np.float32)
 
 
+# ---------------------------------------------------------------------------------------------- super-scales
+
+# byte offsets of each block's fp16 super-scales: d, then dmin / m where the type has one (every decoded weight is
+# linear in them: y = d·A + dmin·B with A, B fixed by the packed integer fields)
+SUPER_SCALES: dict[str, tuple[int, ...]] = {
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ2_S": (0,),
+}
+
+
+def _flat_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    if qtype not in SUPER_SCALES:
+        raise InputError(f"no super-scale layout for ggml type {qtype!r}; supported: {', '.join(SUPER_SCALES)}")
+    return np.asarray(blocks, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1])
+
+
+def super_scales(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 (..., blocks per row, k): the k fp16 super-scales of every block (d, and dmin / m)."""
+    flat = _flat_blocks(blocks, qtype)
+    vals = np.stack([flat[:, o:o + 2].copy().view("<f2")[:, 0] for o in SUPER_SCALES[qtype]], axis=-1)
+    ts = flat.shape[1]
+    return vals.astype(np.float32).reshape(blocks.shape[:-1] + (blocks.shape[-1] // ts, len(SUPER_SCALES[qtype])))
+
+
+def set_super_scales(blocks: np.ndarray, qtype: str, values: np.ndarray) -> np.ndarray:
+    """Copy of `blocks` with the super-scales replaced by `values` (..., blocks per row, k), rounded to fp16."""
+    out = np.array(blocks, dtype=np.uint8, copy=True)
+    flat = _flat_blocks(out, qtype)
+    v = np.asarray(values, dtype=np.float32).reshape(flat.shape[0], -1)
+    for i, o in enumerate(SUPER_SCALES[qtype]):
+        flat[:, o:o + 2] = v[:, i].astype("<f2").view(np.uint8).reshape(-1, 2)
+    return out
+
+
+def super_scale_basis(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 (k, ..., weights per row): the decoded weights with super-scale i set to 1 and the others to 0, so
+    that decode = Σ_i scale_i · basis_i (read through gguf-py's decoder, like :func:`level_grid`)."""
+    k = len(SUPER_SCALES[qtype])
+    gt = GGMLQuantizationType[qtype]
+    out = []
+    for i in range(k):
+        unit = np.zeros(super_scales(blocks, qtype).shape, dtype=np.float32)
+        unit[..., i] = 1.0
+        out.append(gguf_quants.dequantize(set_super_scales(blocks, qtype, unit), gt).astype(np.float32))
+    return np.stack(out)
+
+
+# ---------------------------------------------------------------------------------------------- sub-block scales
+
+# K-quant sub-blocks: (weights per sub-block, scale range, min range or None); a decoded weight is linear in its
+# sub-block's integer scale and min (y = d·s·v − dmin·m with v fixed by the code)
+SUB_SCALES: dict[str, tuple[int, tuple[int, int], tuple[int, int] | None]] = {
+    "Q2_K": (16, (0, 15), (0, 15)), "Q3_K": (16, (-32, 31), None), "Q4_K": (32, (0, 63), (0, 63)),
+    "Q5_K": (32, (0, 63), (0, 63)), "Q6_K": (16, (-128, 127), None),
+}
+
+
+def _sub_layout(qtype: str) -> tuple[int, int]:
+    if qtype not in SUB_SCALES:
+        raise InputError(f"no sub-block scale layout for ggml type {qtype!r}; supported: {', '.join(SUB_SCALES)}")
+    return block_shape(qtype)
+
+
+def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(scales, mins) int64 (..., sub-blocks per row) of K-quant blocks; mins None for Q3_K and Q6_K."""
+    bs, ts = _sub_layout(qtype)
+    b = np.asarray(blocks, dtype=np.uint8)
+    flat = b.reshape(-1, ts).astype(np.int64)
+    mins = None
+    if qtype == "Q2_K":
+        sc, mins = flat[:, 0:16] & 15, flat[:, 0:16] >> 4
+    elif qtype == "Q3_K":
+        q = flat[:, 96:108]
+        j = np.arange(16)
+        low = np.where(j < 8, q[:, j % 8] & 15, q[:, j % 8] >> 4)
+        high = (q[:, 8 + j % 4] >> (2 * (j // 4))) & 3
+        sc = (low | (high << 4)) - 32
+    elif qtype in ("Q4_K", "Q5_K"):
+        q = flat[:, 4:16]
+        sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)], axis=1)
+        mins = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
+    else:  # Q6_K
+        sc = flat[:, 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
+    shape = b.shape[:-1] + (b.shape[-1] // ts * (bs // SUB_SCALES[qtype][0]),)
+    return sc.reshape(shape), None if mins is None else mins.reshape(shape)
+
+
+def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.ndarray | None = None) -> np.ndarray:
+    """Copy of K-quant `blocks` with the sub-block scales (and mins, for the types with mins) replaced; codes and
+    super-scales kept. Values must lie in the type's ranges (``SUB_SCALES``)."""
+    bs, ts = _sub_layout(qtype)
+    _, (slo, shi), mrange = SUB_SCALES[qtype]
+    nsub = bs // SUB_SCALES[qtype][0]
+    sc = np.asarray(scales, dtype=np.int64).reshape(-1, nsub)
+    if sc.min(initial=slo) < slo or sc.max(initial=shi) > shi:
+        raise InputError(f"{qtype} sub-block scales must lie in [{slo}, {shi}]")
+    if mrange is not None:
+        if mins is None:
+            raise InputError(f"{qtype} needs the sub-block mins too")
+        m = np.asarray(mins, dtype=np.int64).reshape(-1, nsub)
+        if m.min(initial=mrange[0]) < mrange[0] or m.max(initial=mrange[1]) > mrange[1]:
+            raise InputError(f"{qtype} sub-block mins must lie in [{mrange[0]}, {mrange[1]}]")
+    out = np.array(blocks, dtype=np.uint8, copy=True)
+    flat = out.reshape(-1, ts)
+    if qtype == "Q2_K":
+        flat[:, 0:16] = (sc | (m << 4)).astype(np.uint8)
+    elif qtype == "Q3_K":
+        v = sc + 32
+        q = np.zeros((flat.shape[0], 12), dtype=np.int64)
+        q[:, 0:8] = (v[:, 0:8] & 15) | ((v[:, 8:16] & 15) << 4)
+        for j in range(16):
+            q[:, 8 + j % 4] |= (v[:, j] >> 4) << (2 * (j // 4))
+        flat[:, 96:108] = q.astype(np.uint8)
+    elif qtype in ("Q4_K", "Q5_K"):
+        q = np.empty((flat.shape[0], 12), dtype=np.int64)
+        q[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+        q[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+        q[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
+        flat[:, 4:16] = q.astype(np.uint8)
+    else:  # Q6_K
+        flat[:, 192:208] = sc.astype(np.int8).view(np.uint8)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- IQ2_S
 
 @lru_cache(maxsize=None)

@@ -149,3 +149,27 @@ def test_convert_measured_plan_hits_the_size_loads_and_verifies(k256_model, tmp_
     assert _layout(out)["token_embd.weight"][0] != "BF16"  # the measured plan budgets the embedding
     assert verify(out, model=k256_model)["problems"] == []
     assert _llama_logits_finite(out)
+
+
+def test_embedding_metric_adds_the_residual_path(k256_specs, calibration_text, monkeypatch):
+    """token_embd's metric: one normalised term per group of first-layer Linears reading the residual stream (mean
+    diagonal 1 each), plus EMBED_RESIDUAL x its mean diagonal on the identity for the residual path."""
+    import mixq.convert.gguf_hessians as gh
+    from mixq.convert.calibration import calibration_rows, load_tokenizer
+
+    ck = k256_specs[0]
+    ids = calibration_rows(load_tokenizer(ck.path), [calibration_text], rows=2, seq_len=64,
+                           vocab_size=int(ck.text_config["vocab_size"]))
+    walk = gh.layer_hessians(ck, ids)
+    stage = next(walk)
+    embed = ck.get("model.language_model.embed_tokens.weight", dtype=torch.float32)
+    freq = gh.token_frequency(ids, embed.shape[0])
+    monkeypatch.setattr(gh, "EMBED_RESIDUAL", 0.0)
+    m0 = gh.embedding_hessian(stage, ck, embed, freq).double()
+    monkeypatch.setattr(gh, "EMBED_RESIDUAL", 4.0)
+    m4 = gh.embedding_hessian(stage, ck, embed, freq).double()
+    walk.close()
+    groups = round(float(torch.diagonal(m0).mean()))
+    assert groups >= 2 and float(torch.diagonal(m0).mean()) == pytest.approx(groups, rel=1e-5)
+    assert torch.allclose(m0, m0.T, atol=1e-5 * groups)
+    assert torch.allclose(m4 - m0, 4.0 * groups * torch.eye(m0.shape[0], dtype=torch.float64), atol=1e-4)

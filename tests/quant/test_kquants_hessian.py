@@ -99,7 +99,9 @@ def test_bad_input_is_one_clear_error():
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0", "IQ2_S"])
-def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real):
+def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real, monkeypatch):
+    """With the scale refits off, refinement moves only the codes."""
+    monkeypatch.setattr(kh, "REFIT_SCALES", False)
     w, h, _, _ = k256_real
     w = w[:64]
     walk = kh.quantize_hessian(w, h, qtype, damp=0.1)
@@ -112,6 +114,30 @@ def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real)
     step0, base0 = gl.level_grid(walk, qtype)
     step1, base1 = gl.level_grid(refined, qtype)
     assert np.array_equal(step0, step1) and np.array_equal(base0, base1)  # only the codes moved
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_S"])
+def test_scale_refits_lower_the_error(qtype, k256_real, monkeypatch):
+    """Each scale refit alone never raises the exact quadratic, and with them the refined file beats the
+    codes-only refinement; the bytes count stays the type's."""
+    w, h, _, _ = k256_real
+    w = w[:64]
+    hd = kh._damped(h, 0.1)
+    walk = kh.quantize_hessian(w, h, qtype, damp=0.1)
+    w3, h3 = w[None].float(), hd[None]
+    before = _err(w, walk, qtype, hd)
+    sup = kh.refit_super_scales(w3, walk[None], qtype, h3)[0]
+    assert sup.shape == walk.shape and _err(w, sup, qtype, hd) < before
+    if qtype in gl.SUB_SCALES:
+        sub = kh.refine_sub_scales(w3, walk[None], qtype, h3)[0]
+        assert _err(w, sub, qtype, hd) <= before  # Q5_K: a ±1 step of a 6-bit scale may not pay on the walk
+        assert np.array_equal(gl.super_scales(sub, qtype), gl.super_scales(walk, qtype))  # d, dmin kept
+        for a, b in zip(gl.sub_scales(sup, qtype), gl.sub_scales(walk, qtype)):  # the super refit keeps these
+            assert b is None or np.array_equal(a, b)
+    monkeypatch.setattr(kh, "REFIT_SCALES", False)
+    codes_only = _err(w, kh.quantize_hessian(w, h, qtype, damp=0.1, refine=2), qtype, hd)
+    monkeypatch.setattr(kh, "REFIT_SCALES", True)
+    assert _err(w, kh.quantize_hessian(w, h, qtype, damp=0.1, refine=2), qtype, hd) < codes_only
 
 
 @pytest.mark.gpu

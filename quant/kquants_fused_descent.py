@@ -33,8 +33,8 @@ if triton is not None:
                  HI: tl.constexpr, QP: tl.constexpr):
         """ggml's coordinate descent: make_qp_quants (QP: levels <= HI, kept as uint8, weights w) or
         make_q3_quants (levels clamped to [LO, HI], weights x*x)."""
-        for sweep in tl.static_range(5):
-            for i in tl.static_range(N):
+        for sweep in range(5):  # loops, not unrolled: unrolled, N = 32 took minutes to compile
+            for i in range(N):
                 xi = tl.load(x_ptr + i * B + lane, mask=m, other=0.0)
                 if QP:
                     wi = tl.load(w_ptr + i * B + lane, mask=m, other=0.0)
@@ -87,7 +87,7 @@ if triton is not None:
         one = tl.full([LANES], 1.0, tl.float32)
         iscale = tl.math.div_rn(one * NMAX, mx)
         best = _qp_mse(x_ptr, w_ptr, lane, m, B, iscale, tl.math.div_rn(one, iscale), N, NMAX, True)
-        for s in tl.static_range(8):
+        for s in range(8):
             isc = tl.math.div_rn(one * tl.load(num_ptr + s), mx)
             cur = _qp_mse(x_ptr, w_ptr, lane, m, B, isc, tl.math.div_rn(one, isc), N, NMAX, False)
             better = cur < best
@@ -114,7 +114,7 @@ if triton is not None:
     def _qp_mse(x_ptr, w_ptr, lane, m, B, isc, scale, N: tl.constexpr, NMAX: tl.constexpr, FIRST: tl.constexpr):
         """sum w*(x - scale*l)^2 over the block; l = nearest_int(isc*x) (as uint8 for the FIRST, else <= NMAX)."""
         mse = tl.zeros(isc.shape, tl.float32)
-        for i in tl.static_range(N):
+        for i in range(N):
             xi = tl.load(x_ptr + i * B + lane, mask=m, other=0.0)
             wi = tl.load(w_ptr + i * B + lane, mask=m, other=0.0)
             lv = _nearest(isc * xi)

@@ -88,6 +88,7 @@ if what == "small":
     res["q3"] = kf.same(kd.q3_search(x[:16], 4, ts.GROUP_MAX_EPS), ts.make_q3_quants_eager(x[:16], 4))
     res["qp"] = kf.same(kd.qp_search(x[:8].abs(), 63, w[:8], ts.GROUP_MAX_EPS),
                         ts.make_qp_quants_eager(x[:8].abs(), 63, w[:8]))
+    res["qp32"] = kf.same(kd.qp_search(x.abs(), 3, w, ts.GROUP_MAX_EPS), ts.make_qp_quants_eager(x.abs(), 3, w))
 elif what == "kquants":
     for args in ((15, -0.9, 0.05, 36, False), (3, -0.5, 0.1, 15, True)):
         res[f"qkx{args[0]}"] = kf.same(kf.qkx_search(x, w, *args), ts.make_qkx_quants_eager(x, w, *args))
@@ -109,7 +110,7 @@ def _interpret(what: str, script: str = _CHECK) -> dict:
 
 
 def test_descent_and_sum_kernels_equal_eager_in_interpreter():
-    assert _interpret("small") == {"seqsum": True, "q3": True, "qp": True}
+    assert _interpret("small") == {"seqsum": True, "q3": True, "qp": True, "qp32": True}
 
 
 @pytest.mark.slow

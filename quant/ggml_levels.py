@@ -176,11 +176,12 @@ def super_scale_basis(blocks: np.ndarray, qtype: str) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------- sub-block scales
 
-# K-quant sub-blocks: (weights per sub-block, scale range, min range or None); a decoded weight is linear in its
-# sub-block's integer scale and min (y = d·s·v − dmin·m with v fixed by the code)
+# sub-blocks: (weights per sub-block, scale range, min range or None); a decoded weight is affine in its
+# sub-block's integer scale and min (K-quants: y = d·s·v − dmin·m with v fixed by the code; IQ2_S:
+# y = d·(0.5 + s)/4 · grid value · sign)
 SUB_SCALES: dict[str, tuple[int, tuple[int, int], tuple[int, int] | None]] = {
     "Q2_K": (16, (0, 15), (0, 15)), "Q3_K": (16, (-32, 31), None), "Q4_K": (32, (0, 63), (0, 63)),
-    "Q5_K": (32, (0, 63), (0, 63)), "Q6_K": (16, (-128, 127), None),
+    "Q5_K": (32, (0, 63), (0, 63)), "Q6_K": (16, (-128, 127), None), "IQ2_S": (16, (0, 15), None),
 }
 
 
@@ -191,7 +192,7 @@ def _sub_layout(qtype: str) -> tuple[int, int]:
 
 
 def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(scales, mins) int64 (..., sub-blocks per row) of K-quant blocks; mins None for Q3_K and Q6_K."""
+    """(scales, mins) int64 (..., sub-blocks per row) of K-quant or IQ2_S blocks; mins None for Q3_K, Q6_K, IQ2_S."""
     bs, ts = _sub_layout(qtype)
     b = np.asarray(blocks, dtype=np.uint8)
     flat = b.reshape(-1, ts).astype(np.int64)
@@ -208,6 +209,9 @@ def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray |
         q = flat[:, 4:16]
         sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)], axis=1)
         mins = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
+    elif qtype == "IQ2_S":
+        q = flat[:, 74:82]
+        sc = np.stack([q & 15, q >> 4], axis=2).reshape(-1, 16)
     else:  # Q6_K
         sc = flat[:, 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
     shape = b.shape[:-1] + (b.shape[-1] // ts * (bs // SUB_SCALES[qtype][0]),)
@@ -215,8 +219,8 @@ def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray |
 
 
 def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.ndarray | None = None) -> np.ndarray:
-    """Copy of K-quant `blocks` with the sub-block scales (and mins, for the types with mins) replaced; codes and
-    super-scales kept. Values must lie in the type's ranges (``SUB_SCALES``)."""
+    """Copy of K-quant or IQ2_S `blocks` with the sub-block scales (and mins, for the types with mins) replaced;
+    codes and super-scales kept. Values must lie in the type's ranges (``SUB_SCALES``)."""
     bs, ts = _sub_layout(qtype)
     _, (slo, shi), mrange = SUB_SCALES[qtype]
     nsub = bs // SUB_SCALES[qtype][0]
@@ -246,6 +250,8 @@ def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.
         q[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
         q[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
         flat[:, 4:16] = q.astype(np.uint8)
+    elif qtype == "IQ2_S":
+        flat[:, 74:82] = (sc[:, 0::2] | (sc[:, 1::2] << 4)).astype(np.uint8)
     else:  # Q6_K
         flat[:, 192:208] = sc.astype(np.int8).view(np.uint8)
     return out

@@ -15,7 +15,7 @@ loss column by column. The walk keeps the scales ggml's search gives for those t
 fp16 rounding and llama.cpp decoding are untouched; :mod:`ggml_levels` writes the chosen codes back.
 ``refine`` > 0 then runs that many passes of coordinate descent on the exact quadratic, which the greedy walk
 leaves on the table. Each pass moves, in turn: every code one step up or down (the best of a short list of
-codebook entries per IQ2_S group); every K-quant sub-block's integer scale and min one step
+codebook entries per IQ2_S group); every sub-block's integer scale and min one step (K-quants, IQ2_S)
 (:func:`refine_sub_scales`); every block's fp16 super-scales to their least-squares optimum
 (:func:`refit_super_scales`). Every move is kept only where it lowers the quadratic, and every field stays in its
 type's range, so the bytes remain a valid block of the same type. On k256 (128 x 512 calibration tokens,
@@ -219,7 +219,7 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
 
 
 def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor) -> np.ndarray:
-    """Coordinate descent on the K-quant sub-block scales and mins (codes and fp16 super-scales kept) for
+    """Coordinate descent on the K-quant / IQ2_S sub-block scales and mins (codes and fp16 super-scales kept) for
     tr(ΔW·H·ΔWᵀ): each sub-block in column order tries its integer scale ±1 and min ±1 (a decoded weight is
     linear in both, slopes read through the decoder) and takes the move that lowers the exact quadratic most
     (−2Δ·g + ΔᵀH_ssΔ, g = (W − Ŵ)·H), for all rows and experts at once. w (E, rows, n), H (E|1, n, n) float32."""

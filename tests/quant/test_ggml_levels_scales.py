@@ -27,7 +27,7 @@ def _decode(blocks: np.ndarray, qtype: str) -> np.ndarray:
     return gguf_quants.dequantize(blocks, GGMLQuantizationType[qtype])
 
 
-@pytest.mark.parametrize("qtype", sorted(gl.SUB_SCALES))
+@pytest.mark.parametrize("qtype", sorted(UNIT_CODE))
 def test_sub_scales_are_the_decoders_scales_and_mins(qtype):
     b = _blocks(qtype)
     sc, mn = gl.sub_scales(b, qtype)
@@ -54,6 +54,20 @@ def test_sub_scales_are_the_decoders_scales_and_mins(qtype):
     assert np.array_equal(gl.super_scales(b2, qtype), gl.super_scales(b, qtype))
 
 
+def test_iq2s_sub_scales_are_the_group_scales():
+    """IQ2_S: each 16-weight sub-block's 4-bit scale s gives its groups the scale d·(0.5 + s)/4 the decoder uses."""
+    b = _blocks("IQ2_S")
+    sc, mn = gl.sub_scales(b, "IQ2_S")
+    assert mn is None and sc.shape == (6, 32) and sc.min() >= 0 and sc.max() <= 15
+    assert np.array_equal(gl.set_sub_scales(b, "IQ2_S", sc), b)
+    sc2 = np.random.default_rng(5).integers(0, 16, sc.shape)
+    b2 = gl.set_sub_scales(b, "IQ2_S", sc2)
+    d = gl.super_scales(b2, "IQ2_S")[..., 0]
+    want = np.repeat(np.repeat(d, 16, -1) * (np.float32(0.5) + sc2.astype(np.float32)) * np.float32(0.25), 2, -1)
+    assert np.array_equal(gl.iq2s_group_scales(b2), want)
+    assert np.array_equal(gl.iq2s_groups(b2)[0], gl.iq2s_groups(b)[0])  # codebook indices kept
+
+
 @pytest.mark.parametrize("qtype", sorted(gl.SUPER_SCALES))
 def test_decode_is_linear_in_the_super_scales(qtype):
     b = _blocks(qtype, n=256)
@@ -74,5 +88,5 @@ def test_out_of_range_scales_are_refused():
         gl.set_sub_scales(b, "Q4_K", sc + 64, mn)
     with pytest.raises(InputError, match="needs the sub-block mins"):
         gl.set_sub_scales(b, "Q4_K", sc)
-    with pytest.raises(InputError, match="no sub-block scale layout for ggml type 'IQ2_S'"):
-        gl.sub_scales(b, "IQ2_S")
+    with pytest.raises(InputError, match="no sub-block scale layout for ggml type 'Q8_0'"):
+        gl.sub_scales(b, "Q8_0")

@@ -140,7 +140,6 @@ class GGUFSource(_UnitSource):
         return merge_kv_b(parts)
 
 
-
 class Exl3Source(_UnitSource):
     """An EXL3 directory written by mixq: stored tensors read per unit, trellis units decoded on `device`."""
 
@@ -176,7 +175,6 @@ class Exl3Source(_UnitSource):
             if u.bias:
                 out[u.bias] = self.dir.tensor(f"{u.key}.bias").float()[: u.shape[0]]
         return out
-
 
 
 def open_dequant(path: str | Path, fmt: str, *, num_hidden_layers: int | None = None,

@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from ..errors import InputError
+from .kquants_blocks import pack_scales_k4, pack_scales_q3_k
 
 # code range (lo, hi) per scalar type; Q8_0 stays off -128, whose magnitude some SIMD dot products cannot take
 CODE_RANGE: dict[str, tuple[int, int]] = {
@@ -140,7 +141,7 @@ SUPER_SCALES: dict[str, tuple[int, ...]] = {
 def _flat_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray:
     if qtype not in SUPER_SCALES:
         raise InputError(f"no super-scale layout for ggml type {qtype!r}; supported: {', '.join(SUPER_SCALES)}")
-    return np.asarray(blocks, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1])
+    return np.asarray(blocks, dtype=np.uint8).reshape(-1, block_shape(qtype)[1])
 
 
 def super_scales(blocks: np.ndarray, qtype: str) -> np.ndarray:
@@ -164,11 +165,11 @@ def set_super_scales(blocks: np.ndarray, qtype: str, values: np.ndarray) -> np.n
 def super_scale_basis(blocks: np.ndarray, qtype: str) -> np.ndarray:
     """float32 (k, ..., weights per row): the decoded weights with super-scale i set to 1 and the others to 0, so
     that decode = Σ_i scale_i · basis_i (read through gguf-py's decoder, like :func:`level_grid`)."""
-    k = len(SUPER_SCALES[qtype])
+    shape = super_scales(blocks, qtype).shape
     gt = GGMLQuantizationType[qtype]
     out = []
-    for i in range(k):
-        unit = np.zeros(super_scales(blocks, qtype).shape, dtype=np.float32)
+    for i in range(shape[-1]):
+        unit = np.zeros(shape, dtype=np.float32)
         unit[..., i] = 1.0
         out.append(gguf_quants.dequantize(set_super_scales(blocks, qtype, unit), gt).astype(np.float32))
     return np.stack(out)
@@ -238,18 +239,9 @@ def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.
     if qtype == "Q2_K":
         flat[:, 0:16] = (sc | (m << 4)).astype(np.uint8)
     elif qtype == "Q3_K":
-        v = sc + 32
-        q = np.zeros((flat.shape[0], 12), dtype=np.int64)
-        q[:, 0:8] = (v[:, 0:8] & 15) | ((v[:, 8:16] & 15) << 4)
-        for j in range(16):
-            q[:, 8 + j % 4] |= (v[:, j] >> 4) << (2 * (j // 4))
-        flat[:, 96:108] = q.astype(np.uint8)
+        flat[:, 96:108] = pack_scales_q3_k(sc + 32)
     elif qtype in ("Q4_K", "Q5_K"):
-        q = np.empty((flat.shape[0], 12), dtype=np.int64)
-        q[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
-        q[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
-        q[:, 8:12] = (sc[:, 4:8] & 15) | ((m[:, 4:8] & 15) << 4)
-        flat[:, 4:16] = q.astype(np.uint8)
+        flat[:, 4:16] = pack_scales_k4(sc.T, m.T)
     elif qtype == "IQ2_S":
         flat[:, 74:82] = (sc[:, 0::2] | (sc[:, 1::2] << 4)).astype(np.uint8)
     else:  # Q6_K
@@ -268,13 +260,10 @@ def iq2s_grid() -> np.ndarray:
 
 def iq2s_group_scales(blocks: np.ndarray) -> np.ndarray:
     """(..., bytes per row) IQ2_S blocks -> (..., groups per row) float32 scale db of each 8-weight group."""
-    b = np.asarray(blocks, dtype=np.uint8)
-    flat = b.reshape(-1, 82)
-    d = flat[:, 0:2].copy().view("<f2").astype(np.float32)  # (B, 1)
-    sc = flat[:, 74:82]
-    sub = np.stack([sc & 15, sc >> 4], axis=2).reshape(-1, 16).astype(np.float32)  # one per 16 weights
-    db = d * (np.float32(0.5) + sub) * np.float32(0.25)
-    return np.repeat(db, 2, axis=1).reshape(b.shape[:-1] + (b.shape[-1] // 82 * 32,))
+    d = super_scales(blocks, "IQ2_S")[..., 0]                                    # (..., blocks)
+    sub = sub_scales(blocks, "IQ2_S")[0].astype(np.float32)                     # one per 16 weights
+    db = np.repeat(d, 16, axis=-1) * (np.float32(0.5) + sub) * np.float32(0.25)
+    return np.repeat(db, 2, axis=-1)
 
 
 def iq2s_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -127,14 +127,20 @@ def encode_q3_k(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     out = np.empty((S, 110), np.uint8)
     out[:, 0:32] = np.bitwise_or.reduce(hm, axis=1)
     out[:, 32:96] = _pack_2bit(L)
-    s = l6.T.astype(np.uint8)  # (S, 16)
-    sc = np.zeros((S, 12), np.uint8)
+    out[:, 96:108] = pack_scales_q3_k(l6.T)
+    out[:, 108:110] = _f16_bytes(d_h)
+    return out
+
+
+def pack_scales_q3_k(l6: np.ndarray) -> np.ndarray:
+    """16 six-bit scales per block, stored +32 ((S, 16), 0..63) -> (S, 12): low nibbles two per byte, then the
+    high 2-bit pairs four per byte."""
+    s = np.asarray(l6).astype(np.uint8)
+    sc = np.zeros((s.shape[0], 12), np.uint8)
     sc[:, 0:8] = (s[:, 0:8] & 0xF) | ((s[:, 8:16] & 0xF) << 4)
     hi2 = s >> 4
     sc[:, 8:12] = hi2[:, 0:4] | (hi2[:, 4:8] << 2) | (hi2[:, 8:12] << 4) | (hi2[:, 12:16] << 6)
-    out[:, 96:108] = sc
-    out[:, 108:110] = _f16_bytes(d_h)
-    return out
+    return sc
 
 
 # ----------------------------------------------------------------------------- Q4_K / Q5_K
@@ -171,7 +177,7 @@ def _scales_mins_k4(x: np.ndarray, qw: np.ndarray | None, nmax: int, rmin: float
     return L, ls, lm, d_h, m_h
 
 
-def _pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+def pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
     """8 six-bit scales and mins (each (8, S)) -> (S, 12) in get_scale_min_k4 order."""
     s = ls.T.astype(np.uint8)
     m = lm.T.astype(np.uint8)
@@ -191,7 +197,7 @@ def encode_q4_k(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     out = np.empty((S, 144), np.uint8)
     out[:, 0:2] = _f16_bytes(d_h)
     out[:, 2:4] = _f16_bytes(m_h)
-    out[:, 4:16] = _pack_scales_k4(ls, lm)
+    out[:, 4:16] = pack_scales_k4(ls, lm)
     out[:, 16:144] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(S, 128)
     return out
 
@@ -209,7 +215,7 @@ def encode_q5_k(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     out = np.empty((S, 176), np.uint8)
     out[:, 0:2] = _f16_bytes(d_h)
     out[:, 2:4] = _f16_bytes(m_h)
-    out[:, 4:16] = _pack_scales_k4(ls, lm)
+    out[:, 4:16] = pack_scales_k4(ls, lm)
     out[:, 16:48] = qh
     out[:, 48:176] = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(S, 128)
     return out

@@ -37,7 +37,7 @@ from .device import pick_device
 
 SUPPORTED = gl.SCALAR_TYPES + ("IQ2_S",)
 DEFAULT_DAMP = 0.01      # relative diagonal damping of H (GPTQ's default): keeps U finite for rank-deficient H
-REFIT_SCALES = True      # refinement also refits the fp16 super-scales (refit_super_scales)
+REFIT_SCALES = True      # refinement also moves the scales (refine_sub_scales, refit_super_scales)
 LAZY_COLUMNS = 256       # columns updated eagerly; the rest receive the batch's feedback in one matmul
 
 
@@ -397,7 +397,7 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
             targets[..., c1:] -= err @ u[:, c0:c1, c1:]
     if refine:
         wd, hd = w3.to(dev, torch.float32), _damped(h3.to(dev), damp)
-        for _ in range(refine):  # codes, then the super-scales for those codes
+        for _ in range(refine):  # codes, then the sub-block scales and super-scales for those codes
             if qtype in gl.CODE_RANGE:
                 out = refine_codes(wd, out, qtype, hd, 1)
             else:  # IQ2_S codebook groups: the same descent, one group of 8 at a time

@@ -597,10 +597,9 @@ def project(res: dict, experts: int) -> dict:
         fwd = tm.get("forward", 0.0) / (1 + n)
         rest = v["wall_seconds"] - sum(x for k, x in tm.items() if k.startswith("load/")) - tm.get("forward", 0.0)
         w_ratio = (sum(rel.values()) - rel.get("vision", 0)) / max(1, sum(sl.values()) - sl.get("vision", 0))
-        src = {"mixq-exl3": "Exl3Source"}
         by_format: dict[str, list[str]] = {}
         for name in names:
-            by_format.setdefault(src.get(name, "GGUFSource"), []).append(name)
+            by_format.setdefault("GGUFSource" if name.endswith(".gguf") else "Exl3Source", []).append(name)
         for cls, members in by_format.items():
             load = ref_load + tm.get(f"load/{cls}", 0.0) / len(members)
             total = load * w_ratio + 2 * fwd * 45 / 4 + rest / n

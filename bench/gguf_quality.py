@@ -8,7 +8,8 @@ Rows, all with one importance matrix (mixq's, from data/calibration.txt, --rows 
 rows, the same calibration tokens:
   exact     `mixq convert --type T --imatrix IMX`: byte-identical to llama.cpp's quantizer (checked here against
             llama_model_quantize on mixq's BF16 GGUF for the named mixes: "tensors ≠"), so its KLD is llama.cpp's
-  hessian   the same with `--rounding hessian`: same ggml types and bytes, codes chosen for the layer output
+  hessian   the same with `--rounding hessian`: same ggml types and bytes, codes chosen for the layer output, then
+            tuned for each decoder layer's output on the quantized model's streams (--tune-iters steps per stage)
   measured  `--size S --measure CURVES --rounding hessian`, S = the bytes of llama.cpp's Q2_K/Q3_K_M/Q4_K_M file,
             CURVES from `plan --measure` (measured once per model, same rounding and imatrix)
 T: Q2_K, Q3_K_M, Q4_K_M, and "IQ2_S-exps" = Q4_K_M with the main layers' routed experts at IQ2_S
@@ -30,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kld_vs_size import _LLAMA_QUANTIZE_PY, FTYPES, tensor_parity  # noqa: E402
-from paths import REPO, SHARED, WORK, repo_relative  # noqa: E402
+from paths import SHARED, WORK, repo_relative  # noqa: E402
 
 MODELS = {"k256": "glm5next-k256", "mini": "glm5next-mini"}
 TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "IQ2_S-exps")
@@ -77,6 +78,9 @@ class Bench:
         self.n_layers = int(json.loads((self.model / "config.json").read_text()).get("text_config", {})
                             .get("num_hidden_layers", 0))
         self.seconds: dict[str, float] = {}
+        from mixq.convert.options import DEFAULT_TUNE_ITERS
+
+        self.tune_iters = DEFAULT_TUNE_ITERS if a.tune_iters is None else a.tune_iters
 
     def step(self, key: str, path: Path, make) -> Path:
         s = made(path, make)
@@ -113,7 +117,8 @@ class Bench:
     def rows(self) -> list[dict]:
         imx = self.imatrix()
         rows = []
-        hess = dict(rounding="hessian", calibration=self.cal, rows=self.a.rows, seq_len=512, device=self.a.device)
+        hess = dict(rounding="hessian", calibration=self.cal, rows=self.a.rows, seq_len=512, device=self.a.device,
+                    tune_iters=self.tune_iters)
         for t in self.a.types:
             ex = self.step(f"exact-{t}", self.work / f"exact-{t}.gguf",
                            lambda tmp: convert(self.model, tmp, imatrix=imx, **mix_options(t, self.n_layers)))
@@ -151,7 +156,7 @@ class Bench:
         for r, c in zip(rows, rep["candidates"]):
             r["eval"] = c
         return {"model": MODELS[self.name], "rows_calibration": self.a.rows, "windows": self.a.windows,
-                "seconds": self.seconds, "results": rows}
+                "tune_iters": self.tune_iters, "seconds": self.seconds, "results": rows}
 
 
 def layout_parity(a: Path, b: Path) -> dict:
@@ -207,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--types", default=",".join(TYPES), help="comma list of " + ", ".join(TYPES))
     ap.add_argument("--rows", type=int, default=128, help="calibration rows (x 512 tokens) for imatrix and Hessians")
     ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--tune-iters", type=int, default=None,
+                    help="block-output tuning steps per stage of the hessian rows [default: the converter's]")
     ap.add_argument("--no-measure", dest="measure", action="store_false", help="skip the measured-plan rows")
     ap.add_argument("--device", default=None, help="cuda|cpu for calibration and rounding [default: cuda if any]")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp quantizer threads")

@@ -115,7 +115,7 @@ def embedding_hessian(stage: StageHessians, ckpt, embed: torch.Tensor, freq: tor
     s = (u.square() * w[:, None]).sum(0) / w.sum().clamp_min(1.0)              # E[(h/rms)²] per dimension
     metric = torch.zeros(hidden, hidden, dtype=torch.float64)
     for acc, names in groups.values():
-        d = torch.sqrt(torch.diagonal(acc.hessian()).double().clamp_min(0) / s.clamp_min(1e-30))
+        d = torch.sqrt(torch.diagonal(acc.hessian()).double().cpu().clamp_min(0) / s.clamp_min(1e-30))
         wd = torch.cat([ckpt.get(n, dtype=torch.float32).double() for n in names]) * d[None, :]
         g = wd.T @ wd
         metric += g / torch.diagonal(g).mean().clamp_min(1e-30)

@@ -315,8 +315,8 @@ def _rounded(run: _GGUFRun):
     from mixq.convert.gguf_rounding import hessian_rounded
 
     return hessian_rounded(run.ckpt, run.specs, run.types, run.out, imatrix=run.imx,
-                           calibration=list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len, device=o.device,
-                           progress=o.progress)
+                           calibration=list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
+                           tune_iters=o.tune_iters, device=o.device, progress=o.progress)
 
 
 def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> ConvertResult:

@@ -12,6 +12,9 @@ encoded model is as large as the output, so it is not kept in memory). Covered: 
 experts whose input the forward forms, and token_embd (rows weighted by what the first layer's Linears make of
 their error: gguf_hessians.embedding_hessian), in a type `kquants_hessian` supports. The rest (the split
 attn_k_b/attn_v_b, the NextN block, F16/BF16/F32 tensors, types without a Hessian path) keep ggml's encoder.
+With `tune_iters` > 0 (the default), each stage's Hessian-rounded codes are then tuned together for the decoder
+layer's output on the quantized model's streams (convert/gguf_tuning.py), and the tuned blocks replace the
+spilled ones.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 
 from mixq.errors import InputError
 from mixq.quant import kquants_hessian as kh
+from mixq.convert.gguf_tuning import TUNE_ITERS
 from mixq.quant.device import pick_device
 
 ROUNDINGS = ("exact", "hessian")
@@ -87,10 +91,13 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
 
 def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir: str | Path, *,
                            imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
-                           seq_len: int = 512, device: str | None = None, progress: bool = True) -> dict[str, Path]:
+                           seq_len: int = 512, tune_iters: int = TUNE_ITERS, device: str | None = None,
+                           progress: bool = True) -> dict[str, Path]:
     """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
     in `work_dir`: {GGUF name: path}. `imatrix` (GGUF name -> importance) feeds ggml's scale search, as in the
-    exact path; without it the Hessian's diagonal does. Tensors whose input the forward never forms are left out."""
+    exact path; without it the Hessian's diagonal does. Tensors whose input the forward never forms are left out.
+    `tune_iters` > 0: each stage's codes are then tuned for the layer's output on the quantized model's streams
+    (convert/gguf_tuning.py), with that many descent steps per stage."""
     from tqdm.auto import tqdm
 
     from mixq.convert.calibration import calibration_rows, load_tokenizer
@@ -110,9 +117,15 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
         (embed if s.role == "embed" else by_layer.setdefault(s.layer, [])).append((s, t))
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     done: dict[str, Path] = {}
+    tuner = None
+    if tune_iters > 0:
+        from mixq.convert.gguf_tuning import LayerTuner
+
+        tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, device=dev)
     bar = tqdm(total=sum(math.prod(s.shape) for s, _ in todo), desc="hessian rounding", unit="w", unit_scale=True,
                disable=not progress)
     for stage in layer_hessians(ckpt, ids, device=dev):
+        before = set(done)
         for s, t in embed:  # the first stage: its Linears read the embedding
             w = fetch(s.hf_names[0])
             h = embedding_hessian(stage, ckpt, w, token_frequency(ids, w.shape[0]))
@@ -128,14 +141,31 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
             if _encode_spec(s, t, stage, fetch, None if im is None else np.asarray(im, np.float32), path, dev):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
+        if tuner is not None:
+            _tune_stage(tuner, stage.layer, {n: done[n] for n in done if n not in before})
+            if progress and tuner.reports and tuner.reports[-1].layer == stage.layer:
+                r = tuner.reports[-1]
+                bar.write(f"tuned {'layer ' + str(r.layer) if r.layer is not None else 'head'}: held-out loss "
+                          f"{r.check_before:.4g} -> {r.check_after:.4g} ({'kept' if r.kept else 'reverted'}, "
+                          f"{100 * r.changed:.1f}% of codes changed"
+                          + (f", {r.held_weights:,} weights left at Hessian rounding for memory)" if r.held_weights
+                             else ")"))
     bar.close()
     return done
+
+
+def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path]) -> None:
+    """Tune one stage's encoded tensors (their .npy files in `paths`) and write the tuned blocks back."""
+    encoded = {n: np.load(p) for n, p in paths.items()}
+    tuned = tuner.layer(layer, encoded) if layer is not None else tuner.head(encoded)
+    for n, b in tuned.items():
+        np.save(paths[n], b)
 
 
 @contextmanager
 def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path, *,
                     imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
-                    seq_len: int = 512, device: str | None = None,
+                    seq_len: int = 512, tune_iters: int = TUNE_ITERS, device: str | None = None,
                     progress: bool = True) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
     """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
 
@@ -145,7 +175,8 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
     work = Path(tempfile.mkdtemp(prefix=f".{out.stem}.partial-hessian-", dir=out.parent))
     try:
         paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
-                                       rows=rows, seq_len=seq_len, device=device, progress=progress)
+                                       rows=rows, seq_len=seq_len, tune_iters=tune_iters, device=device,
+                                       progress=progress)
         yield {n: (lambda p=p: np.load(p)) for n, p in paths.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -21,6 +21,8 @@ from mixq.errors import InputError, MixqError
 OPTIONS_VERSION = 1
 DEFAULT_ROWS = 64
 DEFAULT_SEQ_LEN = 512
+# GGUF --rounding hessian: descent steps per stage of the block-output tuning (convert/gguf_tuning.py)
+DEFAULT_TUNE_ITERS = 200
 DEFAULT_EXL3_SHARD = 8192 * 2**20
 PURE_FLOAT = ("F32", "F16", "BF16")
 MMPROJ_TYPES = ("F16", "Q8_0")
@@ -198,7 +200,8 @@ class GGUFOptions(_Options):
     `device`: where the quantized types are encoded (None: CUDA when present, unless `threads` asks for CPU worker
     processes); `threads`: CPU encoder processes (None: every core). The bytes depend on neither. `rounding`:
     "exact" (ggml's encoder: byte-identical to llama-quantize) or "hessian" (same types and bytes, codes chosen
-    for the layer-output error from a calibration pass over `calibration` files, `rows` x `seq_len` tokens).
+    for the layer-output error from a calibration pass over `calibration` files, `rows` x `seq_len` tokens, then
+    tuned for each decoder layer's output on the quantized model's streams: `tune_iters` steps, 0 = none).
     `measure`: GGUF error curves (`mixq plan --format gguf --measure --measure-out FILE`) for a --bpw/--size
     plan. `overwrite`: replace an existing OUT (and --mmproj file) instead of refusing."""
 
@@ -227,6 +230,7 @@ class GGUFOptions(_Options):
     calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
     rows: int = _opt(DEFAULT_ROWS, "--rows")
     seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
+    tune_iters: int = _opt(DEFAULT_TUNE_ITERS, "--tune-iters")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
     overwrite: bool = _opt(False, "--overwrite")
     progress: bool = _opt(True, "progress")
@@ -261,6 +265,7 @@ class GGUFOptions(_Options):
         self._set("calibration", _tuple(self.calibration))
         _positive_int(cls, "rows", self.rows)
         _positive_int(cls, "seq_len", self.seq_len, 2)
+        _positive_int(cls, "tune_iters", self.tune_iters, 0)
         self._check_mode()
 
     def _check_mode(self) -> None:
@@ -277,7 +282,8 @@ class GGUFOptions(_Options):
         if self.mmproj is None and self.mmproj_type != "F16":
             raise InputError("--mmproj-type applies with --mmproj only")
         if self.rounding != "hessian":
-            for name, default in (("calibration", ()), ("rows", DEFAULT_ROWS), ("seq_len", DEFAULT_SEQ_LEN)):
+            for name, default in (("calibration", ()), ("rows", DEFAULT_ROWS), ("seq_len", DEFAULT_SEQ_LEN),
+                                  ("tune_iters", DEFAULT_TUNE_ITERS)):
                 if getattr(self, name) != default:
                     raise InputError(f"{flag_of(GGUFOptions, name)} applies to GGUF with --rounding hessian "
                                      "(its calibration pass)")

@@ -44,7 +44,7 @@ def test_covered_tensors(k256_specs):
 def test_hessian_rounded_blocks_have_ggml_layout(k256_specs, calibration_text, tmp_path):
     ck, specs, types = k256_specs
     with gr.hessian_rounded(ck, specs, types, tmp_path / "m.gguf", calibration=[calibration_text], rows=2,
-                            seq_len=64, progress=False) as loaders:
+                            seq_len=64, tune_iters=2, progress=False) as loaders:
         assert len(list(tmp_path.glob(".m.partial-hessian-*"))) == 1
         assert set(loaders) == {s.name for s, t in zip(specs, types) if gr.covered(s, t)}
         got = {n: f() for n, f in loaders.items()}
@@ -109,7 +109,7 @@ def test_convert_rounding_hessian_same_layout_loads_and_verifies(mix, k256_model
               tensor_type=[r"blk\.[0-3]\.ffn_(gate|up|down)_exps=IQ2_S"] if mix != "Q4_K_M" else [])
     convert_gguf(k256_model, tmp_path / "exact.gguf", **kw)
     convert_gguf(k256_model, tmp_path / "hess.gguf", rounding="hessian", calibration=[calibration_text], rows=2,
-                 seq_len=64, **kw)
+                 seq_len=64, tune_iters=4, **kw)
     a, b = _layout(tmp_path / "exact.gguf"), _layout(tmp_path / "hess.gguf")
     assert a == b
     import gguf

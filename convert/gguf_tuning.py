@@ -1,0 +1,273 @@
+"""GGUF `--rounding hessian`, second stage: block-output tuning of the encoded codes, one decoder layer at a time.
+
+After a layer's tensors are Hessian-rounded (convert/gguf_rounding.py), `LayerTuner.layer` moves the codes of
+every tensor of that layer together (quant/block_tuning.py) so that the layer, run on the *quantized* model's
+hidden streams, reproduces the *source* layer's output on the source streams (mean squared error over the
+streams, calibration rows in batches). Two streams are carried from layer to layer: the source model's, and the
+quantized model's as llama.cpp will run it (every tensor of the layer at its planned type: tuned codes, the
+Hessian-rounded IQ2_S groups, ggml's own encoding of the tensors Hessian rounding does not cover, floats rounded
+to F16/BF16). The token embedding is tuned with the first layer (its error enters that layer's output through the
+residual path); the output head with the KL divergence of the logits, after the last layer.
+
+A held-out share of the rows (``CHECK_SHARE``) guards each stage: the codes end at the point of the descent where
+their loss was lowest, the Hessian-rounded start included. Scales and sizes never change, so the file's types and bytes are those of
+the exact path.
+
+Cost: `iters` forward and backward passes of one layer over `batch_rows` rows, per layer; memory: about 16 bytes
+per tuned weight of the layer (codes, grid, gradient) besides the layer itself, and two hidden streams.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mixq.convert.options import DEFAULT_TUNE_ITERS
+from mixq.quant import block_tuning as bt
+
+TUNE_ITERS = DEFAULT_TUNE_ITERS
+TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
+CHECK_SHARE = 8         # one row in CHECK_SHARE is held out for the keep-the-best check (at least one batch)
+# per tuned weight: u, its gradient, the best point, the grid (step, base), the start, the decoded value and the
+# rounding's transients, float32 each
+BYTES_PER_TUNED_WEIGHT = 40
+FLOAT_TYPES = ("F32", "F16", "BF16")
+_TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass
+class StageReport:
+    """What tuning did to one stage: the held-out loss before and after, whether it was kept, codes changed, and
+    the weights left at their Hessian rounding because the stage's tensors did not fit the memory budget."""
+
+    layer: int | None
+    check_before: float
+    check_after: float
+    kept: bool
+    changed: float
+    held_weights: int = 0
+
+
+def tuning_budget(device: torch.device) -> int:
+    """How many weights one stage may tune at once: a third of the free memory of `device` (host memory for the
+    CPU), at ``BYTES_PER_TUNED_WEIGHT`` each."""
+    import os
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free // 3 // BYTES_PER_TUNED_WEIGHT)
+
+
+def stored_values(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None) -> torch.Tensor:
+    """float32 values of a tensor as the file will hold it when ggml's own encoder writes it: floats rounded to
+    their type, quantized types through the exact path's encoder (convert/gguf_workers) and gguf-py's decoder."""
+    if qtype in FLOAT_TYPES:
+        return weights.to(_TORCH_FLOAT[qtype]).float()
+    from gguf import GGMLQuantizationType, quants
+
+    from mixq.convert.gguf_workers import encode
+
+    x = weights.detach().to("cpu", torch.float32).numpy()
+    b = encode(x, qtype, None if imatrix is None else np.asarray(imatrix, np.float32))
+    return torch.from_numpy(quants.dequantize(b, GGMLQuantizationType[qtype]).reshape(x.shape)).float()
+
+
+class LayerTuner:
+    """Carries the source and the quantized hidden streams over the calibration rows and tunes each layer's codes.
+
+    specs/types: every GGUF tensor of the conversion with its planned type (tensors of a layer that are not among
+    them keep their source values in the quantized stream). imatrix: GGUF name -> importance, for ggml's encoding
+    of the tensors Hessian rounding leaves to it. max_weights: weights one stage may tune at once (None: from the
+    device's free memory, `tuning_budget`); past it, routed-expert stacks keep their Hessian rounding (the other
+    tensors first, then whole stacks while they fit)."""
+
+    def __init__(self, ckpt, input_ids: torch.Tensor, specs: Sequence, types: Sequence[str], *,
+                 imatrix: Mapping[str, np.ndarray] | None = None, iters: int = TUNE_ITERS, lr: float | None = None,
+                 batch_rows: int = 4, device: str | torch.device = "cpu", max_weights: int | None = None) -> None:
+        from mixq.convert.layer_stream import DecoderStream
+
+        self.ckpt, self.ids = ckpt, input_ids.long()
+        self.iters, self.lr = int(iters), float(TUNE_LR if lr is None else lr)
+        self.imatrix = imatrix or {}
+        self.stream = DecoderStream(ckpt.config, device=device, batch_rows=batch_rows)
+        self.device = self.stream.device
+        self.max_weights = tuning_budget(self.device) if max_weights is None else int(max_weights)
+        self.held = 0
+        self.by_layer: dict[int | None, list] = {}
+        for s, t in zip(specs, types):
+            if not s.mtp:
+                self.by_layer.setdefault(s.layer, []).append((s, t))
+        batches = list(self.stream.batches(self.ids.shape[0]))
+        n_check = max(1, len(batches) // CHECK_SHARE) if len(batches) > 1 else 0
+        self.fit = batches[:len(batches) - n_check]
+        self.check = batches[len(batches) - n_check:] or batches
+        self.source: torch.Tensor | None = None   # source streams entering the next layer
+        self.quant: torch.Tensor | None = None    # quantized streams entering the next layer
+        self.topk_source = self.topk_quant = None
+        self.embed_codes: bt.LevelCodes | None = None
+        self.reports: list[StageReport] = []
+
+    # -- values of one stage's tensors
+    def _fetch(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(name, dtype=torch.float32)
+
+    def _values(self, layer: int | None, encoded: Mapping[str, np.ndarray], only: set[str] | None = None):
+        """({HF name: fixed float32 value}, [(spec, LevelCodes)]) of the GGUF tensors of `layer`."""
+        from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
+
+        members = [(spec, qtype) for spec, qtype in self.by_layer.get(layer, [])
+                   if only is None or spec.name in only]
+        tunable = [(spec, qtype) for spec, qtype in members if encoded.get(spec.name) is not None
+                   and qtype in bt.TUNABLE and spec.transform in ("none", "stack")]
+        room, chosen = self.max_weights, set()
+        for spec, _ in sorted(tunable, key=lambda m: m[0].transform == "stack"):  # stacks last
+            n = int(np.prod(spec.shape))
+            if n <= room:
+                chosen.add(spec.name)
+                room -= n
+            else:
+                self.held += n
+        fixed_parts: dict[str, torch.Tensor] = {}
+        tuned = []
+        for spec, qtype in members:
+            w = build_tensor(spec, self._fetch)
+            blocks = encoded.get(spec.name)
+            if spec.name in chosen:
+                tuned.append((spec, bt.LevelCodes(blocks, qtype, w, self.device)))
+                continue
+            if blocks is not None:
+                from gguf import GGMLQuantizationType, quants
+
+                v = torch.from_numpy(quants.dequantize(np.asarray(blocks), GGMLQuantizationType[qtype])).float()
+            else:
+                v = stored_values(qtype, w, self.imatrix.get(spec.name))
+            fixed_parts.update(unbuild_tensor(spec, v.reshape(spec.shape)))
+        return merge_kv_b(fixed_parts), tuned
+
+    @staticmethod
+    def _tuned_values(tuned) -> dict[str, torch.Tensor]:
+        from mixq.formats.gguf_names import unbuild_tensor
+
+        out: dict[str, torch.Tensor] = {}
+        for spec, codes in tuned:
+            out.update(unbuild_tensor(spec, codes.dequantized().reshape(spec.shape)))
+        return out
+
+    # -- the stages
+    def _start(self, encoded: Mapping[str, np.ndarray]) -> None:
+        from mixq.convert.layer_stream import EMBED_NAME
+
+        self.source = self.stream.embed(self.ids, self._fetch)
+        fixed, tuned = self._values(None, encoded, only={s.name for s, _ in self.by_layer.get(None, [])
+                                                        if s.hf_names == [EMBED_NAME] and s.role == "embed"})
+        self.embed_codes = tuned[0][1] if tuned else None
+        self.embed_fixed = fixed.get(EMBED_NAME, self._fetch(EMBED_NAME))
+
+    def _embedded(self, sl: slice) -> torch.Tensor:
+        w = self.embed_codes.dequantized() if self.embed_codes is not None else self.embed_fixed.to(self.device)
+        e = F.embedding(self.ids[sl].to(self.device), w)
+        return e.unsqueeze(2).expand(-1, -1, self.stream.hc_mult, -1).contiguous()
+
+    def _tune(self, layer, tuned, loss) -> None:
+        if not tuned or self.iters <= 0:
+            return
+
+        def held_out() -> float:
+            with torch.no_grad():
+                return sum(float(loss(sl)) for sl in self.check)
+
+        before, after = bt.sign_descent([c.u for _, c in tuned], loss, self.fit, self.iters, self.lr,
+                                        score=held_out)
+        self.reports.append(StageReport(layer, before, after, after < before,
+                                        float(np.mean([c.changed() for _, c in tuned])), self.held))
+
+    def layer(self, layer: int, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Tune decoder layer `layer` (`encoded`: GGUF name -> Hessian-rounded blocks of its covered tensors, and
+        token_embd's for the first layer), advance both streams past it, and return the tuned blocks."""
+        from torch.func import functional_call
+
+        from mixq.convert.calibration import _layer_state_dict
+
+        self.held = 0
+        first = self.source is None
+        if first:
+            self._start(encoded)
+        fixed, tuned = self._values(layer, encoded)
+        if first and self.embed_codes is not None:
+            tuned_all = tuned + [(None, self.embed_codes)]
+        else:
+            tuned_all = tuned
+        mod = self.stream.materialize(layer, self._fetch)
+        target, topk_next = self.stream.run_layer(mod, self.source, self.topk_source)
+
+        def state():
+            vals = self._tuned_values(tuned)
+            return _layer_state_dict(mod, layer, lambda n: vals[n] if n in vals else
+                                     fixed[n].to(self.device) if n in fixed else self._fetch(n).to(self.device))
+
+        def quant_input(sl: slice) -> torch.Tensor:
+            return self._embedded(sl) if first else self.quant[sl].to(self.device)
+
+        def run(sl: slice, sd) -> tuple:
+            b, s = sl.stop - sl.start, self.ids.shape[1]
+            prev = None if self.topk_quant is None else self.topk_quant[sl].to(self.device)
+            mask = torch.ones(b, s, dtype=torch.bool, device=self.device)
+            pos = torch.arange(s, device=self.device).unsqueeze(0)
+            return functional_call(mod, sd, (quant_input(sl),),
+                                   dict(attention_mask=mask, position_ids=pos, position_embeddings=None,
+                                        prev_topk_indices=prev))
+
+        def loss(sl: slice) -> torch.Tensor:
+            out, _ = run(sl, state())
+            return F.mse_loss(out, target[sl].to(self.device))
+
+        self._tune(layer, tuned_all, loss)
+        with torch.no_grad():
+            sd = {k: v.detach() for k, v in state().items()}
+            outs, topks = [], []
+            for sl in self.stream.batches(self.ids.shape[0]):
+                out, tk = run(sl, sd)
+                outs.append(out.to("cpu"))
+                if tk is not None:
+                    topks.append(tk.to("cpu"))
+        self.quant = torch.cat(outs)
+        self.topk_quant = torch.cat(topks) if topks else None
+        self.source, self.topk_source = target, topk_next
+        self.stream.release(layer)
+        result = {spec.name: codes.blocks() for spec, codes in tuned}
+        if first and self.embed_codes is not None:
+            name = next(s.name for s, _ in self.by_layer[None] if s.role == "embed")
+            result[name] = self.embed_codes.blocks()
+            self.embed_codes = None
+        return result
+
+    def head(self, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Tune the output head (its encoded blocks in `encoded`) for the KL divergence of the quantized model's
+        logits from the source model's, on the streams the last layer left."""
+        from mixq.convert.layer_stream import HEAD_NAME, NORM_NAME
+
+        if self.source is None:
+            return {}
+        self.held = 0
+        heads = {s.name for s, _ in self.by_layer.get(None, []) if s.role == "lm_head"}
+        fixed, tuned = self._values(None, encoded, only=heads)
+        if not tuned:
+            return {}
+        spec, codes = tuned[0]
+        norm = self._fetch(NORM_NAME)
+        w_source = self._fetch(HEAD_NAME).to(self.device)
+
+        def loss(sl: slice) -> torch.Tensor:
+            with torch.no_grad():
+                p = F.log_softmax(self.stream.final_hidden(self.source[sl], norm) @ w_source.T, -1)
+                h = self.stream.final_hidden(self.quant[sl], norm)
+            q = F.log_softmax(h @ codes.dequantized().reshape(spec.shape).T, -1)
+            return F.kl_div(q.flatten(0, 1), p.flatten(0, 1), log_target=True, reduction="batchmean")
+
+        self._tune(None, tuned, loss)
+        return {spec.name: codes.blocks()}

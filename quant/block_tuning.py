@@ -1,0 +1,108 @@
+"""Block-output tuning of the level codes inside ggml blocks: signed gradient descent through rounding.
+
+Hessian rounding (:mod:`kquants_hessian`) minimises each Linear's own output error for the inputs the source model
+gives it. What the quantized model computes differs in two ways that a per-Linear objective does not see: a
+decoder layer's Linears act together, through attention, routing and the gated MLP, and the layer reads the
+quantized model's hidden streams, not the source's. Tuning closes both gaps the way AutoRound (Cheng et al. 2023)
+does: the codes of every tensor of a decoder layer move together to lower the mean squared error between the
+layer's output on the *quantized* model's input and the *source* layer's output on the source input.
+
+Each tensor keeps the scales, mins and super-scales its encoder chose (the grid ``step·c + base`` of
+:func:`ggml_levels.level_grid`), so the bytes stay a valid block of the same ggml type. Its codes are relaxed to a
+real ``u`` (one per weight) that decodes through ``round`` with a straight-through gradient. ``u`` starts at the
+encoded code, moved towards the source weight's own position on the grid but never across a rounding boundary
+(``START_REACH`` of a step): the encoder's choice stands, and the codes that a small push flips first are those
+the encoder chose against the weight's nearest level. :func:`sign_descent` then moves every ``u`` by
+``lr·sign(grad)`` with a linearly decaying ``lr`` (AutoRound's schedule), so a code changes only where the loss
+keeps asking for it; a held-out score picks the best of a few points along the way.
+
+Numerics in torch on the device of the weights; nothing here reads or writes files.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import ggml_levels as gl
+
+TUNABLE = gl.SCALAR_TYPES      # types whose codes decode affinely (the lattice i-quants keep their codes)
+START_REACH = 0.499            # how far towards the source weight a code's relaxation starts (in steps)
+
+
+class LevelCodes:
+    """The codes of one encoded ggml tensor as a differentiable parameter on its fixed grid.
+
+    blocks: the encoded tensor (..., bytes per row) of type `qtype` (one of ``TUNABLE``); weights: the source
+    weights (..., row) it encodes, for the start of the relaxation."""
+
+    def __init__(self, blocks: np.ndarray, qtype: str, weights: torch.Tensor, device: str | torch.device = "cpu"):
+        self.qtype = qtype
+        self.source = np.ascontiguousarray(blocks)
+        self.lo, self.hi = gl.CODE_RANGE[qtype]
+        step, base = gl.level_grid(self.source, qtype)
+        decoded = gl.gguf_quants.dequantize(self.source, gl.GGMLQuantizationType[qtype])
+        self.step = torch.from_numpy(step).to(device)
+        self.base = torch.from_numpy(base).to(device)
+        live = self.step != 0
+        safe = torch.where(live, self.step, torch.ones_like(self.step))
+        c0 = torch.round((torch.from_numpy(decoded).to(device) - self.base) / safe).clamp_(self.lo, self.hi)
+        self.start = torch.where(live, c0, torch.zeros_like(c0))
+        x = (weights.to(device, torch.float32).reshape(self.step.shape) - self.base) / safe
+        reach = (x - self.start).clamp(-START_REACH, START_REACH)
+        self.u = torch.where(live, self.start + reach, self.start).requires_grad_(True)
+
+    def dequantized(self) -> torch.Tensor:
+        """The decoded weights of the current codes; gradients reach ``u`` straight through the rounding."""
+        r = self.u + (torch.round(self.u) - self.u).detach()
+        return self.step * r.clamp(self.lo, self.hi) + self.base
+
+    def codes(self) -> torch.Tensor:
+        return torch.round(self.u.detach()).clamp(self.lo, self.hi)
+
+    def changed(self) -> float:
+        """Share of the codes that differ from the encoded ones."""
+        return float((self.codes() != self.start).double().mean())
+
+    def blocks(self) -> np.ndarray:
+        """The encoded tensor with the current codes (scales and sizes unchanged)."""
+        return gl.set_levels(self.source, self.qtype, self.codes().to("cpu", torch.int64).numpy())
+
+
+def sign_descent(params: Sequence[torch.Tensor], loss: Callable[[object], torch.Tensor], batches: Sequence,
+                 iters: int, lr: float, *, score: Callable[[], float] | None = None,
+                 checks: int = 4) -> tuple[float, float] | None:
+    """``iters`` steps of u -= lr_t·sign(∂loss/∂u) over `batches` in turn, lr_t decaying linearly from
+    ``lr / iters`` to 0 (so no parameter moves more than ``lr / 2`` in all).
+
+    With `score` (a held-out loss of the current parameters, no gradient), it is taken at the start and after
+    every ``iters / checks`` steps, and the parameters end at the point that scored best (the start included:
+    a descent that over-fits the batches is undone). Returns (score at the start, best score) then."""
+    marks = {round(iters * k / checks) for k in range(1, checks + 1)} if score is not None else set()
+    best = first = score() if score is not None else None
+    kept = [p.detach().clone() for p in params] if score is not None else None
+    for it in range(iters):
+        step = lr / iters * (1.0 - it / iters)
+        value = loss(batches[it % len(batches)])
+        for p in params:
+            p.grad = None
+        value.backward()
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.sub_(step * torch.sign(p.grad))
+        if it + 1 in marks:
+            now = score()
+            if now < best:
+                best = now
+                for k, p in zip(kept, params):
+                    k.copy_(p.detach())
+    for p in params:
+        p.grad = None
+    if score is None:
+        return None
+    with torch.no_grad():
+        for k, p in zip(kept, params):
+            p.copy_(k)
+    return first, best

@@ -1,0 +1,84 @@
+"""convert/gguf_tuning.py: block-output tuning of the encoded codes on glm5next-k256 (real weights, a short
+calibration): the quantized stream, the keep-the-best guard, the embedding with the first layer, the head."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mixq.convert import gguf_tuning as gt
+from mixq.quant import kquants
+
+PICK = {"token_embd.weight": "Q4_K", "blk.0.attn_q.weight": "Q2_K", "blk.0.ffn_down.weight": "Q3_K",
+        "blk.0.ffn_up.weight": "Q4_K", "blk.0.attn_norm.weight": "F32", "output.weight": "Q6_K",
+        "blk.0.ssm_f_a.weight": "F16"}
+
+
+@pytest.fixture(scope="module")
+def setup(k256_model, calibration_text):
+    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import build_tensor, gguf_tensors
+
+    ck = open_checkpoint(k256_model)
+    specs = [s for s in gguf_tensors(ck) if s.name in PICK]
+    types = [PICK[s.name] for s in specs]
+    ids = calibration_rows(load_tokenizer(ck.path), [calibration_text], rows=8, seq_len=64,
+                           vocab_size=int(ck.text_config["vocab_size"]))
+    encoded = {s.name: kquants.quantize(build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)
+               if t not in gt.FLOAT_TYPES}
+    return ck, specs, types, ids, encoded
+
+
+def test_layer_tuning_keeps_bytes_and_lowers_the_held_out_loss(setup):
+    ck, specs, types, ids, encoded = setup
+    tuner = gt.LayerTuner(ck, ids, specs, types, iters=24, lr=0.5)
+    assert len(tuner.fit) == 1 and len(tuner.check) == 1  # 8 rows in batches of 4: one fits, one checks
+    layer0 = {n: b for n, b in encoded.items() if n.startswith("blk.0.") or n == "token_embd.weight"}
+    out = tuner.layer(0, layer0)
+    # the Linears of layer 0 at a scalar type and the embedding; F32/F16 tensors are not tuned
+    assert set(out) == {"token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.0.ffn_up.weight"}
+    for n, b in out.items():
+        assert b.shape == layer0[n].shape and b.dtype == np.uint8, n
+    (rep,) = tuner.reports
+    assert rep.layer == 0 and rep.kept and rep.check_after < 0.99 * rep.check_before and rep.changed > 0.01
+    assert any(not np.array_equal(out[n], layer0[n]) for n in out)
+    # both streams advanced past layer 0, the quantized one close to the source one
+    assert tuner.quant.shape == tuner.source.shape == (8, 64, tuner.stream.hc_mult, 256)
+    rel = float((tuner.quant - tuner.source).norm() / tuner.source.norm())
+    assert 0 < rel < 0.2
+    head = tuner.head({"output.weight": encoded["output.weight"]})
+    assert set(head) == {"output.weight"} and head["output.weight"].shape == encoded["output.weight"].shape
+    rep = tuner.reports[-1]
+    assert rep.layer is None and rep.kept and rep.check_after < rep.check_before
+
+
+def test_zero_iterations_return_the_encoded_bytes(setup):
+    ck, specs, types, ids, encoded = setup
+    tuner = gt.LayerTuner(ck, ids, specs, types, iters=0)
+    layer0 = {n: b for n, b in encoded.items() if n.startswith("blk.0.") or n == "token_embd.weight"}
+    out = tuner.layer(0, layer0)
+    assert all(np.array_equal(out[n], layer0[n]) for n in out) and not tuner.reports
+
+
+def test_a_stage_past_the_memory_budget_keeps_its_rounding(setup):
+    """With room for no weight, every tensor keeps its encoded bytes and the stage is not tuned."""
+    ck, specs, types, ids, encoded = setup
+    tuner = gt.LayerTuner(ck, ids, specs, types, iters=4, max_weights=0)
+    layer0 = {n: b for n, b in encoded.items() if n.startswith("blk.0.") or n == "token_embd.weight"}
+    assert tuner.layer(0, layer0) == {} and not tuner.reports
+    tunable = {"token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.0.ffn_up.weight"}
+    assert tuner.held == sum(int(np.prod(s.shape)) for s in specs if s.name in tunable)
+    assert gt.tuning_budget(torch.device("cpu")) > 10 ** 6
+
+
+def test_stored_values_are_what_the_file_holds(setup):
+    """Tensors the tuner does not move enter the quantized stream as the file holds them."""
+    from gguf import GGMLQuantizationType, quants
+
+    ck, specs, *_ = setup
+    w = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(gt.stored_values("F16", w, None), w.half().float())
+    assert torch.equal(gt.stored_values("F32", w, None), w)
+    ref = quants.dequantize(kquants.quantize(w.numpy(), "Q4_K"), GGMLQuantizationType.Q4_K)
+    assert np.array_equal(gt.stored_values("Q4_K", w, None).numpy(), ref)

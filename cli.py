@@ -246,6 +246,7 @@ def convert(model, out, fmt, as_json, **params) -> None:
     \b
     Examples:
       mixq convert ./GLM-5.3-Flash glm-Q4_K_M.gguf --type Q4_K_M --imatrix glm.imatrix.gguf
+      mixq convert ./GLM-5.3-Flash glm-Q4_K_M.gguf --type Q4_K_M --imatrix glm.imatrix.gguf --rounding hessian
       mixq convert ./GLM-5.3-Flash glm-108G.gguf --size 108GB --gguf-ladder iq
       mixq convert ./GLM-5.3-Flash glm-exl3-2.7 --bpw 2.7          # EXL3 (a directory); wants a GPU
     """

@@ -147,6 +147,12 @@ class LayerTuner:
             else:
                 v = stored_values(qtype, w, self.imatrix.get(spec.name))
             fixed_parts.update(unbuild_tensor(spec, v.reshape(spec.shape)))
+        # a kv_b half without its partner (a partial spec list) cannot rebuild kv_b: that tensor keeps its source
+        halves = {k for k in fixed_parts if "#" in k}
+        for k in halves:
+            base, half = k.rsplit("#", 1)
+            if f"{base}#{'v' if half == 'k' else 'k'}" not in halves:
+                del fixed_parts[k]
         return merge_kv_b(fixed_parts), tuned
 
     @staticmethod

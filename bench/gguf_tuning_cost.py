@@ -6,9 +6,10 @@ and memory, per stage of a real model, with what a stage tunes.
 
 Each stage of the model (every decoder layer, then the head) is encoded at --type (mixq's exact ggml encoder, as
 the Hessian rounding's start would be) and tuned for --steps steps over --rows x --seq-len calibration tokens in
-the converter's batches (4 rows). Printed per stage: tuned weights, seconds per step, the held-out loss before and
-after; at the end the peak resident memory (and the GPU's peak). A conversion's tuning time is about
-`--tune-iters` x (seconds per step) per stage, plus one forward of each stage over all rows.
+the converter's batches (4 rows). Printed per stage: tuned weights, the stage's seconds (set-up, the source and
+quantized forwards over all rows, the descent), seconds per descent step (its held-out checks included), the
+held-out loss before and after; at the end the peak resident memory (and the GPU's peak). A conversion's tuning
+time is about `--tune-iters` x (seconds per step) per stage, plus the rest of the stage.
 """
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def run(a: argparse.Namespace) -> dict:
     ids = calibration_rows(load_tokenizer(ck.path), [SHARED / "data" / "calibration.txt"], rows=a.rows,
                            seq_len=a.seq_len, vocab_size=int(ck.text_config["vocab_size"]))
     tuner = gt.LayerTuner(ck, ids, specs, types, iters=a.steps, device=dev)
+    descent = gt.bt.sign_descent
+    spent = []
+
+    def timed(*args, **kw):  # the descent alone (its steps and held-out checks), apart from the stage's set-up
+        t0 = time.time()
+        out = descent(*args, **kw)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        spent.append(time.time() - t0)
+        return out
+
+    gt.bt.sign_descent = timed
 
     def wanted(s, layer) -> bool:
         if s.mtp:
@@ -66,12 +79,13 @@ def run(a: argparse.Namespace) -> dict:
         row = {"stage": "head" if layer is None else f"layer {layer}",
                "tuned_weights": int(sum(np.prod(s.shape) for s in specs if s.name in enc))}
         row["seconds"] = round(secs, 2)
-        row["seconds_per_step"] = round(secs / max(a.steps, 1), 3)
+        row["seconds_per_step"] = round(spent[-1] / max(a.steps, 1), 3) if r is not None else None
         if r is not None:
             row.update(check_before=r.check_before, check_after=r.check_after, changed=r.changed,
                        held_weights=r.held_weights)
         stages.append(row)
-        print(f"{row['stage']:>8}: {row['tuned_weights']:>10,} weights tuned, {row['seconds_per_step']:.3f} s/step"
+        print(f"{row['stage']:>8}: {row['tuned_weights']:>10,} weights tuned, stage {secs:.1f} s, "
+              f"{row['seconds_per_step']} s/step"
               + (f", held-out loss {r.check_before:.4g} -> {r.check_after:.4g}" if r else ""), flush=True)
     res = {"model": MODELS[a.model], "type": a.type, "device": str(dev), "rows": a.rows, "seq_len": a.seq_len,
            "steps": a.steps, "batch_rows": tuner.stream.batch_rows, "stages": stages,

@@ -45,18 +45,6 @@ def run(a: argparse.Namespace) -> dict:
     ids = calibration_rows(load_tokenizer(ck.path), [SHARED / "data" / "calibration.txt"], rows=a.rows,
                            seq_len=a.seq_len, vocab_size=int(ck.text_config["vocab_size"]))
     tuner = gt.LayerTuner(ck, ids, specs, types, iters=a.steps, device=dev)
-    descent = gt.bt.sign_descent
-    spent = []
-
-    def timed(*args, **kw):  # the descent alone (its steps and held-out checks), apart from the stage's set-up
-        t0 = time.time()
-        out = descent(*args, **kw)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        spent.append(time.time() - t0)
-        return out
-
-    gt.bt.sign_descent = timed
 
     def wanted(s, layer) -> bool:
         if s.mtp:
@@ -79,7 +67,7 @@ def run(a: argparse.Namespace) -> dict:
         row = {"stage": "head" if layer is None else f"layer {layer}",
                "tuned_weights": int(sum(np.prod(s.shape) for s in specs if s.name in enc))}
         row["seconds"] = round(secs, 2)
-        row["seconds_per_step"] = round(spent[-1] / max(a.steps, 1), 3) if r is not None else None
+        row["seconds_per_step"] = round(r.seconds / max(a.steps, 1), 3) if r is not None else None
         if r is not None:
             row.update(check_before=r.check_before, check_after=r.check_after, changed=r.changed,
                        held_weights=r.held_weights)

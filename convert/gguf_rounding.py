@@ -28,9 +28,9 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.errors import InputError
 from mixq.quant import kquants_hessian as kh
-from mixq.convert.gguf_tuning import TUNE_ITERS
 from mixq.quant.device import pick_device
 
 ROUNDINGS = ("exact", "hessian")
@@ -91,7 +91,7 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
 
 def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir: str | Path, *,
                            imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
-                           seq_len: int = 512, tune_iters: int = TUNE_ITERS, device: str | None = None,
+                           seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, device: str | None = None,
                            progress: bool = True) -> dict[str, Path]:
     """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
     in `work_dir`: {GGUF name: path}. `imatrix` (GGUF name -> importance) feeds ggml's scale search, as in the
@@ -144,12 +144,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
         if tuner is not None:
             _tune_stage(tuner, stage.layer, {n: done[n] for n in done if n not in before})
             if progress and tuner.reports and tuner.reports[-1].layer == stage.layer:
-                r = tuner.reports[-1]
-                bar.write(f"tuned {'layer ' + str(r.layer) if r.layer is not None else 'head'}: held-out loss "
-                          f"{r.check_before:.4g} -> {r.check_after:.4g} ({'kept' if r.kept else 'reverted'}, "
-                          f"{100 * r.changed:.1f}% of codes changed"
-                          + (f", {r.held_weights:,} weights left at Hessian rounding for memory)" if r.held_weights
-                             else ")"))
+                bar.write(tuner.reports[-1].describe())
     bar.close()
     return done
 
@@ -165,7 +160,7 @@ def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path]) -> None:
 @contextmanager
 def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path, *,
                     imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
-                    seq_len: int = 512, tune_iters: int = TUNE_ITERS, device: str | None = None,
+                    seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, device: str | None = None,
                     progress: bool = True) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
     """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
 

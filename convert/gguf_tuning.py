@@ -10,14 +10,15 @@ to F16/BF16). The token embedding is tuned with the first layer (its error enter
 residual path); the output head with the KL divergence of the logits, after the last layer.
 
 A held-out share of the rows (``CHECK_SHARE``) guards each stage: the codes end at the point of the descent where
-their loss was lowest, the Hessian-rounded start included. Scales and sizes never change, so the file's types and bytes are those of
-the exact path.
+their loss was lowest, the Hessian-rounded start included. Scales and sizes never change, so the file's types and
+bytes are those of the exact path.
 
-Cost: `iters` forward and backward passes of one layer over `batch_rows` rows, per layer; memory: about 16 bytes
-per tuned weight of the layer (codes, grid, gradient) besides the layer itself, and two hidden streams.
+Cost: `iters` forward and backward passes of one layer over `batch_rows` rows, per layer; memory:
+``BYTES_PER_TUNED_WEIGHT`` per tuned weight of the layer besides the layer itself, and two hidden streams.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -27,8 +28,8 @@ import torch.nn.functional as F
 
 from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.quant import block_tuning as bt
+from mixq.quant.kquants_hessian import dequantize_blocks
 
-TUNE_ITERS = DEFAULT_TUNE_ITERS
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
 CHECK_SHARE = 8         # one row in CHECK_SHARE is held out for the keep-the-best check (at least one batch)
 # per tuned weight: u, its gradient, the best point, the grid (step, base), the start, the decoded value and the
@@ -40,8 +41,9 @@ _TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 @dataclass
 class StageReport:
-    """What tuning did to one stage: the held-out loss before and after, whether it was kept, codes changed, and
-    the weights left at their Hessian rounding because the stage's tensors did not fit the memory budget."""
+    """What tuning did to one stage: the held-out loss before and after, whether it was kept, codes changed, the
+    weights left at their Hessian rounding because the stage's tensors did not fit the memory budget, and the
+    seconds of the descent (its held-out checks included)."""
 
     layer: int | None
     check_before: float
@@ -49,6 +51,14 @@ class StageReport:
     kept: bool
     changed: float
     held_weights: int = 0
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        """One line for the progress output."""
+        held = f", {self.held_weights:,} weights left at Hessian rounding for memory" if self.held_weights else ""
+        return (f"tuned {'head' if self.layer is None else f'layer {self.layer}'}: held-out loss "
+                f"{self.check_before:.4g} -> {self.check_after:.4g} ({'kept' if self.kept else 'reverted'}, "
+                f"{100 * self.changed:.1f}% of codes changed{held})")
 
 
 def tuning_budget(device: torch.device) -> int:
@@ -68,13 +78,11 @@ def stored_values(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None)
     their type, quantized types through the exact path's encoder (convert/gguf_workers) and gguf-py's decoder."""
     if qtype in FLOAT_TYPES:
         return weights.to(_TORCH_FLOAT[qtype]).float()
-    from gguf import GGMLQuantizationType, quants
-
     from mixq.convert.gguf_workers import encode
 
     x = weights.detach().to("cpu", torch.float32).numpy()
     b = encode(x, qtype, None if imatrix is None else np.asarray(imatrix, np.float32))
-    return torch.from_numpy(quants.dequantize(b, GGMLQuantizationType[qtype]).reshape(x.shape)).float()
+    return torch.from_numpy(dequantize_blocks(b, qtype).reshape(x.shape)).float()
 
 
 class LayerTuner:
@@ -87,8 +95,9 @@ class LayerTuner:
     tensors first, then whole stacks while they fit)."""
 
     def __init__(self, ckpt, input_ids: torch.Tensor, specs: Sequence, types: Sequence[str], *,
-                 imatrix: Mapping[str, np.ndarray] | None = None, iters: int = TUNE_ITERS, lr: float | None = None,
-                 batch_rows: int = 4, device: str | torch.device = "cpu", max_weights: int | None = None) -> None:
+                 imatrix: Mapping[str, np.ndarray] | None = None, iters: int = DEFAULT_TUNE_ITERS,
+                 lr: float | None = None, batch_rows: int = 4, device: str | torch.device = "cpu",
+                 max_weights: int | None = None) -> None:
         from mixq.convert.layer_stream import DecoderStream
 
         self.ckpt, self.ids = ckpt, input_ids.long()
@@ -109,7 +118,7 @@ class LayerTuner:
         self.source: torch.Tensor | None = None   # source streams entering the next layer
         self.quant: torch.Tensor | None = None    # quantized streams entering the next layer
         self.topk_source = self.topk_quant = None
-        self.embed_codes: bt.LevelCodes | None = None
+        self.embed: tuple | None = None           # (spec, LevelCodes) of token_embd, tuned with the first layer
         self.reports: list[StageReport] = []
 
     # -- values of one stage's tensors
@@ -135,17 +144,14 @@ class LayerTuner:
         fixed_parts: dict[str, torch.Tensor] = {}
         tuned = []
         for spec, qtype in members:
-            w = build_tensor(spec, self._fetch)
             blocks = encoded.get(spec.name)
             if spec.name in chosen:
-                tuned.append((spec, bt.LevelCodes(blocks, qtype, w, self.device)))
+                tuned.append((spec, bt.LevelCodes(blocks, qtype, build_tensor(spec, self._fetch), self.device)))
                 continue
-            if blocks is not None:
-                from gguf import GGMLQuantizationType, quants
-
-                v = torch.from_numpy(quants.dequantize(np.asarray(blocks), GGMLQuantizationType[qtype])).float()
+            if blocks is not None:  # encoded, not tuned: the source is not read
+                v = torch.from_numpy(dequantize_blocks(np.asarray(blocks), qtype)).float()
             else:
-                v = stored_values(qtype, w, self.imatrix.get(spec.name))
+                v = stored_values(qtype, build_tensor(spec, self._fetch), self.imatrix.get(spec.name))
             fixed_parts.update(unbuild_tensor(spec, v.reshape(spec.shape)))
         # a kv_b half without its partner (a partial spec list) cannot rebuild kv_b: that tensor keeps its source
         halves = {k for k in fixed_parts if "#" in k}
@@ -171,11 +177,11 @@ class LayerTuner:
         self.source = self.stream.embed(self.ids, self._fetch)
         fixed, tuned = self._values(None, encoded, only={s.name for s, _ in self.by_layer.get(None, [])
                                                         if s.hf_names == [EMBED_NAME] and s.role == "embed"})
-        self.embed_codes = tuned[0][1] if tuned else None
-        self.embed_fixed = fixed.get(EMBED_NAME, self._fetch(EMBED_NAME))
+        self.embed = tuned[0] if tuned else None
+        self.embed_fixed = fixed.get(EMBED_NAME, self._fetch(EMBED_NAME)).to(self.device)
 
     def _embedded(self, sl: slice) -> torch.Tensor:
-        w = self.embed_codes.dequantized() if self.embed_codes is not None else self.embed_fixed.to(self.device)
+        w = self.embed[1].dequantized() if self.embed is not None else self.embed_fixed
         e = F.embedding(self.ids[sl].to(self.device), w)
         return e.unsqueeze(2).expand(-1, -1, self.stream.hc_mult, -1).contiguous()
 
@@ -187,16 +193,16 @@ class LayerTuner:
             with torch.no_grad():
                 return sum(float(loss(sl)) for sl in self.check)
 
+        t0 = time.perf_counter()
         before, after = bt.sign_descent([c.u for _, c in tuned], loss, self.fit, self.iters, self.lr,
-                                        score=held_out)
+                                        score=held_out)  # the score reads losses back: the device has finished
         self.reports.append(StageReport(layer, before, after, after < before,
-                                        float(np.mean([c.changed() for _, c in tuned])), self.held))
+                                        float(np.mean([c.changed() for _, c in tuned])), self.held,
+                                        time.perf_counter() - t0))
 
     def layer(self, layer: int, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Tune decoder layer `layer` (`encoded`: GGUF name -> Hessian-rounded blocks of its covered tensors, and
         token_embd's for the first layer), advance both streams past it, and return the tuned blocks."""
-        from torch.func import functional_call
-
         from mixq.convert.calibration import _layer_state_dict
 
         self.held = 0
@@ -204,29 +210,26 @@ class LayerTuner:
         if first:
             self._start(encoded)
         fixed, tuned = self._values(layer, encoded)
-        if first and self.embed_codes is not None:
-            tuned_all = tuned + [(None, self.embed_codes)]
-        else:
-            tuned_all = tuned
+        tuned_all = tuned + [self.embed] if first and self.embed is not None else tuned
         mod = self.stream.materialize(layer, self._fetch)
         target, topk_next = self.stream.run_layer(mod, self.source, self.topk_source)
+        const: dict[str, torch.Tensor] = {}  # the untuned tensors on the device, read once per layer
+
+        def constant(n: str) -> torch.Tensor:
+            if n not in const:
+                const[n] = (fixed[n] if n in fixed else self._fetch(n)).to(self.device)
+            return const[n]
 
         def state():
             vals = self._tuned_values(tuned)
-            return _layer_state_dict(mod, layer, lambda n: vals[n] if n in vals else
-                                     fixed[n].to(self.device) if n in fixed else self._fetch(n).to(self.device))
+            return _layer_state_dict(mod, layer, lambda n: vals[n] if n in vals else constant(n))
 
         def quant_input(sl: slice) -> torch.Tensor:
             return self._embedded(sl) if first else self.quant[sl].to(self.device)
 
         def run(sl: slice, sd) -> tuple:
-            b, s = sl.stop - sl.start, self.ids.shape[1]
             prev = None if self.topk_quant is None else self.topk_quant[sl].to(self.device)
-            mask = torch.ones(b, s, dtype=torch.bool, device=self.device)
-            pos = torch.arange(s, device=self.device).unsqueeze(0)
-            return functional_call(mod, sd, (quant_input(sl),),
-                                   dict(attention_mask=mask, position_ids=pos, position_embeddings=None,
-                                        prev_topk_indices=prev))
+            return self.stream.call_layer(mod, quant_input(sl), prev, params=sd)
 
         def loss(sl: slice) -> torch.Tensor:
             out, _ = run(sl, state())
@@ -246,10 +249,9 @@ class LayerTuner:
         self.source, self.topk_source = target, topk_next
         self.stream.release(layer)
         result = {spec.name: codes.blocks() for spec, codes in tuned}
-        if first and self.embed_codes is not None:
-            name = next(s.name for s, _ in self.by_layer[None] if s.role == "embed")
-            result[name] = self.embed_codes.blocks()
-            self.embed_codes = None
+        if first and self.embed is not None:
+            result[self.embed[0].name] = self.embed[1].blocks()
+            self.embed = None
         return result
 
     def head(self, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -261,7 +263,7 @@ class LayerTuner:
             return {}
         self.held = 0
         heads = {s.name for s, _ in self.by_layer.get(None, []) if s.role == "lm_head"}
-        fixed, tuned = self._values(None, encoded, only=heads)
+        _, tuned = self._values(None, encoded, only=heads)
         if not tuned:
             return {}
         spec, codes = tuned[0]

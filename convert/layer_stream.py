@@ -105,12 +105,22 @@ class DecoderStream:
 
     def forward_batch(self, mod: nn.Module, hidden: torch.Tensor, prev_topk: torch.Tensor | None):
         """One decoder-layer call on a batch of rows (already on `device`): (streams out, DSA top-k or None)."""
-        b, s = hidden.shape[:2]
-        mask = torch.ones(b, s, dtype=torch.bool, device=self.device)
-        pos = torch.arange(s, device=self.device).unsqueeze(0)
         with torch.no_grad():
-            return mod(hidden, attention_mask=mask, position_ids=pos, position_embeddings=None,
-                       prev_topk_indices=prev_topk)
+            return self.call_layer(mod, hidden, prev_topk)
+
+    def call_layer(self, mod: nn.Module, hidden: torch.Tensor, prev_topk: torch.Tensor | None,
+                   params: dict[str, torch.Tensor] | None = None):
+        """`forward_batch` with autograd as the caller has it; `params` (the module's state-dict names) replace
+        the module's own tensors for this call (torch.func.functional_call), so gradients can reach them."""
+        b, s = hidden.shape[:2]
+        kw = dict(attention_mask=torch.ones(b, s, dtype=torch.bool, device=self.device),
+                  position_ids=torch.arange(s, device=self.device).unsqueeze(0), position_embeddings=None,
+                  prev_topk_indices=prev_topk)
+        if params is None:
+            return mod(hidden, **kw)
+        from torch.func import functional_call
+
+        return functional_call(mod, params, (hidden,), kw)
 
     def run_layer(self, mod: nn.Module, hidden: torch.Tensor, topk: torch.Tensor | None, *,
                   before_batch: Callable[[slice], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from . import ggml_levels as gl
 
@@ -42,7 +44,7 @@ class LevelCodes:
         self.source = np.ascontiguousarray(blocks)
         self.lo, self.hi = gl.CODE_RANGE[qtype]
         step, base = gl.level_grid(self.source, qtype)
-        decoded = gl.gguf_quants.dequantize(self.source, gl.GGMLQuantizationType[qtype])
+        decoded = gguf_quants.dequantize(self.source, GGMLQuantizationType[qtype])
         self.step = torch.from_numpy(step).to(device)
         self.base = torch.from_numpy(base).to(device)
         live = self.step != 0

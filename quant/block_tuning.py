@@ -7,7 +7,7 @@ quantized model's hidden streams, not the source's. Tuning closes both gaps the 
 does: the codes of every tensor of a decoder layer move together to lower the mean squared error between the
 layer's output on the *quantized* model's input and the *source* layer's output on the source input.
 
-Each tensor keeps the scales, mins and super-scales its encoder chose (the grid ``step·c + base`` of
+Each tensor keeps the scales, mins and super-scales its encoder chose (the grid ``step·value(c) + base`` of
 :func:`ggml_levels.level_grid`), so the bytes stay a valid block of the same ggml type. Its codes are relaxed to a
 real ``u`` (one per weight) that decodes through ``round`` with a straight-through gradient. ``u`` starts at the
 encoded code, moved towards the source weight's own position on the grid but never across a rounding boundary
@@ -29,7 +29,7 @@ from gguf import quants as gguf_quants
 
 from . import ggml_levels as gl
 
-TUNABLE = gl.SCALAR_TYPES      # types whose codes decode affinely (the lattice i-quants keep their codes)
+TUNABLE = gl.SCALAR_TYPES      # one level per weight (affine or IQ4_NL's table); the lattice i-quants keep their codes
 START_REACH = 0.499            # how far towards the source weight a code's relaxation starts (in steps)
 
 
@@ -49,16 +49,21 @@ class LevelCodes:
         self.base = torch.from_numpy(base).to(device)
         live = self.step != 0
         safe = torch.where(live, self.step, torch.ones_like(self.step))
-        c0 = torch.round((torch.from_numpy(decoded).to(device) - self.base) / safe).clamp_(self.lo, self.hi)
+        c0 = gl.nearest_codes((torch.from_numpy(decoded).to(device) - self.base) / safe, qtype)
         self.start = torch.where(live, c0, torch.zeros_like(c0))
-        x = (weights.to(device, torch.float32).reshape(self.step.shape) - self.base) / safe
+        x = gl.code_positions((weights.to(device, torch.float32).reshape(self.step.shape) - self.base) / safe, qtype)
         reach = (x - self.start).clamp(-START_REACH, START_REACH)
         self.u = torch.where(live, self.start + reach, self.start).requires_grad_(True)
 
     def dequantized(self) -> torch.Tensor:
-        """The decoded weights of the current codes; gradients reach ``u`` straight through the rounding."""
-        r = self.u + (torch.round(self.u) - self.u).detach()
-        return self.step * r.clamp(self.lo, self.hi) + self.base
+        """The decoded weights of the current codes; gradients reach ``u`` straight through the rounding (through
+        the piecewise-linear interpolation of the level values where they are a table)."""
+        if self.qtype not in gl.LEVEL_TABLES:
+            r = self.u + (torch.round(self.u) - self.u).detach()
+            return self.step * r.clamp(self.lo, self.hi) + self.base
+        soft = gl.interpolated_values(self.u, self.qtype)
+        hard = gl.code_values(self.codes(), self.qtype)
+        return self.step * (soft + (hard - soft).detach()) + self.base
 
     def codes(self) -> torch.Tensor:
         return torch.round(self.u.detach()).clamp(self.lo, self.hi)

@@ -5,10 +5,13 @@ for the lattice i-quants, one codebook index per group of weights). A rounding m
 encoder chose but picks its own codes needs exactly two things, given here per type:
 
 - ``set_levels(blocks, qtype, codes)``: the same blocks with every weight's code replaced (scales untouched);
-- ``level_grid(blocks, qtype)``: per weight, ``(step, base)`` such that code c decodes to ``step*c + base``.
+- ``level_grid(blocks, qtype)``: per weight, ``(step, base)`` such that code c decodes to ``step*value(c) + base``,
+  where ``value(c) = c`` for the affine types and IQ4_NL's fixed 16-level table (:func:`level_values`) for it.
 
-For the scalar types every decoded weight is affine in its own code, so the grid is read through gguf-py's
+For the scalar types every decoded weight is affine in its own level value, so the grid is read through gguf-py's
 decoder (codes all at the low end, then all at the high end) instead of a second copy of each decoding rule.
+:func:`nearest_codes` and :func:`interpolated_values` give the rounding and a piecewise-linear relaxation on the
+level values, the same for every scalar type.
 Bit layouts follow ggml's block definitions (docstrings of :mod:`kquants_blocks` name the byte ranges).
 IQ2_S (8-weight codebook groups with free signs) has its own pair: ``set_iq2s_groups`` / ``iq2s_group_scales``.
 """
@@ -17,18 +20,78 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from ..errors import InputError
 from .kquants_blocks import pack_scales_k4, pack_scales_q3_k
+from .kquants_iq4 import IQ4_LEVELS
 
 # code range (lo, hi) per scalar type; Q8_0 stays off -128, whose magnitude some SIMD dot products cannot take
 CODE_RANGE: dict[str, tuple[int, int]] = {
     "Q2_K": (0, 3), "Q3_K": (0, 7), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (0, 63),
     "Q4_0": (0, 15), "Q4_1": (0, 15), "Q5_0": (0, 31), "Q5_1": (0, 31), "Q8_0": (-127, 127),
+    "IQ4_NL": (0, 15),
 }
 SCALAR_TYPES = tuple(CODE_RANGE)
+# the level value of each code where it is not the code itself (value(c) = table[c - lo]; ascending)
+LEVEL_TABLES: dict[str, np.ndarray] = {"IQ4_NL": IQ4_LEVELS.astype(np.float32)}
+
+
+def level_values(qtype: str) -> np.ndarray:
+    """float32 (hi - lo + 1,): the level value of every code of a scalar type (the codes themselves when affine)."""
+    lo, hi = CODE_RANGE[qtype]
+    return LEVEL_TABLES[qtype] if qtype in LEVEL_TABLES else np.arange(lo, hi + 1, dtype=np.float32)
+
+
+def _table(qtype: str, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(LEVEL_TABLES[qtype]).to(device)
+
+
+def nearest_codes(x: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The code (float) whose level value is nearest to x (positions in level-value units, any shape).
+
+    Affine types round half to even and clamp; a table type takes the nearest level (ties to the upper one, as
+    ggml's best_index_int8 does)."""
+    lo, hi = CODE_RANGE[qtype]
+    if qtype not in LEVEL_TABLES:
+        return torch.round(x).clamp_(lo, hi)
+    t = _table(qtype, x.device)
+    mids = (t[1:] + t[:-1]) * 0.5
+    return (torch.bucketize(x.contiguous(), mids, right=True) + lo).to(x.dtype)
+
+
+def code_values(codes: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The level values of integer-valued codes (float tensor, in range): the codes themselves when affine."""
+    if qtype not in LEVEL_TABLES:
+        return codes
+    lo = CODE_RANGE[qtype][0]
+    return _table(qtype, codes.device)[(codes - lo).long()]
+
+
+def interpolated_values(u: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The level values linearly interpolated at real positions u (clamped to the code range): differentiable in u,
+    equal to :func:`code_values` at whole codes. Affine types give u clamped."""
+    lo, hi = CODE_RANGE[qtype]
+    if qtype not in LEVEL_TABLES:
+        return u.clamp(lo, hi)
+    t = _table(qtype, u.device)
+    uc = u.clamp(lo, hi)
+    f = torch.floor(uc.detach()).clamp_(lo, hi - 1)
+    i = (f - lo).long()
+    return t[i] + (uc - f) * (t[i + 1] - t[i])
+
+
+def code_positions(x: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The inverse of :func:`interpolated_values`: real code positions of level values x (past the ends, the end
+    segments extended; the affine types give x itself)."""
+    lo = CODE_RANGE[qtype][0]
+    if qtype not in LEVEL_TABLES:
+        return x
+    t = _table(qtype, x.device)
+    i = (torch.bucketize(x.contiguous(), t, right=True) - 1).clamp_(0, len(t) - 2)
+    return lo + i.to(x.dtype) + (x - t[i]) / (t[i + 1] - t[i])
 
 
 def block_shape(qtype: str) -> tuple[int, int]:
@@ -90,6 +153,8 @@ def _write(out: np.ndarray, qtype: str, c: np.ndarray) -> None:
         out[:, 8:24] = _nibbles_32(c & 15)
     elif qtype == "Q8_0":
         out[:, 2:34] = c
+    elif qtype == "IQ4_NL":
+        out[:, 2:18] = _nibbles_32(c)
     else:
         raise InputError(f"no level layout for ggml type {qtype!r}; supported: {', '.join(SCALAR_TYPES)}")
 
@@ -114,17 +179,19 @@ def set_levels(blocks: np.ndarray, qtype: str, codes: np.ndarray) -> np.ndarray:
 
 
 def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per weight, (step, base) float32 (..., weights per row) with decode(code c) = step*c + base.
+    """Per weight, (step, base) float32 (..., weights per row) with decode(code c) = step*value(c) + base
+    (``value`` = :func:`level_values`; the code itself for the affine types).
 
     Read through gguf-py's decoder with every code at the low and at the high end of the range."""
     lo, hi = CODE_RANGE[qtype]
+    values = level_values(qtype).astype(np.float64)
     bs, ts = block_shape(qtype)
     shape = blocks.shape[:-1] + (blocks.shape[-1] // ts * bs,)
     gt = GGMLQuantizationType[qtype]
     v_lo = gguf_quants.dequantize(set_levels(blocks, qtype, np.full(shape, lo)), gt).astype(np.float64)
     v_hi = gguf_quants.dequantize(set_levels(blocks, qtype, np.full(shape, hi)), gt).astype(np.float64)
-    step = (v_hi - v_lo) / (hi - lo)
-    base = v_lo - step * lo
+    step = (v_hi - v_lo) / (values[-1] - values[0])
+    base = v_lo - step * values[0]
     return step.astype(np.float32), base.astype(np.float32)
 
 
@@ -134,7 +201,7 @@ def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
 # linear in them: y = d·A + dmin·B with A, B fixed by the packed integer fields)
 SUPER_SCALES: dict[str, tuple[int, ...]] = {
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ2_S": (0,),
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ2_S": (0,), "IQ4_NL": (0,),
 }
 
 

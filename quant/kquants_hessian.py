@@ -97,7 +97,7 @@ def _encode_block(x: torch.Tensor, qtype: str, importance: np.ndarray) -> np.nda
 
 
 class _ScalarRounder:
-    """Rounds one column at a time on a scalar grid (decode = step·code + base)."""
+    """Rounds one column at a time on a scalar grid (decode = step·value(code) + base)."""
     group = 1
 
     def __init__(self, qtype: str, device: torch.device) -> None:
@@ -114,10 +114,10 @@ class _ScalarRounder:
         """Targets t (E, rows, 1) of block column j -> decoded values (E, rows, 1); codes kept."""
         step, base = self.step[..., j:j + 1], self.base[..., j:j + 1]
         safe = torch.where(step != 0, step, torch.ones_like(step))
-        c = torch.round((t - base) / safe).clamp_(self.lo, self.hi)
+        c = gl.nearest_codes((t - base) / safe, self.qtype)
         c = torch.where(step != 0, c, torch.full_like(c, max(self.lo, 0)))
         self.codes[..., j:j + 1] = c.long()
-        return step * c + base
+        return step * gl.code_values(c, self.qtype) + base
 
     def finish(self, blocks: np.ndarray) -> np.ndarray:
         return gl.set_levels(blocks, self.qtype, self.codes.cpu().numpy())
@@ -191,13 +191,14 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
     """Coordinate descent on the level codes of scalar-type ``blocks`` (scales kept) for tr(ΔW·H·ΔWᵀ).
 
     Sweeps the columns in order; every weight moves one code up or down when that lowers the quadratic (exactly:
-    ΔL = 2δ·(ΔW·H)_j + δ²·H_jj), vectorised over rows and experts. w (E, rows, n), H (E|1, n, n) float32."""
+    ΔL = −2v·(ΔW·H)_j + v²·H_jj for a decoded change v), vectorised over rows and experts. w (E, rows, n),
+    H (E|1, n, n) float32."""
     lo, hi = gl.CODE_RANGE[qtype]
     dev = w.device
     step, base = (torch.from_numpy(a).to(dev) for a in gl.level_grid(blocks, qtype))
     deq = torch.from_numpy(dequantize_blocks(blocks, qtype)).to(dev).reshape(w.shape)
     safe = torch.where(step != 0, step, torch.ones_like(step))
-    codes = torch.where(step != 0, torch.round((deq - base) / safe), torch.full_like(step, lo))
+    codes = torch.where(step != 0, gl.nearest_codes((deq - base) / safe, qtype), torch.full_like(step, lo))
     err = w - deq
     grad = err @ hessian                                                   # (E, rows, n): (ΔW·H)
     hdiag = torch.diagonal(hessian, dim1=-2, dim2=-1)                       # (E|1, n)
@@ -205,14 +206,17 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
         for j in range(w.shape[-1]):
             s, g, c = step[..., j], grad[..., j], codes[..., j]
             h = hdiag[:, j:j + 1]
-            d_up = s * (s * h - 2 * g)                                     # code + 1: error - s
-            d_dn = s * (s * h + 2 * g)                                     # code - 1: error + s
+            val = gl.code_values(c, qtype)
+            up = s * (gl.code_values((c + 1).clamp(max=hi), qtype) - val)   # decoded change of code + 1
+            dn = s * (gl.code_values((c - 1).clamp(min=lo), qtype) - val)   # ... of code - 1
+            d_up = up * (up * h - 2 * g)
+            d_dn = dn * (dn * h - 2 * g)
             d_up = torch.where((c < hi) & (s != 0), d_up, torch.zeros_like(d_up))
             d_dn = torch.where((c > lo) & (s != 0), d_dn, torch.zeros_like(d_dn))
             move = torch.where((d_up < d_dn) & (d_up < 0), 1.0, torch.where(d_dn < 0, -1.0, 0.0))
             if not bool(move.any()):
                 continue
-            delta = -move * s                                              # change of the error at column j
+            delta = -torch.where(move > 0, up, torch.where(move < 0, dn, torch.zeros_like(up)))  # error change
             codes[..., j] += move
             grad += delta.unsqueeze(-1) * hessian[:, j, :].unsqueeze(1)
     return gl.set_levels(blocks, qtype, codes.long().cpu().numpy())

@@ -12,9 +12,9 @@ import numpy as np
 from .kquants_search import F32, GROUP_MAX_EPS, f32, first_absmax, fp16_round, nearest_int, seq_sum
 
 # kvalues_iq4nl: the 16 signed levels of IQ4_NL / IQ4_XS
-_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int32)
-_VALUES_F = _VALUES.astype(F32)
-_MU_TABLE = np.clip(np.searchsorted(_VALUES, np.arange(-128, 115), side="right"), 1, 15)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int32)
+_LEVELS_F = IQ4_LEVELS.astype(F32)
+_MU_TABLE = np.clip(np.searchsorted(IQ4_LEVELS, np.arange(-128, 115), side="right"), 1, 15)
 
 
 def best_index(a: np.ndarray) -> np.ndarray:
@@ -23,11 +23,11 @@ def best_index(a: np.ndarray) -> np.ndarray:
     # it only depends on floor(a): a 243-entry table instead of a binary search per value
     k = np.clip(np.floor(a), -128, 114).astype(np.int32) + 128
     mu = np.take(_MU_TABLE, k, mode="clip")
-    lo = _VALUES_F[mu - 1]
-    hi = _VALUES_F[mu]
+    lo = _LEVELS_F[mu - 1]
+    hi = _LEVELS_F[mu]
     idx = np.where(a - lo < hi - a, mu - 1, mu)
-    idx = np.where(a <= _VALUES_F[0], 0, idx)
-    return np.where((a >= _VALUES_F[15]) | np.isnan(a), 15, idx)
+    idx = np.where(a <= _LEVELS_F[0], 0, idx)
+    return np.where((a >= _LEVELS_F[15]) | np.isnan(a), 15, idx)
 
 
 def block_scales(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -40,7 +40,7 @@ def block_scales(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     mx = np.where(zero, f32(1), mx)
 
     def sums(inv):
-        qv = _VALUES_F[best_index(inv * x)]
+        qv = _LEVELS_F[best_index(inv * x)]
         wq = w * qv
         return seq_sum(wq * x), seq_sum(wq * qv)
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from .kquants_iq4 import _VALUES
+from .kquants_iq4 import IQ4_LEVELS
 from .kquants_torch_search import (F32, GROUP_MAX_EPS, div_by, first_absmax, fp16_bits, half_bytes, nearest_int,
                                    rdiv, seq_sum, sqrt)
 
 
 def grid_values(device: torch.device) -> torch.Tensor:
     """The 16 IQ4 levels (kvalues_iq4nl) as float32 on ``device``."""
-    return torch.as_tensor(_VALUES, dtype=F32).to(device)
+    return torch.as_tensor(IQ4_LEVELS, dtype=F32).to(device)
 
 
 def best_index(a: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ def weights(k256_model):
     return ck.get("model.language_model.layers.0.mlp.down_proj.weight", dtype=torch.float32)[:48, :512].contiguous()
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "Q5_0", "Q8_0", "IQ4_NL"])
 def test_codes_start_at_the_encoding(weights, qtype):
     """Untouched, the relaxation decodes to exactly the encoded weights and writes back the same bytes; each u
     sits within half a step of its code, towards the source weight."""
@@ -40,14 +40,20 @@ def _layer_loss(weights, x, codes):
     return lambda sl: ((x[sl] @ codes.dequantized().T - y[sl]) ** 2).mean()
 
 
-def test_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights):
-    """The codes of a Q2_K tensor tuned for a Linear's output on correlated inputs: the held-out loss falls, some
-    codes move, and every byte outside the codes (scales, mins, super-scales) stays."""
+# per type: block bytes, and the byte ranges outside the codes (Q2_K: 16 scale bytes, d, dmin; IQ4_NL: d)
+_KEPT_BYTES = {"Q2_K": (84, [(0, 16), (80, 84)]), "IQ4_NL": (18, [(0, 2)])}
+
+
+@pytest.mark.parametrize("qtype", list(_KEPT_BYTES))
+def test_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights, qtype):
+    """The codes of a tensor tuned for a Linear's output on correlated inputs: the held-out loss falls, some
+    codes move, and every byte outside the codes (scales, mins, super-scales) stays. IQ4_NL's non-uniform levels
+    are relaxed through their piecewise-linear interpolation."""
     g = torch.Generator().manual_seed(0)
     mix = 3.0 * torch.randn(512, 512, generator=g) / 512 ** 0.5 + torch.eye(512)
     x = torch.randn(640, 512, generator=g) @ mix
-    blocks = kquants.quantize(weights.numpy(), "Q2_K")
-    codes = bt.LevelCodes(blocks, "Q2_K", weights)
+    blocks = kquants.quantize(weights.numpy(), qtype)
+    codes = bt.LevelCodes(blocks, qtype, weights)
     loss = _layer_loss(weights, x, codes)
     fit = [slice(i, i + 64) for i in range(0, 512, 64)]
     held = slice(512, 640)
@@ -60,8 +66,9 @@ def test_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights):
     assert 0.01 < codes.changed() < 0.5
     out = codes.blocks()
     assert out.shape == blocks.shape
-    o, b = out.reshape(-1, 84), blocks.reshape(-1, 84)  # Q2_K: 16 scale bytes, 64 code bytes, d, dmin
-    assert np.array_equal(o[:, :16], b[:, :16]) and np.array_equal(o[:, 80:], b[:, 80:])
+    size, kept = _KEPT_BYTES[qtype]
+    o, b = out.reshape(-1, size), blocks.reshape(-1, size)
+    assert all(np.array_equal(o[:, i:j], b[:, i:j]) for i, j in kept)
     assert not np.array_equal(out, blocks)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
@@ -19,7 +20,7 @@ def _k256_rows(k256_model, n_rows: int = 6) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", gl.SCALAR_TYPES)
-def test_codes_round_trip_and_decode_affinely(qtype, k256_model):
+def test_codes_round_trip_and_decode_on_the_grid(qtype, k256_model):
     x = _k256_rows(k256_model)
     imx = np.linspace(0.5, 2.0, x.shape[1], dtype=np.float32)
     blocks = kquants.quantize(x, qtype, imx)
@@ -27,12 +28,30 @@ def test_codes_round_trip_and_decode_affinely(qtype, k256_model):
     gt = GGMLQuantizationType[qtype]
     decoded = gguf_quants.dequantize(blocks, gt)
     lo, hi = gl.CODE_RANGE[qtype]
-    own = np.where(step != 0, np.rint((decoded - base) / np.where(step != 0, step, 1)), lo).clip(lo, hi)
+    pos = torch.from_numpy((decoded - base) / np.where(step != 0, step, 1))
+    own = np.where(step != 0, gl.nearest_codes(pos, qtype).numpy(), lo)
     # ggml's own codes, read back through the grid and written again, give ggml's bytes
     assert np.array_equal(gl.set_levels(blocks, qtype, own), blocks)
     codes = np.random.default_rng(1).integers(lo, hi + 1, size=x.shape)
     got = gguf_quants.dequantize(gl.set_levels(blocks, qtype, codes), gt)
-    np.testing.assert_allclose(got, step * codes + base, rtol=0, atol=1e-6 * np.abs(decoded).max())
+    want = step * gl.level_values(qtype)[codes - lo] + base
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(decoded).max())
+
+
+def test_iq4nl_levels_round_and_interpolate():
+    levels = gl.level_values("IQ4_NL")
+    assert levels[0] == -127 and levels[-1] == 113 and np.all(np.diff(levels) > 0)
+    codes = torch.arange(16, dtype=torch.float32)
+    v = gl.interpolated_values(codes, "IQ4_NL")
+    assert torch.equal(v, torch.from_numpy(levels)) and torch.equal(gl.code_values(codes, "IQ4_NL"), v)
+    assert torch.allclose(gl.code_positions(v, "IQ4_NL"), codes)
+    # halfway between two levels is halfway between their codes; ties go to the upper level (ggml's best_index)
+    mid = torch.tensor([(-127 - 104) / 2, 0.5 * (1 + 13), 5.0, -200.0, 200.0])
+    assert gl.nearest_codes(mid, "IQ4_NL").tolist() == [1.0, 9.0, 8.0, 0.0, 15.0]
+    assert torch.allclose(gl.code_positions(mid[:2], "IQ4_NL"), torch.tensor([0.5, 8.5]))
+    u = torch.tensor([7.25], requires_grad=True)
+    gl.interpolated_values(u, "IQ4_NL").backward()
+    assert float(u.grad) == float(levels[8] - levels[7])
 
 
 def test_scales_are_untouched(k256_model):

@@ -44,7 +44,7 @@ def _err(w, blocks, qtype, h) -> float:
 
 @pytest.mark.parametrize("qtype, ceiling", [("Q2_K", 0.85), ("Q3_K", 0.85), ("Q4_K", 0.85), ("Q5_K", 0.85),
                                              ("Q6_K", 0.85), ("Q4_0", 0.85), ("Q5_1", 0.85), ("Q8_0", 0.85),
-                                             ("IQ2_S", 0.85)])
+                                             ("IQ2_S", 0.85), ("IQ4_NL", 0.85)])
 def test_smaller_layer_error_same_bytes(qtype, ceiling, k256_real):
     w, h, _, _ = k256_real
     imx = torch.diagonal(h).numpy().copy()
@@ -98,7 +98,7 @@ def test_bad_input_is_one_clear_error():
         kh.quantize_hessian(w, torch.eye(256), "Q4_K")
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0", "IQ2_S"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0", "IQ2_S", "IQ4_NL"])
 def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real, monkeypatch):
     """With the scale refits off, refinement moves only the codes."""
     monkeypatch.setattr(kh, "REFIT_SCALES", False)
@@ -116,7 +116,7 @@ def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real,
     assert np.array_equal(step0, step1) and np.array_equal(base0, base1)  # only the codes moved
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_S"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_S", "IQ4_NL"])
 def test_scale_refits_lower_the_error(qtype, k256_real, monkeypatch):
     """Each scale refit alone never raises the exact quadratic, and with them the refined file beats the
     codes-only refinement; the bytes count stays the type's."""

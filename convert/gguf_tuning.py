@@ -10,8 +10,10 @@ to F16/BF16). The token embedding is tuned with the first layer (its error enter
 residual path); the output head with the KL divergence of the logits, after the last layer.
 
 A held-out share of the rows (``CHECK_SHARE``) guards each stage: the codes end at the point of the descent where
-their loss was lowest, the Hessian-rounded start included. Scales and sizes never change, so the file's types and
-bytes are those of the exact path.
+their loss was lowest, the Hessian-rounded start included. Types and byte counts never change: the file's types
+and bytes are those of the exact path. Sub-block scales and the K-quants' super-scales stay as the Hessian rounding
+set them; the types whose only scale is one fp16 per 32 weights at 4-5 bits (Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL, where
+128-wide rows send the K-quants) learn that scale with the codes (``SCALE_LR``), as AutoRound tunes its scales.
 
 Cost: `iters` forward and backward passes of one layer over `batch_rows` rows, per layer; memory:
 ``BYTES_PER_TUNED_WEIGHT`` per tuned weight of the layer besides the layer itself, and two hidden streams.
@@ -31,9 +33,11 @@ from mixq.quant import block_tuning as bt
 from mixq.quant.kquants_hessian import dequantize_blocks
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
+SCALE_LR = 0.2          # total reach of a block scale's relative change (types in SCALE_TUNED): scale_lr / 2
 CHECK_SHARE = 8         # one row in CHECK_SHARE is held out for the keep-the-best check (at least one batch)
 # per tuned weight: u, its gradient, the best point, the grid (step, base), the start, the decoded value and the
-# rounding's transients, float32 each
+# rounding's transients, float32 each; a weight whose block scale is learned too counts twice (the grid of each
+# scale alone, and the grid rebuilt at every step)
 BYTES_PER_TUNED_WEIGHT = 40
 FLOAT_TYPES = ("F32", "F16", "BF16")
 _TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -96,12 +100,13 @@ class LayerTuner:
 
     def __init__(self, ckpt, input_ids: torch.Tensor, specs: Sequence, types: Sequence[str], *,
                  imatrix: Mapping[str, np.ndarray] | None = None, iters: int = DEFAULT_TUNE_ITERS,
-                 lr: float | None = None, batch_rows: int = 4, device: str | torch.device = "cpu",
-                 max_weights: int | None = None) -> None:
+                 lr: float | None = None, scale_lr: float | None = None, batch_rows: int = 4,
+                 device: str | torch.device = "cpu", max_weights: int | None = None) -> None:
         from mixq.convert.layer_stream import DecoderStream
 
         self.ckpt, self.ids = ckpt, input_ids.long()
         self.iters, self.lr = int(iters), float(TUNE_LR if lr is None else lr)
+        self.scale_lr = float(SCALE_LR if scale_lr is None else scale_lr)
         self.imatrix = imatrix or {}
         self.stream = DecoderStream(ckpt.config, device=device, batch_rows=batch_rows)
         self.device = self.stream.device
@@ -134,11 +139,12 @@ class LayerTuner:
         tunable = [(spec, qtype) for spec, qtype in members if encoded.get(spec.name) is not None
                    and qtype in bt.TUNABLE and spec.transform in ("none", "stack")]
         room, chosen = self.max_weights, set()
-        for spec, _ in sorted(tunable, key=lambda m: m[0].transform == "stack"):  # stacks last
+        for spec, qtype in sorted(tunable, key=lambda m: m[0].transform == "stack"):  # stacks last
             n = int(np.prod(spec.shape))
-            if n <= room:
+            cost = n * (2 if self._scales(qtype) else 1)
+            if cost <= room:
                 chosen.add(spec.name)
-                room -= n
+                room -= cost
             else:
                 self.held += n
         fixed_parts: dict[str, torch.Tensor] = {}
@@ -146,7 +152,8 @@ class LayerTuner:
         for spec, qtype in members:
             blocks = encoded.get(spec.name)
             if spec.name in chosen:
-                tuned.append((spec, bt.LevelCodes(blocks, qtype, build_tensor(spec, self._fetch), self.device)))
+                tuned.append((spec, bt.LevelCodes(blocks, qtype, build_tensor(spec, self._fetch), self.device,
+                                                  scales=self._scales(qtype))))
                 continue
             if blocks is not None:  # encoded, not tuned: the source is not read
                 v = torch.from_numpy(dequantize_blocks(np.asarray(blocks), qtype)).float()
@@ -160,6 +167,10 @@ class LayerTuner:
             if f"{base}#{'v' if half == 'k' else 'k'}" not in halves:
                 del fixed_parts[k]
         return merge_kv_b(fixed_parts), tuned
+
+    def _scales(self, qtype: str) -> bool:
+        """Whether a tensor of `qtype` has its block scales learned with its codes."""
+        return self.scale_lr > 0 and qtype in bt.SCALE_TUNED
 
     @staticmethod
     def _tuned_values(tuned) -> dict[str, torch.Tensor]:
@@ -194,7 +205,8 @@ class LayerTuner:
                 return sum(float(loss(sl)) for sl in self.check)
 
         t0 = time.perf_counter()
-        before, after = bt.sign_descent([c.u for _, c in tuned], loss, self.fit, self.iters, self.lr,
+        params = [(p, self.lr if k == 0 else self.scale_lr) for _, c in tuned for k, p in enumerate(c.params)]
+        before, after = bt.sign_descent([p for p, _ in params], loss, self.fit, self.iters, [r for _, r in params],
                                         score=held_out)  # the score reads losses back: the device has finished
         self.reports.append(StageReport(layer, before, after, after < before,
                                         float(np.mean([c.changed() for _, c in tuned])), self.held,

@@ -31,15 +31,22 @@ from . import ggml_levels as gl
 
 TUNABLE = gl.SCALAR_TYPES      # one level per weight (affine or IQ4_NL's table); the lattice i-quants keep their codes
 START_REACH = 0.499            # how far towards the source weight a code's relaxation starts (in steps)
+# types whose fp16 scale is the only scale of a 32-weight block, at 4-5 bits: learning it moves every weight of the
+# block (the K-quants' super-scale is shared by sub-blocks whose own scales the Hessian refit chose; Q8_0's steps are
+# too fine for its scale to matter)
+SCALE_TUNED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 
 
 class LevelCodes:
     """The codes of one encoded ggml tensor as a differentiable parameter on its fixed grid.
 
     blocks: the encoded tensor (..., bytes per row) of type `qtype` (one of ``TUNABLE``); weights: the source
-    weights (..., row) it encodes, for the start of the relaxation."""
+    weights (..., row) it encodes, for the start of the relaxation. scales: also learn every block's fp16
+    super-scales (d, and dmin / m), as a relative change ``scale`` per block and super-scale, rounded to fp16 in the
+    forward pass (straight through) and written to the blocks; the packed sub-block scales stay."""
 
-    def __init__(self, blocks: np.ndarray, qtype: str, weights: torch.Tensor, device: str | torch.device = "cpu"):
+    def __init__(self, blocks: np.ndarray, qtype: str, weights: torch.Tensor, device: str | torch.device = "cpu",
+                 *, scales: bool = False):
         self.qtype = qtype
         self.source = np.ascontiguousarray(blocks)
         self.lo, self.hi = gl.CODE_RANGE[qtype]
@@ -54,16 +61,48 @@ class LevelCodes:
         x = gl.code_positions((weights.to(device, torch.float32).reshape(self.step.shape) - self.base) / safe, qtype)
         reach = (x - self.start).clamp(-START_REACH, START_REACH)
         self.u = torch.where(live, self.start + reach, self.start).requires_grad_(True)
+        self.scale = None
+        if scales:
+            sup = gl.super_scales(self.source, qtype)                          # (..., blocks, k)
+            units = []  # the grid of each super-scale alone: step and base are linear in the super-scales
+            for i in range(sup.shape[-1]):
+                unit = np.zeros_like(sup)
+                unit[..., i] = 1.0
+                units.append(gl.level_grid(gl.set_super_scales(self.source, qtype, unit), qtype))
+            self.unit_step = torch.from_numpy(np.stack([g[0] for g in units], -1)).to(device)  # (..., row, k)
+            self.unit_base = torch.from_numpy(np.stack([g[1] for g in units], -1)).to(device)
+            self.sup0 = torch.from_numpy(sup).to(device)
+            self.block = self.unit_step.shape[-2] // sup.shape[-2]
+            self.scale = torch.zeros_like(self.sup0, requires_grad=True)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The tensors the descent moves: the relaxed codes, and the relative super-scale changes when learned."""
+        return [self.u] if self.scale is None else [self.u, self.scale]
+
+    def super_scales(self) -> torch.Tensor:
+        """The learned super-scales as the file holds them (fp16 values, float32 tensor; no gradient)."""
+        s = (self.sup0 * (1.0 + self.scale.detach())).clamp(-65504.0, 65504.0)
+        return s.to(torch.float16).to(torch.float32)
+
+    def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scale is None:
+            return self.step, self.base
+        s = (self.sup0 * (1.0 + self.scale)).clamp(-65504.0, 65504.0)
+        s = s + (s.to(torch.float16).to(torch.float32) - s).detach()          # the file holds fp16
+        s = s.repeat_interleave(self.block, dim=-2)                             # (..., row, k)
+        return (self.unit_step * s).sum(-1), (self.unit_base * s).sum(-1)
 
     def dequantized(self) -> torch.Tensor:
         """The decoded weights of the current codes; gradients reach ``u`` straight through the rounding (through
         the piecewise-linear interpolation of the level values where they are a table)."""
+        step, base = self._grid()
         if self.qtype not in gl.LEVEL_TABLES:
             r = self.u + (torch.round(self.u) - self.u).detach()
-            return self.step * r.clamp(self.lo, self.hi) + self.base
+            return step * r.clamp(self.lo, self.hi) + base
         soft = gl.interpolated_values(self.u, self.qtype)
         hard = gl.code_values(self.codes(), self.qtype)
-        return self.step * (soft + (hard - soft).detach()) + self.base
+        return step * (soft + (hard - soft).detach()) + base
 
     def codes(self) -> torch.Tensor:
         return torch.round(self.u.detach()).clamp(self.lo, self.hi)
@@ -73,15 +112,18 @@ class LevelCodes:
         return float((self.codes() != self.start).double().mean())
 
     def blocks(self) -> np.ndarray:
-        """The encoded tensor with the current codes (scales and sizes unchanged)."""
-        return gl.set_levels(self.source, self.qtype, self.codes().to("cpu", torch.int64).numpy())
+        """The encoded tensor with the current codes (and learned super-scales; sizes unchanged)."""
+        src = self.source
+        if self.scale is not None:
+            src = gl.set_super_scales(src, self.qtype, self.super_scales().cpu().numpy())
+        return gl.set_levels(src, self.qtype, self.codes().to("cpu", torch.int64).numpy())
 
 
 def sign_descent(params: Sequence[torch.Tensor], loss: Callable[[object], torch.Tensor], batches: Sequence,
-                 iters: int, lr: float, *, score: Callable[[], float] | None = None,
+                 iters: int, lr: float | Sequence[float], *, score: Callable[[], float] | None = None,
                  checks: int = 4) -> tuple[float, float] | None:
     """``iters`` steps of u -= lr_t·sign(∂loss/∂u) over `batches` in turn, lr_t decaying linearly from
-    ``lr / iters`` to 0 (so no parameter moves more than ``lr / 2`` in all).
+    ``lr / iters`` to 0 (so no parameter moves more than ``lr / 2`` in all). `lr`: one rate, or one per parameter.
 
     With `score` (a held-out loss of the current parameters, no gradient), it is taken at the start and after
     every ``iters / checks`` steps, and the parameters end at the point that scored best (the start included:
@@ -89,16 +131,16 @@ def sign_descent(params: Sequence[torch.Tensor], loss: Callable[[object], torch.
     marks = {round(iters * k / checks) for k in range(1, checks + 1)} if score is not None else set()
     best = first = score() if score is not None else None
     kept = [p.detach().clone() for p in params] if score is not None else None
+    rates = [float(lr)] * len(params) if np.ndim(lr) == 0 else [float(r) for r in lr]
     for it in range(iters):
-        step = lr / iters * (1.0 - it / iters)
         value = loss(batches[it % len(batches)])
         for p in params:
             p.grad = None
         value.backward()
         with torch.no_grad():
-            for p in params:
+            for p, rate in zip(params, rates):
                 if p.grad is not None:
-                    p.sub_(step * torch.sign(p.grad))
+                    p.sub_(rate / iters * (1.0 - it / iters) * torch.sign(p.grad))
         if it + 1 in marks:
             now = score()
             if now < best:

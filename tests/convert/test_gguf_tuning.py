@@ -82,3 +82,27 @@ def test_stored_values_are_what_the_file_holds(setup):
     assert torch.equal(gt.stored_values("F32", w, None), w)
     ref = quants.dequantize(kquants.quantize(w.numpy(), "Q4_K"), GGMLQuantizationType.Q4_K)
     assert np.array_equal(gt.stored_values("Q4_K", w, None).numpy(), ref)
+
+
+def test_block_scales_are_learned_only_for_the_32_weight_types(setup):
+    """A Q5_0 tensor learns its fp16 block scales with its codes; a K-quant keeps every scale byte; the types and
+    sizes stay."""
+    ck, specs, types, ids, encoded = setup
+    types = ["Q5_0" if s.name == "blk.0.ffn_up.weight" else t for s, t in zip(specs, types)]
+    up = next(s for s in specs if s.name == "blk.0.ffn_up.weight")
+    from mixq.formats.gguf_names import build_tensor
+
+    layer0 = {n: b for n, b in encoded.items() if n.startswith("blk.0.")}
+    layer0["blk.0.ffn_up.weight"] = kquants.quantize(build_tensor(up, ck.get).numpy(), "Q5_0")
+    tuner = gt.LayerTuner(ck, ids, specs, types, iters=24, lr=0.5, scale_lr=0.2)
+    out = tuner.layer(0, layer0)
+    q5 = out["blk.0.ffn_up.weight"].reshape(-1, 22)         # Q5_0: fp16 d, 4 bytes of fifth bits, 16 of nibbles
+    d0, d1 = (b.reshape(-1, 22)[:, :2].copy().view("<f2")[:, 0].astype(np.float32)
+              for b in (layer0["blk.0.ffn_up.weight"], out["blk.0.ffn_up.weight"]))
+    assert q5.shape == layer0["blk.0.ffn_up.weight"].reshape(-1, 22).shape
+    moved = np.abs(d1 / d0 - 1)
+    assert 0 < float((moved > 0).mean()) and float(moved.max()) <= 0.1 + 1e-3  # within scale_lr / 2 (fp16 rounding)
+    q2 = out["blk.0.attn_q.weight"].reshape(-1, 84)           # Q2_K: 16 scale bytes, 64 code bytes, d, dmin
+    src = layer0["blk.0.attn_q.weight"].reshape(-1, 84)
+    assert np.array_equal(q2[:, :16], src[:, :16]) and np.array_equal(q2[:, 80:], src[:, 80:])
+    assert tuner.reports[-1].kept and tuner.reports[-1].check_after < tuner.reports[-1].check_before

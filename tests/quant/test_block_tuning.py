@@ -86,3 +86,23 @@ def test_sign_descent_returns_to_the_start_when_nothing_scores_better(weights):
 
 def test_level_grid_types_are_the_tunable_ones():
     assert set(bt.TUNABLE) == set(gl.SCALAR_TYPES) and "IQ2_S" not in bt.TUNABLE
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_1", "IQ4_NL"])
+def test_learned_scales_are_what_the_file_decodes_to(weights, qtype):
+    """With scales learned, the relaxation starts at the encoding, and after the descent the written blocks (fp16
+    scales, codes) decode through gguf-py to exactly the weights the loss saw."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(640, 512, generator=g) @ (3.0 * torch.randn(512, 512, generator=g) / 512 ** 0.5 + torch.eye(512))
+    blocks = kquants.quantize(weights.numpy(), qtype)
+    codes = bt.LevelCodes(blocks, qtype, weights, scales=True)
+    ref = torch.from_numpy(gguf_quants.dequantize(blocks, GGMLQuantizationType[qtype]))
+    assert torch.allclose(codes.dequantized().detach(), ref, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(codes.blocks(), blocks) and len(codes.params) == 2
+    loss = _layer_loss(weights, x, codes)
+    first, best = bt.sign_descent(codes.params, loss, [slice(i, i + 64) for i in range(0, 512, 64)], 40,
+                                  [0.5, 0.2], score=lambda: float(loss(slice(512, 640)).detach()))
+    assert best < first
+    assert not torch.equal(codes.super_scales(), codes.sup0)
+    got = torch.from_numpy(gguf_quants.dequantize(codes.blocks(), GGMLQuantizationType[qtype]))
+    assert torch.allclose(got, codes.dequantized().detach(), rtol=1e-6, atol=1e-7)

@@ -5,11 +5,12 @@
 ``tr(ΔW·H·ΔWᵀ)`` (H = E[x·xᵀ] of the Linear's input) rather than each weight's own (imatrix-weighted) error.
 
 Method (GPTQ/LDLQ error feedback, blocked as ggml blocks are): columns are taken in order, a ggml block
-(256 weights of a row for the K-quants and IQ2_S, 32 for the legacy types) at a time. When the walk reaches a
-block, its scales, mins and super-scales are chosen by mixq's exact ggml encoder (:mod:`kquants`, with the
-imatrix or else diag(H) as importance) from the *current* targets, i.e. the weights plus the feedback of the
-errors already made; then every column (scalar types) or 8-column codebook group (IQ2_S) is rounded on that
-grid and its error is fed forward to the columns not yet rounded through the upper Cholesky factor U of H⁻¹
+(256 weights of a row for the K-quants and IQ2_S, 32 for the legacy types and IQ4_NL) at a time. When the walk
+reaches a block, its scales, mins and super-scales are chosen by mixq's exact ggml encoder (:mod:`kquants`, with
+the imatrix or else diag(H) as importance) from the *current* targets, i.e. the weights plus the feedback of the
+errors already made; then every column (scalar types; IQ4_NL to the nearest of its 16 table levels) or 8-column
+codebook group (IQ2_S) is rounded on that grid and its error is fed forward to the columns not yet rounded
+through the upper Cholesky factor U of H⁻¹
 (``targets[:, later] -= err·U⁻¹[group] · U[group, later]``), which is the greedy minimiser of the quadratic
 loss column by column. The walk keeps the scales ggml's search gives for those targets, so the block format,
 fp16 rounding and llama.cpp decoding are untouched; :mod:`ggml_levels` writes the chosen codes back.

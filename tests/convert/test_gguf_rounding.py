@@ -124,6 +124,37 @@ def test_convert_rounding_hessian_same_layout_loads_and_verifies(mix, k256_model
     assert _llama_logits_finite(tmp_path / "hess.gguf")
 
 
+def test_mini_iq4nl_experts_are_rounded_tuned_and_load(mini_model, calibration_text, tmp_path):
+    """On mini (128-wide rows) IQ2_S experts fall back to IQ4_NL and the K-quants to Q5_0/Q8_0: with
+    `--rounding hessian` the IQ4_NL stacks get their own codes and the Q5_0 tensors learned block scales, the
+    layout stays llama-quantize's, the file passes `mixq verify` and llama.cpp runs it."""
+    pytest.importorskip("llama_cpp")
+    import gguf
+
+    from mixq.convert.api import verify
+    from mixq.convert.gguf_pipeline import convert_gguf, make_imatrix
+
+    imx = tmp_path / "imx.gguf"
+    make_imatrix(mini_model, imx, [calibration_text], rows=2, seq_len=64, progress=False)
+    kw = dict(qtype="Q4_K_M", imatrix=imx, threads=1, progress=False,
+              tensor_type=[r"blk\.[0-3]\.ffn_(gate|up|down)_exps=IQ2_S"])
+    convert_gguf(mini_model, tmp_path / "exact.gguf", **kw)
+    convert_gguf(mini_model, tmp_path / "hess.gguf", rounding="hessian", calibration=[calibration_text], rows=4,
+                 seq_len=64, tune_iters=8, **kw)
+    assert _layout(tmp_path / "exact.gguf") == _layout(tmp_path / "hess.gguf")
+    ta = {t.name: t for t in gguf.GGUFReader(tmp_path / "exact.gguf").tensors}
+    tb = {t.name: t for t in gguf.GGUFReader(tmp_path / "hess.gguf").tensors}
+    exps = [n for n in ta if "_exps" in n and not n.startswith("blk.4.")]
+    assert exps and all(ta[n].tensor_type.name == "IQ4_NL" for n in exps)
+    assert all(bytes(ta[n].data) != bytes(tb[n].data) for n in exps)
+    q5 = ta["blk.0.attn_q.weight"]
+    assert q5.tensor_type.name == "Q5_0"
+    d = [np.asarray(t.data).reshape(-1, 22)[:, :2] for t in (q5, tb["blk.0.attn_q.weight"])]
+    assert not np.array_equal(d[0], d[1])                  # block scales learned (layer 0 is tuned)
+    assert verify(tmp_path / "hess.gguf", model=mini_model)["problems"] == []
+    assert _llama_logits_finite(tmp_path / "hess.gguf")
+
+
 @pytest.mark.slow
 def test_convert_measured_plan_hits_the_size_loads_and_verifies(k256_model, tmp_path):
     """`mixq convert --size S --measure CURVES`: the file is within 0.1% of S, has the plan's types, passes

@@ -101,7 +101,8 @@ def test_block_scales_are_learned_only_for_the_32_weight_types(setup):
               for b in (layer0["blk.0.ffn_up.weight"], out["blk.0.ffn_up.weight"]))
     assert q5.shape == layer0["blk.0.ffn_up.weight"].reshape(-1, 22).shape
     moved = np.abs(d1 / d0 - 1)
-    assert 0 < float((moved > 0).mean()) and float(moved.max()) <= 0.1 + 1e-3  # within scale_lr / 2 (fp16 rounding)
+    reach = 0.2 * (24 + 1) / (2 * 24)  # the decaying steps of 24 iterations add up to scale_lr·(n+1)/2n
+    assert 0 < float((moved > 0).mean()) and float(moved.max()) <= reach + 1e-3  # (+ fp16 rounding)
     q2 = out["blk.0.attn_q.weight"].reshape(-1, 84)           # Q2_K: 16 scale bytes, 64 code bytes, d, dmin
     src = layer0["blk.0.attn_q.weight"].reshape(-1, 84)
     assert np.array_equal(q2[:, :16], src[:, :16]) and np.array_equal(q2[:, 80:], src[:, 80:])

@@ -189,7 +189,9 @@ class LayerTuner:
         fixed, tuned = self._values(None, encoded, only={s.name for s, _ in self.by_layer.get(None, [])
                                                         if s.hf_names == [EMBED_NAME] and s.role == "embed"})
         self.embed = tuned[0] if tuned else None
-        self.embed_fixed = fixed.get(EMBED_NAME, self._fetch(EMBED_NAME)).to(self.device)
+        self.embed_fixed = None  # read only when the embedding is not tuned (it is the largest tensor)
+        if self.embed is None:
+            self.embed_fixed = (fixed[EMBED_NAME] if EMBED_NAME in fixed else self._fetch(EMBED_NAME)).to(self.device)
 
     def _embedded(self, sl: slice) -> torch.Tensor:
         w = self.embed[1].dequantized() if self.embed is not None else self.embed_fixed
@@ -263,7 +265,8 @@ class LayerTuner:
         result = {spec.name: codes.blocks() for spec, codes in tuned}
         if first and self.embed is not None:
             result[self.embed[0].name] = self.embed[1].blocks()
-            self.embed = None
+        if first:  # the embedding enters the first layer only
+            self.embed = self.embed_fixed = None
         return result
 
     def head(self, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

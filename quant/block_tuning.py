@@ -24,10 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf import quants as gguf_quants
-
 from . import ggml_levels as gl
+from .kquants_hessian import dequantize_blocks
 
 TUNABLE = gl.SCALAR_TYPES      # one level per weight (affine or IQ4_NL's table); the lattice i-quants keep their codes
 START_REACH = 0.499            # how far towards the source weight a code's relaxation starts (in steps)
@@ -51,7 +49,7 @@ class LevelCodes:
         self.source = np.ascontiguousarray(blocks)
         self.lo, self.hi = gl.CODE_RANGE[qtype]
         step, base = gl.level_grid(self.source, qtype)
-        decoded = gguf_quants.dequantize(self.source, GGMLQuantizationType[qtype])
+        decoded = dequantize_blocks(self.source, qtype)
         self.step = torch.from_numpy(step).to(device)
         self.base = torch.from_numpy(base).to(device)
         live = self.step != 0

@@ -45,7 +45,9 @@ def level_values(qtype: str) -> np.ndarray:
     return LEVEL_TABLES[qtype] if qtype in LEVEL_TABLES else np.arange(lo, hi + 1, dtype=np.float32)
 
 
+@lru_cache(maxsize=None)
 def _table(qtype: str, device: torch.device) -> torch.Tensor:
+    """The level table on `device`, copied there once (the rounding loops call this per column)."""
     return torch.from_numpy(LEVEL_TABLES[qtype]).to(device)
 
 

@@ -20,6 +20,8 @@ from mixq.formats.dflash2 import ARCHITECTURE, CODEBOOK_ALIASES, check_tensor, d
 from mixq.formats.exl3_names import PAD, Exl3Unit, pad_up, stage_order
 from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, torch_dtype
 
+from mixq.formats.model_files import check_model_dir
+
 from .job import Job, rss_peak_mib
 
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -32,7 +34,7 @@ class DrafterSource:
     def __init__(self, path: Path) -> None:
         from safetensors import SafetensorError, safe_open
 
-        self.path = path
+        self.path = check_model_dir(path)
         cfg = path / "config.json"
         if not cfg.is_file():
             raise InputError(f"{path}: no config.json (drafters are converted from a local directory)")

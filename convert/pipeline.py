@@ -24,6 +24,7 @@ from mixq.errors import InputError, PlanError
 from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
 from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer
 from mixq.formats.glm5next import global_hf_name
+from mixq.formats.model_files import check_model_dir
 
 from .distributed import RankContext, launch, needs_launch, rank_context
 from .exl3_ranks import encode_batches, scan_share, share_job, shared_state
@@ -49,6 +50,7 @@ def _is_drafter(model) -> bool:
 
     cfg = Path(str(model)) / "config.json"
     try:
+        check_model_dir(cfg.parent)  # a config.json that links out of MODEL is refused, not read
         return "DFlash2DraftModel" in (json.loads(cfg.read_text()).get("architectures") or [])
     except (OSError, ValueError):
         return False

@@ -20,6 +20,7 @@ from mixq.errors import FormatError, InputError
 from mixq.formats.checkpoint_check import check_finite
 from mixq.formats.glm5next import (TEXT_PREFIX, TensorInfo, classify, in_nextn_block, is_vision,
                                    normalise_layer_type, nextn_only_shapes)
+from mixq.formats.model_files import check_model_dir, model_file
 from mixq.formats.safetensors_io import ST_DTYPES, dtype_name, open_safetensors, tensor_entries
 
 _FP8 = ("F8_E4M3", "F8_E5M2")
@@ -50,6 +51,8 @@ def _load_json(path: Path, what: str) -> dict:
         raise InputError(f"{path}: cannot read {what} ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: {what} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise InputError(f"{path}: {what} is nested too deeply to be a model file") from None
     if not isinstance(d, dict):
         raise InputError(f"{path}: {what} is not a JSON object")
     return d
@@ -66,6 +69,18 @@ def _text_config(config: dict, path: Path) -> dict:
     if not isinstance(text.get("num_hidden_layers"), int) or text["num_hidden_layers"] < 1:
         raise InputError(f"{path}: text config has no valid num_hidden_layers")
     return text
+
+
+def _fp8_block_size(config: dict, text: dict, path: Path) -> tuple[int, int]:
+    """quantization_config.weight_block_size (two positive ints; GLM's FP8 release uses [128, 128])."""
+    qc = config.get("quantization_config") or text.get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise InputError(f"{path}: quantization_config is not a JSON object")
+    block = qc.get("weight_block_size") or (128, 128)
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise InputError(f"{path}: quantization_config.weight_block_size {block!r} is not two positive integers")
+    return int(block[0]), int(block[1])
 
 
 def _layer_types(text: dict, path: Path) -> list[str]:
@@ -98,8 +113,7 @@ class Checkpoint:
         self._entries = entries
         self._scales = scales
         self._infos: dict[str, TensorInfo] = {}
-        qc = config.get("quantization_config") or self.text_config.get("quantization_config") or {}
-        self.block_size = tuple(qc.get("weight_block_size") or (128, 128))
+        self.block_size = _fp8_block_size(config, self.text_config, cfg_path)
         for name, e in entries.items():
             self.info(name)  # classify everything now: an unknown name fails at open, not mid-conversion
             if e.dtype in _FP8 and e.file is not None and name + _SCALE_SUFFIX not in scales:
@@ -224,6 +238,8 @@ def _scan_dir(path: Path) -> dict[str, _Entry]:
         wm = _load_json(index, "safetensors index").get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise InputError(f"{index}: no weight_map")
+        for name, f in wm.items():  # every shard it names must be a file name inside the model directory
+            model_file(path, f, f"{index}: weight_map[{name!r}]")
         files = list(dict.fromkeys(wm.values()))  # first-appearance order
         headers: dict[str, dict[str, _Entry]] = {}
         for f in files:
@@ -231,8 +247,13 @@ def _scan_dir(path: Path) -> dict[str, _Entry]:
             if not fp.is_file():
                 raise InputError(f"{fp}: shard named in {index.name} is missing")
             headers[f] = read_safetensors_header(fp)
+        where: dict[str, str] = {}
         for f in files:
             for name, e in headers[f].items():
+                if name in where:  # which copy is the tensor? the index cannot say for the file's other readers
+                    raise FormatError(f"{path / f}: tensor {name!r} is stored in two shards (also in "
+                                      f"{where[name]})")
+                where[name] = f
                 if wm.get(name) == f:
                     entries[name] = e
         for name, f in wm.items():
@@ -262,18 +283,19 @@ def resolve_model_path(path_or_repo: str | os.PathLike) -> Path:
             raise InputError(f"{p}: not a model directory (expected a directory with config.json and safetensors)")
         if not os.access(p, os.R_OK | os.X_OK):
             raise InputError(f"{p}: directory is not readable")
-        return p
+        return check_model_dir(p)
     s = str(path_or_repo)
     if not _looks_like_repo_id(s):
         raise InputError(f"{p}: no such model directory")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=s, allow_patterns=_HUB_PATTERNS))
+        snapshot = Path(snapshot_download(repo_id=s, allow_patterns=_HUB_PATTERNS))
     except Exception as e:  # noqa: BLE001 - network/auth/offline errors all mean "cannot get this model"
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"{s}: not a local directory and could not be downloaded from the Hugging Face hub "
                          f"(offline or unknown repo?): {type(e).__name__}: {msg[:200]}") from None
+    return check_model_dir(snapshot)
 
 
 def open_checkpoint(path_or_repo: str | os.PathLike) -> Checkpoint:

@@ -3,7 +3,8 @@
 `Exl3Dir(path)` opens the directory (config, manifest, the units and where each stored tensor lives) and reads
 stored tensors on demand; decoding trellis units into weights is convert's job (convert/dequant: `read_exl3`,
 `open_dequant`), as formats do not import the quantizer. `verify_exl3(path)` re-reads every shard and lists
-problems (missing / unexpected tensors, wrong shape or dtype, bad hashes, a broken index).
+problems (missing / unexpected tensors, wrong shape or dtype, a broken index) and checks the directory's seal
+(formats/exl3_seal: every file's sha256, the manifest's own digest, the JSON files against the tensors).
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.exl3_names import Exl3Unit
-from mixq.formats.exl3_writer import MANIFEST, torch_dtype
-from mixq.formats.safetensors_io import dtype_tag, load_tensor, sha256_file, tensor_entries
+from mixq.formats.exl3_seal import (INDEX, MANIFEST, consistency_problems, file_problems, is_sealed,
+                                    manifest_problems)
+from mixq.formats.exl3_writer import torch_dtype
+from mixq.formats.safetensors_io import dtype_tag, load_tensor, tensor_entries
 
 
 def _load_json(p: Path, what: str) -> dict:
@@ -72,35 +75,27 @@ class Exl3Dir:
 
 
 def verify_exl3(path: str | Path) -> dict:
-    """Re-read an EXL3 directory (shards, hashes, index, every planned tensor's dtype and shape); returns {"ok",
-    "problems": [...], "tensors", "shards", "quantized", "bytes", "bits"}. "quantized" counts decoded units: 0
-    here, the trellis decode is convert's (convert/dequant.exl3_decode_check, run by `mixq verify`)."""
-    problems: list[str] = []
+    """Re-read an EXL3 directory (seal, shards, index, every planned tensor's dtype and shape, the JSON files
+    against the tensors); returns {"ok", "problems": [...], "tensors", "shards", "quantized", "bytes", "bits",
+    "sealed_files"}. Each problem is one line naming the file (and key or tensor). "quantized" counts decoded
+    units: 0 here, the trellis decode is convert's (convert/dequant.exl3_decode_check, run by `mixq verify`)."""
     d = Exl3Dir(path)
     shards = d.manifest.get("shards", {})
-    for shard, info in sorted(shards.items()):
-        p = d.path / shard
-        if not p.exists():
-            problems.append(f"shard {shard} is missing")
-            continue
-        if p.stat().st_size != info.get("bytes"):
-            problems.append(f"shard {shard}: {p.stat().st_size} bytes, manifest says {info.get('bytes')}")
-        elif sha256_file(p) != info.get("sha256"):
-            problems.append(f"shard {shard}: sha256 mismatch")
-    on_disk = {p.name for p in d.path.glob("*.safetensors")}
-    for extra in sorted(on_disk - set(shards)):
-        problems.append(f"unexpected file {extra}")
+    problems = manifest_problems(d.manifest)
+    files, sealed = file_problems(d.path, d.manifest)
+    problems += files
     if len(shards) > 1:
-        idx = d.path / "model.safetensors.index.json"
-        if not idx.exists():
-            problems.append("model.safetensors.index.json missing (several shards)")
-        else:
-            wm = _load_json(idx, "index").get("weight_map", {})
+        if (d.path / INDEX).exists():
+            try:
+                wm = _load_json(d.path / INDEX, "index").get("weight_map", {})
+            except FormatError as e:  # a damaged index is one problem, not the end of the report
+                problems.append(str(e))
+                wm = dict(d.where)  # no map to compare
             for n, s in d.where.items():
                 if wm.get(n) != s:
-                    problems.append(f"index maps {n} to {wm.get(n)}, it is in {s}")
-    if not (d.path / "quantization_config.json").exists():
-        problems.append("quantization_config.json missing")
+                    problems.append(f"{INDEX}: maps {n} to {wm.get(n)}, it is in {s}")
+        elif not is_sealed(d.manifest):  # a sealed index that is gone is named by file_problems
+            problems.append(f"{INDEX}: missing (several shards)")
     expected = d.manifest.get("expected", {})
     for n, spec in expected.items():
         shard = d.where.get(n)
@@ -112,7 +107,8 @@ def verify_exl3(path: str | Path) -> dict:
             problems.append(f"tensor {n}: stored {tag} {list(shape)}, planned {spec['dtype']} {spec['shape']}")
     for n in sorted(set(d.where) - set(expected)):
         problems.append(f"unexpected tensor {n}")
+    problems += consistency_problems(d.path, d.config, d.units, d.bits, d.stored)
     return {"ok": not problems, "problems": problems, "path": str(d.path), "tensors": len(d.where),
             "shards": len(shards), "quantized": 0,
             "bytes": sum(int(s.get("bytes", 0)) for s in shards.values()),
-            "bits": d.config["quantization_config"].get("bits")}
+            "bits": d.config["quantization_config"].get("bits"), "sealed_files": sealed}

@@ -5,8 +5,9 @@ complete safetensors file under the work directory, written under a temporary na
 `finalize(...)` packs the parts, in stage order, into shards of at most `shard_size` bytes (a module's tensors
 are never split), then writes `model.safetensors` or `model-0000i-of-0000N.safetensors` (+ the index when N > 1),
 config.json with `quantization_config`, quantization_config.json with `tensor_storage`, the side files of the
-source directory, and `mixq_manifest.json` (tensor → shard, sha256 per shard). Every file is written under a
-temporary name and renamed when complete; config.json is renamed last.
+source directory, and `mixq_manifest.json` (tensor → shard, sha256 per shard, and the seal: sha256 and size of
+every other file plus the manifest's own digest, formats/exl3_seal). Every file is written under a temporary
+name and renamed when complete; config.json is renamed last (its bytes are hashed for the seal before).
 """
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.formats.atomic import atomic_open, atomic_path, write_json
+from mixq.formats.atomic import atomic_open, atomic_path, write_bytes
 from mixq.formats.exl3_layout import MUL1_MULTIPLIER, SHARD_SIZE, shard_names
+from mixq.formats.exl3_seal import CONFIG, INDEX, MANIFEST, QUANT_CONFIG, bytes_digest, file_digest, json_bytes, \
+    seal_manifest
 from mixq.formats.safetensors_io import (ST_DTYPES, dtype_name, dtype_tag, open_safetensors, read_metadata,
                                          tensor_entries, write_safetensors)
 
 EXL3_VERSION = "1.6.5"  # the exllamav3 release whose layout this writer follows
-MANIFEST = "mixq_manifest.json"
 SKIP_COPY_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pth", ".pt")
-SKIP_COPY_NAMES = {"config.json", "model.safetensors.index.json", "quantization_config.json", MANIFEST}
+SKIP_COPY_NAMES = {CONFIG, INDEX, QUANT_CONFIG, MANIFEST}
 
 
 # ---------------------------------------------------------------------------------------------- safetensors I/O
@@ -113,9 +115,11 @@ class PartInfo:
     units: list[list]          # [[unit key, [tensor names]], ...] in write order
 
 
-def _atomic_json(path: Path, obj, indent: int | None = 2) -> None:
-    """JSON plus a final newline, atomically (formats/atomic)."""
-    write_json(path, obj, indent=indent)
+def _write_sealed_json(path: Path, obj, *, indent: int | None = 2, newline: bool = True) -> dict:
+    """Write ``obj`` as JSON atomically (the bytes formats/atomic.write_json writes); returns its seal entry."""
+    data = json_bytes(obj, indent=indent, newline=newline)
+    write_bytes(path, data)
+    return bytes_digest(data)
 
 
 @dataclass
@@ -225,21 +229,27 @@ class Exl3Writer:
         total = sum(nb for m in modules for *_, nb in m.items)
         check_free_space(self.out, total + 2**20, "EXL3 shards")
         shard_info, tensors_info = {}, {}
+        files: dict[str, dict] = {}  # the seal: every file written here, as written
         for fname, mods in zip(names, shards):
             shard_info[fname] = self._stream_shard(fname, mods, tensors_info)
+            files[fname] = dict(shard_info[fname])  # hashed while streamed: shards are not read again
         if len(names) > 1:
             weight_map = {n: i["shard"] for n, i in tensors_info.items()}
-            write_json(self.out / "model.safetensors.index.json",
-                       {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=4, newline=False)
+            files[INDEX] = _write_sealed_json(self.out / INDEX, {"metadata": {"total_size": total},
+                                                                 "weight_map": weight_map}, indent=4, newline=False)
         if source_dir is not None:
             for src in side_files(Path(source_dir)):
                 with atomic_path(self.out / src.name) as dst:
                     shutil.copyfile(src, dst)
+                    files[src.name] = file_digest(dst)
         qc = dict(config.get("quantization_config", {}))
-        write_json(self.out / "quantization_config.json", dict(qc, tensor_storage=tensor_storage), newline=False)
-        manifest = dict(manifest, shards=shard_info, tensors=tensors_info, total_bytes=total)
-        write_json(self.out / MANIFEST, manifest, indent=1, newline=False)
-        write_json(self.out / "config.json", config, newline=False)
+        files[QUANT_CONFIG] = _write_sealed_json(self.out / QUANT_CONFIG, dict(qc, tensor_storage=tensor_storage),
+                                                 newline=False)
+        config_bytes = json_bytes(config, newline=False)
+        files[CONFIG] = bytes_digest(config_bytes)  # sealed now, written last: it marks the directory complete
+        manifest = seal_manifest(dict(manifest, shards=shard_info, tensors=tensors_info, total_bytes=total), files)
+        _write_sealed_json(self.out / MANIFEST, manifest, indent=1, newline=False)
+        write_bytes(self.out / CONFIG, config_bytes)
         self.state = "finalized"
         return manifest
 

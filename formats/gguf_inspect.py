@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mixq.errors import FormatError
+from mixq.formats.chat_template import check_template
 from mixq.formats.gguf_reader import read_gguf
 
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
@@ -16,7 +18,7 @@ def _kv_summary(kv: dict) -> dict:
     for k, v in kv.items():
         if k.startswith("GGUF."):
             continue
-        if k == "tokenizer.chat_template":
+        if k == "tokenizer.chat_template" and isinstance(v, str):
             out[k] = f"<{len(v)} chars>"
         elif isinstance(v, list) and (k in _BIG_ARRAYS or len(v) > 64):
             out[k] = f"<array of {len(v)}>"
@@ -43,10 +45,9 @@ def inspect_gguf(path: str | Path, tensors: bool = True) -> dict:
     total = sum(t["bytes"] for t in types.values())
     warnings: list[str] = []
     tmpl = g.kv.get("tokenizer.chat_template")
+    if tmpl is not None and not isinstance(tmpl, str):
+        raise FormatError(f"{g.paths[0]}: key 'tokenizer.chat_template' is not a string ({type(tmpl).__name__})")
     if tmpl:
-        from mixq.errors import FormatError
-        from mixq.formats.chat_template import check_template
-
         try:
             warnings = [str(i) for i in check_template(tmpl)]
         except FormatError as e:

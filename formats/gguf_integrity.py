@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from mixq.errors import FormatError
+from mixq.formats.gguf_header_check import open_gguf_reader
 
 PREFIX = "mixq.integrity."
 KEY_ALGORITHM = PREFIX + "algorithm"
@@ -123,9 +124,7 @@ def integrity_problems(paths: list[Path], readers: list | None = None) -> tuple[
 
     Returns (problems, tensors checked). A set with no integrity keys at all (not written by mixq) gives no
     problem and 0 checked; a set where some shards have them and others do not is reported."""
-    import gguf
-
-    readers = [r if r is not None else gguf.GGUFReader(p, "r") for p, r in zip(paths, readers or [None] * len(paths))]
+    readers = [r if r is not None else open_gguf_reader(p) for p, r in zip(paths, readers or [None] * len(paths))]
     sealed = [KEY_TENSORS in r.fields for r in readers]
     if not any(sealed):
         return [], 0

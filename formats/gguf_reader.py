@@ -1,6 +1,7 @@
 """Read glm5-next GGUF files (single or split) back into HF-named float tensors, and verify them.
 
-- `read_gguf(path)` -> `GGUFFile` (KVs + tensor entries over all shards, via gguf-py's GGUFReader).
+- `read_gguf(path)` -> `GGUFFile` (KVs + tensor entries over all shards, via gguf-py's GGUFReader once
+  formats/gguf_header_check has bounded the header by the file's size).
 - `read_gguf_weights(path)` -> {hf_name: float32 tensor}: dequantized with gguf-py and with every glm5-next
   transform undone (experts unstacked, k_b/v_b merged into kv_b, ssm_a -> A_log, conv reshaped back).
 - `verify_gguf(path, model=None)` -> report dict: every tensor present, byte sizes right, data decodes finite.
@@ -16,8 +17,9 @@ import numpy as np
 import torch
 from gguf import Keys
 
-from mixq.errors import FormatError, InputError
+from mixq.errors import FormatError
 from mixq.formats.glm5next import TEXT_PREFIX, gguf_sources
+from mixq.formats.gguf_header_check import open_gguf_reader
 from mixq.formats.gguf_names import GGUFTensorSpec, merge_kv_b, unbuild_tensor
 
 HF_PREFIX = TEXT_PREFIX
@@ -61,15 +63,25 @@ def shard_paths(path: Path) -> list[Path]:
     return [path.with_name(f"{m.group(1)}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
 
 
-def _open(p: Path):
-    import gguf
+def _int_kv(p: Path, kv: dict[str, Any], key: str) -> int | None:
+    """An integer KV (split keys); None when absent, FormatError naming the key when it holds something else."""
+    v = kv.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FormatError(f"{p}: key {key!r} is {v!r}, expected an integer")
+    return v
 
-    if not p.is_file():
-        raise InputError(f"{p}: no such GGUF file")
-    try:
-        return gguf.GGUFReader(p, "r")
-    except Exception as e:  # noqa: BLE001 - any parse failure means a malformed file
-        raise FormatError(f"{p}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+def _contents(p: Path, reader: Any) -> dict[str, Any]:
+    """Every KV of one file as Python values; a value gguf-py cannot decode is named."""
+    kv: dict[str, Any] = {}
+    for k, f in reader.fields.items():
+        try:
+            kv[k] = f.contents()
+        except Exception as e:  # noqa: BLE001 - the header check passed, so this is a malformed value
+            raise FormatError(f"{p}: key {k!r} does not decode ({type(e).__name__}: {e})") from None
+    return kv
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -79,20 +91,21 @@ def read_gguf(path: str | Path) -> GGUFFile:
     kv: dict[str, Any] = {}
     tensors: dict[str, GGUFTensorEntry] = {}
     for si, p in enumerate(paths):
-        r = _open(p)
+        r = open_gguf_reader(p)
+        file_kv = _contents(p, r)
         if si == 0:
-            kv = {k: f.contents() for k, f in r.fields.items()}
+            kv = file_kv
         if len(paths) > 1:
-            no = r.fields.get(Keys.Split.LLM_KV_SPLIT_NO)
-            if no is None or int(no.contents()) != si:
-                raise FormatError(f"{p}: split.no is {None if no is None else no.contents()}, expected {si}")
+            no = _int_kv(p, file_kv, Keys.Split.LLM_KV_SPLIT_NO)
+            if no != si:
+                raise FormatError(f"{p}: split.no is {no}, expected {si}")
         for i, t in enumerate(r.tensors):
             if t.name in tensors:
                 raise FormatError(f"{p}: tensor {t.name} also in shard {tensors[t.name].shard}")
             shape = tuple(int(x) for x in reversed(list(t.shape)))
             tensors[t.name] = GGUFTensorEntry(t.name, t.tensor_type.name, shape, int(t.n_bytes), si, r, i)
     if len(paths) > 1:
-        want = int(kv.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, -1))
+        want = _int_kv(paths[0], kv, Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
         if want != len(tensors):
             raise FormatError(f"{paths[0]}: split.tensors.count {want} but the shards hold {len(tensors)} tensors")
     return GGUFFile(paths, kv, tensors)

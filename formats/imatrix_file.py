@@ -12,15 +12,20 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import atomic_path
+from mixq.formats.gguf_header_check import open_gguf_reader
 
 KEY_DATASETS = "imatrix.datasets"
 KEY_CHUNK_COUNT = "imatrix.chunk_count"
 KEY_CHUNK_SIZE = "imatrix.chunk_size"
+_INT_TYPES = (GGUFValueType.UINT8, GGUFValueType.UINT16, GGUFValueType.UINT32, GGUFValueType.UINT64,
+              GGUFValueType.INT8, GGUFValueType.INT16, GGUFValueType.INT32, GGUFValueType.INT64)
 
 
 @dataclass
@@ -84,19 +89,34 @@ def write_imatrix(path: str | Path, im: IMatrix) -> Path:
     return path
 
 
-def _read_gguf(path: Path) -> IMatrix:
-    import gguf
+def _scalar_int(path: Path, fields: dict, key: str) -> int:
+    """A non-negative integer scalar KV of an imatrix file, FormatError naming the key otherwise."""
+    f = fields[key]
+    if len(f.types) != 1 or f.types[0] not in _INT_TYPES:
+        raise FormatError(f"{path}: imatrix key {key!r} is not an integer ({', '.join(t.name for t in f.types)})")
+    v = int(f.contents())
+    if v < 0:
+        raise FormatError(f"{path}: imatrix key {key!r} is {v}")
+    return v
 
+
+def _read_gguf(path: Path) -> IMatrix:
     try:
-        r = gguf.GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001
-        raise FormatError(f"{path}: not a GGUF imatrix file (unreadable GGUF: {e})") from None
+        r = open_gguf_reader(path)
+    except FormatError as e:
+        detail = str(e).removeprefix(f"{path}: ")
+        raise FormatError(f"{path}: not a GGUF imatrix file (unreadable GGUF: {detail})") from None
     f = r.fields
     if KEY_CHUNK_COUNT not in f or KEY_CHUNK_SIZE not in f:
         raise FormatError(f"{path}: GGUF without imatrix.chunk_count / imatrix.chunk_size (not an imatrix file)")
     ds = f.get(KEY_DATASETS)
-    im = IMatrix(datasets=list(ds.contents()) if ds is not None and len(ds.data) else [],
-                 chunk_count=int(f[KEY_CHUNK_COUNT].contents()), chunk_size=int(f[KEY_CHUNK_SIZE].contents()))
+    datasets: list[str] = []
+    if ds is not None and len(ds.data):
+        if ds.types[:1] != [GGUFValueType.ARRAY] or ds.types[-1] != GGUFValueType.STRING:
+            raise FormatError(f"{path}: imatrix key {KEY_DATASETS!r} is not a string array")
+        datasets = list(ds.contents())
+    im = IMatrix(datasets=datasets, chunk_count=_scalar_int(path, f, KEY_CHUNK_COUNT),
+                 chunk_size=_scalar_int(path, f, KEY_CHUNK_SIZE))
     tens = {t.name: t for t in r.tensors}
     for tname, t in tens.items():
         if not tname.endswith(".in_sum2"):
@@ -105,6 +125,9 @@ def _read_gguf(path: Path) -> IMatrix:
         c = tens.get(base + ".counts")
         if c is None:
             raise FormatError(f"{path}: {tname} has no matching {base}.counts")
+        for x in (t, c):  # llama-imatrix stores both as F32; any other type would be misread as floats
+            if x.tensor_type != GGMLQuantizationType.F32:
+                raise FormatError(f"{path}: imatrix tensor {x.name}: type {x.tensor_type.name}, expected F32")
         s = np.asarray(t.data, dtype=np.float32).reshape(-1, int(t.shape[0]))
         cnt = np.asarray(c.data, dtype=np.float32).reshape(-1)
         if cnt.shape[0] != s.shape[0]:
@@ -180,4 +203,20 @@ def check_values(path: str | Path, im: IMatrix) -> IMatrix:
                 first = v.reshape(-1)[int(np.flatnonzero(bad.reshape(-1))[0])]
                 raise InputError(f"{path}: imatrix entry {name}: {int(bad.sum())} {what} value(s) negative or "
                                  f"non-finite (first {first}); the file is corrupt")
+    return im
+
+
+def check_names(im: IMatrix, names: Iterable[str], where: str = "--imatrix") -> IMatrix:
+    """InputError naming `where` when `im` has no entries, or when none of its entry names is one of `names` (the
+    model's GGUF tensor names): such a file gives no tensor importance data, which would pass unnoticed. An
+    imatrix that covers only some tensors is normal (llama-imatrix never sees the NextN block) and passes."""
+    if not im.sums:
+        raise InputError(f"{where}: the imatrix has no entries")
+    wanted = set(names)
+    if not any(n in wanted for n in im.sums):
+        first = sorted(im.sums)[0]
+        example = next((n for n in sorted(wanted) if n.startswith("blk.")), next(iter(sorted(wanted)), "?"))
+        raise InputError(f"{where}: none of the imatrix's {len(im.sums)} entries names a tensor of this model "
+                         f"(first entry {first!r}; the model's GGUF names are like {example!r}); was it made for "
+                         "another model?")
     return im

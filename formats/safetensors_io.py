@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 from contextlib import contextmanager
@@ -41,6 +40,44 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _short(x: Any, n: int = 80) -> str:
+    """repr of a header value, cut short (a hostile header can hold megabytes in one entry)."""
+    r = repr(x)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def _is_count(x: Any) -> bool:
+    """A JSON non-negative integer (JSON true/false are bools in Python, not counts)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry_problem(name: str, meta: Any, data_len: int) -> str | None:
+    """What is wrong with one tensor entry of a header whose data section holds ``data_len`` bytes."""
+    if not isinstance(meta, dict):
+        return f"tensor {_short(name)}: header entry is a {type(meta).__name__}, not an object"
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+        return f"tensor {_short(name)}: unsupported dtype {_short(dtype)}"
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        return f"tensor {_short(name)}: shape {_short(shape)} is not a list of non-negative integers"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(x) for x in offsets)):
+        return f"tensor {_short(name)}: data_offsets {_short(offsets)} is not a pair of non-negative integers"
+    b, e = offsets
+    want = 0 if 0 in shape else ST_DTYPES[dtype].itemsize
+    for d in shape if want else ():
+        want *= d
+        if want > data_len:  # stop before a hostile shape grows a huge integer: it cannot fit anyway
+            return (f"tensor {_short(name)}: shape {_short(shape)} needs more than the "
+                    f"{data_len}-byte data section")
+    if e < b or e - b != want:
+        return (f"tensor {_short(name)}: header says {dtype}{_short(shape)} = {want} bytes but data_offsets [{b}, {e}] "
+                f"span {e - b}")
+    if e > data_len:
+        return (f"tensor {_short(name)}: data ends at byte {e} of a {data_len}-byte data section (past the end of the "
+                "file: truncated shard)")
+    return None
+
+
 def _header_problem(path: Path) -> str:
     """Why the library refused ``path``, naming the tensor when the header shows one (for the error message)."""
     size = path.stat().st_size
@@ -54,24 +91,30 @@ def _header_problem(path: Path) -> str:
         raw = fh.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        return f"corrupt safetensors header ({e})"
-    for name, meta in header.items() if isinstance(header, dict) else ():
-        if name == "__metadata__" or not isinstance(meta, dict):
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: hostile JSON nesting
+        return f"corrupt safetensors header ({type(e).__name__}: {str(e)[:200]})"
+    if not isinstance(header, dict):
+        return f"corrupt safetensors header (a JSON {type(header).__name__}, not an object)"
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        return "__metadata__ is not an object of strings"
+    data_len = size - 8 - n
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
             continue
-        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-        if dtype not in ST_DTYPES:
-            return f"tensor {name!r}: unsupported dtype {dtype}"
-        try:
-            b, e = (int(x) for x in offsets)
-            want = math.prod(int(d) for d in shape) * ST_DTYPES[dtype].itemsize
-        except (TypeError, ValueError):
-            return f"tensor {name!r}: malformed header entry"
-        if e - b != want:
-            return (f"tensor {name!r}: header says {dtype}{list(shape)} = {want} bytes but data_offsets "
-                    f"[{b}, {e}] span {e - b}")
-        if 8 + n + e > size:
-            return f"tensor {name!r}: data ends past the end of the file ({size} bytes): truncated shard"
+        why = _entry_problem(name, entry, data_len)
+        if why:
+            return why
+        spans.append((entry["data_offsets"][0], entry["data_offsets"][1], name))
+    # the library wants the tensors to tile the data section exactly: no gap, no overlap, nothing after
+    at = 0
+    for b, e, name in sorted(spans):
+        if b != at:
+            return f"tensor {_short(name)}: data_offsets start at {b}, expected {at} (a gap or an overlap)"
+        at = e
+    if at != data_len:
+        return f"tensors cover {at} bytes of a {data_len}-byte data section"
     return "the safetensors library refuses it"
 
 

@@ -15,17 +15,23 @@
   still reads metadata. Like every spawn-based pool, a calling script needs `if __name__ == "__main__":` (the
   workers import it); without it the caller gets one clear MixqError. threads=1 runs everything in-process, as
   the converter always did.
+- Lifetime: workers ignore the signals a terminal sends to the whole group (Ctrl-C, SIGTERM, SIGHUP; the parent
+  stops the pool, keeping the first error), and die with their parent even when it is killed outright (Linux's
+  parent-death signal, and a watch of the parent pid elsewhere): no encoder outlives its conversion.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -41,6 +47,10 @@ TASK_WEIGHTS_IQ = 1 << 18
 LOCAL_TYPES = ("F32", "F16", "BF16")
 # after an error, how long the tasks a worker already holds may take before it is killed (each is about a second)
 ABORT_GRACE_S = 120.0
+# signals a terminal or a supervisor sends to the whole process group; the parent handles them, workers ignore them
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_POLL_S = 0.5  # how often a worker looks whether its parent is still there (the portable fallback)
 # thread pools the workers' numpy / BLAS / OpenMP would otherwise size to every core, N times over
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")
@@ -141,23 +151,59 @@ def _kill_workers(pool: ProcessPoolExecutor) -> None:
     if kill is not None:
         kill()
         return
-    for p in list(getattr(pool, "_processes", {}).values()):
+    for p in list((getattr(pool, "_processes", None) or {}).values()):
         p.kill()
 
 
-def _worker_init() -> None:
+def _stop_now(pool: ProcessPoolExecutor) -> None:
+    """Kill the workers and let the pool go without waiting (it notices the dead workers by itself)."""
+    _kill_workers(pool)
+    # a worker killed while sending a result leaves the pool's manager thread reading the rest of that message for
+    # ever, and the interpreter's exit waits for that thread: this process holds a write end of the result pipe
+    # too (never used here), and with it closed the read ends (EOF) once the workers are gone
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _worker_init(parent: int) -> None:
+    """Set up one worker: one BLAS/OpenMP thread, no reaction to the terminal's signals, and death with `parent`
+    (the pid of the process that made the pool, passed from it: a worker that reads os.getppid() itself may start
+    after its parent already died and take the re-parented value for its parent)."""
     for k in THREAD_ENV:  # for any thread pool started after this point (the env was set at spawn time too)
         os.environ[k] = "1"
-    # Ctrl-C goes to the whole process group: the parent stops the pool, workers must not die mid-queue
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # a parent killed outright (SIGKILL, OOM killer) cannot stop us, and the task pipe never reports EOF (each worker
-    # holds both ends): leave when we are re-parented instead of encoding for no one
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    # Ctrl-C / SIGTERM / SIGHUP go to the whole process group: the parent stops the pool (TensorEncoder.close),
+    # workers must not die mid-queue. They were blocked from birth (_signals_held at spawn), so none arrived
+    # during start-up; ignoring drops the pending ones, then the mask is left as Python expects it
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    # a parent killed outright (SIGKILL, OOM killer) cannot stop us, and the task pipe never reports EOF (each
+    # worker holds both ends): the kernel kills us with it (Linux), a watch thread covers the other systems
+    _kill_me_with_parent()
+    if os.getppid() != parent:  # died before the line above took effect
+        os._exit(1)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="mixq-parent-watch").start()
+
+
+def _kill_me_with_parent() -> None:
+    """Linux: prctl(PR_SET_PDEATHSIG, SIGKILL). The kernel sends it when the thread that spawned this worker
+    ends; TensorEncoder spawns and stops its pool in one call chain of one thread, so that is the parent's end."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no usable libc: the watch thread alone
+        pass
 
 
 def _exit_with_parent(parent: int) -> None:
+    """Leave as soon as this worker is re-parented (its parent died), instead of encoding for no one."""
     while True:
-        time.sleep(1.0)
+        time.sleep(PARENT_POLL_S)
         if os.getppid() != parent:
             os._exit(1)
 
@@ -180,6 +226,24 @@ def _ready(warm: Sequence[str] = ()) -> int:
         except Exception:  # only a warm-up: the real task reports any problem with its tensor's name
             pass
     return os.getpid()
+
+
+@contextmanager
+def _signals_held():
+    """Block STOP_SIGNALS in this thread while it spawns workers: a spawned process inherits the mask, so a Ctrl-C
+    during a worker's start-up (imports, ~1 s) waits until its initializer ignores it, instead of printing the
+    worker's KeyboardInterrupt traceback. The parent gets its own pending signal once the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    # multiprocessing starts its resource tracker on first use and unblocks SIGINT / SIGTERM after that spawn,
+    # which would undo the block for the workers spawned after it: start it before blocking
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextmanager
@@ -291,15 +355,20 @@ class TensorEncoder:
         self._source = None
         if pool is None:
             return
-        if abort:
-            for f in futures:
-                f.cancel()  # only tasks no worker has taken yet; the running ones finish below
-            _, busy = wait(futures, timeout=ABORT_GRACE_S)
-            if busy:
-                _kill_workers(pool)
-                pool.shutdown(wait=False, cancel_futures=True)  # the pool notices the dead workers by itself
-                return
-        pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            if abort:
+                for f in futures:
+                    f.cancel()  # only tasks no worker has taken yet; the running ones finish below
+                _, busy = wait(futures, timeout=ABORT_GRACE_S)
+                if busy:
+                    _stop_now(pool)
+                    return
+            pool.shutdown(wait=True, cancel_futures=True)
+        except BaseException:
+            # stopping was itself interrupted (a second Ctrl-C, a test's timeout): no more waiting; dead workers
+            # let the pool's manager thread end, which the interpreter's exit would otherwise wait for
+            _stop_now(pool)
+            raise
 
     def __enter__(self) -> "TensorEncoder":
         return self
@@ -378,8 +447,9 @@ class TensorEncoder:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        with _single_threaded_env():
-            pool = ProcessPoolExecutor(self.threads, mp_context=ctx, initializer=_worker_init)
+        with _single_threaded_env(), _signals_held():
+            pool = ProcessPoolExecutor(self.threads, mp_context=ctx, initializer=_worker_init,
+                                       initargs=(os.getpid(),))
             # spawn every worker now, while the environment says one thread (later spawns would not see it);
             # not waited for: the parent goes on reading and cutting tensors while the workers import
             warm = sorted({q for _, q, _ in self.items if q.startswith("IQ")})

@@ -19,6 +19,15 @@ def temp_path(path: str | os.PathLike) -> Path:
     return p.with_name(p.name + ".tmp")
 
 
+def _remove_quietly(tmp: Path) -> None:
+    """Remove a temporary file after a failed write; never raise over the error that ended the write (its folder
+    may be gone or replaced by a file, the filesystem read-only)."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield the temporary path to write ``path`` through (any writer: numpy, matplotlib, a library); on success
@@ -31,7 +40,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove_quietly(tmp)
         raise
 
 

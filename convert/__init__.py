@@ -14,7 +14,8 @@ from .result import ConvertResult
 class _CallablePackage(_types.ModuleType):
     """A module type whose instances can be called (`mixq.convert(...)` runs a conversion)."""
 
-    def __call__(self, model, out, options="exl3", **kwargs) -> ConvertResult:
+    def __call__(self, model, out, options=None, **kwargs) -> ConvertResult:
+        """`mixq.convert(model, out, ...)`: `mixq.convert.api.convert` (None: the format follows OUT)."""
         return convert(model, out, options, **kwargs)
 
 

@@ -9,11 +9,12 @@ The keyword form `convert(model, out, "gguf", qtype="Q4_K_M")` builds the option
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 from mixq.errors import InputError
 
-from .options import OPTION_CLASSES, Exl3Options, GGUFOptions, options_for, replace
+from .options import OPTION_CLASSES, Exl3Options, GGUFOptions, flag_of, options_for, replace
 from .result import ConvertResult
 
 FORMATS = tuple(OPTION_CLASSES)
@@ -38,6 +39,8 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
         options = kwargs.pop("format")
     if options is None:
         options = output_format(out)
+        if options == "exl3":
+            _check_exl3_out(out, kwargs)
     if isinstance(options, (Exl3Options, GGUFOptions)):
         opts = replace(options, **kwargs) if kwargs else options
     elif isinstance(options, str):
@@ -48,6 +51,9 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
     if opts.format == "exl3" and output_format(out) == "gguf":
         raise InputError(f"OUT {out}: a .gguf name for an EXL3 output (a directory); leave --format out to "
                          "write GGUF, or name the EXL3 directory without .gguf")
+    if opts.format == "gguf" and Path(out).suffix != ".gguf":
+        raise InputError(f"OUT {out}: must end in .gguf (--format gguf writes a .gguf file, or a split set named "
+                         "after it)")
     if opts.format == "exl3":
         from .pipeline import run_exl3
 
@@ -55,6 +61,16 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
     from .gguf_pipeline import run_gguf
 
     return run_gguf(model, out, opts)
+
+
+def _check_exl3_out(out, kwargs: dict) -> None:
+    """An OUT without .gguf means EXL3: a GGUF-only option then says which OUT made it so (the user most likely
+    meant a .gguf file)."""
+    exl3 = {f.name for f in fields(Exl3Options)}
+    gguf_only = [k for k in kwargs if k not in exl3 and k in {f.name for f in fields(GGUFOptions)}]
+    if gguf_only:
+        raise InputError(f"{flag_of(GGUFOptions, gguf_only[0])} applies to --format gguf only, and OUT {out} does "
+                         "not end in .gguf, so it names an EXL3 directory; end OUT in .gguf to write GGUF")
 
 
 def verify(path, *, model=None, decode: bool = True) -> dict:

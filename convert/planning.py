@@ -19,6 +19,8 @@ import torch
 
 from mixq.errors import InputError, PlanError
 from mixq.formats.atomic import write_json
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.formats.exl3_layout import shard_count
 from mixq.formats.exl3_names import storage_dtype
 from mixq.formats.glm5next import ROLES, gguf_policy
@@ -166,10 +168,11 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
     ``qtype`` (GGUF only: a llama-quantize mix name such as "Q4_K_M", reproduced exactly). None: role defaults.
     ``measure``: per-unit error curves {unit key: {bits: error}} for the sensitivity solver (EXL3; GGUF:
     convert/gguf_measure.plan_gguf_measured, which also budgets token_embd and output.weight).
-    ``gguf_ladder``: custom GGUF candidate types, "k" (Q2_K..Q8_0, what mixq writes) or "iq" (adds IQ2_XXS..IQ4_XS)."""
+    ``gguf_ladder``: custom GGUF candidate types, "k" (Q2_K..Q8_0, what mixq writes) or "iq" (adds IQ2_XXS..IQ4_XS).
+    A path ``ckpt`` is opened and checked against its config (``validate_checkpoint``), as convert checks it."""
     if isinstance(ckpt, (str, Path)):
-        from mixq.formats.checkpoint import open_checkpoint
         ckpt = open_checkpoint(ckpt)
+        validate_checkpoint(ckpt)  # a config that disagrees with the weights: refused, as convert refuses it
     fmt = fmt.lower()
     if sum(x is not None for x in (bpw, size, qtype)) > 1:
         raise InputError("give at most one of --bpw, --size, --type")

@@ -19,16 +19,34 @@ source in that tree:
 `fix_template` rewrites through jinja2's own lexer (string literals and text are never touched) and
 `check_render_equal` renders sample conversations (plain chat, system prompt, tools, tool calls, tool results)
 with jinja2 before and after: a fix that changes any rendering is an error.
+
+`lint_template` first refuses what the jinja2 environment that renders templates rejects (the one transformers'
+apply_chat_template builds: sandboxed, trim_blocks / lstrip_blocks, loop controls, `{% generation %}`,
+`raise_exception`, `strftime_now`): a syntax or compile error, or a template that renders none of the sample
+conversations. `prepare_template` runs it on every template it prepares; `model_template` finds the template a
+model directory carries (the one the GGUF embeds when no other is given) and the file it comes from.
 """
 from __future__ import annotations
 
 import difflib
 import json
+import logging
+import traceback
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import gguf
+from jinja2 import nodes
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mixq.errors import FormatError
 
 UNSUPPORTED_STATEMENTS = ("do", "with", "include", "import", "from", "extends", "block", "raw", "autoescape", "trans")
+# the special tokens the sample conversations are rendered with (GLM's bos / eos)
+SAMPLE_SPECIAL = {"bos_token": "[gMASK]", "eos_token": "<|endoftext|>"}
 
 
 @dataclass
@@ -42,21 +60,85 @@ class TemplateIssue:
         return f"line {self.line}: {self.kind} {self.text!r}" + ("" if self.fixable else " (not auto-fixable)")
 
 
-def _env():
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks assistant text with it (and llama.cpp's engine
+    parses it); the body renders as it is."""
 
-    # the environment transformers' apply_chat_template uses
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    tags = {"generation"}
+
+    def parse(self, parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers' apply_chat_template renders with (sandbox, block trimming, loop controls,
+    `{% generation %}`, raise_exception, strftime_now)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _Generation])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **kw: json.dumps(
         x, indent=indent, ensure_ascii=ensure_ascii, **{k: v for k, v in kw.items() if k == "separators"})
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
 
 
 def _raise(msg):
-    from jinja2.exceptions import TemplateError
-
     raise TemplateError(msg)
+
+
+def _render_line(e: BaseException) -> str:
+    """", line N" of the innermost template frame of a render error (jinja2 rewrites tracebacks to template
+    lines), or "" when none is known."""
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>"]
+    return f", line {lines[-1]}" if lines else ""
+
+
+def lint_template(source: str, where: str = "chat template") -> None:
+    """FormatError naming `where`, with jinja2's line and message, when `source` does not parse or compile in the
+    rendering environment, or renders none of the sample conversations (a runtime error on each: a call of
+    something undefined, an unconditional raise_exception)."""
+    try:
+        tmpl = _env().from_string(source)
+    except TemplateSyntaxError as e:  # TemplateAssertionError too: an unknown filter or test
+        raise FormatError(f"{where}: chat template does not parse (jinja2, line {e.lineno}: "
+                          f"{_one_line(e.message)})") from None
+    first: Exception | None = None
+    for conv in sample_conversations():
+        try:
+            tmpl.render(**conv, **SAMPLE_SPECIAL)
+            return
+        except Exception as e:  # noqa: BLE001 - whatever a template raises while rendering
+            first = first or e
+    raise FormatError(f"{where}: chat template renders none of the sample conversations (jinja2{_render_line(first)}: "
+                      f"{type(first).__name__}: {_one_line(str(first))})")
+
+
+def _one_line(text: str | None) -> str:
+    """A jinja2 message on one line (errors are reported as one line)."""
+    return " ".join(str(text or "").splitlines())
+
+
+def model_template(model_dir: str | Path) -> tuple[str | list | None, str]:
+    """(template, where): the chat template gguf-py's SpecialVocab reads from `model_dir` (what the GGUF carries
+    when no other is given; a list of {"name", "template"} for several) and the file it comes from, as SpecialVocab
+    looks: tokenizer_config.json's chat_template, else chat_template.jinja (with additional_chat_templates/),
+    else chat_template.json."""
+    d = Path(model_dir)
+    logging.getLogger("gguf.vocab").setLevel(logging.ERROR)  # its notes on special tokens are not about templates
+    template = gguf.SpecialVocab(d, load_merges=False).chat_template
+    try:
+        in_config = "chat_template" in json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        in_config = False
+    if in_config:
+        where = d / "tokenizer_config.json"
+    elif (d / "chat_template.jinja").is_file():
+        where = d / "chat_template.jinja"
+    else:
+        where = d / "chat_template.json"
+    return template, str(where)
 
 
 def _tokens(source: str) -> list[tuple[int, str, str]]:
@@ -196,7 +278,7 @@ def render(source: str, conv: dict, **special) -> str:
 def check_render_equal(original: str, fixed: str, special: dict | None = None) -> int:
     """Render every sample conversation with both templates; raise FormatError on any difference.
     Returns the number of conversations compared (those the original renders at all)."""
-    special = special or {"bos_token": "[gMASK]", "eos_token": "<|endoftext|>"}
+    special = special or SAMPLE_SPECIAL
     n = 0
     for k, conv in enumerate(sample_conversations()):
         try:
@@ -220,9 +302,13 @@ def diff(original: str, fixed: str) -> str:
                                         "chat_template (original)", "chat_template (fixed)"))
 
 
-def prepare_template(source: str, fix: bool = False) -> dict:
-    """Check (and with `fix`, repair and prove) a template. Returns {"template", "issues", "fixed", "diff"}:
-    the template to embed, the issues found in the original, whether it was rewritten, and the diff."""
+def prepare_template(source: str | list, fix: bool = False, where: str = "chat template") -> dict:
+    """Lint (`lint_template`, errors naming `where`), check (and with `fix`, repair and prove) a template, or each
+    of a list of {"name", "template"}. Returns {"template", "issues", "fixed", "diff"}: the template to embed, the
+    issues found in the original, whether it was rewritten, and the diff."""
+    if isinstance(source, list):
+        return _prepare_named(source, fix, where)
+    lint_template(source, where)
     issues = check_template(source)
     out = {"template": source, "issues": [str(i) for i in issues], "fixed": False, "diff": ""}
     if fix and any(i.fixable for i in issues):
@@ -230,4 +316,21 @@ def prepare_template(source: str, fix: bool = False) -> dict:
         check_render_equal(source, new)
         out.update(template=new, fixed=True, diff=diff(source, new))
         out["remaining"] = [str(i) for i in check_template(new)]
+    return out
+
+
+def _prepare_named(choices: list, fix: bool, where: str) -> dict:
+    """`prepare_template` of each named template of a list (tokenizer_config.json's form for several)."""
+    out: dict = {"template": [], "issues": [], "fixed": False, "diff": ""}
+    for c in choices:
+        name = c.get("name") if isinstance(c, dict) else None
+        if not isinstance(c, dict) or not isinstance(c.get("template"), str):
+            raise FormatError(f"{where}: chat template entry {name or c!r} is not a {{name, template}} text entry")
+        rep = prepare_template(c["template"], fix, f"{where} (template {name!r})")
+        out["template"].append({**c, "template": rep["template"]})
+        out["issues"] += [f"{name}: {i}" for i in rep["issues"]]
+        out["fixed"] = out["fixed"] or rep["fixed"]
+        out["diff"] += rep["diff"]
+        if "remaining" in rep:
+            out.setdefault("remaining", []).extend(f"{name}: {i}" for i in rep["remaining"])
     return out

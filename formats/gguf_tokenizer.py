@@ -7,6 +7,7 @@ case) maps to `gpt-2`; anything else needs `tokenizer_pre=` (CLI `--tokenizer-pr
 """
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -23,6 +24,23 @@ from mixq.formats.checkpoint import load_tokenizer as _load_tokenizer
 _PROBE = json.loads((Path(__file__).parent / "data" / "llamacpp_pretokenizer_probe.json").read_text(encoding="utf-8"))
 PROBE_TEXT: str = _PROBE["probe_text"]
 KNOWN_PRE: dict[str, str] = _PROBE["known_pre"]
+
+# every tokenizer.ggml.pre value the loader of llama.cpp accepts for a BPE vocabulary (llama.cpp as vendored in
+# llama-cpp-python 0.3.36, src/llama-vocab.cpp, llama_vocab::impl::load: the `tokenizer_pre == "..."` branches;
+# any other value is "unknown pre-tokenizer type" and the model does not load). An absent key means "default".
+LLAMACPP_PRE: frozenset[str] = frozenset((
+    "a.x-4.0", "afmoe", "bailingmoe", "bailingmoe2", "bloom", "chameleon", "chatglm-bpe", "codeshell", "cohere2moe",
+    "command-r", "dbrx", "deepseek-coder", "deepseek-llm", "deepseek-r1-qwen", "deepseek-v3", "default", "exaone",
+    "exaone-moe", "exaone4", "f2llmv2", "falcon", "falcon-h1", "falcon3", "gemma4", "gigachat", "glm4", "glm5",
+    "gpt-2", "gpt-4o", "gpt3-finnish", "granite-docling", "granite-embed-multi-311m", "granite-embed-multi-97m",
+    "grok-2", "hunyuan", "hunyuan-dense", "hy_v4", "jais", "jais-2", "jina-de", "jina-es", "jina-v1-en",
+    "jina-v2-code", "jina-v2-de", "jina-v2-es", "jina-v5-nano", "joyai-llm", "kanana2", "kimi-k2", "kormo",
+    "laguna", "lfm2", "llada-moe", "llama-bpe", "llama-v3", "llama3", "llama4", "megrez", "mellum", "mellum2",
+    "midm-2.0", "minerva-7b", "minicpm5", "minimax-m2", "modern-bert", "mpt", "olmo", "phi-2", "pixtral",
+    "poro-chat", "qwen2", "qwen35", "refact", "roberta-bpe", "sarvam-moe", "seed-coder", "smaug-bpe", "smollm",
+    "solar-open", "spark2_5", "stablelm2", "starcoder", "superbpe", "talkie", "tekken", "tiny_aya", "trillion",
+    "ufakzeka", "viking", "whitespace", "youtu",
+))
 
 # tokenizer.ggml.token_type values (gguf-py's TokenType), stored as plain ints
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = (
@@ -70,11 +88,23 @@ def _plain_gpt2_pretok(model_dir: Path) -> bool:
     return False
 
 
+def check_pre(name: str, what: str = "--tokenizer-pre") -> str:
+    """`name` when llama.cpp's loader knows it as a pre-tokenizer (LLAMACPP_PRE), else InputError naming `what`:
+    a file with another value verifies but does not load."""
+    if isinstance(name, str) and name in LLAMACPP_PRE:
+        return name
+    near = difflib.get_close_matches(str(name).lower(), sorted(LLAMACPP_PRE), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(near)}?" if near else " (e.g. gpt-2, glm4)"
+    raise InputError(f"{what} {name!r}: not a pre-tokenizer llama.cpp knows, so it would refuse to load the "
+                     f"file{hint}")
+
+
 def choose_pre(tokenizer, model_dir: Path, override: str | None = None) -> tuple[str, str]:
-    """(pre id, probe hash). `override` wins; known hash next; plain GPT-2 byte-level -> `gpt-2`."""
+    """(pre id, probe hash). `override` wins (when llama.cpp knows it); known hash next; plain GPT-2 byte-level ->
+    `gpt-2`."""
     h = probe_hash(tokenizer)
-    if override:
-        return override, h
+    if override is not None:
+        return check_pre(override), h
     if h in KNOWN_PRE:
         return KNOWN_PRE[h], h
     if _plain_gpt2_pretok(model_dir):

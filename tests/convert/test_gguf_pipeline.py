@@ -25,7 +25,7 @@ def test_fallback_and_sizes():
 def test_cli_convert_overrides_shards_verify(mini_model, tmp_path):
     out = tmp_path / "m.gguf"
     args = ["convert", str(mini_model), str(out), "--format", "gguf", "--type", "Q8_0", "--no-mtp",
-            "--tensor-type", r"ffn_(up|gate)_exps=Q4_0", "--tensor-type", r"ssm_f_a=Q4_0",
+            "--tensor-type", r"ffn_(up|gate)_exps=Q4_0", "--tensor-type", r"ssm_f_a|ffn_down_shexp=Q4_0",
             "--token-embedding-type", "Q4_0", "--output-tensor-type", "Q6_K", "--shard-size", "2M", "--json"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
@@ -37,6 +37,7 @@ def test_cli_convert_overrides_shards_verify(mini_model, tmp_path):
     assert t["blk.1.ffn_up_exps.weight"] == "Q4_0" and t["blk.1.ffn_down_exps.weight"] == "Q8_0"
     assert t["token_embd.weight"] == "Q4_0"
     assert t["output.weight"] == "Q8_0"  # Q6_K needs rows of 256: falls back as llama-quantize does
+    assert t["blk.1.ffn_down_shexp.weight"] == "Q4_0"
     assert t["blk.0.ssm_f_a.weight"] == "BF16"  # glm5-next exclusion: never quantized, even when a regex matches
     assert t["blk.0.attn_norm.weight"] == "F32"
     res = CliRunner().invoke(main, ["verify", files[0]])

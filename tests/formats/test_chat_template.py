@@ -50,8 +50,10 @@ def test_prepare_reports_diff_and_statements():
     p = prepare_template(GLM_LIKE, fix=True)
     assert p["fixed"] and "-{%- if m.tool_calls %}{% set first = m.tool_calls.0 %}" in p["diff"]
     assert len(p["issues"]) == 4 and p["remaining"] == []
-    q = prepare_template("{% for m in messages %}{% do m.update({'x': 1}) %}{{ m.content }}{% endfor %}", fix=True)
-    assert q["issues"] == ["line 1: statement '{% do %}' (not auto-fixable)"] and not q["fixed"]
+    q = prepare_template("{% for m in messages %}{% with c = m.content %}{{ c }}{% endwith %}{% endfor %}", fix=True)
+    assert q["issues"] == ["line 1: statement '{% with %}' (not auto-fixable)"] and not q["fixed"]
+    with pytest.raises(FormatError, match="unknown tag 'do'"):  # jinja2 itself rejects it: refused, not reported
+        prepare_template("{% for m in messages %}{% do m.update({'x': 1}) %}{{ m.content }}{% endfor %}")
     assert prepare_template(GLM_LIKE)["template"] == GLM_LIKE  # without --fix nothing changes
 
 

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from mixq.convert.options import parse_size_option
 from mixq.convert.planning import Plan, format_plan, plan_model
 from mixq.errors import InputError, PlanError
 from mixq.quant import memory as mem
@@ -34,7 +35,7 @@ def parse_context(text: str | int) -> int:
     mult = {"K": 1024, "M": 1024**2}.get(s[-1:], 1)
     try:
         n = int(float(s[:-1] if mult > 1 else s) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf, 1e400
         raise InputError(f"--context {text!r}: a token count such as 262144 or 256K") from None
     if n <= 0:
         raise InputError(f"--context {text!r}: must be positive")
@@ -110,6 +111,10 @@ class FitResult:
 def cache_for(fmt: str, ckpt, context: int, cache: str | None, *, n_seq: int = 1,
               flash_attn: bool | None = None) -> mem.CacheBytes:
     """The cache of the engine that runs ``fmt`` (gguf: llama.cpp, exl3: exllamav3) for this checkpoint."""
+    known = mem.LLAMA_CACHE_TYPES if fmt == "gguf" else mem.EXL3_CACHE_BITS
+    if cache is not None and str(cache).lower() not in known:
+        raise InputError(f"--cache {cache!r}: not a {'llama.cpp' if fmt == 'gguf' else 'exllamav3'} cache type; "
+                         f"use one of {', '.join(known)}")
     geo = mem.CacheGeometry.from_config(ckpt.text_config)
     if fmt == "gguf":
         return mem.llama_cpp_cache(geo, context, cache_type=cache or DEFAULT_CACHE[fmt], flash_attn=flash_attn,
@@ -176,13 +181,18 @@ def fit_plan(ckpt, fmt: str, *, fit: int | str, context: int | str, cache: str |
     fmt = fmt.lower()
     if fmt not in ("gguf", "exl3"):
         raise InputError(f"--format {fmt!r}: exl3 or gguf")
-    fit_b = parse_size(fit)
+    fit_b = parse_size_option("--fit", fit)
     ctx = parse_context(context)
-    res = DEFAULT_RESERVE[fmt] if reserve is None else parse_size(reserve) if reserve not in (0, "0") else 0
+    if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
+        raise InputError(f"--seqs {n_seq!r}: expected a whole number >= 1")
+    res = DEFAULT_RESERVE[fmt] if reserve is None else parse_size_option("--reserve", reserve, zero_ok=True)
     notes = []
     comp = parse_size(companions) if companions not in (0, "0", None) else 0
     if mmproj:
         if fmt == "gguf":
+            if not any(ckpt.info(n).role == "vision" for n in ckpt.names()):
+                raise InputError(f"--mmproj: {ckpt.path} has no vision tower (model.visual.*): there is no "
+                                 "projector file to hold")
             comp += mmproj_bytes(ckpt)
         else:
             notes.append("--mmproj ignored: the EXL3 directory holds the vision tower (counted in the weights)")
@@ -198,7 +208,8 @@ def fit_plan(ckpt, fmt: str, *, fit: int | str, context: int | str, cache: str |
                         f"weights after cache {cb.total / 1e9:.3f} GB and reserve {res / 1e9:.3f} GB; {e}") from None
     split = None
     if devices:
-        caps = [parse_size(d) for d in (devices.split(",") if isinstance(devices, str) else devices)]
+        caps = [parse_size_option(f"--devices {devices!r}", d)
+                for d in (devices.split(",") if isinstance(devices, str) else devices)]
         if sum(caps) < fit_b:
             notes.append(f"--devices sum {sum(caps) / 1e9:.3f} GB < --fit {fit_b / 1e9:.3f} GB")
         split = split_layers(plan, cb, ckpt, caps, res)
@@ -219,6 +230,8 @@ def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw
 
     if (model is None) == (from_config is None):
         raise InputError("give either MODEL or --from-config CONFIG.json")
+    if size is not None:  # before the checkpoint is opened, as convert checks it
+        parse_size_option("--size", size)
     ckpt = open_checkpoint(model) if model is not None else checkpoint_from_config(from_config)
     curves = resolve_measure(ckpt, measure, fmt, calibration=calibration or None, measure_out=measure_out,
                              sample=measure_sample, device=device)

@@ -68,19 +68,19 @@ class StreamedModels:
             m.hidden = self.stream.embed(self.tokens, m.source.get, out_device=self.state_device,
                                          out_dtype=self.state_dtype)
             m.seconds += time.perf_counter() - t0
-        bar = tqdm(total=self.stream.num_layers * len(self.models), desc="eval layers", unit="layer",
-                   disable=not progress)
-        for i in range(self.stream.num_layers):
-            for m in self.models:
-                weights = m.source.layer(i)
-                mod = self.stream.materialize(i, _fetcher(m.name, weights))
-                del weights
-                t0 = time.perf_counter()
-                m.topk = self.stream.run_layer_inplace(mod, m.hidden, m.topk)
-                m.seconds += time.perf_counter() - t0
-                self.stream.release(i)
-                bar.update(1)
-        bar.close()
+        # a context: the bar's line ends before an error (a NaN weight met mid-run) is reported on its own line
+        with tqdm(total=self.stream.num_layers * len(self.models), desc="eval layers", unit="layer",
+                  disable=not progress) as bar:
+            for i in range(self.stream.num_layers):
+                for m in self.models:
+                    weights = m.source.layer(i)
+                    mod = self.stream.materialize(i, _fetcher(m.name, weights))
+                    del weights
+                    t0 = time.perf_counter()
+                    m.topk = self.stream.run_layer_inplace(mod, m.hidden, m.topk)
+                    m.seconds += time.perf_counter() - t0
+                    self.stream.release(i)
+                    bar.update(1)
 
     @contextlib.contextmanager
     def head(self, m: StreamedModel) -> Iterator[None]:

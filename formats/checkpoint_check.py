@@ -7,7 +7,8 @@
   shape, those of the model transformers builds from the config on the meta device
   (`checkpoint.checkpoint_from_config`, the one place that derives shapes from a config). Key config values
   (num_hidden_layers, vocab_size, hidden_size, n_routed_experts) that disagree with the weights are named first,
-  since one of them explains every shape error that follows.
+  since one of them explains every shape error that follows; failing those, an attention head size or rank
+  (HEAD_SIZE_KEYS) is named with the value the weights imply, instead of a shape derived from it.
 - `check_finite(t, name, where)`: NaN/Inf in one tensor; `Checkpoint.get` calls it on every read, so a
   streaming pass (GGUF convert, calibration, eval) checks each tensor as it reads it, at no extra read.
 - `scan_finite(ckpt)`: the same check over the whole checkpoint up front, for commands that write into OUT
@@ -15,6 +16,8 @@
 """
 from __future__ import annotations
 
+import json
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 import torch
 
-from mixq.errors import FormatError, InputError
+from mixq.errors import FormatError, InputError, MixqError
 
 if TYPE_CHECKING:
     from mixq.formats.checkpoint import Checkpoint
@@ -31,6 +34,9 @@ INDEX = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 # the config keys whose disagreement with the weights explains a whole family of shape errors
 _KEY_SIZES = ("num_hidden_layers", "vocab_size", "hidden_size", "n_routed_experts")
+# text_config keys that set attention sizes (dotted: nested): one of them off explains every misshapen tensor it sets
+HEAD_SIZE_KEYS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank",
+                  "index_head_dim", "linear_attn_config.head_dim", "linear_head_dim", "head_dim")
 
 
 def validate_checkpoint(ckpt: "Checkpoint") -> None:
@@ -163,7 +169,98 @@ def _config_value_problems(ckpt: "Checkpoint", expected: dict[str, tuple[int, ..
         layer = min(have)
         out.append((InputError, f"{cfg}: n_routed_experts is {tc.get('n_routed_experts')} but every MoE layer "
                                 f"holds experts {_spans(sorted(have[layer]))}"))
+    if not out:  # a wrong key size above explains every shape; otherwise a head size may
+        out += _head_size_problems(ckpt, expected)
     return out
+
+
+def _head_size_problems(ckpt: "Checkpoint", expected: dict[str, tuple[int, ...]]) -> list[tuple[type, str]]:
+    """The HEAD_SIZE_KEYS key that disagrees with the weights, with the value they imply. Each key is moved by one
+    in a reduced skeleton, which shows the dimensions it sets (each affine in it); a key is reported when a single
+    other value gives every tensor it sets its checkpoint shape (checked in one more skeleton)."""
+    have = {n: tuple(ckpt.shape(n)) for n in ckpt.names()}
+    bad = [n for n in have if n in expected and have[n] != tuple(expected[n])]
+    if not bad:
+        return []
+    base = _skeleton_shapes(ckpt.config, {})
+    if base is None:
+        return []
+    for key in HEAD_SIZE_KEYS:
+        v = _get_key(ckpt.text_config, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            continue
+        moved = _skeleton_shapes(ckpt.config, {key: v + 1})
+        if moved is None:
+            continue
+        deps = [n for n in have if n in base and n in moved and base[n] != moved[n]
+                and len(base[n]) == len(moved[n])]
+        culprit = next((n for n in bad if n in deps), None)
+        if culprit is None:
+            continue
+        w = _implied_value(deps, have, base, moved, v)
+        if w is None or w == v:
+            continue
+        check = _skeleton_shapes(ckpt.config, {key: w})
+        if check is None or any(check.get(n) != have[n] for n in deps):
+            continue
+        return [(InputError, f"{ckpt.path}/config.json: {key} is {v} but the weights imply {w} ({culprit} has "
+                             f"shape {list(have[culprit])}; {key} {v} gives {list(expected[culprit])})")]
+    return []
+
+
+def _implied_value(deps: list[str], have: dict, base: dict, moved: dict, v: int) -> int | None:
+    """The one value of a key (now `v`; `moved`: the shapes at v + 1) that gives every tensor in `deps` its
+    checkpoint shape, each dimension affine in the key; None when no single whole value does."""
+    values = set()
+    for n in deps:
+        if len(have[n]) != len(base[n]):
+            return None
+        for h, d0, d1 in zip(have[n], base[n], moved[n]):
+            if d1 == d0:
+                if h != d0:  # a dimension the key does not set is off: another key is to blame
+                    return None
+                continue
+            k, r = divmod(h - d0, d1 - d0)
+            if r:
+                return None
+            values.add(v + k)
+    w = values.pop() if len(values) == 1 else None
+    return w if w is not None and w >= 0 else None
+
+
+def _get_key(tc: dict, key: str):
+    """text_config[key], a dotted key reaching into a nested object; None when absent."""
+    d = tc
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _skeleton_shapes(config: dict, changes: dict[str, int]) -> dict[str, tuple[int, ...]] | None:
+    """{name: shape} transformers builds from `config` with `changes` (text_config keys, dotted when nested), the
+    routed experts cut to the number a token picks (attention sizes do not depend on them, and the build then
+    takes a fraction of the time); None when transformers refuses the changed config."""
+    from mixq.formats.checkpoint import checkpoint_from_config
+
+    c = json.loads(json.dumps(config))
+    tc = c["text_config"] if isinstance(c.get("text_config"), dict) else c
+    k, e = tc.get("num_experts_per_tok"), tc.get("n_routed_experts")
+    if isinstance(k, int) and isinstance(e, int) and 0 < k < e:
+        tc["n_routed_experts"] = k
+    for key, v in changes.items():
+        *path, last = key.split(".")
+        d = tc
+        for part in path:
+            d = d.setdefault(part, {})
+        d[last] = v
+    with tempfile.TemporaryDirectory(prefix="mixq-config-") as tmp:
+        f = Path(tmp) / "config.json"
+        f.write_text(json.dumps(c))
+        try:
+            sk = checkpoint_from_config(f)
+        except MixqError:
+            return None
+        return {n: tuple(sk.shape(n)) for n in sk.names()}
 
 
 def _experts_per_layer(ckpt: "Checkpoint", names: Iterable[str]) -> dict[int, set[int]]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.formats.glm5next import classify, global_gguf_name
+from mixq.formats.glm5next import classify, global_gguf_name, gguf_sources
 
 TOKEN_EMBD = global_gguf_name("embed")
 OUTPUT = global_gguf_name("lm_head")
@@ -75,7 +75,9 @@ def gguf_tensors(ckpt, include_mtp: bool = True) -> list[GGUFTensorSpec]:
                 v = int(tc["v_head_dim"])
                 rows, r_kv = shape
                 if rows != h * (n + v):
-                    raise FormatError(f"{name}: kv_b rows {rows} != heads {h} x (nope {n} + v {v})")
+                    raise FormatError(f"{name}: {rows} rows, but config.json's num_attention_heads {h} x "
+                                      f"(qk_nope_head_dim {int(tc['qk_nope_head_dim'])} + qk_rope_head_dim "
+                                      f"{int(tc.get('qk_rope_head_dim') or 0)} + v_head_dim {v}) is {h * (n + v)}")
                 extra = {"heads": h, "nope": n, "v": v}
                 gshape = (h, r_kv, n) if tr == "kv_b_k" else (h, v, r_kv)
             elif tr == "neg_exp":
@@ -94,7 +96,7 @@ def gguf_tensors(ckpt, include_mtp: bool = True) -> list[GGUFTensorSpec]:
         spec = specs[gname]
         idx = sorted(members)
         if idx != list(range(len(idx))):
-            raise FormatError(f"{gname}: expert indices {idx[:4]}... are not 0..E-1 without gaps")
+            raise _expert_gap(gname, members)
         spec.hf_names = [members[e] for e in idx]
         spec.shape = (len(idx),) + spec.shape
     if OUTPUT not in specs and TOKEN_EMBD in specs:
@@ -103,6 +105,17 @@ def gguf_tensors(ckpt, include_mtp: bool = True) -> list[GGUFTensorSpec]:
         specs[OUTPUT] = GGUFTensorSpec(OUTPUT, list(te.hf_names), te.shape, "lm_head", None, False, "none",
                                        policy="quant")
     return sorted(specs.values(), key=_order)
+
+
+def _expert_gap(gname: str, members: dict[int, str]) -> InputError:
+    """The error for an expert stack with holes: it names the first missing expert's tensor as the checkpoint
+    spells it (the canonical name from the table), not the GGUF stack it would have gone into."""
+    n = max(members) + 1
+    missing = [e for e in range(n) if e not in members]
+    src = gguf_sources(gname, (n,))
+    name = src.hf_names[missing[0]] if src is not None and len(src.hf_names) == n else f"expert {missing[0]}"
+    return InputError(f"{name}: routed expert {missing[0]} is missing from the checkpoint ({len(missing)} of "
+                      f"experts 0..{n - 1} missing; the GGUF tensor {gname} stacks them all)")
 
 
 def _order(s: GGUFTensorSpec):

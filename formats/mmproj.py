@@ -7,6 +7,7 @@ Matrices are F16 (default) or Q8_0 (when the row length allows), conv kernels F1
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -51,50 +52,110 @@ def _storage(gname: str, shape: tuple[int, ...], outtype: str) -> str:
     return "F16"
 
 
+def check_mmproj(ckpt, outtype: str = "F16", what: str = "--mmproj") -> None:
+    """Everything the projector file is made from, checked before any output is written (it is written after the
+    model GGUF): a vision tower, its tensors' mmproj mapping and shapes, the vision_config keys and the image
+    processor settings. InputError naming `what` when the checkpoint has no vision tower."""
+    if not any(ckpt.info(n).role == "vision" for n in ckpt.names()):
+        raise InputError(f"{what}: {ckpt.path} has no vision tower (model.visual.*) to write a projector from")
+    mmproj_tensors(ckpt)
+    mmproj_kv(ckpt, ckpt.path, outtype)
+
+
+def _count(d: dict, key: str, where: str, default: int | None = None) -> int:
+    """d[key] as a whole number >= 1 (InputError naming `where` and the key when it is missing or not one)."""
+    v = d.get(key, default)
+    if v is None:
+        raise InputError(f"{where} has no {key!r} (the mmproj file needs it)")
+    try:
+        n = None if isinstance(v, (bool, list, dict)) else int(v)
+    except (TypeError, ValueError, OverflowError):
+        n = None
+    if n is None or isinstance(v, float) and n != v or n < 1:
+        raise InputError(f"{where}: {key} is {v!r}, expected a whole number >= 1")
+    return n
+
+
+def _real(d: dict, key: str, where: str, default: float) -> float:
+    """d[key] (or `default`) as a finite float, else InputError naming `where` and the key."""
+    v = d.get(key, default)
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        x = None
+    if isinstance(v, bool) or x is None or not math.isfinite(x):
+        raise InputError(f"{where}: {key} is {v!r}, expected a finite number")
+    return x
+
+
+def _reals(d: dict, key: str, where: str, default: list[float]) -> list[float]:
+    """d[key] (or `default`) as a non-empty list of finite floats, else InputError naming `where` and the key."""
+    v = d.get(key, default)
+    if not isinstance(v, (list, tuple)) or not v:
+        raise InputError(f"{where}: {key} is {v!r}, expected a list of numbers")
+    return [_real({key: x}, key, where, 0.0) for x in v]
+
+
+def _processor_config(model_dir: Path) -> tuple[dict, str]:
+    """The image processor settings (preprocessor_config.json, else processor_config.json) and the file they come
+    from; empty settings when neither file exists. A file that is not a JSON object is an InputError naming it."""
+    for fname in ("preprocessor_config.json", "processor_config.json"):
+        f = model_dir / fname
+        if f.is_file():
+            try:
+                d = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise InputError(f"{f}: not a valid JSON file ({e})") from None
+            pp = d.get("image_processor", d) if isinstance(d, dict) else d
+            if not isinstance(pp, dict):
+                raise InputError(f"{f}: expected a JSON object of image processor settings, got "
+                                 f"{type(pp).__name__}")
+            return pp, str(f)
+    return {}, str(model_dir / "preprocessor_config.json")
+
+
 def mmproj_kv(ckpt, model_dir: Path, ftype: str) -> list[KV]:
-    """clip.* keys the glm5v loader reads (types as clip.cpp's get_u32/get_f32/get_bool/get_arr_f32 expect)."""
+    """clip.* keys the glm5v loader reads (types as clip.cpp's get_u32/get_f32/get_bool/get_arr_f32 expect). A
+    missing or malformed vision_config key or processor setting is an InputError naming the file and the key."""
     vc = ckpt.config.get("vision_config")
     if not vc:
         raise InputError(f"{model_dir}: config.json has no vision_config")
-    pp: dict = {}
-    for fname in ("preprocessor_config.json", "processor_config.json"):
-        f = Path(model_dir) / fname
-        if f.is_file():
-            d = json.loads(f.read_text())
-            pp = d.get("image_processor", d)
-            break
-    patch, merge = int(vc["patch_size"]), int(vc.get("spatial_merge_size", 2))
+    where = f"{Path(model_dir) / 'config.json'}: vision_config"
+    if not isinstance(vc, dict):
+        raise InputError(f"{where} is {type(vc).__name__}, expected an object")
+    pp, pp_file = _processor_config(Path(model_dir))
+    patch, merge = _count(vc, "patch_size", where), _count(vc, "spatial_merge_size", where, 2)
     kv = [
         KV(Keys.General.TYPE, "STRING", "mmproj"), KV(Keys.General.NAME, "STRING", Path(model_dir).name),
         KV(Keys.General.FILE_TYPE, "UINT32", 1 if ftype == "F16" else 7),
         KV(Keys.Clip.PROJECTOR_TYPE, "STRING", "glm5v"),
         KV(Keys.Clip.HAS_VISION_ENCODER, "BOOL", True),
         KV(CV.USE_SILU, "BOOL", vc.get("hidden_act", "silu") == "silu"),
-        KV(CV.PROJECTION_DIM, "UINT32", int(vc["out_hidden_size"])),
-        KV(CV.IMAGE_SIZE, "UINT32", int(vc["image_size"])),
+        KV(CV.PROJECTION_DIM, "UINT32", _count(vc, "out_hidden_size", where)),
+        KV(CV.IMAGE_SIZE, "UINT32", _count(vc, "image_size", where)),
         KV(CV.PATCH_SIZE, "UINT32", patch),
-        KV(CV.EMBEDDING_LENGTH, "UINT32", int(vc["hidden_size"])),
-        KV(CV.FEED_FORWARD_LENGTH, "UINT32", int(vc["intermediate_size"])),
-        KV(CV.BLOCK_COUNT, "UINT32", int(vc["depth"])),
-        KV(CV.Attention.HEAD_COUNT, "UINT32", int(vc["num_heads"])),
+        KV(CV.EMBEDDING_LENGTH, "UINT32", _count(vc, "hidden_size", where)),
+        KV(CV.FEED_FORWARD_LENGTH, "UINT32", _count(vc, "intermediate_size", where)),
+        KV(CV.BLOCK_COUNT, "UINT32", _count(vc, "depth", where)),
+        KV(CV.Attention.HEAD_COUNT, "UINT32", _count(vc, "num_heads", where)),
         KV(CV.SPATIAL_MERGE_SIZE, "UINT32", merge),
-        KV(CV.Attention.LAYERNORM_EPS, "FLOAT32", float(vc.get("rms_norm_eps", 1e-5))),
-        KV("clip.vision.swiglu_clamp", "FLOAT32", float(vc.get("swiglu_limit", 0.0))),  # not named by gguf-py 0.19
-        KV(CV.IMAGE_MEAN, "ARRAY", [float(x) for x in pp.get("image_mean", [0.48145466, 0.4578275, 0.40821073])],
+        KV(CV.Attention.LAYERNORM_EPS, "FLOAT32", _real(vc, "rms_norm_eps", where, 1e-5)),
+        KV("clip.vision.swiglu_clamp", "FLOAT32", _real(vc, "swiglu_limit", where, 0.0)),  # not named by gguf-py 0.19
+        KV(CV.IMAGE_MEAN, "ARRAY", _reals(pp, "image_mean", pp_file, [0.48145466, 0.4578275, 0.40821073]),
            "FLOAT32"),
-        KV(CV.IMAGE_STD, "ARRAY", [float(x) for x in pp.get("image_std", [0.26862954, 0.26130258, 0.27577711])],
+        KV(CV.IMAGE_STD, "ARRAY", _reals(pp, "image_std", pp_file, [0.26862954, 0.26130258, 0.27577711]),
            "FLOAT32"),
     ]
     # the loader takes pixel limits; processors give token limits: one token = (patch * merge)^2 pixels
     px = (patch * merge) ** 2
     if "min_image_tokens" in pp:
-        kv.append(KV(CV.IMAGE_MIN_PIXELS, "UINT32", int(pp["min_image_tokens"]) * px))
+        kv.append(KV(CV.IMAGE_MIN_PIXELS, "UINT32", _count(pp, "min_image_tokens", pp_file) * px))
     if "max_image_tokens" in pp:
-        kv.append(KV(CV.IMAGE_MAX_PIXELS, "UINT32", int(pp["max_image_tokens"]) * px))
+        kv.append(KV(CV.IMAGE_MAX_PIXELS, "UINT32", _count(pp, "max_image_tokens", pp_file) * px))
     return kv
 
 
-def write_mmproj(model, out, outtype: str = "F16", progress: bool = True) -> dict:
+def write_mmproj(model, out, outtype: str = "F16", progress: bool = True, overwrite: bool = False) -> dict:
     """Write the vision tower of `model` as a glm5v mmproj GGUF at `out` (F16 default, or Q8_0)."""
     import gguf
 
@@ -120,7 +181,7 @@ def write_mmproj(model, out, outtype: str = "F16", progress: bool = True) -> dic
             return x.astype(np.float16)
         return gguf.quants.quantize(x, ggml_type(t.qtype))
 
-    files = write_gguf(out, kv, outs, produce, arch="clip", progress=progress)
+    files = write_gguf(out, kv, outs, produce, arch="clip", progress=progress, overwrite=overwrite)
     types: dict[str, int] = {}
     for t in outs:
         types[t.qtype] = types.get(t.qtype, 0) + 1

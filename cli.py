@@ -7,24 +7,75 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 import warnings
+from contextlib import contextmanager
 
 import click
 
 from mixq.errors import MixqError
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM / SIGHUP raised where the command is, as Ctrl-C is: every cleanup on the way out runs (partial
+    outputs removed, encoder processes stopped)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise _Stopped(signum)
+
+
+@contextmanager
+def _stop_signals():
+    """While a command runs: Ctrl-C raises KeyboardInterrupt and SIGTERM / SIGHUP raise _Stopped; the previous
+    handlers come back after it (the command may run inside a test or another program)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    old = {}
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        current = signal.getsignal(sig)
+        if sig == signal.SIGINT and current in (signal.SIG_IGN, signal.SIG_DFL, None):
+            # a shell starts `mixq ... &` of a script with Ctrl-C ignored; an interrupt of the process group
+            # must still stop the run (and remove its partial output) instead of letting it finish unasked
+            old[sig] = signal.signal(sig, signal.default_int_handler)
+        elif sig != signal.SIGINT and current == signal.SIG_DFL:  # an ignored SIGHUP (nohup) stays ignored
+            old[sig] = signal.signal(sig, _raise_stopped)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def _reports_errors(fn):
-    """Turn MixqError (user mistakes) into one line on stderr and exit 2, never a traceback."""
+    """Turn MixqError (user mistakes) into one line on stderr and exit 2, never a traceback; an interrupt (Ctrl-C,
+    SIGTERM, SIGHUP) into one line and exit 128 + the signal number (130 for Ctrl-C), after the command's own
+    cleanup removed its partial output."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with _stop_signals():
+                return fn(*args, **kwargs)
         except MixqError as e:
             click.echo(f"mixq: error: {e}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            ctx = click.get_current_context(silent=True)
+            what = ctx.info_name if ctx is not None and ctx.info_name else "mixq"
+            click.echo(f"mixq: error: {what} interrupted ({signal.Signals(signum).name})", err=True)
+            sys.exit(128 + signum)
 
     return wrapper
 
@@ -131,8 +182,9 @@ def inspect(model: str, as_json: bool) -> None:
 @click.option("--state-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="Storage of the hidden states of all windows (bfloat16 halves them; float32 gives a whole-model forward's numbers).")
 @click.option("--json", "json_out", type=click.Path(), help="Write the JSON report to OUT ('-' prints it).")
 @click.option("--markdown", "markdown_out", type=click.Path(), help="Write a markdown table to OUT.")
+@click.option("--overwrite", is_flag=True, help="Replace existing --json / --markdown / --save-ref files.")
 @_reports_errors
-def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, devices, state_dtype, json_out, markdown_out) -> None:
+def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, devices, state_dtype, json_out, markdown_out, overwrite) -> None:
     """KLD, top-1 agreement and perplexity of CANDIDATES (HF dirs, EXL3 dirs, GGUF files) against REFERENCE.
 
     Scores the first 32 windows of --ctx tokens by default (like llama-perplexity --chunks 32); the progress
@@ -144,17 +196,13 @@ def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_log
       mixq eval ./GLM-5.3-Flash --text heldout.txt --save-ref ref.bin           # reference once
       mixq eval ./GLM-5.3-Flash glm-exl3 glm.gguf --ref-logits ref.bin --json -
     """
-    from mixq.convert.outputs import check_output_file, writing
+    from mixq.convert.outputs import writing
     from mixq.eval.api import evaluate
     from mixq.eval.report import render_markdown
     from mixq.quant.device import resolve_device
 
-    # the outputs and the device are checked before the (long) evaluation, not after it
     outs = {"--json": None if json_out == "-" else json_out, "--markdown": markdown_out, "--save-ref": save_ref}
-    for label, path in outs.items():
-        if path is not None:
-            check_output_file(path, overwrite=True, label=label)
-    if device is not None:
+    if device is not None:  # checked before the (long) evaluation, not after it; evaluate checks the outputs
         resolve_device(device)
     if windows is None:
         from mixq.eval.api import DEFAULT_WINDOWS as windows
@@ -162,7 +210,7 @@ def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_log
         report = evaluate(
             reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
             ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device, state_dtype=state_dtype,
-            json_out=outs["--json"], markdown_out=markdown_out, devices=devices,
+            json_out=outs["--json"], markdown_out=markdown_out, devices=devices, overwrite=overwrite,
         )
     if report is None:  # a rank other than 0 of a torchrun evaluation: rank 0 reports
         return
@@ -179,8 +227,9 @@ def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_log
 @click.option("--plot", type=click.Path(), help="Write a KLD-vs-size PNG (log y).")
 @click.option("--markdown", "markdown_out", type=click.Path(), help="Also write the table to OUT.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@click.option("--overwrite", is_flag=True, help="Replace existing --plot / --markdown files.")
 @_reports_errors
-def compare(reports, plot, markdown_out, as_json) -> None:
+def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
     """One table across `mixq eval --json` REPORTS (bytes, bpw, KLD, top-1, ΔPPL) and an optional plot.
 
     \b
@@ -190,7 +239,7 @@ def compare(reports, plot, markdown_out, as_json) -> None:
     """
     from mixq.eval.report import compare as compare_reports
 
-    res = compare_reports(list(reports), plot=plot, markdown=markdown_out)
+    res = compare_reports(list(reports), plot=plot, markdown=markdown_out, overwrite=overwrite)
     if as_json:
         _print_json({"rows": res["rows"], "plot": res["plot"]})
     else:
@@ -311,6 +360,7 @@ def verify(path, no_decode, as_json) -> None:
                    "memory); 'trellis' = the per-Linear loss alone (for models that do not fit; it mis-ranks "
                    "units); 'proxy' = the cheap Hessian-trace proxy; or a JSON file of curves {unit: {bits: error}}.")
 @click.option("--measure-out", type=click.Path(), help="--measure: save the measured curves as JSON for reuse.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --measure-out file.")
 @click.option("--measure-sample", default="auto", show_default=True,
               help="--measure: STRIPS,EXPERTS sampled per matrix / per layer (e.g. 4,8), 'all', or 'auto' "
                    "(1,2 on CPU; on CUDA all, or 8,16 beyond 2e9 budgeted weights).")
@@ -331,8 +381,8 @@ def verify(path, no_decode, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (or fit) as JSON.")
 @_reports_errors
 def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bits, vision_bits, no_mtp, gguf_ladder,
-         measure, measure_out, measure_sample, device, calibration, rounding, imatrix, fit, context, cache, reserve,
-         mmproj, devices, seqs, per_tensor, as_json) -> None:
+         measure, measure_out, overwrite, measure_sample, device, calibration, rounding, imatrix, fit, context, cache,
+         reserve, mmproj, devices, seqs, per_tensor, as_json) -> None:
     """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting. Prints the
     per-role summary and the file size (--tensors: every tensor pattern too); with --fit, whether it fits.
 
@@ -349,7 +399,7 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
                    gguf_ladder=gguf_ladder, measure=measure, fit=fit, context=context, cache=cache,
                    reserve=reserve, mmproj=mmproj, devices=devices, n_seq=seqs, calibration=calibration,
                    measure_out=measure_out, measure_sample=measure_sample, device=device, rounding=rounding,
-                   imatrix=imatrix)
+                   imatrix=imatrix, overwrite=overwrite)
     if as_json:
         _print_json(res.to_dict())
     elif hasattr(res, "headroom"):
@@ -391,9 +441,10 @@ def demo(out_dir: str, no_exl3: bool, as_json: bool) -> None:
 @click.option("--rows", type=int, default=64, show_default=True, help="Calibration rows.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration row.")
 @click.option("--device", default=None, help="cuda|cpu [default: cuda when available].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
-def imatrix(model, out, calibration, rows, seq_len, device, as_json) -> None:
+def imatrix(model, out, calibration, rows, seq_len, device, overwrite, as_json) -> None:
     """Collect an importance matrix of MODEL and write it as a llama.cpp GGUF imatrix file OUT.
 
     \b
@@ -403,7 +454,8 @@ def imatrix(model, out, calibration, rows, seq_len, device, as_json) -> None:
     """
     from mixq.convert.imatrix import make_imatrix
 
-    d = make_imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device)
+    d = make_imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device,
+                     overwrite=overwrite)
     if as_json:
         _print_json(d)
     else:

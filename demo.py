@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from mixq.errors import InputError
 from mixq.formats.model_summary import inspect_model
 from mixq.formats.tiny import write_tiny_checkpoint
 
@@ -28,6 +29,7 @@ DEMO_EXL3_BPW = 3.05
 # head unquantized and no NextN block: the EXL3 step stays at ~0.35M trellis weights (a minute or two on 2 cores)
 DEMO_EXL3 = {"bpw": DEMO_EXL3_BPW, "head_bits": 16, "include_mtp": False, "rows": 8, "seq_len": 128}
 EVAL_CTX, EVAL_WINDOWS = 128, 4
+DEMO_MARK = ".mixq-demo"  # marks a directory the demo made, so a later demo may replace its files
 SPECIAL_TOKENS = ("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|observation|>",
                   "<|system|>")
 
@@ -134,7 +136,7 @@ def _step_eval(ctx: dict) -> dict:
     text.write_text(BUILTIN_TEXT * 4)
     cands = [ctx[k] for k in ("gguf", "exl3") if k in ctx]
     rep = evaluate(ctx["model"], cands, text, ctx=EVAL_CTX, windows=EVAL_WINDOWS, progress=False,
-                   json_out=ctx["out"] / "eval.json")
+                   json_out=ctx["out"] / "eval.json", overwrite=True)  # the demo directory's own report
     return {"windows": rep["windows"], "ctx": rep["ctx"], "file": str(ctx["out"] / "eval.json"),
             "candidates": [{"name": Path(c["path"]).name, "file_bpw": round(c["file_bpw"], 3),
                             "kld_mean": c["kld_mean"], "top1": c["top1"], "positions": c["positions"]}
@@ -152,6 +154,21 @@ STEPS: list[tuple[str, Callable[[dict], dict]]] = [
 ]
 
 
+def demo_dir(out_dir: str | os.PathLike) -> Path:
+    """The demo's directory: new, empty, or marked by an earlier demo (whose files it replaces). A directory
+    holding anything else is refused: the demo writes fixed names there and would replace a user's files."""
+    out = Path(out_dir)
+    mark = out / DEMO_MARK
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and not mark.is_file() and any(out.iterdir()):
+        raise InputError(f"--out {out} is not empty and holds no earlier demo ({DEMO_MARK} missing); give a new "
+                         "or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    mark.write_text("a mixq demo directory: `mixq demo` replaces its files\n", encoding="utf-8")
+    return out
+
+
 def run_demo(out_dir: str | os.PathLike = "mixq-demo", *, seed: int = 0, progress: bool = False,
              skip: tuple[str, ...] = ()) -> dict:
     """Write ``out_dir/tiny-glm5next`` (reused when already there) and run every step of ``STEPS`` on it but
@@ -159,11 +176,8 @@ def run_demo(out_dir: str | os.PathLike = "mixq-demo", *, seed: int = 0, progres
     line per step on stderr as it starts (and the EXL3 step's progress bars)."""
     unknown = [s for s in skip if s not in dict(STEPS) or s == "model"]
     if unknown:
-        from mixq.errors import InputError
-
         raise InputError(f"demo step {unknown[0]!r} cannot be skipped (steps: {', '.join(n for n, _ in STEPS[1:])})")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = demo_dir(out_dir)
     ctx: dict = {"out": out, "seed": seed, "progress": progress}
     report: dict = {"out": str(out), "steps": {}}
     t_all = time.perf_counter()

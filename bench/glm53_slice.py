@@ -464,7 +464,8 @@ def stage_k256(work: Path, device: str, bpw: float = 3.05, windows: int = 32, ct
                                      str(size), "--measure", str(d / "curves.json"), "--device", device])
     cands = [str(d / n) for n in ("exllamav3", "mixq-role", "mixq-measured") if (d / n).is_dir()]
     ev = run("eval", mixq + ["eval", str(model), *cands, "--text", str(SHARED / "data" / "heldout.txt"), "--ctx",
-                             str(ctx), "--windows", str(windows), "--device", device, "--json", str(d / "eval.json")])
+                             str(ctx), "--windows", str(windows), "--device", device, "--json", str(d / "eval.json"),
+                             "--overwrite"])
     if ev["returncode"] == 0:
         rep = json.loads((d / "eval.json").read_text())
         out["scores"] = [{k: c.get(k) for k in ("name", "path", "bytes", "bpw", "file_bpw", "kld_mean",

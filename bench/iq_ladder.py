@@ -118,7 +118,8 @@ def main(argv=None) -> int:
 
     cands = [bf16] + [p for r in rows for p in r[1:3]]
     rep_path = work / "_eval.json"
-    run(mixq("eval", model, *cands, "--ref-logits", ref, "--engine", "llamacpp", "--json", rep_path),
+    run(mixq("eval", model, *cands, "--ref-logits", ref, "--engine", "llamacpp", "--json", rep_path,
+             "--overwrite"),
         stdout=subprocess.DEVNULL)
     by = {Path(c["path"]).name: c for c in json.loads(rep_path.read_text())["candidates"]}
 

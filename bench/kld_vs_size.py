@@ -238,7 +238,8 @@ class Bench:
         for i in range(0, len(rows), self.a.chunk):
             chunk = rows[i: i + self.a.chunk]
             tmp = self.wdir(model) / "_eval_chunk.json"
-            args = ["eval", MODELS[model], *[self.artifact(r) for r in chunk], "--ref-logits", ref, "--json", tmp]
+            args = ["eval", MODELS[model], *[self.artifact(r) for r in chunk], "--ref-logits", ref, "--json", tmp,
+                    "--overwrite"]
             cmd = py(_EVAL_PY, *args) if any(r.group == "llamacpp" for r in chunk) else mixq(*args)
             if self.a.device:
                 cmd += ["--device", self.a.device]

@@ -55,7 +55,8 @@ def run(out: Path, models: list[str], exl3_tiny: bool) -> dict[str, str]:
         m = str(shared / "models" / name)
         t = time.time()
         imat = out / f"{name}.imatrix.gguf"
-        mixq("imatrix", m, str(imat), "--calibration", calib, "--rows", "8", "--seq-len", "128", "--device", "cpu")
+        mixq("imatrix", m, str(imat), "--calibration", calib, "--rows", "8", "--seq-len", "128", "--device", "cpu",
+             "--overwrite")
         res[f"{name}.imatrix.gguf"] = sha256(imat)
         gg = out / f"{name}-Q4_K_M.gguf"
         mixq("convert", m, str(gg), "--format", "gguf", "--type", "Q4_K_M", "--imatrix", str(imat), "--threads", "1")

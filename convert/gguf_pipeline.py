@@ -5,7 +5,10 @@ and the outputs -> plan the types -> encode tensor by tensor and write (shards) 
 - tensor list and transforms: formats/gguf_names; per-tensor ggml types: the plan (convert/planning)
   for mixes, or the converter's pure policy for F32/F16/BF16 (F32 pins per formats/glm5next);
 - llama-quantize options on GGUF names: `tensor_type` [(regex, TYPE)] (first match wins), `output_tensor_type`,
-  `token_embedding_type`; never-quantized tensors (policy f32/keep) are left alone, as llama-quantize does;
+  `token_embedding_type`; never-quantized tensors (policy f32/keep) are left alone, as llama-quantize does; a rule
+  that decides no tensor (matches nothing, only never-quantized tensors, or only tensors an earlier rule decides)
+  is an InputError, as are an imatrix naming no tensor of the model and i-quants without importance data;
+- the chat template (--chat-template, else the model's own) is linted with jinja2 before anything is written;
 - encoders: mixq.quant.kquants (bit-exact ggml), falling back to gguf-py for types it lacks, run on `threads`
   worker processes by convert/gguf_workers (row blocks / expert slices; same bytes as one process);
 - the checkpoint is read lazily, one GGUF tensor at a time; output written under temp names, renamed at the end.
@@ -24,6 +27,7 @@ import numpy as np
 
 from mixq.errors import InputError, PlanError
 from mixq.formats.gguf_names import OUTPUT, TOKEN_EMBD
+from mixq.formats.gguf_writer import output_set
 from mixq.quant.allocator import parse_size  # one size convention: GB = 10^9, GiB = 2^30
 from mixq.quant import gguf_mix
 from mixq.convert.gguf_workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
@@ -35,6 +39,9 @@ from mixq.convert.result import ConvertResult
 
 # llama-quantize refuses these target types for a tensor without importance data (token_embd/output excepted)
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
+# ggml's encoder itself asserts importance data for these, token_embd/output included (ggml.c,
+# ggml_quantize_requires_imatrix)
+GGML_NEEDS_IMATRIX = ("IQ1_S", "IQ2_XXS", "IQ2_XS")
 METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alignment beyond the tensor data
 
 
@@ -96,19 +103,59 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
             rx.append((re.compile(pat), t.upper()))
         except re.error as e:
             raise InputError(f"--tensor-type {pat!r}: bad regex ({e})") from e
+    names = {s.name for s in specs}
+    for flag, value, name in (("--output-tensor-type", output_tensor_type, OUTPUT),
+                              ("--token-embedding-type", token_embedding_type, TOKEN_EMBD)):
+        if value and name not in names:
+            raise InputError(f"{flag} {value}: this model's GGUF has no {name}")
+    uses = [_RuleUse(f"--tensor-type {r.pattern}={t}") for r, t in rx]
     for i, s in enumerate(specs):
+        hits = [k for k, (r, _) in enumerate(rx) if r.search(s.name)]
         if s.policy in ("f32", "keep") or len(s.shape) < 2:
-            continue  # never quantized by llama-quantize (not quantizable / glm5-next exclusions)
-        want = None
+            for k in hits:  # never quantized by llama-quantize (not quantizable / glm5-next exclusions)
+                uses[k].unquantized = uses[k].unquantized or s.name
+            continue
+        want, by, first = None, None, None
         if s.name == OUTPUT and output_tensor_type:
-            want = output_tensor_type.upper()
+            want, by = output_tensor_type.upper(), "--output-tensor-type"
         elif s.name == TOKEN_EMBD and token_embedding_type:
-            want = token_embedding_type.upper()
-        else:
-            want = next((t for r, t in rx if r.search(s.name)), None)
+            want, by = token_embedding_type.upper(), "--token-embedding-type"
+        elif hits:  # first match wins, as in llama-quantize
+            first = hits[0]
+            want, by = rx[first][1], uses[first].rule
+            uses[first].decided = True
+        for k in hits:
+            if k != first:
+                uses[k].shadowed = uses[k].shadowed or (s.name, by)
         if want:
             types[i] = fallback_type(want, s.shape[-1])
+    for u in uses:
+        u.check()
     return types
+
+
+@dataclass
+class _RuleUse:
+    """What one --tensor-type rule met: a tensor it decided, a never-quantized tensor it matched, a tensor it
+    matched that an earlier rule (or --output-tensor-type / --token-embedding-type) decided."""
+    rule: str
+    decided: bool = False
+    unquantized: str | None = None
+    shadowed: tuple[str, str] | None = None
+
+    def check(self) -> None:
+        """InputError when the rule changes no tensor's type: it would be silently without effect."""
+        if self.decided:
+            return
+        if self.shadowed is not None:
+            name, by = self.shadowed
+            raise InputError(f"{self.rule} decides no tensor: {by} comes first for every tensor it matches "
+                             f"(e.g. {name})")
+        if self.unquantized is not None:
+            raise InputError(f"{self.rule} matches only tensors that are never quantized (e.g. {self.unquantized}: "
+                             "F32 pins and the glm5-next exclusions keep their type)")
+        raise InputError(f"{self.rule} matches no tensor of this model (a regex searched in GGUF tensor names such "
+                         "as blk.0.attn_q.weight, blk.1.ffn_down_exps.weight)")
 
 
 def convert_gguf(model, out, **options) -> dict:
@@ -133,7 +180,7 @@ def run_gguf(model, out, opts: GGUFOptions) -> ConvertResult:
         if mm_out is not None:
             from mixq.formats.mmproj import write_mmproj
 
-            mm = write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress)
+            mm = write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress, overwrite=opts.overwrite)
     return _result(run, files, mm, t0)
 
 
@@ -146,7 +193,7 @@ class _GGUFRun:
     specs: list
     threads: int
     size: int | None
-    template: str | None
+    template: str | list | None  # --chat-template text; after _validate, the template to embed (None: none)
     device: str | None = None  # an accelerator that encodes; None: CPU worker processes
     imx: dict | None = None
     types: list[str] = field(default_factory=list)
@@ -155,13 +202,18 @@ class _GGUFRun:
 
 
 def _resolve(model, out, opts: GGUFOptions) -> _GGUFRun:
-    """Open the checkpoint, list the GGUF tensors, read the --chat-template text, count the encoder processes."""
+    """Open the checkpoint, check it against its config, list the GGUF tensors, read the --chat-template text,
+    count the encoder processes."""
     from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.checkpoint_check import validate_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
 
     device = _encode_device(opts)
     threads = 1 if device is not None else _thread_count(opts.threads)
     ckpt = open_checkpoint(model)
+    # config vs weights first: a missing or misshapen tensor is named as the checkpoint spells it, not by the
+    # GGUF tensor (an expert stack, a kv_b half) it would have gone into
+    validate_checkpoint(ckpt)
     specs = gguf_tensors(ckpt, include_mtp=opts.include_mtp)
     size = parse_size(opts.size) if opts.size is not None else None
     return _GGUFRun(opts, ckpt, Path(out), specs, threads, size, _read_template(opts.chat_template), device)
@@ -198,32 +250,46 @@ def _read_template(path) -> str | None:
 
 
 def _validate(run: _GGUFRun) -> None:
-    """The checkpoint matches its config; the outputs can be written, replace no input and no existing file."""
-    from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
+    """The outputs can be written, replace no input and no existing file (the checkpoint was checked against its
+    config when it was opened)."""
+    from mixq.formats.checkpoint_check import scan_finite
+    from mixq.formats.mmproj import check_mmproj
 
     o = run.opts
-    validate_checkpoint(run.ckpt)  # config vs weights, before anything is planned or written
+    _check_template(run)
     imatrix_path = o.imatrix if isinstance(o.imatrix, (str, Path)) else None
     check_distinct({"OUT": run.out, "--mmproj": o.mmproj},
                    {"MODEL": Path(run.ckpt.path), "--imatrix": imatrix_path, "--chat-template": o.chat_template})
     check_output_file(run.out, overwrite=o.overwrite, suffix=".gguf")
     if not o.overwrite:
-        splits = _existing_splits(run.out)
+        splits = [p for p in output_set(run.out) if p != run.out]
         if splits:
             raise InputError(f"OUT {run.out}: the split file {splits[0]} already exists; pass --overwrite to "
                              "replace it")
     if o.mmproj is not None:
         check_output_file(o.mmproj, overwrite=o.overwrite, label="--mmproj", suffix=".gguf")
-        # the projector file is written after the model: check its weights before either
+        # the projector file is written after the model: check its inputs and weights before either
+        check_mmproj(run.ckpt, o.mmproj_type, f"--mmproj {o.mmproj}")
         scan_finite(run.ckpt, [n for n in run.ckpt.names() if run.ckpt.info(n).role == "vision"],
                     progress=o.progress)
 
 
-def _existing_splits(out: Path) -> list[Path]:
-    """Files of an earlier split set of `out` (`NAME-00001-of-00003.gguf`, ...)."""
-    pat = re.compile(re.escape(out.stem) + r"-\d{5}-of-\d{5}\.gguf")
-    return sorted(p for p in out.parent.glob(f"{out.stem}-*-of-*.gguf") if pat.fullmatch(p.name)) \
-        if out.parent.is_dir() else []
+def _check_template(run: _GGUFRun) -> None:
+    """Lint, check (and with --fix-chat-template, repair) the template to embed: --chat-template, else the model's
+    own; a template jinja2 rejects is refused here, naming its file, instead of being embedded."""
+    from mixq.formats.chat_template import model_template, prepare_template
+
+    o = run.opts
+    if run.template is not None:
+        tmpl, where = run.template, str(o.chat_template)
+        if not tmpl.strip():  # an empty file would embed nothing and drop the model's own template
+            raise InputError(f"{where}: empty chat template file")
+    else:
+        tmpl, where = model_template(run.ckpt.path)
+    run.template, run.template_report = None, None
+    if tmpl:
+        run.template_report = prepare_template(tmpl, fix=o.fix_chat_template, where=where)
+        run.template = run.template_report.pop("template")
 
 
 def _plan(run: _GGUFRun) -> None:
@@ -236,12 +302,15 @@ def _plan(run: _GGUFRun) -> None:
                              head_bits=6 if o.head_bits is None else o.head_bits,
                              mtp_bits=4 if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure))
     if o.imatrix is not None:
-        from mixq.formats.imatrix_file import IMatrix, read_imatrix
+        from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
 
-        run.imx = (o.imatrix if isinstance(o.imatrix, IMatrix) else read_imatrix(o.imatrix)).means()
+        im = o.imatrix if isinstance(o.imatrix, IMatrix) else read_imatrix(o.imatrix)
+        check_names(im, [s.name for s in run.specs],
+                    f"--imatrix {o.imatrix}" if isinstance(o.imatrix, (str, Path)) else "--imatrix")
+        run.imx = im.means()
     for s, t in zip(run.specs, run.types):  # fail before writing anything, naming the first such tensor
-        if t in NEEDS_IMATRIX and s.name not in (TOKEN_EMBD, OUTPUT) \
-                and (run.imx is None or run.imx.get(s.name) is None):
+        exempt = s.name in (TOKEN_EMBD, OUTPUT) and t not in GGML_NEEDS_IMATRIX  # llama-quantize's exception
+        if t in NEEDS_IMATRIX and not exempt and (run.imx is None or run.imx.get(s.name) is None):
             why = "the imatrix has no entry for it" if run.imx is not None else "no --imatrix given"
             raise InputError(f"{s.name}: {t} needs an importance matrix ({why}; llama-quantize refuses it too); "
                              "make one with `mixq imatrix`")
@@ -288,13 +357,7 @@ def _write(run: _GGUFRun) -> list[Path]:
         n_vocab = ckpt.shape(next(s for s in run.specs if s.name == TOKEN_EMBD).hf_names[0])[0]
         tmeta = tokenizer_metadata(ckpt.path, n_vocab, o.tokenizer_pre)
         run.tokenizer_pre = tmeta.pre
-        tmpl = run.template if run.template is not None else tmeta.chat_template
-        run.template_report = None
-        if tmpl:
-            from mixq.formats.chat_template import prepare_template
-
-            run.template_report = prepare_template(tmpl, fix=o.fix_chat_template)
-            tmpl = run.template_report.pop("template")
+        tmpl = run.template  # linted and prepared by _validate (the model's own when no --chat-template)
         kv = glm5next_kv(ckpt, include_mtp=o.include_mtp, file_type=o.qtype)
         if imx is not None:
             kv += [KV("quantize.imatrix.file", "STRING",
@@ -302,7 +365,8 @@ def _write(run: _GGUFRun) -> list[Path]:
                    KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
         shard = 0 if o.shard_size in (0, "0", None) else parse_size(o.shard_size)
         files = write_gguf(run.out, kv, outs, lambda t: pre[t.name]() if t.name in pre else enc.get(t.name),
-                           tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl), shard_size=shard, progress=o.progress)
+                           tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl), shard_size=shard, progress=o.progress,
+                           overwrite=o.overwrite)
     return files
 
 

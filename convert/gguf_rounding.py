@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -30,6 +29,7 @@ import torch
 
 from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.errors import InputError
+from mixq.formats.partials import make_partial_dir
 from mixq.quant import kquants_hessian as kh
 from mixq.quant.device import pick_device
 
@@ -167,7 +167,7 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
     The encoded tensors are spilled into a `.NAME.partial-hessian-*` directory next to `out` (the converter's
     stale-partials cleanup knows the pattern), removed when the block exits, whatever happens."""
     out = Path(out)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.stem}.partial-hessian-", dir=out.parent))
+    work = make_partial_dir(out, "hessian")
     try:
         paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
                                        rows=rows, seq_len=seq_len, tune_iters=tune_iters, device=device,

@@ -5,11 +5,13 @@ the row counts) by GGUF tensor name; `make_imatrix(model, out, ...)` checks OUT 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from mixq.quant.device import resolve_device
 
-from .outputs import check_distinct, check_free_space, check_output_file, writing
+from .outputs import check_free_space, check_outputs, writing
 
 
 def imatrix_bytes(model) -> int:
@@ -71,13 +73,14 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
 
 
 def make_imatrix(model, out, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
-                 progress: bool = True) -> dict:
-    """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format."""
+                 progress: bool = True, overwrite: bool = False) -> dict:
+    """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format. OUT may
+    not be an input, nor an existing file unless `overwrite`."""
     from mixq.formats.imatrix_file import write_imatrix
 
-    out = check_output_file(out, overwrite=True)
-    check_distinct({"OUT": out}, {"MODEL": model, **{f"--calibration {i + 1}": c
-                                                    for i, c in enumerate(calibration or [])}})
+    check_outputs({"OUT": out}, {"MODEL": model, **{f"--calibration {i + 1}": c
+                                                   for i, c in enumerate(calibration or [])}}, overwrite=overwrite)
+    out = Path(out)
     check_free_space(out, imatrix_bytes(model), "the importance matrix")
     im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)

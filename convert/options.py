@@ -28,6 +28,8 @@ PURE_FLOAT = ("F32", "F16", "BF16")
 MMPROJ_TYPES = ("F16", "Q8_0")
 GGUF_LADDERS = ("k", "iq")
 CODEBOOKS = ("mul1", "mcg")
+# the largest size option taken: beyond any disk or memory (a larger one is a typo), within 64-bit byte counts
+MAX_SIZE = 2**60
 
 
 def _opt(default: Any = None, flag: str | None = None, **kw) -> Any:
@@ -55,18 +57,29 @@ def _positive_float(cls, name: str, v) -> None:
 
 def _size(cls, name: str, v, *, zero_ok: bool = False) -> None:
     """A byte count or a size string ("8GiB", "108GB"), parsed with the planner's convention."""
+    parse_size_option(flag_of(cls, name), v, zero_ok=zero_ok)
+
+
+def parse_size_option(flag: str, v, *, zero_ok: bool = False) -> int:
+    """The bytes of size option `flag` (a byte count, or "8GiB" / "108GB" with the planner's convention). Anything
+    else, a non-finite number (inf, nan, 1e400) or more than MAX_SIZE is an InputError naming `flag` and `v`."""
     from mixq.quant.allocator import parse_size
 
     if isinstance(v, bool):
-        raise InputError(f"{flag_of(cls, name)} {v!r}: expected a size such as 8GiB")
+        raise InputError(f"{flag} {v!r}: expected a size such as 8GiB")
     if zero_ok and v in (0, "0"):
-        return
+        return 0
     try:
         n = parse_size(v)
     except InputError as e:
-        raise InputError(f"{flag_of(cls, name)}: {e}") from None
+        raise InputError(f"{flag}: {e}") from None
+    except (OverflowError, ValueError):  # inf, nan and 1e400 parse as floats that are no byte count
+        raise InputError(f"{flag} {v!r}: expected a finite size such as 8GiB") from None
     if n <= 0:
-        raise InputError(f"{flag_of(cls, name)} {v!r}: expected a positive size")
+        raise InputError(f"{flag} {v!r}: expected a positive size")
+    if n > MAX_SIZE:
+        raise InputError(f"{flag} {v!r}: {n:.3g} bytes is more than any disk or memory holds (at most 1 EiB)")
+    return n
 
 
 def _device(cls, v) -> None:
@@ -257,6 +270,10 @@ class GGUFOptions(_Options):
             raise InputError(f"--mmproj-type {self.mmproj_type!r}: expected one of {', '.join(MMPROJ_TYPES)}")
         if self.threads is not None:
             _positive_int(cls, "threads", self.threads)
+        if self.tokenizer_pre is not None:  # a name llama.cpp does not know verifies, then fails to load
+            from mixq.formats.gguf_tokenizer import check_pre
+
+            check_pre(self.tokenizer_pre, flag_of(cls, "tokenizer_pre"))
         _device(cls, self.device)
         _size(cls, "shard_size", self.shard_size, zero_ok=True)
         from mixq.convert.gguf_rounding import check_rounding

@@ -2,18 +2,22 @@
 silently overwrite, fail in one line on an unwritable place or a full disk instead of after hours of work.
 
 - `check_distinct(outputs, inputs)`: no output is the same file as another output or as an input.
+- `check_outputs(outputs, inputs, overwrite=...)`: both of the above for every file a command writes.
 - `check_output_file(path, ...)` / `check_output_dir(path)`: the place can be written (a probe file, so read-only
-  mounts and permissions are caught as they really are), OUT is not a directory / its parent not a file, and an
-  existing file is refused unless `overwrite`.
+  mounts and permissions are caught as they really are), OUT is not a directory / its parent not a file, no part
+  of its path is longer than the filesystem allows, and an existing file is refused unless `overwrite`.
 - `check_free_space(path, need, what)`: the filesystem holding `path` has room for `need` bytes.
-- `writing(*paths)`: turns the OSError of a full disk / read-only filesystem met while writing into one InputError.
+- `writing(*paths)`: turns the OSError of a full disk / read-only filesystem met while writing, or of the output's
+  directory vanishing mid-run, into one InputError.
 - `gguf_partials_lock(out)`: removes the `.NAME.partial-*` directories that killed GGUF runs left next to `out`,
   when no other mixq run is writing in that directory, and holds a shared lock there while this run writes.
 """
 from __future__ import annotations
 
 import errno
+import glob
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -21,12 +25,16 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from mixq.errors import InputError
+from mixq.formats.partials import is_partial_dir, partial_prefix
 
 # errors that mean "this place cannot take the output", whatever file they were met on
 WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                 errno.EFBIG: "file too large for the filesystem", errno.EROFS: "read-only filesystem",
                 errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}
 MARGIN = 1.01  # free-space margin over the estimate (headers, the filesystem's own blocks)
+# bytes the writers add to OUT's name for their temporary and split names (the longest:
+# `.STEM.partial-hessian-XXXXXXXX`, 21 bytes over NAME.gguf), so that a name refused late is refused here
+NAME_ROOM = 24
 
 
 def _key(p: Path) -> tuple:
@@ -65,6 +73,17 @@ def check_distinct(outputs: Mapping[str, str | os.PathLike | None],
         outs[k] = f"{label} {p}"
 
 
+def check_outputs(outputs: Mapping[str, str | os.PathLike | None], inputs: Mapping[str, str | os.PathLike | None],
+                  *, overwrite: bool = False) -> None:
+    """The one check of the files a command writes (label -> path; None = not asked for): none is the same file
+    as another output or as an input (a directory input counts with every file in it), each can be written,
+    and an existing file is refused unless `overwrite`."""
+    check_distinct(outputs, inputs)
+    for label, p in outputs.items():
+        if p is not None:
+            check_output_file(p, overwrite=overwrite, label=label)
+
+
 def _existing_ancestor(p: Path) -> Path:
     """The nearest existing ancestor of `p` (InputError when a non-directory is in the way)."""
     a = p.parent
@@ -75,6 +94,34 @@ def _existing_ancestor(p: Path) -> Path:
     if not a.is_dir():
         raise InputError(f"{p}: {a} is not a directory")
     return a
+
+
+def _name_limits(p: Path) -> tuple[int, int]:
+    """(longest file name, longest path) in bytes on the filesystem of `p`'s nearest existing ancestor."""
+    for a in (p, *p.parents):
+        try:
+            return os.pathconf(a, "PC_NAME_MAX"), os.pathconf(a, "PC_PATH_MAX")
+        except (OSError, ValueError):  # not there (yet), itself too long, or no such limit on this system
+            continue
+    return 255, 4096
+
+
+def _check_name_length(p: Path, label: str) -> None:
+    """InputError naming the output when a part of its path is longer than the filesystem allows (ENAMETOOLONG),
+    OUT's own name with room for the temporary and split names written next to it."""
+    name_max, path_max = _name_limits(p)
+    parts = p.parts
+    for i, part in enumerate(parts):
+        room = NAME_ROOM if i == len(parts) - 1 else 0
+        n = len(os.fsencode(part))
+        if n + room > name_max:
+            what = "its name" if room else f"the folder name {part[:32]}..."
+            raise InputError(f"{label} {p}: {what} is {n} bytes long; this filesystem allows {name_max}"
+                             + (f", less {room} for the temporary names written next to it" if room else ""))
+    n = len(os.fsencode(str(p)))
+    if n + NAME_ROOM > path_max:
+        raise InputError(f"{label} {p}: the path is {n} bytes long; this filesystem allows {path_max}, less "
+                         f"{NAME_ROOM} for the temporary names written next to it")
 
 
 def _probe_writable(directory: Path, what: Path) -> None:
@@ -93,6 +140,7 @@ def check_output_file(path: str | os.PathLike, *, overwrite: bool = False, label
     """A file output: not a directory, its parent a (creatable) directory that can be written, and no existing
     file unless `overwrite`. `suffix` (e.g. ".gguf") is required when given."""
     p = Path(path)
+    _check_name_length(p, label)
     if suffix and p.suffix != suffix:
         raise InputError(f"{label} {p}: must end in {suffix}")
     if p.is_dir():
@@ -106,6 +154,7 @@ def check_output_file(path: str | os.PathLike, *, overwrite: bool = False, label
 def check_output_dir(path: str | os.PathLike, *, label: str = "OUT") -> Path:
     """A directory output: not a file, and it (or the nearest ancestor it will be created in) can be written."""
     p = Path(path)
+    _check_name_length(p, label)
     if p.exists() and not p.is_dir():
         raise InputError(f"{label} {p} exists and is not a directory")
     _probe_writable(p if p.is_dir() else _existing_ancestor(p), p)
@@ -139,21 +188,58 @@ def _inside(filename, paths) -> bool:
     return False
 
 
+# a file or directory of the output gone mid-run (its folder or the temporary one deleted, a parent replaced)
+_GONE_ERRNOS = {errno.ENOENT: "no such file or directory", errno.ENOTDIR: "not a directory"}
+
+
+# how Rust libraries (safetensors) word an I/O error: "... (os error 28) at path \"/x/.tmpAbc\""
+_RUST_IO_ERROR = re.compile(r"\(os error (\d+)\)(?: at path \"([^\"]*)\")?")
+
+
+def _as_os_error(e: Exception) -> OSError | None:
+    """The OSError behind `e`: itself, or the one a library reported in its own exception type's message."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, InputError):  # already one line of ours
+        return None
+    m = _RUST_IO_ERROR.search(str(e))
+    if m is None:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code), m.group(2))
+
+
+def _write_error(e: OSError, paths: tuple, hint: str) -> InputError | None:
+    """The one-line InputError for an OSError met while writing `paths`; None when it is not an output problem."""
+    gone = e.errno in _GONE_ERRNOS
+    if e.errno not in WRITE_ERRNOS and not gone:
+        return None
+    if gone and e.filename is None:
+        return None  # no path to name: not known to be the output's
+    if e.errno not in _SPACE_ERRNOS and e.filename is not None and not _inside(e.filename, paths):
+        return None  # e.g. an unreadable input met during the write loop: not an output problem
+    target = paths[0] if paths else (e.filename or "output")
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(target) else ""
+    if gone:
+        return InputError(f"{target}: {_GONE_ERRNOS[e.errno]} while writing{where}; was it or its directory "
+                          "removed during the run?")
+    return InputError(f"{target}: {WRITE_ERRNOS[e.errno]} while writing{where}" + (f"; {hint}" if hint else ""))
+
+
 @contextmanager
 def writing(*paths: str | os.PathLike, hint: str = "") -> Iterator[None]:
     """Turn an OSError of a full disk, a quota, a read-only filesystem or a permission met while writing
-    `paths` into one InputError naming the first path (the writer removes its partial output)."""
+    `paths`, or of a file or directory of theirs that vanished mid-run, into one InputError naming the first
+    path (the writer removes its partial output); also when a library reports the OSError in its own exception
+    (safetensors). `hint` (what to do next) follows all but the vanished case."""
     try:
         yield
-    except OSError as e:
-        if e.errno not in WRITE_ERRNOS:
+    except Exception as e:
+        os_error = _as_os_error(e)
+        err = None if os_error is None else _write_error(os_error, paths, hint)
+        if err is None:
             raise
-        if e.errno not in _SPACE_ERRNOS and e.filename is not None and not _inside(e.filename, paths):
-            raise  # e.g. an unreadable input met during the write loop: not an output problem
-        target = paths[0] if paths else (e.filename or "output")
-        where = f" ({e.filename})" if e.filename and str(e.filename) != str(target) else ""
-        raise InputError(f"{target}: {WRITE_ERRNOS[e.errno]} while writing{where}"
-                         + (f"; {hint}" if hint else "")) from None
+        raise err from None
 
 
 def _flock(fd: int, mode: int) -> bool:
@@ -192,8 +278,8 @@ def gguf_partials_lock(*outs: str | os.PathLike | None) -> Iterator[list[Path]]:
             fds.append(fd)
             if _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):  # nobody else writes here: the partials are stale
                 for out in names:
-                    for stale in d.glob(f".{out.stem}.partial-*"):
-                        if stale.is_dir():
+                    for stale in d.glob(glob.escape(partial_prefix(out)) + "*"):
+                        if is_partial_dir(stale, out):  # a folder mixq made, never a user's look-alike
                             shutil.rmtree(stale, ignore_errors=True)
                             removed.append(stale)
             fcntl.flock(fd, fcntl.LOCK_SH)

@@ -13,6 +13,7 @@ statistics and the stacked trellis calls are split over the ranks and their resu
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -151,11 +152,19 @@ def run_exl3(model, out, opts: Exl3Options) -> ConvertResult:
         run = _resolve(model, out, opts, ranks)
         _validate(run)
         _plan(run)
+        out_existed = run.out.exists()
         _start_job(run)
         try:
             with writing(run.out, hint="free some space and continue with --resume"):
                 _run_stages(run)
                 return _finalize(run, t0) if ranks.is_main else None  # a worker rank returns nothing
+        except BaseException:
+            if ranks.is_main and not opts.resume and not run.job.done:  # nothing to resume: leave nothing behind
+                run.job.release()
+                shutil.rmtree(run.job.dir, ignore_errors=True)
+                if not out_existed and run.out.is_dir() and not any(run.out.iterdir()):
+                    run.out.rmdir()
+            raise
         finally:
             run.job.release()
 
@@ -180,6 +189,7 @@ class _Exl3Run:
     fallbacks: list[str] = field(default_factory=list)
     resumed: int = 0
     ranks: RankContext = field(default_factory=RankContext)
+    ids: torch.Tensor | None = None  # the calibration rows (token ids)
 
     @property
     def progress(self) -> bool:
@@ -218,6 +228,16 @@ def _validate(run: _Exl3Run) -> None:
                                       **{f"--calibration {i + 1}": f for i, f in enumerate(run.opts.calibration)}})
     check_output_dir(run.out)
     Job.check_target(run.out, resume=run.opts.resume)  # before the plan and the weight scan, not after
+    run.ids = _calibration_ids(run)  # a missing or broken tokenizer is refused before OUT is created
+
+
+def _calibration_ids(run: _Exl3Run) -> torch.Tensor:
+    """The calibration rows, tokenized with the checkpoint's own tokenizer."""
+    from .calibration import calibration_rows, load_tokenizer
+
+    o = run.opts
+    return calibration_rows(load_tokenizer(run.ckpt.path), list(o.calibration) or None, rows=o.rows,
+                            seq_len=o.seq_len, vocab_size=run.ckpt.shape(global_hf_name("embed"))[0])
 
 
 def _plan(run: _Exl3Run) -> None:
@@ -287,14 +307,12 @@ def _run_stages(run: _Exl3Run) -> None:
 
 def _run_calibrated(run: _Exl3Run, bar) -> None:
     """Decoder layers (calibrated on the already quantized layers before them) and the head."""
-    from .calibration import LayerCalibrator, calibration_rows, load_tokenizer
+    from .calibration import LayerCalibrator
 
     o, ckpt, job = run.opts, run.ckpt, run.job
     state_stage, state = shared_state(run.ranks, job)
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
-    ids = calibration_rows(load_tokenizer(ckpt.path), list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
-                           vocab_size=ckpt.shape(global_hf_name("embed"))[0])
-    cal = LayerCalibrator(ckpt, ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state,
+    cal = LayerCalibrator(ckpt, run.ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state,
                           ranks=run.ranks)
     for st in cal.stages():
         stage = f"layer.{st.layer}" if st.layer is not None else "head"

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from mixq.convert.dequant import CheckpointSource, DequantSource
 from mixq.convert.distributed import RankContext, launch, needs_launch, parse_devices, rank_context
+from mixq.convert.outputs import check_outputs
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import write_text
 from mixq.eval import candidates as cands
@@ -90,6 +91,7 @@ def evaluate(
     json_out: str | Path | None = None,
     markdown_out: str | Path | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict:
     """Score every candidate against `reference` (an HF checkpoint) on `text`, returning the report dict.
 
@@ -102,9 +104,13 @@ def evaluate(
     (faster on a GPU; float rounding then differs from a one-window forward in the last bits). `devices`
     ("0,1", "cpu,cpu"; or a torchrun launch): the windows dealt over one rank per device, the same numbers.
     `json_out` "-" prints the JSON report to stdout. `windows`: at most that many windows (the first ones);
-    None or "all": every window of the text (or of the `ref_logits` file).
+    None or "all": every window of the text (or of the `ref_logits` file). The output files (`json_out`,
+    `markdown_out`, `save_ref`) may not be an input or an existing file unless `overwrite`.
     """
     given = dict(locals())  # every argument, for the worker ranks of a multi-device run
+    check_outputs({"--json": None if json_out == "-" else json_out, "--markdown": markdown_out,
+                   "--save-ref": save_ref}, eval_inputs(reference, candidates, text, ref_logits),
+                  overwrite=overwrite)
     windows = window_count(windows)
     devs = parse_devices(devices)
     if len(devs) > 1 and save_ref:
@@ -131,6 +137,17 @@ def evaluate(
 
 
 # --- resolve -------------------------------------------------------------------------------------------------------
+def eval_inputs(reference, candidates, text, ref_logits) -> dict[str, Path | None]:
+    """Every file an evaluation reads, by label: the outputs may replace none of them (a GGUF split candidate
+    with all its shards, a directory with every file in it)."""
+    inputs: dict[str, Path | None] = {"REFERENCE": Path(reference), "--text": Path(text) if text else None,
+                                      "--ref-logits": Path(ref_logits) if ref_logits else None}
+    for c in candidates:
+        for p in cands.gguf_split_paths(Path(c)):
+            inputs[f"CANDIDATE {p}"] = p
+    return inputs
+
+
 def window_count(value: int | str | None) -> int | None:
     """--windows as given: a whole number >= 1, or None / "all" for every window."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
@@ -338,8 +355,10 @@ def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict | No
                 cand = None if i is None else _candidate_logits(run, models, i)
                 per_window = []
                 desc = "reference log-probs" if cand is None else f"scoring {run.candidates[i].path.name}"
-                with cand if cand is not None else contextlib.nullcontext():
-                    for j, w in enumerate(tqdm(run.mine, desc=desc, unit="win", disable=not progress)):
+                # the bar as a context: its line ends before an error met while scoring is reported
+                with cand if cand is not None else contextlib.nullcontext(), \
+                        tqdm(run.mine, desc=desc, unit="win", disable=not progress) as bar:
+                    for j, w in enumerate(bar):
                         lp = _reference_log_probs(run, ref, w, j)
                         if writer is not None:
                             if p == 0:

@@ -16,8 +16,11 @@ from typing import Mapping, Sequence
 import torch
 
 from mixq.convert.measure import budget_units, measure_curves, parse_sample, save_curves
+from mixq.convert.outputs import check_outputs
 from mixq.errors import InputError
 from mixq.eval.reference import PerturbedKLD
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import validate_checkpoint
 
 TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
 
@@ -25,32 +28,41 @@ TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09
 def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibration: Sequence[str] = (),
              measure_out: str | None = None, measure_sample: str = "auto", device: str | None = None,
              from_config: str | None = None, rounding: str = "exact", imatrix=None, progress: bool = True,
-             **plan_kw):
+             overwrite: bool = False, **plan_kw):
     """What ``mixq plan`` runs: ``convert.fit.run_plan`` (same arguments), with ``--measure kld`` measured here
     first (EXL3: ``kld_curves``; GGUF: ``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and
-    ``imatrix``; saved to ``measure_out`` when given)."""
+    ``imatrix``; saved to ``measure_out`` when given). MODEL is checked against its config first, as convert
+    checks it (``--from-config`` has no weights to check)."""
     from mixq.convert.fit import run_plan as plan
 
+    check_outputs({"--measure-out": measure_out},
+                  {"MODEL": model, "--from-config": from_config, "--imatrix": _path_or_none(imatrix),
+                   "--measure": _path_or_none(measure), **{f"--calibration {i + 1}": c for i, c in enumerate(calibration)}},
+                  overwrite=overwrite)
     if (rounding != "exact" or imatrix is not None) and not (fmt == "gguf" and measure == "kld"):
         raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure them)")
     if fmt == "gguf" and measure in ("trellis", "proxy"):
         raise InputError(f"--measure {measure} is EXL3's trellis measurement; GGUF measures with --measure alone")
+    ckpt = None
+    if model is not None and from_config is None:
+        ckpt = open_checkpoint(model)
+        validate_checkpoint(ckpt)  # what convert refuses, plan refuses, before planning or measuring
     if measure == "kld":
         if fmt not in ("exl3", "gguf"):
             raise InputError(f"--format {fmt!r}: exl3 or gguf")
         if model is None:
             raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
-        from mixq.formats.checkpoint import open_checkpoint
-
-        ckpt = open_checkpoint(model)
+        ckpt = open_checkpoint(model) if ckpt is None else ckpt
         t0 = time.time()
         if fmt == "gguf":
             from mixq.eval.gguf_kld import gguf_kld_curves
+            from mixq.formats.gguf_names import gguf_tensors
 
             if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
-                from mixq.formats.imatrix_file import read_imatrix
+                from mixq.formats.imatrix_file import check_names, read_imatrix
 
-                imatrix = read_imatrix(imatrix).means()
+                im = check_names(read_imatrix(imatrix), [s.name for s in gguf_tensors(ckpt)], f"--imatrix {imatrix}")
+                imatrix = im.means()
             curves = gguf_kld_curves(ckpt, calibration or None, ladder=plan_kw.get("gguf_ladder") or "k",
                                      rounding=rounding, imatrix=imatrix, device=device, progress=progress)
         else:
@@ -61,6 +73,13 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
         measure, measure_out = curves, None
     return plan(model, fmt, from_config=from_config, measure=measure, calibration=calibration,
                 measure_out=measure_out, measure_sample=measure_sample, device=device, **plan_kw)
+
+
+def _path_or_none(value):
+    """A value that names a file (str or path-like), else None (a mode name such as 'kld', a mapping, None)."""
+    if isinstance(value, str) and value in ("kld", "trellis", "proxy"):
+        return None
+    return value if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__") else None
 
 
 def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | None = None, sample: str = "auto",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mixq.convert.outputs import check_outputs, writing
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import atomic_path, write_text
 
@@ -131,15 +132,24 @@ def plot_kld_vs_size(rows: list[dict], out: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     out = Path(out)
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    try:
+        # a full disk, a read-only place or a folder removed meanwhile: one line naming the file, no PNG left
+        with writing(out):
+            out.parent.mkdir(parents=True, exist_ok=True)  # a new folder, as for every other output
+            with atomic_path(out) as tmp:
+                fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
 
 
-def compare(report_paths: list[str | Path], plot: str | Path | None = None, markdown: str | Path | None = None) -> dict:
-    """Combine `mixq eval` reports: {'rows': [...], 'markdown': table text}; optional PNG plot / markdown file."""
+def compare(report_paths: list[str | Path], plot: str | Path | None = None, markdown: str | Path | None = None,
+            *, overwrite: bool = False) -> dict:
+    """Combine `mixq eval` reports: {'rows': [...], 'markdown': table text}; optional PNG plot / markdown file
+    (neither may be one of the reports, nor an existing file unless `overwrite`)."""
     if not report_paths:
         raise InputError("give at least one REPORT.json")
+    check_outputs({"--plot": plot, "--markdown": markdown},
+                  {f"REPORT {p}": p for p in report_paths}, overwrite=overwrite)
     rows = compare_rows([load_report(p) for p in report_paths])
     if not rows:
         raise InputError("the reports hold no candidates")
@@ -147,5 +157,7 @@ def compare(report_paths: list[str | Path], plot: str | Path | None = None, mark
     if plot:
         plot_kld_vs_size(rows, Path(plot))
     if markdown:
-        write_text(Path(markdown), md)
+        with writing(markdown):
+            Path(markdown).parent.mkdir(parents=True, exist_ok=True)
+            write_text(Path(markdown), md)
     return {"rows": rows, "markdown": md, "plot": str(plot) if plot else None}

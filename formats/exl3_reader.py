@@ -18,6 +18,7 @@ from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_seal import (INDEX, MANIFEST, consistency_problems, file_problems, is_sealed,
                                     manifest_problems)
 from mixq.formats.exl3_writer import torch_dtype
+from mixq.formats.model_files import check_model_dir, model_file
 from mixq.formats.safetensors_io import dtype_tag, load_tensor, tensor_entries
 
 
@@ -47,6 +48,7 @@ class Exl3Dir:
         self.path = Path(path)
         if not self.path.is_dir():
             raise InputError(f"{self.path}: not a directory")
+        check_model_dir(self.path)  # an untrusted directory: no link may lead out of it
         self.config = _load_json(self.path / "config.json", "config.json")
         qc = self.config.get("quantization_config") or {}
         if qc.get("quant_method") != "exl3":
@@ -57,7 +59,7 @@ class Exl3Dir:
         self.stored: dict[str, tuple[str, tuple[int, ...]]] = {}  # tensor -> (dtype tag, shape)
         self.where: dict[str, str] = {}
         for shard in sorted(self.manifest.get("shards", {})):
-            p = self.path / shard
+            p = model_file(self.path, shard, f"{self.path / MANIFEST}: shards")
             if not p.exists():
                 continue
             for n, tag, shape in tensor_entries(p):

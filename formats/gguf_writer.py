@@ -8,10 +8,10 @@
 """
 from __future__ import annotations
 
+import glob
 import math
-import os
+import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -23,6 +23,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.gguf_integrity import data_sha256, seal, sealed_writer
+from mixq.formats.partials import make_partial_dir, publish
 
 ARCH = "glm5-next"
 LLM, Attn = Keys.LLM, Keys.Attention
@@ -208,23 +209,36 @@ def shard_names(path: Path, n: int) -> list[Path]:
     return [path.with_name(SHARD_NAME_FORMAT.format(path.stem, i + 1, n)) for i in range(n)]
 
 
+def output_set(path: str | Path) -> list[Path]:
+    """The existing files of the GGUF output `path`: the single file and/or a split set `<stem>-0000i-of-0000N`."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    pat = re.compile(re.escape(path.stem) + r"-\d{5}-of-\d{5}\.gguf")
+    split = sorted(p for p in path.parent.glob(f"{glob.escape(path.stem)}-*-of-*.gguf") if pat.fullmatch(p.name))
+    return ([path] if path.is_file() else []) + split
+
+
 def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
                produce: Callable[[TensorOut], np.ndarray], *, tokenizer: Callable[[Any], None] | None = None,
-               shard_size: int = 0, shard_max_tensors: int = 0, progress: bool = True, arch: str = ARCH) -> list[Path]:
+               shard_size: int = 0, shard_max_tensors: int = 0, progress: bool = True, arch: str = ARCH,
+               overwrite: bool = False) -> list[Path]:
     """Write a GGUF (or shards) and return the final paths.
 
     `produce(t)` returns the tensor's data: float32/float16 arrays for F32/F16, otherwise the raw ggml bytes
     (uint8) of exactly `t.nbytes`. `tokenizer(writer)` adds tokenizer keys. Shards split on `shard_size`
     (bytes of tensor data) or `shard_max_tensors`; split.* keys go into every shard (gguf-facts §2), and the
-    integrity keys of formats/gguf_integrity too.
+    integrity keys of formats/gguf_integrity too. The files are written in a marked partial directory next to
+    `path` and renamed at the end: without `overwrite` an existing file is never replaced (another run that
+    published the same name meanwhile makes this one fail); with it, the earlier set of `path` is replaced whole
+    (its shards that the new set does not reuse are removed).
     """
     from tqdm import tqdm
 
     path = Path(path)
     if path.suffix != ".gguf":
         raise InputError(f"{path}: GGUF output must end in .gguf")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.stem}.partial-", dir=path.parent))
+    tmpdir = make_partial_dir(path)
     try:
         # every file gets mixq.integrity.* placeholders, filled by seal() once the data is written
         w = sealed_writer(tmpdir / path.name, arch, split_max_size=int(shard_size),
@@ -250,8 +264,10 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
         tmp_files = shard_names(tmpdir / path.name, n_files)
         seal(tmp_files, digests)
         finals = shard_names(path, n_files)
-        for a, b in zip(tmp_files, finals):
-            os.replace(a, b)
+        stale = [p for p in output_set(path) if p not in finals] if overwrite else []
+        publish(list(zip(tmp_files, finals)), overwrite=overwrite)
+        for p in stale:  # the replaced set's other files would still load (and verify) beside the new one
+            p.unlink(missing_ok=True)
         return finals
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)

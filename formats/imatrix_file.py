@@ -6,6 +6,7 @@ per input column, one vector per matrix (per expert for `*_exps`), and the token
           imatrix.datasets (string array), imatrix.chunk_count / imatrix.chunk_size (u32); entries sorted by name.
   legacy: int32 n; per entry int32 len, name, int32 ncall, int32 nval, f32[nval] = mean·ncall; optional trailer.
 What quantizers use is the mean: sum / count per matrix, 1.0 for a matrix never seen (count 0).
+`check_names` refuses an imatrix with no entries or none naming a tensor of the model (one for another model).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from mixq.formats.gguf_reader import read_gguf, verify_gguf
 from mixq.formats.imatrix_file import IMatrix, read_imatrix, write_imatrix
 from mixq.formats.safetensors_io import load_tensors, read_header, read_metadata, tensor_entries
 
-CASE_SECONDS = 2.0  # per case, generous for a slow shared 2-core machine
+CASE_SECONDS = 5.0  # per case: ~1000x what a case takes, so only a loop over a claimed count can exceed it
 SCALE = max(1, int(os.environ.get("MIXQ_FUZZ_SCALE", "1")))
 U64 = (0, 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1)
 
@@ -388,7 +388,7 @@ def test_cli_answers_hostile_gguf_with_one_error_line(command, kind, names, host
     no traceback, in well under the time a 2**62-item loop would take."""
     t0 = time.monotonic()
     line = error_line(run_cli(command, hostile[kind]))
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # a 2**62-item loop takes hours; a busy machine takes seconds
     assert str(hostile[kind]) in line and names in line, line
 
 
@@ -406,5 +406,5 @@ def test_cli_inspect_names_the_shard_and_tensor_of_a_hostile_safetensors_header(
     f.write_bytes(_st_file(header, body))
     t0 = time.monotonic()
     line = error_line(run_cli("inspect", d))
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60
     assert str(f) in line and name in line, line

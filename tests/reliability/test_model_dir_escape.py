@@ -198,3 +198,24 @@ def test_a_hub_snapshot_may_link_into_its_blobs(tiny_model, tmp_path):
     shutil.copy(tiny_model / "config.json", tmp_path / "config.json")
     (snap / "config.json").symlink_to(tmp_path / "config.json")
     assert "outside" in error_line(run_cli("inspect", snap))
+
+
+@pytest.mark.parametrize("how", ["manifest-entry", "shard-symlink"])
+def test_an_exl3_directory_cannot_point_outside_itself(how, tiny_exl3_cheap, tmp_path, monkeypatch):
+    """EXL3 directories are read by verify and eval as untrusted input too."""
+    d = tmp_path / "exl3"
+    shutil.copytree(tiny_exl3_cheap, d, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shard = sorted(d.glob("*.safetensors"))[0]
+    shutil.move(shard, outside / shard.name)
+    if how == "shard-symlink":
+        shard.symlink_to(outside / shard.name)
+    else:
+        man = json.loads((d / "mixq_manifest.json").read_text())
+        man["shards"] = {f"../outside/{shard.name}": v for v in man["shards"].values()}
+        (d / "mixq_manifest.json").write_text(json.dumps(man))
+    with audited_opens(monkeypatch) as opened:
+        line = error_line(run_cli("verify", d))
+    assert shard.name in line and "outside" in line
+    assert _outside_opened(opened, d, outside) == []

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import copy_model
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("MIXQ_SHARED", REPO.parent / "shared"))
 
@@ -69,15 +71,6 @@ BAD_INPUTS = ("truncated", "lying_header", "missing_shard", "index_absent_tensor
               "unknown_tensor", "missing_path", "file_not_dir")
 
 
-def _copy_model(src: Path, dst: Path) -> Path:
-    import shutil
-
-    shutil.copytree(src, dst)
-    for p in [dst, *dst.iterdir()]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    return dst
-
-
 def _rewrite_header(f: Path, fn) -> None:
     import json
     import struct
@@ -104,9 +97,9 @@ def bad_checkpoint(request, tmp_path):
     kind = request.param
     L = "model.language_model.layers"
     if kind in ("missing_shard", "index_absent_tensor"):
-        d = _copy_model(request.getfixturevalue("tiny_fp8_model"), tmp_path / kind)
+        d = copy_model(request.getfixturevalue("tiny_fp8_model"), tmp_path / kind)
     elif kind not in ("missing_path", "file_not_dir"):
-        d = _copy_model(request.getfixturevalue("tiny_model"), tmp_path / kind)
+        d = copy_model(request.getfixturevalue("tiny_model"), tmp_path / kind)
     if kind == "truncated":  # data offsets point past the end of the file
         f = d / "model.safetensors"
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])

@@ -7,7 +7,6 @@ overlapping or aliased data_offsets, NaN/Inf in any tensor, negative imatrix val
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from pathlib import Path
 
@@ -19,6 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from mixq.cli import main
 
+from cli_helpers import copy_model
+
 L = "model.language_model.layers"
 EMBED = "model.language_model.embed_tokens.weight"
 NORM = "model.language_model.norm.weight"
@@ -26,13 +27,6 @@ INDEX = "model.safetensors.index.json"
 
 
 # --- corrupting a copy ------------------------------------------------------------------------------------
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    for p in [dst, *dst.iterdir()]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    return dst
-
-
 def _edit_tensors(d: Path, fn) -> None:
     """fn(name -> tensor dict of one file) edits it in place; the file and the index's weight_map follow."""
     index = json.loads((d / INDEX).read_text())
@@ -174,7 +168,7 @@ COMMANDS = {
 @pytest.mark.parametrize("fmt", sorted(COMMANDS))
 @pytest.mark.parametrize("case,model,corrupt,fragment", STRUCTURE, ids=[c[0] for c in STRUCTURE])
 def test_broken_checkpoint_is_refused_before_any_output(case, model, corrupt, fragment, fmt, models, tmp_path):
-    d = _copy(models[model], tmp_path / case)
+    d = copy_model(models[model], tmp_path / case)
     corrupt(d)
     out = tmp_path / ("o.gguf" if fmt == "gguf" else "o-exl3")
     code, errors, stderr = _run(*COMMANDS[fmt](d, out))
@@ -183,7 +177,7 @@ def test_broken_checkpoint_is_refused_before_any_output(case, model, corrupt, fr
 
 
 def test_imatrix_and_eval_refuse_a_config_that_disagrees(mini_model, calibration_text, heldout_text, tmp_path):
-    d = _copy(mini_model, tmp_path / "cfg")
+    d = copy_model(mini_model, tmp_path / "cfg")
     _edit_config(d, n_routed_experts=8)
     out = tmp_path / "o.imatrix.gguf"
     _assert_refused(*_run("imatrix", d, out, "--calibration", calibration_text, "--rows", "2", "--seq-len", "32",
@@ -218,7 +212,7 @@ NON_FINITE = [
 @pytest.mark.parametrize("fmt", sorted(COMMANDS))
 @pytest.mark.parametrize("case,model,name,value", NON_FINITE, ids=[c[0] for c in NON_FINITE])
 def test_non_finite_tensor_is_refused_naming_it(case, model, name, value, fmt, models, tmp_path):
-    d = _copy(models[model], tmp_path / case)
+    d = copy_model(models[model], tmp_path / case)
     _edit_tensors(d, _poison(name, value))
     out = tmp_path / ("o.gguf" if fmt == "gguf" else "o-exl3")
     code, errors, stderr = _run(*COMMANDS[fmt](d, out))
@@ -230,7 +224,7 @@ def test_non_finite_tensor_is_refused_naming_it(case, model, name, value, fmt, m
 def test_nan_in_a_vision_weight_is_refused_before_the_model_gguf(mini_model, tmp_path):
     """The projector is written after the model: with --mmproj its weights are checked before either."""
     name = "model.visual.blocks.0.attn.qkv.weight"
-    d = _copy(mini_model, tmp_path / "vis")
+    d = copy_model(mini_model, tmp_path / "vis")
     _edit_tensors(d, _poison(name, float("nan")))
     out, mm = tmp_path / "o.gguf", tmp_path / "o-mmproj.gguf"
     code, errors, stderr = _run("convert", d, out, "--format", "gguf", "--type", "Q8_0", "--threads", "1",
@@ -280,10 +274,10 @@ def test_text_only_checkpoint_is_sound_and_a_partial_vision_tower_is_not(mini_mo
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.checkpoint_check import checkpoint_problems
 
-    d = _copy(mini_model, tmp_path / "text")
+    d = copy_model(mini_model, tmp_path / "text")
     _edit_tensors(d, lambda sd: [sd.pop(k) for k in [k for k in sd if "visual." in k]])
     assert checkpoint_problems(open_checkpoint(d)) == []
-    d2 = _copy(mini_model, tmp_path / "partial")
+    d2 = copy_model(mini_model, tmp_path / "partial")
     _edit_tensors(d2, _drop("model.visual.merger.proj.weight"))
     probs = checkpoint_problems(open_checkpoint(d2))
     assert len(probs) == 1 and "model.visual.merger.proj.weight" in probs[0][1] and "missing" in probs[0][1]

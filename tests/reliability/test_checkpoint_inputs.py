@@ -3,24 +3,16 @@ and the key or tensor, exit 2, nothing at OUT (before this they ended in traceba
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
-from cli_helpers import error_line, run_cli
+from cli_helpers import copy_model, error_line, run_cli
 
 INDEX = "model.safetensors.index.json"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 NORM = "model.language_model.layers.0.input_layernorm.weight"
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    for p in [dst, *dst.iterdir()]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    return dst
 
 
 def _edit_config(d: Path, fn) -> None:
@@ -60,7 +52,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_impossible_checkpoint_is_one_line(case, command, tiny_fp8_model, tmp_path):
     _, edit, fragments = case
-    model = _copy(tiny_fp8_model, tmp_path / "model")
+    model = copy_model(tiny_fp8_model, tmp_path / "model")
     edit(model)
     out = tmp_path / "out.gguf"
     args = ["inspect", model] if command == "inspect" else ["convert", model, out, "--type", "Q8_0", "--threads", "1"]

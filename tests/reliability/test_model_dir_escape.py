@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import safetensors
 
-from cli_helpers import error_line, run_cli
+from cli_helpers import copy_model, error_line, run_cli
 
 INDEX = "model.safetensors.index.json"
 SHARD2 = "model-00002-of-00002.safetensors"
@@ -50,13 +50,6 @@ def audited_opens(monkeypatch):
         yield opened
     finally:
         _AUDIT["opened"] = None
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    for p in [dst, *dst.iterdir()]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    return dst
 
 
 def _point_index(d: Path, value) -> None:
@@ -126,7 +119,7 @@ COMMANDS = {
 @pytest.fixture
 def layout(tiny_fp8_model, tmp_path):
     """(model, outside, outputs): a writable copy of the model, the folder beside it, an output folder."""
-    model = _copy(tiny_fp8_model, tmp_path / "model")
+    model = copy_model(tiny_fp8_model, tmp_path / "model")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret.txt").write_text("not a model file")

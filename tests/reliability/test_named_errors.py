@@ -7,13 +7,12 @@ runs; the line must contain every fragment given, and none of the outputs may ex
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
-from cli_helpers import error_line, run_cli
+from cli_helpers import copy_model, error_line, run_cli
 
 L = "model.language_model.layers"
 INDEX = "model.safetensors.index.json"
@@ -22,13 +21,6 @@ LONG = "a" * 300  # longer than any common filesystem's 255-byte name limit
 
 
 # --- editing a copy ---------------------------------------------------------------------------------------------
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    for p in [dst, *dst.iterdir()]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    return dst
-
-
 def _edit_json(f: Path, fn) -> None:
     d = json.loads(f.read_text())
     fn(d)
@@ -62,7 +54,7 @@ def _nan_at(name: str):
 # --- the cases: (tmp, models) -> (command, fragments of the line, outputs that must not exist) ------------------
 def _mmproj_case(edit, fragments):
     def case(tmp: Path, m: dict):
-        d = _copy(m["tiny"], tmp / "model")
+        d = copy_model(m["tiny"], tmp / "model")
         edit(d)
         out, mm = tmp / "o.gguf", tmp / "o-mmproj.gguf"
         return ("convert", d, out, *GGUF_Q8, "--mmproj", mm), fragments(d, mm), [out, mm]
@@ -100,7 +92,7 @@ def _missing_expert(cmd: str):
     name = f"{L}.2.mlp.experts.7.up_proj.weight"
 
     def case(tmp: Path, m: dict):
-        d = _copy(m["mini"], tmp / "model")
+        d = copy_model(m["mini"], tmp / "model")
         _edit_tensors(d, lambda sd: sd.pop(name, None))
         out = tmp / "o.gguf"
         args = ("convert", d, out, *GGUF_Q8) if cmd == "convert" else ("plan", d, "--format", "gguf", "--type",
@@ -111,7 +103,7 @@ def _missing_expert(cmd: str):
 
 def _head_dim(fmt: str):
     def case(tmp: Path, m: dict):
-        d = _copy(m["mini"], tmp / "model")
+        d = copy_model(m["mini"], tmp / "model")
         _edit_json(d / "config.json", lambda c: c["text_config"].update(qk_nope_head_dim=32))
         out = tmp / ("o.gguf" if fmt == "gguf" else "o")
         cmd = GGUF_Q8 if fmt == "gguf" else ("--format", "exl3", "--bpw", "3", "--device", "cpu")
@@ -134,7 +126,7 @@ def _plan_fit(extra: tuple[str, ...], fragments: list[str]):
 
 
 def _plan_mmproj_text_only(tmp: Path, m: dict):
-    d = _copy(m["tiny"], tmp / "model")
+    d = copy_model(m["tiny"], tmp / "model")
     _drop_vision(d)
     return ("plan", d, "--format", "gguf", "--fit", "10GB", "--context", "1K", "--mmproj"), \
         ["--mmproj", "no vision tower"], []
@@ -142,7 +134,7 @@ def _plan_mmproj_text_only(tmp: Path, m: dict):
 
 def _nan_reference(tmp: Path, m: dict):
     name = f"{L}.1.mlp.shared_experts.up_proj.weight"
-    d = _copy(m["mini"], tmp / "model")
+    d = copy_model(m["mini"], tmp / "model")
     _edit_tensors(d, _nan_at(name))
     rep = tmp / "report.json"
     return (("eval", d, m["mini"], "--text", m["heldout"], "--ctx", "64", "--windows", "1", "--json", rep),
@@ -238,7 +230,7 @@ def test_gguf_tensor_list_names_a_missing_expert_by_its_hf_tensor(mini_model, tm
     from mixq.formats.gguf_names import gguf_tensors
 
     name = f"{L}.2.mlp.experts.7.up_proj.weight"
-    d = _copy(mini_model, tmp_path / "model")
+    d = copy_model(mini_model, tmp_path / "model")
     _edit_tensors(d, lambda sd: sd.pop(name, None))
     with pytest.raises(InputError, match=name.replace(".", r"\.")):
         gguf_tensors(open_checkpoint(d))

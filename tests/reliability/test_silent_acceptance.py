@@ -5,26 +5,17 @@ disagrees with --format / --type, a plan of a checkpoint convert refuses, chat t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cli_helpers import error_line, run_cli
+from cli_helpers import copy_model, error_line, run_cli
 from mixq.errors import FormatError, InputError
 from mixq.formats.imatrix_file import IMatrix, check_names, write_imatrix
 
 GGUF = ["--type", "Q8_0", "--threads", "1"]
 EXPS = r"ffn_(gate|up|down)_exps"
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    """A writable copy of a model directory."""
-    shutil.copytree(src, dst)
-    for p in [dst, *dst.iterdir()]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    return dst
 
 
 def _imatrix(path: Path, names: list[str], n: int = 128) -> Path:
@@ -180,7 +171,7 @@ def test_python_convert_follows_out(tiny_model, tmp_path):
 
 # --- plan refuses the checkpoint convert refuses ----------------------------------------------------------------
 def test_plan_refuses_a_config_that_disagrees_with_the_weights(tiny_model, tmp_path, out_dir):
-    d = _copy(tiny_model, tmp_path / "bad")
+    d = copy_model(tiny_model, tmp_path / "bad")
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"]["n_routed_experts"] = 3
     (d / "config.json").write_text(json.dumps(cfg))
@@ -197,7 +188,7 @@ def test_plan_refuses_a_config_that_disagrees_with_the_weights(tiny_model, tmp_p
 def test_plan_model_of_a_path_checks_the_checkpoint(tiny_model, tmp_path):
     from mixq.convert.planning import plan_model
 
-    d = _copy(tiny_model, tmp_path / "bad")
+    d = copy_model(tiny_model, tmp_path / "bad")
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"]["hidden_size"] = 256
     (d / "config.json").write_text(json.dumps(cfg))
@@ -235,7 +226,7 @@ def test_empty_chat_template_file_is_refused(tiny_model, tmp_path, out_dir):
 
 @pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
 def test_model_own_template_is_linted_naming_its_file(where, tiny_model, tmp_path, out_dir):
-    d = _copy(tiny_model, tmp_path / "m")
+    d = copy_model(tiny_model, tmp_path / "m")
     bad = "{% for m in messages %}{{ m.content }}{% endif %}"
     if where == "tokenizer_config.json":
         cfg = json.loads((d / where).read_text())
@@ -247,7 +238,7 @@ def test_model_own_template_is_linted_naming_its_file(where, tiny_model, tmp_pat
 
 
 def test_named_templates_are_linted_each(tiny_model, tmp_path, out_dir):
-    d = _copy(tiny_model, tmp_path / "m")
+    d = copy_model(tiny_model, tmp_path / "m")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     cfg["chat_template"] = [{"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
                             {"name": "tool_use", "template": "{% if tools %}"}]

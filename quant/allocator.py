@@ -199,9 +199,10 @@ def bpw_budget(units: Sequence[Unit], target_bpw: float) -> float:
 
 
 def parse_size(text: str | int | float) -> int:
-    """"108GB" -> 108e9, "100GiB" -> 100·2^30, "512MB", "1.5TB", plain numbers are bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
+    """"108GB" -> 108e9, "100GiB" -> 100·2^30, "512MB", "1.5TB", plain numbers are bytes. InputError for
+    anything else, a non-finite number (inf, nan, 1e400) or more than MAX_SIZE bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(_checked_size(text, text))
     s = str(text).strip().replace("_", "")
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -213,4 +214,16 @@ def parse_size(text: str | int | float) -> int:
         value = None
     if value is None or unit not in units or value <= 0:
         raise InputError(f"cannot parse size {text!r}: use e.g. 108GB (10^9 bytes) or 100GiB (2^30 bytes)")
-    return int(round(value * units[unit]))
+    return int(round(_checked_size(value * units[unit], text)))
+
+
+MAX_SIZE = 2**60  # beyond any disk or memory (a larger size is a typo), well within 64-bit byte counts
+
+
+def _checked_size(value: float, text) -> float:
+    """`value` when it is a finite byte count of at most MAX_SIZE."""
+    if not math.isfinite(value):
+        raise InputError(f"size {text!r} is not a finite number of bytes: use e.g. 108GB or 100GiB")
+    if value > MAX_SIZE:
+        raise InputError(f"size {text!r} is {value:.3g} bytes, more than any disk or memory holds (at most 1 EiB)")
+    return value

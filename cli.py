@@ -1,4 +1,5 @@
-"""Command-line interface: click commands only; every command calls one public API function.
+"""Command-line interface: click commands only; every command calls one function of `mixq.api` (the only
+module it imports) and prints its result.
 
 Only this module turns a MixqError into one stderr line and exit code 2.
 """
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 
 import click
 
-from mixq.errors import MixqError
+from mixq import api
 
 
 class _Stopped(KeyboardInterrupt):
@@ -67,7 +68,7 @@ def _reports_errors(fn):
         try:
             with _stop_signals():
                 return fn(*args, **kwargs)
-        except MixqError as e:
+        except api.MixqError as e:
             click.echo(f"mixq: error: {e}", err=True)
             sys.exit(2)
         except KeyboardInterrupt as e:
@@ -156,13 +157,11 @@ def inspect(model: str, as_json: bool) -> None:
       mixq inspect ./GLM-5.3-Flash/config.json     # shapes only, no weights needed
       mixq inspect glm-Q4_K_M.gguf --json
     """
-    from mixq.formats.model_summary import format_report, inspect_path
-
-    d = inspect_path(model)
+    d = api.inspect(model)
     if as_json:
         _print_json(d)
     else:
-        click.echo(format_report(d))
+        click.echo(api.format_report(d))
 
 
 @main.command(name="eval")
@@ -196,28 +195,18 @@ def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_log
       mixq eval ./GLM-5.3-Flash --text heldout.txt --save-ref ref.bin           # reference once
       mixq eval ./GLM-5.3-Flash glm-exl3 glm.gguf --ref-logits ref.bin --json -
     """
-    from mixq.convert.outputs import writing
-    from mixq.eval.api import evaluate
-    from mixq.eval.report import render_markdown
-    from mixq.quant.device import resolve_device
-
-    outs = {"--json": None if json_out == "-" else json_out, "--markdown": markdown_out, "--save-ref": save_ref}
-    if device is not None:  # checked before the (long) evaluation, not after it; evaluate checks the outputs
-        resolve_device(device)
-    if windows is None:
-        from mixq.eval.api import DEFAULT_WINDOWS as windows
-    with writing(*[p for p in outs.values() if p is not None]):
-        report = evaluate(
-            reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
-            ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device, state_dtype=state_dtype,
-            json_out=outs["--json"], markdown_out=markdown_out, devices=devices, overwrite=overwrite,
-        )
+    report = api.evaluate(
+        reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
+        ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device,
+        state_dtype=state_dtype, json_out=None if json_out == "-" else json_out, markdown_out=markdown_out,
+        devices=devices, overwrite=overwrite,
+    )
     if report is None:  # a rank other than 0 of a torchrun evaluation: rank 0 reports
         return
     if json_out == "-":
         _print_json(report)
     elif report["candidates"]:
-        click.echo(render_markdown(report), nl=False)
+        click.echo(api.render_markdown(report), nl=False)
     else:
         click.echo(f"reference log-probs written to {save_ref}")
 
@@ -237,9 +226,7 @@ def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
       mixq compare q4.json q3.json exl3.json
       mixq compare reports/*.json --plot kld_vs_size.png --markdown table.md
     """
-    from mixq.eval.report import compare as compare_reports
-
-    res = compare_reports(list(reports), plot=plot, markdown=markdown_out, overwrite=overwrite)
+    res = api.compare(list(reports), plot=plot, markdown=markdown_out, overwrite=overwrite)
     if as_json:
         _print_json({"rows": res["rows"], "plot": res["plot"]})
     else:
@@ -299,11 +286,9 @@ def convert(model, out, fmt, as_json, **params) -> None:
       mixq convert ./GLM-5.3-Flash glm-108G.gguf --size 108GB --gguf-ladder iq
       mixq convert ./GLM-5.3-Flash glm-exl3-2.7 --bpw 2.7          # EXL3 (a directory); wants a GPU
     """
-    from mixq.convert.api import convert as run
-
     ctx = click.get_current_context()
     given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    res = run(model, out, fmt, **given)
+    res = api.convert(model, out, fmt, **given)
     if res is None:  # a rank other than 0 of a torchrun conversion: rank 0 reports
         return
     if as_json:
@@ -325,9 +310,7 @@ def verify(path, no_decode, as_json) -> None:
       mixq verify glm-Q4_K_M.gguf
       mixq verify glm-exl3-2.7 --no-decode        # headers and sizes only, no trellis decode
     """
-    from mixq.convert.api import verify as run
-
-    rep = run(path, decode=not no_decode)
+    rep = api.verify(path, decode=not no_decode)
     if as_json:
         _print_json(rep)
     else:
@@ -392,9 +375,7 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
       mixq plan --from-config config.json --format exl3 --size 108GB --fit 121GB --context 256K
       mixq plan ./GLM-5.3-Flash --format exl3 --bpw 2.7 --tensors
     """
-    from mixq.eval.plan_kld import run_plan
-
-    res = run_plan(model, fmt, from_config=from_config, bpw=bpw, size=size, qtype=qtype, overrides=override,
+    res = api.plan(model, fmt, from_config=from_config, bpw=bpw, size=size, qtype=qtype, overrides=override,
                    head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=not no_mtp,
                    gguf_ladder=gguf_ladder, measure=measure, fit=fit, context=context, cache=cache,
                    reserve=reserve, mmproj=mmproj, devices=devices, n_seq=seqs, calibration=calibration,
@@ -405,9 +386,7 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
     elif hasattr(res, "headroom"):
         click.echo(res.format(per_tensor=per_tensor))
     else:
-        from mixq.convert.planning import format_plan
-
-        click.echo(format_plan(res, per_tensor=per_tensor))
+        click.echo(api.format_plan(res, per_tensor=per_tensor))
 
 
 @main.command()
@@ -425,13 +404,11 @@ def demo(out_dir: str, no_exl3: bool, as_json: bool) -> None:
       mixq demo
       mixq demo --out /tmp/mixq-demo --no-exl3 --json
     """
-    from mixq.demo import format_demo, run_demo
-
-    report = run_demo(out_dir, progress=True, skip=("convert_exl3",) if no_exl3 else ())
+    report = api.demo(out_dir, progress=True, skip=("convert_exl3",) if no_exl3 else ())
     if as_json:
         _print_json(report)
     else:
-        click.echo(format_demo(report))
+        click.echo(api.format_demo(report))
 
 
 @main.command()
@@ -452,9 +429,7 @@ def imatrix(model, out, calibration, rows, seq_len, device, overwrite, as_json) 
       mixq imatrix ./GLM-5.3-Flash glm.imatrix.gguf --calibration calibration.txt
       mixq convert ./GLM-5.3-Flash glm-Q3_K_M.gguf --type Q3_K_M --imatrix glm.imatrix.gguf
     """
-    from mixq.convert.imatrix import make_imatrix
-
-    d = make_imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device,
+    d = api.imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device,
                      overwrite=overwrite)
     if as_json:
         _print_json(d)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT.parent))
 
 from mixq.convert import measure as cs  # noqa: E402
-from mixq.convert.planning import _exl3_group, plan_model  # noqa: E402
+from mixq.convert.planning import allocator_unit, plan_model  # noqa: E402
 from mixq.formats.glm5next import global_hf_name  # noqa: E402
 from mixq.formats.checkpoint import open_checkpoint  # noqa: E402
 
@@ -34,7 +34,7 @@ def unit_bits(plan, ck) -> dict[str, float]:
     for t in plan.tensors:
         info = ck.info(t.name)
         if t.bits is not None and info.exl3_bits_key == "bits" and not info.mtp:
-            out.setdefault(_exl3_group(info, t.name), t.bits)
+            out.setdefault(allocator_unit(info, t.name), t.bits)
     return out
 
 

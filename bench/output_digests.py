@@ -59,7 +59,8 @@ def run(out: Path, models: list[str], exl3_tiny: bool) -> dict[str, str]:
              "--overwrite")
         res[f"{name}.imatrix.gguf"] = sha256(imat)
         gg = out / f"{name}-Q4_K_M.gguf"
-        mixq("convert", m, str(gg), "--format", "gguf", "--type", "Q4_K_M", "--imatrix", str(imat), "--threads", "1")
+        mixq("convert", m, str(gg), "--format", "gguf", "--type", "Q4_K_M", "--imatrix", str(imat), "--threads", "1",
+             "--overwrite")
         res[f"{name}-Q4_K_M-imatrix.gguf"] = sha256(gg)
         for label, args in {
             "plan-exl3-3.05": ["--format", "exl3", "--bpw", "3.05"],

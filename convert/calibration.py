@@ -127,7 +127,7 @@ def module_to_hf(layer: int, local: str) -> str:
     return name
 
 
-def _layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+def layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Assemble the module's state dict from checkpoint tensors (fetch: HF name -> tensor)."""
     sd: dict[str, torch.Tensor] = {}
     for key, ref in module.state_dict(keep_vars=True).items():

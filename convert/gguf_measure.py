@@ -42,14 +42,14 @@ class GGUFMeasurement:
 def measured_units(ckpt, include_mtp: bool = True, ladder: str = "k") -> dict[str, tuple]:
     """The GGUF tensors a measured plan budgets -> (spec, ladder types): what the planner budgets (its budget
     roles, not pinned to Q8_0, not NextN) plus token_embd and output.weight (large levers; the role plan pins them)."""
-    from mixq.convert.planning import _BUDGET_ROLES
+    from mixq.convert.planning import BUDGET_ROLES
     from mixq.formats.gguf_names import gguf_tensors
 
     out = {}
     for s in gguf_tensors(ckpt, include_mtp=include_mtp):
         if s.policy != "quant" or s.mtp or not gm.allows_quantization(s.name, s.shape):
             continue
-        if s.role in _BUDGET_ROLES or s.role in MEASURED_ROLES:
+        if s.role in BUDGET_ROLES or s.role in MEASURED_ROLES:
             out[s.name] = (s, gm.ladder(int(s.shape[-1]), kind=ladder))
     return out
 
@@ -257,7 +257,7 @@ def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw
     allocator's hull-greedy solver, then a fill of what it left). Never worse than the role-model plan of the
     same tensors and budget under the same curves (``never_worse``; the report says which was taken).
     Returns a ``planning.Plan``."""
-    from mixq.convert.planning import _BUDGET_ROLES, Plan, PlannedTensor, _gguf_ctx, _kv_bytes, role_summary
+    from mixq.convert.planning import BUDGET_ROLES, Plan, PlannedTensor, gguf_mix_context, gguf_metadata_bytes, role_summary
     from mixq.errors import PlanError
     from mixq.formats.gguf_names import gguf_tensors
     from mixq.quant import allocator as al
@@ -266,7 +266,7 @@ def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw
         raise PlanError("a measured GGUF plan needs exactly one of --bpw, --size")
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
     budgeted = measured_units(ckpt, include_mtp, ladder)
-    kv = _kv_bytes(ckpt, _gguf_ctx(ckpt, include_mtp).n_layer_all)
+    kv = gguf_metadata_bytes(ckpt, gguf_mix_context(ckpt, include_mtp).n_layer_all)
     types: dict[str, str] = {}
     units = []
     for s in specs:
@@ -281,7 +281,7 @@ def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw
         elif s.policy == "q8_floor" and gm.allows_quantization(s.name, s.shape):
             types[s.name] = gm.fallback("Q8_0", ne0)
         elif s.mtp and s.policy == "quant" and gm.allows_quantization(s.name, s.shape) \
-                and s.role in _BUDGET_ROLES + MEASURED_ROLES:
+                and s.role in BUDGET_ROLES + MEASURED_ROLES:
             types[s.name] = gm.fallback(gm.bits_to_type(mtp_bits), ne0)
         else:
             types[s.name] = "F32" if s.policy == "f32" or len(s.shape) < 2 else "BF16"

@@ -217,7 +217,7 @@ class LayerTuner:
     def layer(self, layer: int, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Tune decoder layer `layer` (`encoded`: GGUF name -> Hessian-rounded blocks of its covered tensors, and
         token_embd's for the first layer), advance both streams past it, and return the tuned blocks."""
-        from mixq.convert.calibration import _layer_state_dict
+        from mixq.convert.calibration import layer_state_dict
 
         self.held = 0
         first = self.source is None
@@ -236,7 +236,7 @@ class LayerTuner:
 
         def state():
             vals = self._tuned_values(tuned)
-            return _layer_state_dict(mod, layer, lambda n: vals[n] if n in vals else constant(n))
+            return layer_state_dict(mod, layer, lambda n: vals[n] if n in vals else constant(n))
 
         def quant_input(sl: slice) -> torch.Tensor:
             return self._embedded(sl) if first else self.quant[sl].to(self.device)

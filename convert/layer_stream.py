@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixq.convert.calibration import PREFIX, _layer_state_dict
+from mixq.convert.calibration import PREFIX, layer_state_dict
 from mixq.formats.glm5next import global_hf_name
 
 Fetch = Callable[[str], torch.Tensor]
@@ -72,7 +72,7 @@ class DecoderStream:
     def materialize(self, layer: int, fetch: Fetch) -> nn.Module:
         """Decoder layer `layer` holding the tensors `fetch` returns (checkpoint names), on `device`, eval mode."""
         mod = self.skeleton.layers[layer]
-        sd = _layer_state_dict(mod, layer, lambda n: fetch(n).float())
+        sd = layer_state_dict(mod, layer, lambda n: fetch(n).float())
         mod.to_empty(device=self.device)
         mod.load_state_dict(sd, strict=True)  # copies across devices: no second device copy of the layer
         return mod.to(self.dtype).eval()

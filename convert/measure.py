@@ -48,14 +48,14 @@ BIG_MODEL = 2_000_000_000
 
 def budget_units(ckpt) -> dict[str, list]:
     """The planner's budgeted EXL3 units (``bits`` key) -> their Exl3Units (from formats/exl3_names)."""
-    from mixq.convert.planning import _exl3_group
+    from mixq.convert.planning import allocator_unit
     from mixq.formats.exl3_names import exl3_layout
 
     groups: dict[str, list] = {}
     for u in exl3_layout(ckpt, include_mtp=False):
         if u.kind == "trellis" and u.bits_key == "bits":
             n = u.hf_names[0]
-            groups.setdefault(_exl3_group(ckpt.info(n), n), []).append(u)
+            groups.setdefault(allocator_unit(ckpt.info(n), n), []).append(u)
     return groups
 
 
@@ -186,13 +186,13 @@ def _measure_experts(stage, us, cap: RoutingCapture | None, fetch, rates, strips
 def predicted_loss(plan, curves: Mapping[str, Mapping[float, float]], ckpt) -> float:
     """Σ over the budgeted units of ``plan`` (EXL3) of the curve value at the unit's planned bits: the total
     error the solver predicts for that plan under ``curves``."""
-    from mixq.convert.planning import _exl3_group
+    from mixq.convert.planning import allocator_unit
 
     levels: dict[str, float] = {}
     for t in plan.tensors:
         info = ckpt.info(t.name)
         if t.bits is not None and info.exl3 == "trellis" and info.exl3_bits_key == "bits" and not info.mtp:
-            levels.setdefault(_exl3_group(info, t.name), t.bits)
+            levels.setdefault(allocator_unit(info, t.name), t.bits)
     missing = [k for k in levels if k not in curves]
     if missing:
         raise InputError(f"no curve for unit {missing[0]!r}")

@@ -304,7 +304,7 @@ def _st_header(names_shapes: Iterable[tuple[str, int]], n_shards: int) -> int:
     return per + n_shards * 10
 
 
-def _exl3_group(info, name: str) -> str:
+def allocator_unit(info, name: str) -> str:
     """The allocator unit of a trellis tensor (the table's group: a layer's routed experts share one rate, a fused
     EXL3 Linear is one unit, anything else is its own)."""
     return info.exl3_group
@@ -345,7 +345,7 @@ def _plan_exl3(ckpt, *, bpw, size, overrides, head_bits, mtp_bits, vision_bits, 
                     raise PlanError(f"{key.replace('_', '-')} {bits}: EXL3 bits must be one of {al.EXL3_RATES} or 16")
                 fixed[name] = (bits, "trellis", al.exl3_linear_bytes(out_f, in_f, bits))
             continue
-        g = _exl3_group(info, name) + (f"@{bits:g}" if bits is not None else "")
+        g = allocator_unit(info, name) + (f"@{bits:g}" if bits is not None else "")
         members.setdefault(g, []).append(name)
         unit_info.setdefault(g, (info.role, info.layer, bits))
     _check_unused(overrides)
@@ -411,10 +411,11 @@ def _apply_measure(units: Sequence[al.Unit], measure: Mapping[str, Mapping[float
 
 
 # --- GGUF ----------------------------------------------------------------------------------------------------
-_BUDGET_ROLES = ("attn", "routed_expert", "shared_expert", "dense_mlp")
+BUDGET_ROLES = ("attn", "routed_expert", "shared_expert", "dense_mlp")  # the roles a GGUF --bpw/--size budget sets
 
 
-def _gguf_ctx(ckpt, include_mtp: bool) -> gm.MixContext:
+def gguf_mix_context(ckpt, include_mtp: bool) -> gm.MixContext:
+    """What llama.cpp's type-mix rules read of a model: layer and expert counts, GQA, the glm5-next policy."""
     tc = ckpt.text_config
     n_all = ckpt.num_hidden_layers + (len(ckpt.nextn_layers) if include_mtp else 0)
     first_kda = (ckpt.layer_types or ["linear_attention"])[0] == "linear_attention"
@@ -423,7 +424,7 @@ def _gguf_ctx(ckpt, include_mtp: bool) -> gm.MixContext:
                          policy=gguf_policy)
 
 
-def _kv_bytes(ckpt, n_layer_all: int) -> int:
+def gguf_metadata_bytes(ckpt, n_layer_all: int) -> int:
     """GGUF metadata estimate, exact token/merge byte counts when tokenizer.json is present."""
     vocab = int(ckpt.text_config.get("vocab_size", 0) or 0)
     tb = mb = None
@@ -450,7 +451,7 @@ def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, includ
     from mixq.formats.gguf_names import gguf_tensors
 
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
-    ctx = _gguf_ctx(ckpt, include_mtp)
+    ctx = gguf_mix_context(ckpt, include_mtp)
     src = ["F32" if s.policy == "f32" else "BF16" for s in specs]
     quantizable = [s.policy in ("quant", "q8_floor") and gm.allows_quantization(s.name, s.shape, s.policy)
                    for s in specs]
@@ -461,7 +462,7 @@ def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, includ
             if o:
                 manual[i] = gm.ggml_type(o.value).name
     _check_unused(overrides)
-    kv = _kv_bytes(ckpt, ctx.n_layer_all)
+    kv = gguf_metadata_bytes(ckpt, ctx.n_layer_all)
     in_budget = [quantizable[i] and not s.mtp and s.role not in ("lm_head", "embed") for i, s in enumerate(specs)]
     if qtype is not None:
         types = gm.mix_types([(s.name, s.shape, src[i]) for i, s in enumerate(specs)], qtype, ctx, manual=manual)
@@ -481,7 +482,7 @@ def _plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, includ
             elif s.role == "lm_head":
                 t = gm.bits_to_type(head_bits)
                 types[i] = gm.fallback(t, ne0) if gm.is_quantized_type(t) else t
-            elif s.role in _BUDGET_ROLES:
+            elif s.role in BUDGET_ROLES:
                 lad = gm.ladder(ne0, kind=ladder)
                 unit_types[s.name] = {gm.type_bpw(t): t for t in lad}
                 units.append(al.Unit(key=s.name, role=s.role, numel=_numel(s.shape),
@@ -548,7 +549,7 @@ def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int =
                 continue
             w = ckpt.get(name)
             tr_h = float(acc.sum_sq.sum()) / max(1, n_tokens)
-            key = _exl3_group(info, name)
+            key = allocator_unit(info, name)
             weight[key] = weight.get(key, 0.0) + float(w.square().mean()) * w.shape[0] * tr_h
         stage.advance()
     return {k: {b: v * 2.0 ** (-2 * b) for b in al.EXL3_RATES} for k, v in weight.items()}

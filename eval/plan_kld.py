@@ -54,25 +54,33 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
             raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
         ckpt = open_checkpoint(model) if ckpt is None else ckpt
         t0 = time.time()
-        if fmt == "gguf":
-            from mixq.eval.gguf_kld import gguf_kld_curves
-            from mixq.formats.gguf_names import gguf_tensors
-
-            if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
-                from mixq.formats.imatrix_file import check_names, read_imatrix
-
-                im = check_names(read_imatrix(imatrix), [s.name for s in gguf_tensors(ckpt)], f"--imatrix {imatrix}")
-                imatrix = im.means()
-            curves = gguf_kld_curves(ckpt, calibration or None, ladder=plan_kw.get("gguf_ladder") or "k",
-                                     rounding=rounding, imatrix=imatrix, device=device, progress=progress)
-        else:
-            curves = kld_curves(ckpt, calibration or None, device=device, sample=measure_sample, progress=progress)
+        curves = measure_kld(ckpt, fmt, calibration, sample=measure_sample, device=device, rounding=rounding,
+                             imatrix=imatrix, gguf_ladder=plan_kw.get("gguf_ladder") or "k", progress=progress)
         if measure_out:
             save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
                                                    "seconds": round(time.time() - t0, 1)})
         measure, measure_out = curves, None
     return plan(model, fmt, from_config=from_config, measure=measure, calibration=calibration,
                 measure_out=measure_out, measure_sample=measure_sample, device=device, **plan_kw)
+
+
+def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = "auto", device: str | None = None,
+                rounding: str = "exact", imatrix=None, gguf_ladder: str = "k",
+                progress: bool = True) -> dict[str, dict[float, float]]:
+    """End-to-end KLD curves {unit: {bits or type: KLD}} of every budgeted unit: EXL3 (``kld_curves``) or GGUF
+    (``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and ``imatrix``, a file or means)."""
+    if fmt == "gguf":
+        from mixq.eval.gguf_kld import gguf_kld_curves
+        from mixq.formats.gguf_names import gguf_tensors
+
+        if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
+            from mixq.formats.imatrix_file import check_names, read_imatrix
+
+            im = check_names(read_imatrix(imatrix), [s.name for s in gguf_tensors(ckpt)], f"--imatrix {imatrix}")
+            imatrix = im.means()
+        return gguf_kld_curves(ckpt, calibration or None, ladder=gguf_ladder, rounding=rounding, imatrix=imatrix,
+                               device=device, progress=progress)
+    return kld_curves(ckpt, calibration or None, device=device, sample=sample, progress=progress)
 
 
 def _path_or_none(value):

@@ -334,7 +334,7 @@ def _meta_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in sd.items()}
 
 
-def _nextn_shapes(config: dict, text: dict, layer_types: list[str]) -> dict[str, tuple[int, ...]]:
+def nextn_shapes(config: dict, text: dict, layer_types: list[str]) -> dict[str, tuple[int, ...]]:
     """Shapes of the NextN block(s): a DSA + MoE decoder layer (indexer full) without the tensors the table keeps
     out of NextN blocks (mHC), plus the NextN-only tensors of the table (eh_proj, enorm, hnorm, shared_head.norm)."""
     k = int(text.get("num_nextn_predict_layers", 0) or 0)
@@ -377,7 +377,7 @@ def checkpoint_from_config(config_path: str | os.PathLike) -> Checkpoint:
         shapes = _meta_state_shapes(c)
         if not isinstance(config.get("vision_config"), dict):  # text-only config: no vision tower to plan
             shapes = {k: v for k, v in shapes.items() if not is_vision(k)}
-        shapes.update(_nextn_shapes(c, tc, lt))
+        shapes.update(nextn_shapes(c, tc, lt))
     except InputError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers rejects inconsistent configs with many error types

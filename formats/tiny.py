@@ -101,10 +101,10 @@ def _is_fp8_target(name: str, shape: tuple[int, ...], dsa_layers: set[int]) -> b
 def _nextn_tensors(sd: dict[str, torch.Tensor], n: int, hidden: int, gen: torch.Generator,
                    config: dict) -> dict[str, torch.Tensor]:
     """NextN block at layers.{n}: body copied from the last trunk layer when it is DSA + MoE (else random)."""
-    from mixq.formats.checkpoint import _nextn_shapes
+    from mixq.formats.checkpoint import nextn_shapes
 
     text = config["text_config"]
-    shapes = _nextn_shapes(config, text, text["layer_types"])
+    shapes = nextn_shapes(config, text, text["layer_types"])
     src, dst = f"layers.{n - 1}.", f"layers.{n}."
     out = {}
     for name, shape in shapes.items():

@@ -45,7 +45,7 @@ def _f32(v: float) -> float:
 
 if triton is not None:
     @triton.jit
-    def _nearest(v):
+    def nearest_int_bits(v):
         """ggml nearest_int (bit trick), NaN -> 0 as on x86; int32."""
         t = (v + 12582912.0).to(tl.int32, bitcast=True)
         r = (t & 0x007FFFFF) - 0x00400000
@@ -54,7 +54,7 @@ if triton is not None:
     @triton.jit
     def _level(x, mn, isc, NMAX: tl.constexpr):
         """clamp(nearest_int(isc * (x - mn)), 0, NMAX) as float."""
-        lv = _nearest(isc * (x - mn))
+        lv = nearest_int_bits(isc * (x - mn))
         return tl.minimum(tl.maximum(lv, 0), NMAX).to(tl.float32)
 
     def _qkx_src(x_ptr, w_ptr, num_ptr, scale_ptr, min_ptr, L_ptr, B, NCAND: tl.constexpr,
@@ -146,7 +146,7 @@ if triton is not None:
                 wi = xi * xi
             else:
                 wi = tl.load(w_ptr + i * B + lane, mask=m, other=0.0)
-            lv = tl.minimum(tl.maximum(_nearest(isc * xi), -NMAX), NMAX - 1).to(tl.float32)
+            lv = tl.minimum(tl.maximum(nearest_int_bits(isc * xi), -NMAX), NMAX - 1).to(tl.float32)
             sumlx = sumlx + wi * xi * lv
             suml2 = suml2 + wi * lv * lv
         return sumlx, suml2
@@ -182,7 +182,7 @@ if triton is not None:
         tl.store(scale_ptr + lane, tl.where(zero, 0.0, scale), mask=m)
         for i in tl.static_range(N):
             xi = tl.load(x_ptr + i * B + lane, mask=m, other=0.0)
-            lv = tl.minimum(tl.maximum(_nearest(win * xi), -NMAX), NMAX - 1) + NMAX
+            lv = tl.minimum(tl.maximum(nearest_int_bits(win * xi), -NMAX), NMAX - 1) + NMAX
             tl.store(L_ptr + i * B + lane, tl.where(zero, 0, lv), mask=m)
 
 
@@ -192,7 +192,7 @@ def _kernels():
     return triton.jit(_qkx_src), triton.jit(_qx_src)
 
 
-def _launch_opts(device: torch.device, num_warps: int = 4) -> dict:
+def launch_opts(device: torch.device, num_warps: int = 4) -> dict:
     """Compile options on CUDA (none in the interpreter)."""
     return dict(_OPTIONS, num_warps=num_warps) if device.type == "cuda" else {}
 
@@ -211,7 +211,7 @@ def qkx_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta:
     L = torch.empty((n, B), dtype=torch.int32, device=x.device)
     qkx, _ = _kernels()
     qkx[(triton.cdiv(B, LANES),)](xf, wf, num, scale, the_min, L, B, nstep + 1, NMAX=nmax, N=n, USE_MAD=use_mad,
-                                   LANES=LANES, **_launch_opts(x.device))
+                                   LANES=LANES, **launch_opts(x.device))
     return scale.reshape(batch), the_min.reshape(batch), L.reshape(x.shape)
 
 
@@ -227,7 +227,7 @@ def qx_search(x: torch.Tensor, nmax: int, qw: torch.Tensor | None, eps: float) -
     L = torch.empty((n, B), dtype=torch.int32, device=x.device)
     _, qx = _kernels()
     qx[(triton.cdiv(B, LANES),)](xf, wf, num, scale, L, B, len(nums), NMAX=nmax, N=n, W_IS_X2=qw is None, EPS=eps,
-                                 LANES=LANES, **_launch_opts(x.device))
+                                 LANES=LANES, **launch_opts(x.device))
     return scale.reshape(batch), L.reshape(x.shape)
 
 

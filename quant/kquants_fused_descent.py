@@ -15,13 +15,13 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .kquants_fused import LANES, _launch_opts, triton, tl
+from .kquants_fused import LANES, launch_opts, triton, tl
 
 F32 = torch.float32
 
 
 if triton is not None:
-    from .kquants_fused import _nearest
+    from .kquants_fused import nearest_int_bits
 
     @triton.jit
     def _col(tile, cols, i):
@@ -44,7 +44,7 @@ if triton is not None:
                 lf = li.to(tl.float32)
                 slx = sumlx - wi * xi * lf
                 sl2 = suml2 - wi * lf * lf
-                new = tl.minimum(_nearest(tl.math.div_rn(xi * sl2, slx)), HI)
+                new = tl.minimum(nearest_int_bits(tl.math.div_rn(xi * sl2, slx)), HI)
                 if not QP:
                     new = tl.maximum(new, LO)
                 nf = new.to(tl.float32)
@@ -99,7 +99,7 @@ if triton is not None:
         for i in tl.static_range(N):
             xi = tl.load(x_ptr + i * B + lane, mask=m, other=0.0)
             wi = tl.load(w_ptr + i * B + lane, mask=m, other=0.0)
-            lv = tl.minimum(_nearest(iscale * xi), NMAX)
+            lv = tl.minimum(nearest_int_bits(iscale * xi), NMAX)
             lf = lv.to(tl.float32)
             sumlx = sumlx + wi * xi * lf
             suml2 = suml2 + wi * lf * lf
@@ -117,7 +117,7 @@ if triton is not None:
         for i in range(N):
             xi = tl.load(x_ptr + i * B + lane, mask=m, other=0.0)
             wi = tl.load(w_ptr + i * B + lane, mask=m, other=0.0)
-            lv = _nearest(isc * xi)
+            lv = nearest_int_bits(isc * xi)
             if FIRST:
                 lv = lv & 0xFF
             else:
@@ -148,7 +148,7 @@ if triton is not None:
         suml2 = tl.zeros([LANES], tl.float32)
         for i in tl.static_range(N):
             xi = tl.load(x_ptr + i * B + lane, mask=m, other=0.0)
-            lv = tl.minimum(tl.maximum(_nearest(iscale * xi), -NMAX), NMAX - 1)
+            lv = tl.minimum(tl.maximum(nearest_int_bits(iscale * xi), -NMAX), NMAX - 1)
             lf = lv.to(tl.float32)
             wi = xi * xi
             sumlx = sumlx + wi * xi * lf
@@ -176,7 +176,7 @@ def seq_sum(a: torch.Tensor, from_first: bool = False) -> torch.Tensor:
     af = a.reshape(n, -1).contiguous()
     B = af.shape[1]
     out = torch.empty(B, dtype=F32, device=a.device)
-    _kernels()[0][_grid(B)](af, out, B, N=n, FROM_FIRST=from_first, LANES=LANES, **_launch_opts(a.device))
+    _kernels()[0][_grid(B)](af, out, B, N=n, FROM_FIRST=from_first, LANES=LANES, **launch_opts(a.device))
     return out.reshape(batch)
 
 
@@ -190,7 +190,7 @@ def qp_search(x: torch.Tensor, nmax: int, qw: torch.Tensor, eps: float) -> tuple
     scale = torch.empty(B, dtype=F32, device=x.device)
     L = torch.empty((n, B), dtype=torch.int32, device=x.device)
     _kernels()[1][_grid(B)](xf, wf, num, scale, L, B, N=n, NP2=triton.next_power_of_2(n), NMAX=nmax, EPS=eps,
-                            LANES=LANES, **_launch_opts(x.device))
+                            LANES=LANES, **launch_opts(x.device))
     return scale.reshape(batch), L.reshape(x.shape)
 
 
@@ -202,5 +202,5 @@ def q3_search(x: torch.Tensor, nmax: int, eps: float) -> tuple[torch.Tensor, tor
     scale = torch.empty(B, dtype=F32, device=x.device)
     L = torch.empty((n, B), dtype=torch.int32, device=x.device)
     _kernels()[2][_grid(B)](xf, scale, L, B, N=n, NP2=triton.next_power_of_2(n), NMAX=nmax, EPS=eps, LANES=LANES,
-                            **_launch_opts(x.device))
+                            **launch_opts(x.device))
     return scale.reshape(batch), L.reshape(x.shape)

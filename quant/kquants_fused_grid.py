@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import kquants_iq2
-from .kquants_fused import _launch_opts, triton, tl
+from .kquants_fused import launch_opts, triton, tl
 
 F32 = torch.float32
 # sub-blocks per program: the neighbour scan runs to the longest list among a program's lanes, so
@@ -48,7 +48,7 @@ def grid_tables(qtype: str, device: str) -> GridTables:
 
 
 if triton is not None:
-    from .kquants_fused import _nearest
+    from .kquants_fused import nearest_int_bits
 
     @triton.jit
     def _group_levels_code(x_ptr, lane, m, B, g0, idv, GROUP: tl.constexpr, BITS: tl.constexpr,
@@ -57,7 +57,7 @@ if triton is not None:
         code = tl.zeros(idv.shape, tl.int32)
         for j in tl.static_range(GROUP):
             xj = tl.load(x_ptr + (g0 + j) * B + lane, mask=m, other=0.0)
-            lv = _nearest((idv * xj - 1.0) * 0.5)
+            lv = nearest_int_bits((idv * xj - 1.0) * 0.5)
             lv = tl.minimum(tl.maximum(lv, 0), NLEV - 1)
             code = code | (lv << (BITS * j))
         return code
@@ -197,7 +197,7 @@ def search(qtype: str, xval: torch.Tensor, w: torch.Tensor, waux: torch.Tensor, 
         xval.contiguous(), w.contiguous(), waux.contiguous(), base.contiguous(), scale.contiguous(), num,
         tables.kmap, tables.nb_row, tables.nb_len, tables.nb, tables.codes, tmp, win, on, out_scale, B,
         NCAND=len(nums), M=M, GROUP=group, BITS=bits, NLEV=nlev, MAXLEN=tables.maxlen, REFINE=_REFINE[refine],
-        ON_INIT=int(refine != "all_if_offgrid"), LANES=LANES, **_launch_opts(dev, num_warps=2))
+        ON_INIT=int(refine != "all_if_offgrid"), LANES=LANES, **launch_opts(dev, num_warps=2))
     shifts = torch.as_tensor(cb.shifts, device=dev, dtype=torch.int32)
     L = (win[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)   # (ng, group, B)
     return out_scale, L

@@ -91,11 +91,11 @@ def test_cli_impossible_fit_exit_2(mini_model):
 
 
 def test_measure_curves_drive_the_allocation(mini_model):
-    from mixq.convert.planning import _exl3_group
+    from mixq.convert.planning import allocator_unit
 
     ck = open_checkpoint(mini_model)
     base = plan_model(ck, "exl3", bpw=4.0)
-    keys = {_exl3_group(ck.info(t.name), t.name) for t in base.tensors
+    keys = {allocator_unit(ck.info(t.name), t.name) for t in base.tensors
             if t.type == "trellis" and ck.info(t.name).exl3_bits_key == "bits"}
     # measured (absolute errors per unit): experts far more sensitive than everything else -> they get the bits
     curves = {k: {b: (1e4 if k.endswith(".experts") else 1.0) * 2 ** (-2 * b) for b in (2, 3, 4, 5, 6)}

@@ -1,0 +1,109 @@
+"""mixq's public API: one function per verb, each checking its own inputs before any work.
+
+    import mixq
+    mixq.inspect("glm5next-mini")                                   # roles, tensors, bytes
+    plan = mixq.plan("glm5next-mini", "gguf", qtype="Q4_K_M")       # bits / types and bytes per tensor
+    res = mixq.convert("glm5next-mini", "mini-Q4_K_M.gguf", qtype="Q4_K_M")
+    mixq.verify(res.out)
+    report = mixq.evaluate("glm5next-mini", [res.out], "heldout.txt")
+
+`mixq` re-exports every name of `__all__`; the command line (cli.py) calls these functions and only translates
+flags into their arguments and their errors (`mixq.errors`) into one line and exit code 2.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from mixq.convert.api import convert, output_format, verify
+from mixq.convert.imatrix import make_imatrix
+from mixq.convert.measure import resolve_measure, save_curves
+from mixq.convert.options import Exl3Options, GGUFOptions, options_for
+from mixq.convert.outputs import check_outputs, writing
+from mixq.convert.planning import format_plan
+from mixq.convert.result import ConvertResult
+from mixq.demo import format_demo, run_demo
+from mixq.errors import FormatError, InputError, MixqError, PlanError
+from mixq.eval.api import DEFAULT_WINDOWS
+from mixq.eval.api import evaluate as _evaluate_streamed
+from mixq.eval.plan_kld import measure_kld, run_plan
+from mixq.eval.report import compare, render_markdown
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import validate_checkpoint
+from mixq.formats.model_summary import format_report, inspect_path
+from mixq.quant.device import resolve_device
+
+__all__ = ["inspect", "plan", "measure", "convert", "verify", "evaluate", "compare", "imatrix", "demo",
+           "output_format", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
+           "format_report", "format_plan", "render_markdown", "format_demo",
+           "MixqError", "InputError", "PlanError", "FormatError"]
+
+MEASURE_METHODS = ("kld", "trellis", "proxy")
+
+
+def inspect(path: str | os.PathLike) -> dict:
+    """What is in a checkpoint directory (or hub id), a config.json (shapes only) or a .gguf: roles, tensor
+    counts, parameters, bytes, layer types. `format_report` renders it."""
+    return inspect_path(path)
+
+
+def plan(model: str | os.PathLike | None = None, fmt: str = "gguf", **options):
+    """Bits (EXL3) or ggml types (GGUF) and bytes of every tensor of `model` (or `from_config=CONFIG`), to a
+    target (`bpw`, `size` or `qtype`); with `fit`, whether the files fit a machine at a `context`. Options as
+    `mixq plan` takes them (`measure` a mode or curves, `measure_out`, `overwrite`, ...). Returns a Plan
+    (`format_plan` renders it) or a FitResult."""
+    return run_plan(None if model is None else str(model), fmt, **options)
+
+
+def measure(model: str | os.PathLike, fmt: str = "exl3", *, method: str = "kld", calibration: Sequence[str] = (),
+            out: str | os.PathLike | None = None, overwrite: bool = False, sample: str = "auto",
+            device: str | None = None, rounding: str = "exact", imatrix=None, gguf_ladder: str = "k",
+            progress: bool = True) -> dict[str, dict[float, float]]:
+    """Error curves {unit: {bits or type: error}} of every budgeted unit, for `plan(..., measure=curves)` and
+    `convert(..., measure=curves)`: `method` "kld" (end to end, EXL3 or GGUF with the conversion's `rounding`
+    and `imatrix`), "trellis" or "proxy" (EXL3). `out` saves them as the JSON `--measure FILE` reads."""
+    if method not in MEASURE_METHODS:
+        raise InputError(f"measure method {method!r}: expected one of {', '.join(MEASURE_METHODS)}")
+    check_outputs({"--measure-out": out}, {"MODEL": model, **{f"--calibration {i + 1}": c
+                                                            for i, c in enumerate(calibration)}},
+                  overwrite=overwrite)
+    ckpt = open_checkpoint(model)
+    validate_checkpoint(ckpt)
+    if method == "kld":
+        curves = measure_kld(ckpt, fmt, calibration, sample=sample, device=device, rounding=rounding,
+                             imatrix=imatrix, gguf_ladder=gguf_ladder, progress=progress)
+    else:
+        curves = resolve_measure(ckpt, method, fmt, calibration=calibration, device=device, sample=sample,
+                                 progress=progress)
+    if out is not None:
+        save_curves(curves, out, meta={"model": str(ckpt.path), "method": method})
+    return curves
+
+
+def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLike] = (),
+             text: str | os.PathLike | None = None, **options) -> dict | None:
+    """KLD / top-1 / PPL of `candidates` (HF, EXL3 directories, GGUF files) against `reference` on held-out
+    `text` (or `ref_logits=FILE`); options as `mixq eval` takes them (`ctx`, `windows`, `json_out`,
+    `markdown_out`, `save_ref`, `overwrite`, `engine`, `device`, ...). The device is resolved and the outputs are
+    checked before the (long) forward; a full disk met while writing them is one InputError. Returns the report
+    (None on a worker rank of a multi-device run)."""
+    if options.get("device") is not None:
+        resolve_device(options["device"])
+    if options.get("windows") is None:
+        options["windows"] = DEFAULT_WINDOWS
+    outs = [options.get(k) for k in ("json_out", "markdown_out", "save_ref")]
+    with writing(*[p for p in outs if p is not None and p != "-"]):
+        return _evaluate_streamed(reference, list(candidates), text, **options)
+
+
+def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Sequence[str] | None = None,
+            **options) -> dict:
+    """A llama.cpp GGUF importance matrix of `model` from a calibration forward, written to `out` (`rows`,
+    `seq_len`, `device`, `overwrite`). Returns {"file", "entries", "chunks", "chunk_size", "datasets"}."""
+    return make_imatrix(model, out, list(calibration) if calibration else None, **options)
+
+
+def demo(out_dir: str | os.PathLike = "mixq-demo", *, skip: Sequence[str] = (), progress: bool = False) -> dict:
+    """A tiny random glm5_next model through every step in `out_dir` (`format_demo` renders the report)."""
+    return run_demo(out_dir, progress=progress, skip=tuple(skip))
+

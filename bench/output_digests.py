@@ -35,8 +35,8 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def mixq(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "mixq", *args], capture_output=True, text=True)
+def mixq(*args: str, cwd: Path | None = None) -> str:
+    r = subprocess.run([sys.executable, "-m", "mixq", *args], capture_output=True, text=True, cwd=cwd)
     if r.returncode != 0:
         raise SystemExit(f"mixq {' '.join(args)} failed:\n{r.stderr[-2000:]}")
     return r.stdout
@@ -59,8 +59,10 @@ def run(out: Path, models: list[str], exl3_tiny: bool) -> dict[str, str]:
              "--overwrite")
         res[f"{name}.imatrix.gguf"] = sha256(imat)
         gg = out / f"{name}-Q4_K_M.gguf"
-        mixq("convert", m, str(gg), "--format", "gguf", "--type", "Q4_K_M", "--imatrix", str(imat), "--threads", "1",
-             "--overwrite")
+        # the imatrix by its name inside OUT: the file records it (quantize.imatrix.file), so two work directories
+        # give the same bytes
+        mixq("convert", m, gg.name, "--format", "gguf", "--type", "Q4_K_M", "--imatrix", imat.name, "--threads", "1",
+             "--overwrite", cwd=out)
         res[f"{name}-Q4_K_M-imatrix.gguf"] = sha256(gg)
         for label, args in {
             "plan-exl3-3.05": ["--format", "exl3", "--bpw", "3.05"],

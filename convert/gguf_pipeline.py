@@ -180,7 +180,12 @@ def run_gguf(model, out, opts: GGUFOptions) -> ConvertResult:
         if mm_out is not None:
             from mixq.formats.mmproj import write_mmproj
 
-            mm = write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress, overwrite=opts.overwrite)
+            try:
+                mm = write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress, overwrite=opts.overwrite)
+            except BaseException:  # the conversion asked for both files: a model file alone is not its output
+                for f in files:
+                    f.unlink(missing_ok=True)
+                raise
     return _result(run, files, mm, t0)
 
 

@@ -206,3 +206,19 @@ def test_exl3_failing_before_its_first_stage_is_done_leaves_nothing(tiny_model, 
         assert "mixq: error: the first stage failed" in r.stderr  # after the progress bars' carriage returns
     assert not made.exists()
     assert given.is_dir() and list(given.iterdir()) == []  # the user's empty directory stays
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError(28, "No space left on device")],
+                         ids=["interrupt", "disk-full"])
+def test_a_failed_projector_write_takes_the_model_file_back(error, tiny_model, tmp_path, monkeypatch):
+    """`--mmproj` asks for two files: when the projector cannot be written, the model file goes too."""
+    from mixq.formats import mmproj
+
+    def fail(*a, **k):
+        raise error
+
+    monkeypatch.setattr(mmproj, "write_mmproj", fail)
+    r = _cli("convert", tiny_model, tmp_path / "o.gguf", *GGUF, "--mmproj", tmp_path / "p.gguf")
+    assert r.exit_code in (2, 130) and "Traceback" not in r.output
+    assert "mixq: error:" in r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from mixq.convert.child_process import die_with_parent
 from mixq.errors import InputError, MixqError
 
 TIMEOUT_ENV = "MIXQ_DIST_TIMEOUT_S"
@@ -276,11 +277,12 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, devices: Sequence[str], port: int, target: Callable, args: tuple, kwargs: dict,
-            queue) -> None:
+            queue, parent: int) -> None:
     """One rank: join the group, run `target(*args, **kwargs)`, report ("ok", result) / ("error", class, message) /
     ("crash", message) on `queue`."""
     import torch.distributed as dist
 
+    die_with_parent(parent)  # a launcher killed outright takes its ranks with it
     os.environ["LOCAL_RANK"] = str(rank)
     try:
         _init_group(rank, len(devices), torch.device(devices[rank]), f"tcp://127.0.0.1:{port}")
@@ -289,6 +291,8 @@ def _worker(rank: int, devices: Sequence[str], port: int, target: Callable, args
         queue.put((rank, "ok", pickle.dumps(result if rank == 0 else None)))
     except MixqError as e:
         queue.put((rank, "error", (type(e).__name__, str(e))))
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group: the launcher reports it, in one line
+        queue.put((rank, "crash", "interrupted"))
     except BaseException as e:  # noqa: BLE001 - everything a rank can die of is reported to the launcher
         traceback.print_exc()
         line = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
@@ -310,7 +314,7 @@ def launch(target: Callable, args: tuple, devices: Sequence[str], kwargs: dict |
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, tuple(devices), port, target, args, kwargs or {}, queue),
+    procs = [ctx.Process(target=_worker, args=(r, tuple(devices), port, target, args, kwargs or {}, queue, os.getpid()),
                          daemon=False)
              for r in range(len(devices))]
     for p in procs:

@@ -21,12 +21,8 @@
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import sys
-import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -36,6 +32,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from mixq.convert.child_process import die_with_parent
 from mixq.errors import InputError, MixqError
 
 # weights per task, about 0.2-1 s of one core: large enough that pickling a task (4 bytes/weight in, <1 back) is
@@ -49,8 +46,6 @@ LOCAL_TYPES = ("F32", "F16", "BF16")
 ABORT_GRACE_S = 120.0
 # signals a terminal or a supervisor sends to the whole process group; the parent handles them, workers ignore them
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-PARENT_POLL_S = 0.5  # how often a worker looks whether its parent is still there (the portable fallback)
 # thread pools the workers' numpy / BLAS / OpenMP would otherwise size to every core, N times over
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")
@@ -182,30 +177,7 @@ def _worker_init(parent: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     # a parent killed outright (SIGKILL, OOM killer) cannot stop us, and the task pipe never reports EOF (each
     # worker holds both ends): the kernel kills us with it (Linux), a watch thread covers the other systems
-    _kill_me_with_parent()
-    if os.getppid() != parent:  # died before the line above took effect
-        os._exit(1)
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="mixq-parent-watch").start()
-
-
-def _kill_me_with_parent() -> None:
-    """Linux: prctl(PR_SET_PDEATHSIG, SIGKILL). The kernel sends it when the thread that spawned this worker
-    ends; TensorEncoder spawns and stops its pool in one call chain of one thread, so that is the parent's end."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # no usable libc: the watch thread alone
-        pass
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Leave as soon as this worker is re-parented (its parent died), instead of encoding for no one."""
-    while True:
-        time.sleep(PARENT_POLL_S)
-        if os.getppid() != parent:
-            os._exit(1)
+    die_with_parent(parent)
 
 
 def _worker_encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None, label: str,

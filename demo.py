@@ -39,7 +39,7 @@ def write_demo_tokenizer(out_dir: Path, vocab: int) -> Path:
     tokenizer.json + tokenizer_config.json in ``out_dir``. Deterministic."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from mixq.convert.calibration import BUILTIN_TEXT
+    from mixq.runtime.calibration import BUILTIN_TEXT
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -129,7 +129,7 @@ def _step_verify(ctx: dict) -> dict:
 
 
 def _step_eval(ctx: dict) -> dict:
-    from mixq.convert.calibration import BUILTIN_TEXT
+    from mixq.runtime.calibration import BUILTIN_TEXT
     from mixq.eval.api import evaluate
 
     text = ctx["out"] / "demo-text.txt"

@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--gb", type=float, default=1.0)
     a = ap.parse_args()
-    from mixq.formats.checkpoint_check import check_finite
+    from mixq.formats.finite import check_finite
 
     res: dict = {"threads": torch.get_num_threads()}
     res["validate_config_side"] = config_side_seconds(shared_dir() / "models" / "glm-5.3-flash-shape" / "config.json")

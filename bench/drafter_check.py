@@ -329,7 +329,7 @@ def engine_vs_torch(args, config, src, exl3, states, ids, anchors, engine) -> di
     """Each engine drafter against the torch forward on the same weights (6 bpw: mixq's dequantized weights)."""
     from safetensors.torch import load_file
 
-    from mixq.convert.dequant import read_exl3
+    from mixq.runtime.dequant import read_exl3
 
     emb, head = target_io_weights(args.target)
     out = {}

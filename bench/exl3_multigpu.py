@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--small", action="store_true", help="toy widths (CPU check of the script)")
     a = ap.parse_args()
-    from mixq.convert.distributed import parse_devices
+    from mixq.runtime.distributed import parse_devices
     from mixq.formats.atomic import write_json
 
     devices = list(parse_devices(a.devices))

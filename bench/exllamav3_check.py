@@ -76,7 +76,7 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 
 def check(model_dir: Path, exl3_dir: Path, *, bpw: float, ctx: int, n_windows: int, text: Path) -> dict:
     from mixq.formats.checkpoint import open_checkpoint
-    from mixq.convert.dequant import read_exl3
+    from mixq.runtime.dequant import read_exl3
 
     dev = torch.device("cuda")
     if not (exl3_dir / "config.json").exists():

@@ -29,7 +29,7 @@ TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weigh
 
 def hessians(ckpt, specs, text: Path, rows: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{GGUF name: (rounding/loss Hessian, all-token Hessian)} of the wanted tensors from one calibration walk."""
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
     from mixq.convert.gguf_hessians import layer_hessians
 
     ids = calibration_rows(load_tokenizer(ckpt.path), [text], rows=rows, seq_len=512,

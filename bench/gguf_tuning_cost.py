@@ -30,7 +30,7 @@ MODELS = {"k256": "glm5next-k256", "mini": "glm5next-mini"}
 
 def run(a: argparse.Namespace) -> dict:
     from mixq.convert import gguf_tuning as gt
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
     from mixq.convert.gguf_pipeline import assign_types
     from mixq.convert.gguf_workers import encode
     from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib

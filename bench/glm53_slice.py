@@ -315,7 +315,7 @@ def stage_eval(work: Path, device: str, windows: int = 16, ctx: int = 4096) -> d
     """Streaming `mixq eval` against the BF16 slice on held-out text, of every candidate the earlier stages left
     (mixq's EXL3 directory, the i-quant GGUF, the Q4_K_M GGUF): one reference pass, each candidate's layers
     loaded (dequantized) and run; the load times are kept per source format."""
-    from mixq.convert import dequant, layer_stream
+    from mixq.runtime import dequant, layer_stream
     from mixq.eval.api import evaluate
 
     cands = [work / n for n in EVAL_CANDIDATES if (work / n).exists()]

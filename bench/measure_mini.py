@@ -42,7 +42,7 @@ def actual_check(ck, keys, rates_by_key, calibration) -> dict[str, dict[float, f
     """Exact proxy losses of single-Linear units at the given rates (calibration as `--measure` runs it)."""
     import torch
 
-    from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.quant import trellis_loss as qs
 
     groups = cs.budget_units(ck)

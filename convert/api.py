@@ -85,7 +85,7 @@ def verify(path, *, model=None, decode: bool = True) -> dict:
 
         report = verify_exl3(p)
         if decode:  # the trellis decode lives in convert (formats does not import quant)
-            from .dequant import exl3_decode_check
+            from mixq.runtime.dequant import exl3_decode_check
 
             report["quantized"], problems = exl3_decode_check(p)
             report["problems"] += problems

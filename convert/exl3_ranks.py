@@ -1,4 +1,4 @@
-"""The EXL3 conversion over several ranks (convert/distributed.py): what the pipeline needs beyond one process.
+"""The EXL3 conversion over several ranks (runtime/distributed.py): what the pipeline needs beyond one process.
 
 - `encode_batches`: the stacked trellis calls of a stage dealt to the ranks (the largest first, each to the least
   loaded rank); each result (stored tensors, and the dequantized weight when the next layer's calibration needs
@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .distributed import RankContext, block_owner, deal
+from mixq.runtime.distributed import RankContext, block_owner, deal
 
 # one quantize_batch result per unit: ({stored tensor name: tensor}, dequantized weight or None)
 UnitResult = tuple[dict[str, torch.Tensor], "torch.Tensor | None"]

@@ -1,4 +1,4 @@
-"""Input Hessians of the GGUF tensors, layer by layer, from the calibration forward (convert/calibration.py).
+"""Input Hessians of the GGUF tensors, layer by layer, from the calibration forward (runtime/calibration.py).
 
 `layer_hessians(ckpt, specs, input_ids)` walks transformers' glm5_next decoder one layer at a time (full Σx·xᵀ
 statistics) and yields, per stage, a `StageHessians`: `get(spec)` gives H = E[x·xᵀ] of the input of a GGUF
@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from mixq.convert.calibration import LayerCalibrator, RoutingCapture, capture_routing, expert_activation
+from mixq.runtime.calibration import LayerCalibrator, RoutingCapture, capture_routing, expert_activation
 
 # weight of the (trace-normalised) all-token Hessian in each routed expert's Hessian: per-expert routed statistics
 # from a few thousand tokens over-fit (k256, held-out Hessians: down_exps error 1.08x exact at 0.05, 0.96x at 1)

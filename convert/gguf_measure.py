@@ -149,9 +149,9 @@ def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladde
     just these GGUF tensors (default: every budgeted one)."""
     from tqdm.auto import tqdm
 
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
     from mixq.convert.gguf_hessians import layer_hessians
-    from mixq.convert.gguf_rounding import check_rounding
+    from mixq.convert.options import check_rounding
 
     rounding = check_rounding(rounding)
     units = measured_units(ckpt, include_mtp, ladder)

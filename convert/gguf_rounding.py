@@ -33,21 +33,12 @@ from mixq.formats.partials import make_partial_dir
 from mixq.quant import kquants_hessian as kh
 from mixq.quant.device import pick_device
 
-ROUNDINGS = ("exact", "hessian")
 # damping of H (relative to its mean diagonal) and coordinate-descent passes after the feedback walk: measured on
 # k256 with held-out Hessians (bench/gguf_quality.py), 0.1 and 3 generalise better than GPTQ's usual 0.01 and none
 DAMP = 0.1
 REFINE_PASSES = 3
 # per-expert Hessians formed and factorised at once: bounds memory for wide experts (GLM-5.3: 288 x 6144^2)
 EXPERT_SLICE_BYTES = 1 << 30
-
-
-def check_rounding(rounding: str) -> str:
-    """The rounding mode, validated: one of ``ROUNDINGS``."""
-    r = str(rounding).lower()
-    if r not in ROUNDINGS:
-        raise InputError(f"--rounding {rounding!r}: expected one of {', '.join(ROUNDINGS)}")
-    return r
 
 
 def covered(spec, qtype: str) -> bool:
@@ -100,7 +91,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     (convert/gguf_tuning.py), with that many descent steps per stage."""
     from tqdm.auto import tqdm
 
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
     from mixq.convert.gguf_hessians import embedding_hessian, layer_hessians, token_frequency
 
     work = Path(work_dir)

@@ -102,7 +102,7 @@ class LayerTuner:
                  imatrix: Mapping[str, np.ndarray] | None = None, iters: int = DEFAULT_TUNE_ITERS,
                  lr: float | None = None, scale_lr: float | None = None, batch_rows: int = 4,
                  device: str | torch.device = "cpu", max_weights: int | None = None) -> None:
-        from mixq.convert.layer_stream import DecoderStream
+        from mixq.runtime.layer_stream import DecoderStream
 
         self.ckpt, self.ids = ckpt, input_ids.long()
         self.iters, self.lr = int(iters), float(TUNE_LR if lr is None else lr)
@@ -183,7 +183,7 @@ class LayerTuner:
 
     # -- the stages
     def _start(self, encoded: Mapping[str, np.ndarray]) -> None:
-        from mixq.convert.layer_stream import EMBED_NAME
+        from mixq.runtime.layer_stream import EMBED_NAME
 
         self.source = self.stream.embed(self.ids, self._fetch)
         fixed, tuned = self._values(None, encoded, only={s.name for s, _ in self.by_layer.get(None, [])
@@ -217,7 +217,7 @@ class LayerTuner:
     def layer(self, layer: int, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Tune decoder layer `layer` (`encoded`: GGUF name -> Hessian-rounded blocks of its covered tensors, and
         token_embd's for the first layer), advance both streams past it, and return the tuned blocks."""
-        from mixq.convert.calibration import layer_state_dict
+        from mixq.runtime.layer_stream import layer_state_dict
 
         self.held = 0
         first = self.source is None
@@ -272,7 +272,7 @@ class LayerTuner:
     def head(self, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Tune the output head (its encoded blocks in `encoded`) for the KL divergence of the quantized model's
         logits from the source model's, on the streams the last layer left."""
-        from mixq.convert.layer_stream import HEAD_NAME, NORM_NAME
+        from mixq.runtime.layer_stream import HEAD_NAME, NORM_NAME
 
         if self.source is None:
             return {}

@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from mixq.convert.child_process import die_with_parent
+from mixq.runtime.child_process import die_with_parent
 from mixq.errors import InputError, MixqError
 
 # weights per task, about 0.2-1 s of one core: large enough that pickling a task (4 bytes/weight in, <1 back) is

@@ -36,7 +36,7 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
     Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix."""
     from tqdm import tqdm
 
-    from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.checkpoint_check import validate_checkpoint
     from mixq.formats.gguf_names import TOKEN_EMBD, gguf_tensors

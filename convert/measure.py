@@ -1,6 +1,6 @@
 """`mixq plan --measure`: measure every budgeted EXL3 unit's trellis loss at every candidate bitrate.
 
-One calibration pass (``convert/calibration.py``, full Hessians, source weights) walks the decoder layer by
+One calibration pass (``runtime/calibration.py``, full Hessians, source weights) walks the decoder layer by
 layer; for every budgeted unit of the layer (the planner's units: one Linear, the fused KDA qkv, or all routed
 experts of the layer) ``quant/trellis_loss.measure`` quantizes the weight with the trellis encoder at each rate
 (LDLQ with the same Hessian the EXL3 pipeline uses) and returns tr(ΔW·H·ΔWᵀ). The result is the curves
@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from mixq.convert.calibration import RoutingCapture, capture_routing, expert_activation
+from mixq.runtime.calibration import RoutingCapture, capture_routing, expert_activation
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.glm5next import global_hf_name
@@ -80,7 +80,7 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     strips per matrix / experts per layer."""
     from tqdm.auto import tqdm
 
-    from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
 
     rows = DEFAULT_ROWS if rows is None else rows

@@ -23,6 +23,7 @@ DEFAULT_ROWS = 64
 DEFAULT_SEQ_LEN = 512
 # GGUF --rounding hessian: descent steps per stage of the block-output tuning (convert/gguf_tuning.py)
 DEFAULT_TUNE_ITERS = 200
+ROUNDINGS = ("exact", "hessian")  # GGUF --rounding: ggml's encoder, or codes chosen by each layer's output error
 DEFAULT_EXL3_SHARD = 8192 * 2**20
 PURE_FLOAT = ("F32", "F16", "BF16")
 MMPROJ_TYPES = ("F16", "Q8_0")
@@ -74,6 +75,14 @@ def parse_size_option(flag: str, v, *, zero_ok: bool = False) -> int:
     if n <= 0:
         raise InputError(f"{flag} {v!r}: expected a positive size")
     return n
+
+
+def check_rounding(rounding: str) -> str:
+    """The rounding mode, validated: one of ``ROUNDINGS``."""
+    r = str(rounding).lower()
+    if r not in ROUNDINGS:
+        raise InputError(f"--rounding {rounding!r}: expected one of {', '.join(ROUNDINGS)}")
+    return r
 
 
 def _device(cls, v) -> None:
@@ -189,8 +198,8 @@ class Exl3Options(_Options):
         self._set_devices()
 
     def _set_devices(self) -> None:
-        """--devices (several ranks, convert/distributed.py) as normalised device names; not with --device."""
-        from mixq.convert.distributed import parse_devices
+        """--devices (several ranks, runtime/distributed.py) as normalised device names; not with --device."""
+        from mixq.runtime.distributed import parse_devices
 
         self._set("devices", parse_devices(self.devices if self.devices else None, flag_of(type(self), "devices")))
         if self.devices and self.device is not None:
@@ -270,8 +279,6 @@ class GGUFOptions(_Options):
             check_pre(self.tokenizer_pre, flag_of(cls, "tokenizer_pre"))
         _device(cls, self.device)
         _size(cls, "shard_size", self.shard_size, zero_ok=True)
-        from mixq.convert.gguf_rounding import check_rounding
-
         self._set("rounding", check_rounding(self.rounding))
         self._set("calibration", _tuple(self.calibration))
         _positive_int(cls, "rows", self.rows)

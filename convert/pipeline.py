@@ -27,7 +27,7 @@ from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer
 from mixq.formats.glm5next import global_hf_name
 from mixq.formats.model_files import check_model_dir
 
-from .distributed import RankContext, launch, needs_launch, rank_context
+from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
 from .exl3_ranks import encode_batches, scan_share, share_job, shared_state
 from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
 from .exl3_estimate import check_cpu_time, describe_seconds
@@ -233,7 +233,7 @@ def _validate(run: _Exl3Run) -> None:
 
 def _calibration_ids(run: _Exl3Run) -> torch.Tensor:
     """The calibration rows, tokenized with the checkpoint's own tokenizer."""
-    from .calibration import calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
 
     o = run.opts
     return calibration_rows(load_tokenizer(run.ckpt.path), list(o.calibration) or None, rows=o.rows,
@@ -307,7 +307,7 @@ def _run_stages(run: _Exl3Run) -> None:
 
 def _run_calibrated(run: _Exl3Run, bar) -> None:
     """Decoder layers (calibrated on the already quantized layers before them) and the head."""
-    from .calibration import LayerCalibrator
+    from mixq.runtime.calibration import LayerCalibrator
 
     o, ckpt, job = run.opts, run.ckpt, run.job
     state_stage, state = shared_state(run.ranks, job)

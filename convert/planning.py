@@ -536,7 +536,7 @@ def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int =
     routing is not reflected) and D(K) = 2^(−2K), the rate–distortion slope the trellis tracks (quant/trellis). Not a
     per-rate trellis measurement: every unit's curve has the same shape, only its weight is measured. This is
     ``--measure proxy``; ``--measure`` alone measures with the trellis (``convert/measure.py``)."""
-    from mixq.convert.calibration import calibrate, calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import calibrate, calibration_rows, load_tokenizer
 
     tok = load_tokenizer(ckpt.path)
     ids = calibration_rows(tok, calibration, rows=rows, seq_len=seq_len)

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mixq.convert.dequant import CheckpointSource, DequantSource
-from mixq.convert.distributed import RankContext, launch, needs_launch, parse_devices, rank_context
+from mixq.runtime.dequant import CheckpointSource, DequantSource
+from mixq.runtime.distributed import RankContext, launch, needs_launch, parse_devices, rank_context
 from mixq.convert.outputs import check_outputs
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import write_text

@@ -1,7 +1,7 @@
 """Candidates for `mixq eval`: format detection, size on disk, their weights, and the checks against the reference.
 
 Every candidate (HF checkpoint, EXL3 directory, GGUF file) is read as HF-named dequantized tensors one decoder
-layer at a time (`convert.dequant`) and run in the reference's architecture.
+layer at a time (`runtime.dequant`) and run in the reference's architecture.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mixq.convert.dequant import DequantSource, in_text_forward, open_dequant
+from mixq.runtime.dequant import DequantSource, in_text_forward, open_dequant
 from mixq.errors import FormatError, InputError
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -78,7 +78,7 @@ def open_candidate(path: str | Path) -> Candidate:
 
 
 def open_weights(cand: Candidate, num_hidden_layers: int, device: str | torch.device = "cpu") -> DequantSource:
-    """The candidate's dequantized weights, read one decoder layer at a time (`convert.dequant`)."""
+    """The candidate's dequantized weights, read one decoder layer at a time (`runtime.dequant`)."""
     return open_dequant(cand.path, cand.format, num_hidden_layers=num_hidden_layers, device=device)
 
 

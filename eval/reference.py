@@ -162,7 +162,7 @@ class PerturbedKLD:
     float32): for models that fit."""
 
     def __init__(self, ckpt, calibration=None, *, rows: int, seq_len: int, seed: int, device: str | None) -> None:
-        from mixq.convert.calibration import calibration_rows
+        from mixq.runtime.calibration import calibration_rows
         from mixq.eval.stats import log_probs
 
         self.path = ckpt.path

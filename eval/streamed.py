@@ -1,8 +1,8 @@
 """The reference and the candidates run layer by layer over every window at once; logits per window at the end.
 
 Each model keeps only its hidden streams for all windows (float32 or bfloat16, on the GPU when they fit, else on
-the host). Per decoder layer, each model's layer is dequantized (`convert.dequant`), materialised in transformers'
-glm5_next decoder-layer module (`convert.layer_stream`), applied to all its windows and released, so peak memory
+the host). Per decoder layer, each model's layer is dequantized (`runtime.dequant`), materialised in transformers'
+glm5_next decoder-layer module (`runtime.layer_stream`), applied to all its windows and released, so peak memory
 is one layer of weights plus the streams, whatever the depth. Windows run one at a time through a layer by
 default: the same shapes as a whole-model forward of one window, hence the same numbers bit for bit (batching
 windows changes float rounding in the last bits). At the end `head(model)` holds that model's final norm and
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from mixq.convert.dequant import DequantSource
-from mixq.convert.layer_stream import HEAD_NAME, NORM_NAME, DecoderStream
+from mixq.runtime.dequant import DequantSource
+from mixq.runtime.layer_stream import HEAD_NAME, NORM_NAME, DecoderStream
 from mixq.errors import FormatError
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""`mixq eval` over several ranks (convert/distributed.py): windows dealt to ranks, per-window scalars to rank 0.
+"""`mixq eval` over several ranks (runtime/distributed.py): windows dealt to ranks, per-window scalars to rank 0.
 
 Each rank runs the reference and the candidates over its own windows only. Windows are dealt in whole batches of
 `batch_windows` (contiguous blocks of batches, rank 0 first), so every window runs in the same batch as in one
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mixq.convert.distributed import RankContext, block_owner
+from mixq.runtime.distributed import RankContext, block_owner
 
 
 def rank_window_ids(count: int, batch_windows: int, ranks: RankContext) -> list[int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.formats.checkpoint_check import check_finite
+from mixq.formats.finite import check_finite
 from mixq.formats.glm5next import (TEXT_PREFIX, TensorInfo, classify, in_nextn_block, is_vision,
                                    normalise_layer_type, nextn_only_shapes)
 from mixq.formats.model_files import check_model_dir, model_file

@@ -9,9 +9,9 @@
   (num_hidden_layers, vocab_size, hidden_size, n_routed_experts) that disagree with the weights are named first,
   since one of them explains every shape error that follows; failing those, an attention head size or rank
   (HEAD_SIZE_KEYS) is named with the value the weights imply, instead of a shape derived from it.
-- `check_finite(t, name, where)`: NaN/Inf in one tensor; `Checkpoint.get` calls it on every read, so a
+- NaN/Inf in one tensor is `formats/finite.check_finite`; `Checkpoint.get` calls it on every read, so a
   streaming pass (GGUF convert, calibration, eval) checks each tensor as it reads it, at no extra read.
-- `scan_finite(ckpt)`: the same check over the whole checkpoint up front, for commands that write into OUT
+- `scan_finite(ckpt)`: that check over the whole checkpoint up front, for commands that write into OUT
   before they have read every tensor (EXL3 convert keeps its resumable job inside OUT).
 """
 from __future__ import annotations
@@ -20,15 +20,14 @@ import json
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-import numpy as np
 import torch
 
 from mixq.errors import FormatError, InputError, MixqError
-
-if TYPE_CHECKING:
-    from mixq.formats.checkpoint import Checkpoint
+from mixq.formats.checkpoint import Checkpoint, checkpoint_from_config
+from mixq.formats.finite import check_finite, has_non_finite
+from mixq.formats.glm5next import classify
 
 INDEX = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
@@ -66,7 +65,6 @@ def checkpoint_problems(ckpt: "Checkpoint") -> list[tuple[type, str]]:
 def expected_shapes(ckpt: "Checkpoint") -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} the config implies (transformers' meta-device model plus the NextN block). A
     checkpoint without any vision tensor is a text-only release: the vision tower is then not expected."""
-    from mixq.formats.checkpoint import checkpoint_from_config
 
     skeleton = checkpoint_from_config(Path(ckpt.path) / "config.json")
     shapes = {n: tuple(skeleton.shape(n)) for n in skeleton.names()}
@@ -135,7 +133,6 @@ def _dtype_problems(ckpt: "Checkpoint") -> list[tuple[type, str]]:
 # --- config against weights --------------------------------------------------------------------------------
 def _info(ckpt: "Checkpoint", name: str):
     """The table's TensorInfo of a name, whether the checkpoint holds it or only the config implies it."""
-    from mixq.formats.glm5next import classify
 
     return ckpt.info(name) if name in ckpt else classify(name, ckpt.num_hidden_layers)
 
@@ -240,7 +237,6 @@ def _skeleton_shapes(config: dict, changes: dict[str, int]) -> dict[str, tuple[i
     """{name: shape} transformers builds from `config` with `changes` (text_config keys, dotted when nested), the
     routed experts cut to the number a token picks (attention sizes do not depend on them, and the build then
     takes a fraction of the time); None when transformers refuses the changed config."""
-    from mixq.formats.checkpoint import checkpoint_from_config
 
     c = json.loads(json.dumps(config))
     tc = c["text_config"] if isinstance(c.get("text_config"), dict) else c
@@ -320,43 +316,6 @@ def _tensor_set_problems(ckpt: "Checkpoint", expected: dict[str, tuple[int, ...]
 
 
 # --- NaN / Inf ---------------------------------------------------------------------------------------------
-# fp8 bit patterns that are NaN/Inf: (mask, value) on the raw byte (e4m3fn has NaN only; e5m2 an all-ones exponent)
-_FP8_SPECIAL = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C),
-                torch.float8_e4m3fnuz: (0xFF, 0x80), torch.float8_e5m2fnuz: (0xFF, 0x80)}
-
-
-def _has_non_finite(flat: torch.Tensor) -> bool:
-    """One pass: fused min/max for wider floats (NaN propagates through both, +-Inf shows in one; tens of GB/s),
-    a bit test on the raw byte for fp8 (whose conversion to float runs at well under 1 GB/s on a CPU)."""
-    if flat.dtype in _FP8_SPECIAL:
-        mask, value = _FP8_SPECIAL[flat.dtype]
-        u = flat.view(torch.uint8)
-        if mask != value:
-            return bool((u == value).any())
-        # the special pattern is the largest masked byte: one AND + max (numpy's uint8 loops are SIMD on CPU)
-        top = np.bitwise_and(u.numpy(), mask).max() if u.device.type == "cpu" else (u & mask).max()
-        return int(top) == value
-    lo, hi = torch.aminmax(flat)
-    return not bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def check_finite(t: torch.Tensor, name: str, where: str | Path | None) -> None:
-    """InputError naming `where` (the file) and `name` when the float tensor `t` holds NaN or +-Inf.
-    The counts and the first position are computed only for a bad tensor."""
-    if t.numel() == 0 or not t.is_floating_point():
-        return
-    flat = t.reshape(-1)
-    if not _has_non_finite(flat):
-        return
-    bad = ~torch.isfinite(flat.float())
-    first = int(bad.nonzero()[0, 0])
-    pos = [int(p) for p in torch.unravel_index(torch.tensor(first), tuple(t.shape))] if t.dim() > 1 else [first]
-    n_nan, n_bad = int(torch.isnan(flat.float()).sum()), int(bad.sum())
-    prefix = f"{where}: " if where is not None else ""
-    raise InputError(f"{prefix}tensor {name!r} holds non-finite values ({n_nan} NaN, {n_bad - n_nan} Inf of "
-                     f"{t.numel()}; first at {pos}): the checkpoint is corrupt")
-
-
 def scan_finite(ckpt: "Checkpoint", names: Iterable[str] | None = None, *, progress: bool = True,
                 chunk_bytes: int = 1 << 28) -> int:
     """Read every tensor (or `names`) once, with the FP8 block scales, in chunks of about `chunk_bytes` rows
@@ -380,7 +339,7 @@ def scan_finite(ckpt: "Checkpoint", names: Iterable[str] | None = None, *, progr
                     step = max(1, chunk_bytes // row_bytes)
                     for a in range(0, shape[0] if shape else 1, step):
                         part = sl[a:a + step] if shape else h.get_tensor(k)
-                        if part.is_floating_point() and part.numel() and _has_non_finite(part.reshape(-1)):
+                        if part.is_floating_point() and part.numel() and has_non_finite(part.reshape(-1)):
                             check_finite(h.get_tensor(k), k, f)  # the whole tensor, for the message
                         bar.update(part.numel() * part.element_size())
                         done += part.numel() * part.element_size()

@@ -11,7 +11,7 @@ from mixq.demo import DEMO_EXL3_BPW, DEMO_MODEL, SPECIAL_TOKENS, run_demo, write
 def test_demo_tokenizer_loads_and_exports_to_gguf(tmp_path):
     from transformers import AutoTokenizer
 
-    from mixq.convert.calibration import BUILTIN_TEXT
+    from mixq.runtime.calibration import BUILTIN_TEXT
     from mixq.formats.gguf_tokenizer import tokenizer_metadata
 
     vocab = DEMO_MODEL["vocab"]

@@ -46,7 +46,7 @@ class _Tok:
 
 
 def test_calibration_rows_txt_jsonl_and_defaults(tmp_path):
-    from mixq.convert.calibration import calibration_rows
+    from mixq.runtime.calibration import calibration_rows
 
     a = tmp_path / "a.txt"
     a.write_text("hello world " * 50)
@@ -79,7 +79,7 @@ def test_layerwise_forward_matches_transformers_and_collects_stats(mini_model, c
     every Linear and every expert, with shared inputs sharing one accumulator."""
     import transformers
 
-    from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
 
     ck = open_checkpoint(mini_model)
@@ -118,7 +118,7 @@ def test_layerwise_forward_matches_transformers_and_collects_stats(mini_model, c
 
 
 def test_advance_with_replaced_weights_changes_the_next_layer(mini_model):
-    from mixq.convert.calibration import LayerCalibrator
+    from mixq.runtime.calibration import LayerCalibrator
     from mixq.formats.checkpoint import open_checkpoint
 
     ck = open_checkpoint(mini_model)

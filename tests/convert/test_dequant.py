@@ -1,10 +1,10 @@
-"""convert/dequant.py: per-layer dequantized weights of HF, GGUF and EXL3 models equal the whole-file readers."""
+"""runtime/dequant.py: per-layer dequantized weights of HF, GGUF and EXL3 models equal the whole-file readers."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mixq.convert.dequant import dequantize_unit, open_dequant, read_exl3
+from mixq.runtime.dequant import dequantize_unit, open_dequant, read_exl3
 from mixq.errors import InputError
 from mixq.formats.glm5next import classify
 
@@ -76,7 +76,7 @@ def test_exl3_decode_check_matches_verify(tiny_exl3_cheap, tmp_path):
     import shutil
 
     from mixq.convert.api import verify
-    from mixq.convert.dequant import exl3_decode_check
+    from mixq.runtime.dequant import exl3_decode_check
     from mixq.formats.exl3_reader import Exl3Dir, verify_exl3
 
     n, problems = exl3_decode_check(tiny_exl3_cheap)

@@ -1,4 +1,4 @@
-"""convert/distributed.py and the EXL3 conversion over several ranks (gloo, CPU processes).
+"""runtime/distributed.py and the EXL3 conversion over several ranks (gloo, CPU processes).
 
 The end-to-end test converts a tiny MoE checkpoint in one process and over two CPU ranks (`devices="cpu,cpu"`)
 and compares every output file's sha256. The trellis encoder is replaced (in this process, and in the workers
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixq.convert import distributed as D
+from mixq.runtime import distributed as D
 from mixq.errors import InputError
 
 # ------------------------------------------------------------------------------------------------ pure parts

@@ -225,7 +225,7 @@ def test_drafter_at_6_bpw_real_trellis_round_trip(tmp_path):
 
     from mixq.convert.api import convert, verify
     from mixq.formats.dflash2 import lookup
-    from mixq.convert.dequant import read_exl3
+    from mixq.runtime.dequant import read_exl3
 
     src = write_tiny_drafter(tmp_path / "d", SMALL_TARGET, **SMALL)
     out = tmp_path / "o"

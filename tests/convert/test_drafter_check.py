@@ -190,7 +190,7 @@ class FakeDrafter:
     def attach_to(self, target) -> None:
         from safetensors.torch import load_file
 
-        import mixq.convert.dequant as dequant
+        import mixq.runtime.dequant as dequant
         from mixq.formats.dflash2 import lookup
 
         self.target = target
@@ -323,7 +323,7 @@ def _check(monkeypatch, tmp_path, tiny_model, calibration_text, heldout_text, co
         monkeypatch.setattr(check, "convert_drafter_cli", convert)
     out = tmp_path / "check"
     if lossless:  # a 6 bpw file that decodes to the BF16 weights exactly
-        import mixq.convert.dequant as dequant
+        import mixq.runtime.dequant as dequant
         from safetensors.torch import load_file
 
         monkeypatch.setattr(dequant, "read_exl3", lambda path, device="cpu": {

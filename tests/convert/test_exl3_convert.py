@@ -190,7 +190,7 @@ def test_convert_verify_and_plan_coverage(tiny_model, tiny_exl3):
 def test_read_back_and_transformers_forward(tiny_model, tiny_exl3):
     from mixq.eval.reference import build_model
     from mixq.formats.checkpoint import open_checkpoint
-    from mixq.convert.dequant import read_exl3
+    from mixq.runtime.dequant import read_exl3
 
     out, _ = tiny_exl3
     ck = open_checkpoint(tiny_model)

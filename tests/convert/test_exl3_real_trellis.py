@@ -17,7 +17,7 @@ def test_real_trellis_end_to_end(tmp_path):
     from mixq.convert.api import convert, verify
     from mixq.eval.reference import build_model
     from mixq.formats.checkpoint import open_checkpoint
-    from mixq.convert.dequant import read_exl3
+    from mixq.runtime.dequant import read_exl3
     from mixq.formats.tiny import write_tiny_checkpoint
 
     src = write_tiny_checkpoint(tmp_path / "src", layer_types=("linear_attention", "deepseek_sparse_attention"),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from mixq.convert.options import check_rounding
 from mixq.convert import gguf_rounding as gr
 from mixq.errors import InputError
 from mixq.quant import kquants
@@ -27,9 +28,9 @@ def k256_specs(k256_model):
 
 
 def test_rounding_modes_are_checked():
-    assert gr.check_rounding("Hessian") == "hessian" and gr.check_rounding("exact") == "exact"
+    assert check_rounding("Hessian") == "hessian" and check_rounding("exact") == "exact"
     with pytest.raises(InputError, match="--rounding 'gptq': expected one of exact, hessian"):
-        gr.check_rounding("gptq")
+        check_rounding("gptq")
 
 
 def test_covered_tensors(k256_specs):
@@ -186,7 +187,7 @@ def test_embedding_metric_adds_the_residual_path(k256_specs, calibration_text, m
     """token_embd's metric: one normalised term per group of first-layer Linears reading the residual stream (mean
     diagonal 1 each), plus EMBED_RESIDUAL x its mean diagonal on the identity for the residual path."""
     import mixq.convert.gguf_hessians as gh
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
 
     ck = k256_specs[0]
     ids = calibration_rows(load_tokenizer(ck.path), [calibration_text], rows=2, seq_len=64,

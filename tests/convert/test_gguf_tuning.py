@@ -16,7 +16,7 @@ PICK = {"token_embd.weight": "Q4_K", "blk.0.attn_q.weight": "Q2_K", "blk.0.ffn_d
 
 @pytest.fixture(scope="module")
 def setup(k256_model, calibration_text):
-    from mixq.convert.calibration import calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
 

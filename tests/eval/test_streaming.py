@@ -97,7 +97,7 @@ def test_quantized_candidate_equals_whole_model_forward(fmt, tiny_model, tiny_ex
     whole dequantized model built in transformers, bit for bit."""
     import torch
 
-    from mixq.convert.dequant import read_exl3
+    from mixq.runtime.dequant import read_exl3
     from mixq.eval import reference as refm
     from mixq.eval.stats import KLAccumulator, log_probs, token_quantities
     from mixq.formats.checkpoint import open_checkpoint

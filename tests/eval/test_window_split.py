@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mixq.convert.distributed import RankContext
+from mixq.runtime.distributed import RankContext
 from mixq.eval import evaluate
 from mixq.eval.window_split import gather_in_order, rank_window_ids
 

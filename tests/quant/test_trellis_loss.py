@@ -17,7 +17,7 @@ SAMPLING_BOUND = 0.25
 @pytest.fixture(scope="module")
 def layer0(mini_model, calibration_text):
     """(checkpoint, Hessians of layers 0-1) of mini from a short real calibration pass (4 rows x 64 tokens)."""
-    from mixq.convert.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+    from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
 
     ck = open_checkpoint(mini_model)

@@ -7,7 +7,7 @@ read the same input share one accumulator object). Routed experts: every calibra
 expert for the statistics, while the output fed forward uses the model's real top-k routing. The caller may hand
 the quantized weights back (`stage.advance(...)`) so the next layer sees the quantized model's hidden states.
 
-Over several ranks (`ranks`, convert/distributed.py) each rank runs the layer's forward itself and puts every
+Over several ranks (`ranks`, runtime/distributed.py) each rank runs the layer's forward itself and puts every
 token through its own block of routed experts only (the all-expert statistics are what costs E times a forward);
 each expert's finished Hessian is then shared with every rank, so every rank yields the same statistics as one
 process. The statistics pass then leaves the routed output out, so `advance` needs the weights to run the layer.
@@ -28,11 +28,11 @@ from mixq.errors import InputError
 from mixq.formats import glm5next
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
+from mixq.runtime.layer_stream import DecoderStream, module_sources, module_to_hf
 
 if TYPE_CHECKING:
-    from mixq.convert.distributed import RankContext
+    from mixq.runtime.distributed import RankContext
 
-PREFIX = glm5next.TEXT_PREFIX.rstrip(".")
 RANDOM_ROW_FRACTION = 0.15  # a share of uniform random-token rows, so rarely seen embeddings still get data
 
 
@@ -110,33 +110,6 @@ def calibration_rows(tokenizer, files: Sequence[str | Path] | None = None, *, ro
     return rows_t[order].contiguous()
 
 
-# ---------------------------------------------------------------------------------------------- name mapping
-
-def module_sources(layer: int, key: str, n_stack: int = 0) -> list[list[str]]:
-    """Checkpoint tensors of parameter ``key`` of transformers' decoder layer ``layer`` (from the architecture
-    table): [stacked experts][parts concatenated on dim 0]."""
-    src = glm5next.module_sources(layer, key, n_stack)
-    if src is None:
-        raise InputError(f"layer {layer}: transformers' parameter {key!r} has no glm5_next tensor in the table")
-    return src
-
-
-def module_to_hf(layer: int, local: str) -> str:
-    """Parameter name inside a decoder layer module (Linear modules only) -> checkpoint tensor name."""
-    (name,), = module_sources(layer, local)
-    return name
-
-
-def layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Assemble the module's state dict from checkpoint tensors (fetch: HF name -> tensor)."""
-    sd: dict[str, torch.Tensor] = {}
-    for key, ref in module.state_dict(keep_vars=True).items():
-        rows = [torch.cat([fetch(n) for n in parts], 0) if len(parts) > 1 else fetch(parts[0])
-                for parts in module_sources(layer, key, ref.shape[0] if ref.dim() else 0)]
-        sd[key] = (torch.stack(rows) if len(rows) > 1 else rows[0]).reshape(ref.shape)
-    return sd
-
-
 # ---------------------------------------------------------------------------------------------- the stages
 
 @dataclass
@@ -177,8 +150,6 @@ class LayerCalibrator:
     def __init__(self, ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = 4,
                  start_layer: int = 0, state: dict | None = None, ranks: RankContext | None = None) -> None:
-        from mixq.convert.layer_stream import DecoderStream
-
         self.ckpt = ckpt
         self.stream = DecoderStream(ckpt.config, device=device, dtype=dtype, batch_rows=batch_rows)
         self.device = self.stream.device
@@ -328,7 +299,7 @@ class LayerCalibrator:
     def _own_expert_stats(self, experts: nn.Module, x: torch.Tensor, down: list[str], stats, limit: float) -> None:
         """This rank's block of routed experts: every token through each, its down_proj input accumulated (the
         same operations as the one-process loop, so the same sums)."""
-        from mixq.convert.distributed import block_owner
+        from mixq.runtime.distributed import block_owner
 
         for e in range(len(down)):
             if block_owner(e, len(down), self.ranks.world) != self.ranks.rank:
@@ -343,7 +314,7 @@ class LayerCalibrator:
     def _share_expert_hessians(self, stats: dict) -> None:
         """Every routed expert's Hessian from the rank that accumulated it to every rank, in place of the
         accumulators (a SharedHessian each, None where an expert saw no finite token)."""
-        from mixq.convert.distributed import block_owner
+        from mixq.runtime.distributed import block_owner
 
         for down in self._expert_inputs.values():
             for r in range(self.ranks.world):

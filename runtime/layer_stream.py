@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixq.convert.calibration import PREFIX, layer_state_dict
+from mixq.errors import InputError
+from mixq.formats import glm5next
 from mixq.formats.glm5next import global_hf_name
 
 Fetch = Callable[[str], torch.Tensor]
@@ -25,6 +26,7 @@ Fetch = Callable[[str], torch.Tensor]
 EMBED_NAME = global_hf_name("embed")
 NORM_NAME = global_hf_name("norm")
 HEAD_NAME = global_hf_name("lm_head")
+PREFIX = glm5next.TEXT_PREFIX.rstrip(".")
 
 
 def _libc_trim():
@@ -43,6 +45,34 @@ def return_freed_memory() -> None:
     resident set grow layer after layer (measured: +33 MB per 25 MB layer on a tiny 12-layer model)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+
+# ---------------------------------------------------------------------------------------------- name mapping
+
+def module_sources(layer: int, key: str, n_stack: int = 0) -> list[list[str]]:
+    """Checkpoint tensors of parameter ``key`` of transformers' decoder layer ``layer`` (from the architecture
+    table): [stacked experts][parts concatenated on dim 0]."""
+    src = glm5next.module_sources(layer, key, n_stack)
+    if src is None:
+        raise InputError(f"layer {layer}: transformers' parameter {key!r} has no glm5_next tensor in the table")
+    return src
+
+
+def module_to_hf(layer: int, local: str) -> str:
+    """Parameter name inside a decoder layer module (Linear modules only) -> checkpoint tensor name."""
+    (name,), = module_sources(layer, local)
+    return name
+
+
+def layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Assemble the module's state dict from checkpoint tensors (fetch: HF name -> tensor)."""
+    sd: dict[str, torch.Tensor] = {}
+    for key, ref in module.state_dict(keep_vars=True).items():
+        rows = [torch.cat([fetch(n) for n in parts], 0) if len(parts) > 1 else fetch(parts[0])
+                for parts in module_sources(layer, key, ref.shape[0] if ref.dim() else 0)]
+        sd[key] = (torch.stack(rows) if len(rows) > 1 else rows[0]).reshape(ref.shape)
+    return sd
 
 
 class DecoderStream:

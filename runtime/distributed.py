@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from mixq.convert.child_process import die_with_parent
+from mixq.runtime.child_process import die_with_parent
 from mixq.errors import InputError, MixqError
 
 TIMEOUT_ENV = "MIXQ_DIST_TIMEOUT_S"

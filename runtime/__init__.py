@@ -1,0 +1,7 @@
+"""mixq.runtime: running the model for calibration, conversion and evaluation, below convert and eval.
+
+The decoder layers of transformers' glm5_next one at a time (`layer_stream`), calibration text and rows and the
+layer-by-layer calibration forward (`calibration`), any written format decoded back to HF-named float weights
+(`dequant`), ranks over several devices (`distributed`) and child processes that end with their parent
+(`child_process`). It uses formats and quant only.
+"""

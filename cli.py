@@ -15,6 +15,7 @@ import warnings
 from contextlib import contextmanager
 
 import click
+from tqdm import tqdm
 
 from mixq import api
 
@@ -58,6 +59,12 @@ def _stop_signals():
             signal.signal(sig, handler)
 
 
+def _error_line(message: str) -> None:
+    """`mixq: error: MESSAGE` on a line of its own, also when a progress bar of the failed step is still drawn
+    on stderr (tqdm clears it first, instead of the message being appended to the bar's line)."""
+    tqdm.write(f"mixq: error: {message}", file=sys.stderr)
+
+
 def _reports_errors(fn):
     """Turn MixqError (user mistakes) into one line on stderr and exit 2, never a traceback; an interrupt (Ctrl-C,
     SIGTERM, SIGHUP) into one line and exit 128 + the signal number (130 for Ctrl-C), after the command's own
@@ -69,13 +76,13 @@ def _reports_errors(fn):
             with _stop_signals():
                 return fn(*args, **kwargs)
         except api.MixqError as e:
-            click.echo(f"mixq: error: {e}", err=True)
+            _error_line(str(e))
             sys.exit(2)
         except KeyboardInterrupt as e:
             signum = getattr(e, "signum", signal.SIGINT)
             ctx = click.get_current_context(silent=True)
             what = ctx.info_name if ctx is not None and ctx.info_name else "mixq"
-            click.echo(f"mixq: error: {what} interrupted ({signal.Signals(signum).name})", err=True)
+            _error_line(f"{what} interrupted ({signal.Signals(signum).name})")
             sys.exit(128 + signum)
 
     return wrapper

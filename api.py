@@ -84,7 +84,8 @@ def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLik
              text: str | os.PathLike | None = None, **options) -> dict | None:
     """KLD / top-1 / PPL of `candidates` (HF, EXL3 directories, GGUF files) against `reference` on held-out
     `text` (or `ref_logits=FILE`); options as `mixq eval` takes them (`ctx`, `windows`, `json_out`,
-    `markdown_out`, `save_ref`, `overwrite`, `engine`, `device`, ...). The device is resolved and the outputs are
+    `markdown_out`, `save_ref`, `overwrite`, `engine`, `device`, ...; `windows` is DEFAULT_WINDOWS unless given,
+    "all" for every window, as on the command line). The device is resolved and the outputs are
     checked before the (long) forward; a full disk met while writing them is one InputError. Returns the report
     (None on a worker rank of a multi-device run)."""
     if options.get("device") is not None:

@@ -16,6 +16,7 @@ from typing import Sequence
 from mixq.convert.options import parse_size_option
 from mixq.convert.planning import Plan, format_plan, plan_model
 from mixq.errors import InputError, PlanError
+from mixq.formats.checkpoint import Checkpoint, checkpoint_from_config, open_checkpoint
 from mixq.quant import memory as mem
 from mixq.quant.allocator import parse_size
 
@@ -216,7 +217,7 @@ def fit_plan(ckpt, fmt: str, *, fit: int | str, context: int | str, cache: str |
     return FitResult(fit_b, ctx, cb, res, comp, plan, split, notes)
 
 
-def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw: float | None = None,
+def run_plan(model: "str | Checkpoint | None", fmt: str, *, from_config: str | None = None, bpw: float | None = None,
              size: str | None = None, qtype: str | None = None, overrides: Sequence[str] = (),
              head_bits: float = 6, mtp_bits: float = 4, vision_bits: float | None = None, include_mtp: bool = True,
              gguf_ladder: str = "k", measure: str | None = None, fit: str | None = None,
@@ -224,15 +225,18 @@ def run_plan(model: str | None, fmt: str, *, from_config: str | None = None, bpw
              mmproj: bool = False, devices: str | None = None, n_seq: int = 1,
              calibration: Sequence[str] = (), measure_out: str | None = None, measure_sample: str = "auto",
              device: str | None = None) -> Plan | FitResult:
-    """What ``mixq plan`` runs: open MODEL (or build shapes from --from-config), then plan or fit."""
+    """What ``mixq plan`` runs: open MODEL (or build shapes from --from-config), then plan or fit. MODEL may be a
+    Checkpoint already opened (and checked against its config) by the caller."""
     from mixq.convert.measure import resolve_measure
-    from mixq.formats.checkpoint import checkpoint_from_config, open_checkpoint
 
     if (model is None) == (from_config is None):
         raise InputError("give either MODEL or --from-config CONFIG.json")
     if size is not None:  # before the checkpoint is opened, as convert checks it
         parse_size_option("--size", size)
-    ckpt = open_checkpoint(model) if model is not None else checkpoint_from_config(from_config)
+    if isinstance(model, Checkpoint):
+        ckpt = model
+    else:
+        ckpt = open_checkpoint(model) if model is not None else checkpoint_from_config(from_config)
     curves = resolve_measure(ckpt, measure, fmt, calibration=calibration or None, measure_out=measure_out,
                              sample=measure_sample, device=device)
     kw = dict(overrides=tuple(overrides), head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits,

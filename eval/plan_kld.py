@@ -44,7 +44,7 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
     if fmt == "gguf" and measure in ("trellis", "proxy"):
         raise InputError(f"--measure {measure} is EXL3's trellis measurement; GGUF measures with --measure alone")
     ckpt = None
-    if model is not None and from_config is None:
+    if model is not None:  # (with --from-config too, convert.fit.run_plan refuses the pair)
         ckpt = open_checkpoint(model)
         validate_checkpoint(ckpt)  # what convert refuses, plan refuses, before planning or measuring
     if measure == "kld":
@@ -52,7 +52,6 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
             raise InputError(f"--format {fmt!r}: exl3 or gguf")
         if model is None:
             raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
-        ckpt = open_checkpoint(model) if ckpt is None else ckpt
         t0 = time.time()
         curves = measure_kld(ckpt, fmt, calibration, sample=measure_sample, device=device, rounding=rounding,
                              imatrix=imatrix, gguf_ladder=plan_kw.get("gguf_ladder") or "k", progress=progress)
@@ -60,7 +59,8 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
             save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
                                                    "seconds": round(time.time() - t0, 1)})
         measure, measure_out = curves, None
-    return plan(model, fmt, from_config=from_config, measure=measure, calibration=calibration,
+    # the checkpoint opened and checked here, not opened a second time
+    return plan(model if ckpt is None else ckpt, fmt, from_config=from_config, measure=measure, calibration=calibration,
                 measure_out=measure_out, measure_sample=measure_sample, device=device, **plan_kw)
 
 

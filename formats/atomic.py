@@ -67,9 +67,15 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
+def json_bytes(obj: Any, *, indent: int | None = 2, newline: bool = True) -> bytes:
+    """The bytes `write_json` writes for ``obj``: ``json.dumps(obj, indent=indent)``, a final newline, UTF-8 (so a
+    file can be hashed before it is written)."""
+    return (json.dumps(obj, indent=indent) + ("\n" if newline else "")).encode("utf-8")
+
+
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, newline: bool = True) -> None:
-    """Write ``obj`` as JSON (``json.dumps(obj, indent=indent)``, plus a final newline) to ``path`` atomically."""
-    write_text(path, json.dumps(obj, indent=indent) + ("\n" if newline else ""))
+    """Write ``obj`` as JSON (``json_bytes``) to ``path`` atomically."""
+    write_bytes(path, json_bytes(obj, indent=indent, newline=newline))
 
 
 @contextmanager

@@ -38,11 +38,6 @@ _LAYER_NORM = re.compile(r"(?:^|\.)layers\.(\d+)\.input_layernorm\.weight$")
 
 # ---------------------------------------------------------------------------------------------- sealing
 
-def json_bytes(obj: Any, *, indent: int | None = 2, newline: bool = True) -> bytes:
-    """The bytes `formats.atomic.write_json` writes for ``obj``: hashed before the file is written."""
-    return (json.dumps(obj, indent=indent) + ("\n" if newline else "")).encode("utf-8")
-
-
 def bytes_digest(data: bytes) -> dict:
     """The seal entry of a file whose bytes are ``data``."""
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

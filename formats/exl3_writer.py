@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.formats.atomic import atomic_open, atomic_path, write_bytes
+from mixq.formats.atomic import atomic_open, atomic_path, json_bytes, write_bytes
 from mixq.formats.exl3_layout import MUL1_MULTIPLIER, SHARD_SIZE, shard_names
-from mixq.formats.exl3_seal import CONFIG, INDEX, MANIFEST, QUANT_CONFIG, bytes_digest, file_digest, json_bytes, \
-    seal_manifest
+from mixq.formats.exl3_seal import CONFIG, INDEX, MANIFEST, QUANT_CONFIG, bytes_digest, file_digest, seal_manifest
 from mixq.formats.safetensors_io import (ST_DTYPES, dtype_name, dtype_tag, open_safetensors, read_metadata,
                                          tensor_entries, write_safetensors)
 

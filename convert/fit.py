@@ -191,7 +191,7 @@ def fit_plan(ckpt, fmt: str, *, fit: int | str, context: int | str, cache: str |
     comp = parse_size(companions) if companions not in (0, "0", None) else 0
     if mmproj:
         if fmt == "gguf":
-            if not any(ckpt.info(n).role == "vision" for n in ckpt.names()):
+            if not ckpt.vision_names():
                 raise InputError(f"--mmproj: {ckpt.path} has no vision tower (model.visual.*): there is no "
                                  "projector file to hold")
             comp += mmproj_bytes(ckpt)

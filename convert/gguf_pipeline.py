@@ -275,8 +275,7 @@ def _validate(run: _GGUFRun) -> None:
         check_output_file(o.mmproj, overwrite=o.overwrite, label="--mmproj", suffix=".gguf")
         # the projector file is written after the model: check its inputs and weights before either
         check_mmproj(run.ckpt, o.mmproj_type, f"--mmproj {o.mmproj}")
-        scan_finite(run.ckpt, [n for n in run.ckpt.names() if run.ckpt.info(n).role == "vision"],
-                    progress=o.progress)
+        scan_finite(run.ckpt, run.ckpt.vision_names(), progress=o.progress)
 
 
 def _check_template(run: _GGUFRun) -> None:
@@ -323,7 +322,7 @@ def _plan(run: _GGUFRun) -> None:
     if o.rounding == "hessian":  # the rounded tensors are spilled next to OUT before the file is written
         need *= 2
     if o.mmproj is not None:
-        need += sum(run.ckpt.nbytes(n) for n in run.ckpt.names() if run.ckpt.info(n).role == "vision")
+        need += sum(run.ckpt.nbytes(n) for n in run.ckpt.vision_names())
     check_free_space(run.out, need, "the GGUF output")
 
 

@@ -155,6 +155,10 @@ class Checkpoint:
             self._infos[name] = classify(name, self.num_hidden_layers)
         return self._infos[name]
 
+    def vision_names(self) -> list[str]:
+        """The vision tower's tensors, in file order (none: a text-only checkpoint)."""
+        return [n for n in self._entries if self.info(n).role == "vision"]
+
     def infos(self) -> list[TensorInfo]:
         return [self.info(n) for n in self._entries]
 

@@ -68,7 +68,7 @@ def expected_shapes(ckpt: "Checkpoint") -> dict[str, tuple[int, ...]]:
 
     skeleton = checkpoint_from_config(Path(ckpt.path) / "config.json")
     shapes = {n: tuple(skeleton.shape(n)) for n in skeleton.names()}
-    if not any(ckpt.info(n).role == "vision" for n in ckpt.names()):
+    if not ckpt.vision_names():
         shapes = {n: s for n, s in shapes.items() if skeleton.info(n).role != "vision"}
     return shapes
 

@@ -56,7 +56,7 @@ def check_mmproj(ckpt, outtype: str = "F16", what: str = "--mmproj") -> None:
     """Everything the projector file is made from, checked before any output is written (it is written after the
     model GGUF): a vision tower, its tensors' mmproj mapping and shapes, the vision_config keys and the image
     processor settings. InputError naming `what` when the checkpoint has no vision tower."""
-    if not any(ckpt.info(n).role == "vision" for n in ckpt.names()):
+    if not ckpt.vision_names():
         raise InputError(f"{what}: {ckpt.path} has no vision tower (model.visual.*) to write a projector from")
     mmproj_tensors(ckpt)
     mmproj_kv(ckpt, ckpt.path, outtype)

@@ -14,6 +14,7 @@ import torch
 
 from mixq.runtime.dequant import DequantSource, in_text_forward, open_dequant
 from mixq.errors import FormatError, InputError
+from mixq.formats.model_files import check_model_dir
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
@@ -36,6 +37,7 @@ def detect_format(path: Path) -> str:
             return "gguf"
         raise InputError(f"{path}: not a GGUF file (magic {magic!r}) and not a checkpoint directory")
     if path.is_dir():
+        check_model_dir(path)  # a candidate directory is untrusted: no link may lead out of it
         cfg = path / "config.json"
         if cfg.is_file():
             try:

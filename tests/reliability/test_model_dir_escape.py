@@ -212,3 +212,19 @@ def test_an_exl3_directory_cannot_point_outside_itself(how, tiny_exl3_cheap, tmp
         line = error_line(run_cli("verify", d))
     assert shard.name in line and "outside" in line
     assert _outside_opened(opened, d, outside) == []
+
+
+def test_an_eval_candidate_directory_cannot_point_outside_itself(tiny_exl3_cheap, tiny_model, tmp_path, monkeypatch):
+    """A candidate's config.json is read to tell its format: a link out of the directory is refused before."""
+    d = tmp_path / "cand"
+    shutil.copytree(tiny_exl3_cheap, d, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(d / "config.json", outside / "config.json")
+    (d / "config.json").symlink_to(outside / "config.json")
+    (tmp_path / "text.txt").write_text("held-out words " * 50)
+    with audited_opens(monkeypatch) as opened:
+        line = error_line(run_cli("eval", tiny_model, d, "--text", tmp_path / "text.txt", "--ctx", "16",
+                                  "--windows", "1", "--device", "cpu"))
+    assert "config.json" in line and "outside" in line
+    assert _outside_opened(opened, d, outside) == []

@@ -20,7 +20,7 @@ from mixq.convert.imatrix import make_imatrix
 from mixq.convert.measure import resolve_measure, save_curves
 from mixq.convert.options import Exl3Options, GGUFOptions, options_for
 from mixq.convert.outputs import check_outputs, writing
-from mixq.convert.planning import format_plan
+from mixq.planning.display import format_plan
 from mixq.convert.result import ConvertResult
 from mixq.demo import format_demo, run_demo
 from mixq.errors import FormatError, InputError, MixqError, PlanError

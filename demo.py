@@ -74,7 +74,8 @@ def _step_inspect(ctx: dict) -> dict:
 
 
 def _step_plan(ctx: dict) -> dict:
-    from mixq.convert.planning import plan_model, save_plan
+    from mixq.planning.planner import plan_model
+    from mixq.planning.types import save_plan
 
     gguf = plan_model(ctx["model"], "gguf", qtype=DEMO_GGUF_TYPE)
     o = DEMO_EXL3

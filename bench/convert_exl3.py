@@ -58,7 +58,7 @@ def main() -> int:
     targets = args.bpw or [4.0, 2.0]
 
     from mixq.convert.api import verify
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
     from mixq.eval.api import evaluate
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.exl3_names import exl3_layout

@@ -90,7 +90,7 @@ def build(work: Path, experts: int, small: bool, device: str) -> dict:
 
 def plan_rates(model: Path, bpw: float) -> list[float]:
     """The distinct trellis rates of the conversion's plan (shapes only)."""
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
     from mixq.formats.checkpoint import open_checkpoint
 
     plan = plan_model(open_checkpoint(model), "exl3", bpw=bpw)

@@ -500,7 +500,7 @@ def _release_counts(experts: int) -> dict:
 
 def _release_gguf_weights() -> dict[str, int]:
     """Weights per ggml type of the 108 GB i-quant plan of the release (`mixq plan --size 108GB --gguf-ladder iq`)."""
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
     from mixq.formats.checkpoint import checkpoint_from_config
 
     plan = plan_model(checkpoint_from_config(SHAPE_CONFIG), "gguf", size=108 * 10**9, gguf_ladder="iq")

@@ -11,11 +11,12 @@ import json
 import time
 from pathlib import Path
 
-from mixq.convert.fit import fit_plan
-from mixq.convert.planning import format_plan, pattern_table, plan_model
+from mixq.planning.fit import fit_plan
+from mixq.planning.display import format_plan, pattern_table
+from mixq.planning.planner import plan_model
 from mixq.errors import PlanError
 from mixq.formats.checkpoint import checkpoint_from_config
-from mixq.quant.memory import CacheGeometry, exllamav3_cache, llama_cpp_cache
+from mixq.planning.memory import CacheGeometry, exllamav3_cache, llama_cpp_cache
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "models" / "glm-5.3-flash-shape" / "config.json"
 UD_Q2_K_XL = 108.72e9  # the Unsloth quant known to run 262K on a 121 GB machine with ~12 GB to spare

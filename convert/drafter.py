@@ -116,7 +116,7 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
     """Convert a local DFlash2 drafter directory to EXL3 at `bits` (uncalibrated). Returns a ConvertResult."""
     from tqdm.auto import tqdm
 
-    from mixq.quant.allocator import parse_size as parse_bytes
+    from mixq.planning.sizes import parse_size as parse_bytes
     from mixq.quant.codebooks import check_bits
     from mixq.quant.device import pick_device
 

@@ -28,8 +28,8 @@ import numpy as np
 from mixq.errors import InputError, PlanError
 from mixq.formats.gguf_names import OUTPUT, TOKEN_EMBD
 from mixq.formats.gguf_writer import output_set
-from mixq.quant.allocator import parse_size  # one size convention: GB = 10^9, GiB = 2^30
-from mixq.quant import gguf_mix
+from mixq.planning.sizes import parse_size  # one size convention: GB = 10^9, GiB = 2^30
+from mixq.planning import gguf_mix
 from mixq.convert.gguf_workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
 from mixq.convert.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (re-exported)
 from mixq.convert.options import PURE_FLOAT, GGUFOptions, options_for
@@ -46,7 +46,7 @@ METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alig
 
 
 def fallback_type(qtype: str, n: int) -> str:
-    """The type llama-quantize really uses for a row length `n` (quant.gguf_mix.fallback, the planner's rule);
+    """The type llama-quantize really uses for a row length `n` (planning.gguf_mix.fallback, the planner's rule);
     a type with no listed fallback whose block does not divide `n` becomes F16, as llama-quantize's last resort."""
     try:
         return gguf_mix.fallback(qtype, n)
@@ -67,7 +67,7 @@ def _pure_types(specs, outtype: str) -> list[str]:
 
 def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k", overrides=(), head_bits=6,
                    mtp_bits=4, measure=None) -> list[str]:
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
 
     plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
                       gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits, mtp_bits=mtp_bits,

@@ -58,7 +58,7 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device:
     (e.g. "cuda"): the quantized types run on mixq's torch encoders there (same bytes); None or "cpu": numpy."""
     import gguf
 
-    from mixq.quant.gguf_mix import ggml_type
+    from mixq.planning.gguf_mix import ggml_type
 
     q = qtype.upper()
     x = np.ascontiguousarray(x, dtype=np.float32)

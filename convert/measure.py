@@ -26,11 +26,12 @@ from typing import Mapping, Sequence
 
 import torch
 
-from mixq.runtime.calibration import RoutingCapture, capture_routing, expert_activation
+from mixq.runtime.calibration import (LayerCalibrator, RoutingCapture, calibrate, calibration_rows, capture_routing,
+                                      expert_activation, load_tokenizer)
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.glm5next import global_hf_name
-from mixq.quant import allocator as al
+from mixq.planning import allocator as al
 from mixq.quant import trellis_loss as qs
 from mixq.quant.device import pick_device
 
@@ -48,7 +49,7 @@ BIG_MODEL = 2_000_000_000
 
 def budget_units(ckpt) -> dict[str, list]:
     """The planner's budgeted EXL3 units (``bits`` key) -> their Exl3Units (from formats/exl3_names)."""
-    from mixq.convert.planning import allocator_unit
+    from mixq.planning.exl3 import allocator_unit
     from mixq.formats.exl3_names import exl3_layout
 
     groups: dict[str, list] = {}
@@ -80,7 +81,6 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     strips per matrix / experts per layer."""
     from tqdm.auto import tqdm
 
-    from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
     from mixq.formats.checkpoint import open_checkpoint
 
     rows = DEFAULT_ROWS if rows is None else rows
@@ -186,7 +186,7 @@ def _measure_experts(stage, us, cap: RoutingCapture | None, fetch, rates, strips
 def predicted_loss(plan, curves: Mapping[str, Mapping[float, float]], ckpt) -> float:
     """Σ over the budgeted units of ``plan`` (EXL3) of the curve value at the unit's planned bits: the total
     error the solver predicts for that plan under ``curves``."""
-    from mixq.convert.planning import allocator_unit
+    from mixq.planning.exl3 import allocator_unit
 
     levels: dict[str, float] = {}
     for t in plan.tensors:
@@ -264,7 +264,6 @@ def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | N
                              "(what `mixq plan` runs)")
         t0 = time.time()
         if measure == "proxy":
-            from mixq.convert.planning import measure_proxy
 
             curves = measure_proxy(ckpt, calibration or None)
         else:
@@ -278,3 +277,30 @@ def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | N
     if measure_out:
         raise InputError("--measure-out saves measured curves; it does not apply to --measure FILE")
     return load_curves(measure)
+
+
+def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int = 16, seq_len: int = 256,
+                  device: str = "cpu") -> dict[str, dict[float, float]]:
+    """Per-unit error curves {unit key: {bits: error}} for the EXL3 sensitivity solver, from one calibration pass.
+
+    Proxy of the Hessian-weighted loss E[tr(ΔW·H·ΔWᵀ)]: after the random-Hadamard incoherence transform the
+    trellis error is close to i.i.d. with variance D(K)·mean(W²), so the loss is D(K)·mean(W²)·out·tr(H) with
+    tr(H) = Σx² / N over all N calibration tokens (the calibrator sends every token through every expert, so
+    routing is not reflected) and D(K) = 2^(−2K), the rate–distortion slope the trellis tracks (quant/trellis). Not a
+    per-rate trellis measurement: every unit's curve has the same shape, only its weight is measured. This is
+    ``--measure proxy``; ``--measure`` alone measures with the trellis (``convert/measure.py``)."""
+    tok = load_tokenizer(ckpt.path)
+    ids = calibration_rows(tok, calibration, rows=rows, seq_len=seq_len)
+    n_tokens = int(ids.numel())
+    weight: dict[str, float] = {}
+    for stage in calibrate(ckpt, ids, full=False, device=device):
+        for name, acc in stage.stats.items():
+            info = ckpt.info(name)
+            if info.exl3 != "trellis" or info.exl3_bits_key != "bits":
+                continue
+            w = ckpt.get(name)
+            tr_h = float(acc.sum_sq.sum()) / max(1, n_tokens)
+            key = allocator_unit(info, name)
+            weight[key] = weight.get(key, 0.0) + float(w.square().mean()) * w.shape[0] * tr_h
+        stage.advance()
+    return {k: {b: v * 2.0 ** (-2 * b) for b in al.EXL3_RATES} for k, v in weight.items()}

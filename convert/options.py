@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Mapping, Union
 
 from mixq.errors import InputError, MixqError
+from mixq.planning.sizes import parse_size_option
 
 OPTIONS_VERSION = 1
 DEFAULT_ROWS = 64
@@ -57,24 +58,6 @@ def _positive_float(cls, name: str, v) -> None:
 def _size(cls, name: str, v, *, zero_ok: bool = False) -> None:
     """A byte count or a size string ("8GiB", "108GB"), parsed with the planner's convention."""
     parse_size_option(flag_of(cls, name), v, zero_ok=zero_ok)
-
-
-def parse_size_option(flag: str, v, *, zero_ok: bool = False) -> int:
-    """The bytes of size option `flag` (a byte count, or "8GiB" / "108GB" with the planner's convention). Anything
-    else, a non-finite number (inf, nan, 1e400) or more than allocator.MAX_SIZE is an InputError naming `flag` and `v`."""
-    from mixq.quant.allocator import parse_size
-
-    if isinstance(v, bool):
-        raise InputError(f"{flag} {v!r}: expected a size such as 8GiB")
-    if zero_ok and v in (0, "0"):
-        return 0
-    try:
-        n = parse_size(v)  # refuses inf, nan, 1e400 and more than any disk holds
-    except InputError as e:
-        raise InputError(f"{flag} {v!r}: {e}") from None
-    if n <= 0:
-        raise InputError(f"{flag} {v!r}: expected a positive size")
-    return n
 
 
 def check_rounding(rounding: str) -> str:
@@ -327,7 +310,7 @@ def _tensor_type_pair(item) -> tuple[str, str]:
 
 def encodable_type(name: str, what: str) -> str:
     """The upper-case ggml type `name` if mixq can write it, else InputError naming `what`."""
-    from mixq.quant import gguf_mix
+    from mixq.planning import gguf_mix
 
     t = str(name).upper()
     try:
@@ -341,7 +324,7 @@ def encodable_type(name: str, what: str) -> str:
 
 def _gguf_mix_name(qtype: str) -> str:
     """--type: F32/F16/BF16, or a llama-quantize mix name (Q4_K_M, Q8_0, ...), upper-cased."""
-    from mixq.quant import gguf_mix
+    from mixq.planning import gguf_mix
 
     q = str(qtype).upper()
     if q in PURE_FLOAT:

@@ -41,7 +41,7 @@ DEFAULT_SHARD = DEFAULT_EXL3_SHARD
 def parse_bytes(s: int | str) -> int:
     """'8GiB', '512MB', '108GB', '1000000' -> bytes, with `mixq plan`'s convention (GB = 10^9, GiB = 2^30), so a
     --size given to convert means the same bytes as the plan's."""
-    from mixq.quant.allocator import parse_size
+    from mixq.planning.sizes import parse_size
 
     return parse_size(s)
 
@@ -242,7 +242,7 @@ def _calibration_ids(run: _Exl3Run) -> torch.Tensor:
 
 def _plan(run: _Exl3Run) -> None:
     """Trellis bits of every unit (the plan `mixq plan` prints) and the stage order."""
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
 
     o = run.opts
     run.plan = plan_model(run.ckpt, "exl3", bpw=o.bpw, size=run.size, overrides=o.overrides, head_bits=o.head_bits,

@@ -17,7 +17,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from mixq.convert.gguf_measure import GGUFMeasurement, measure_gguf_errors, measured_units
+from mixq.convert.gguf_measure import GGUFMeasurement, measure_gguf_errors
+from mixq.planning.gguf_measured import measured_units
 from mixq.errors import InputError
 from mixq.eval.reference import PerturbedKLD
 from mixq.quant import kquants

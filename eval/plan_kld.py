@@ -33,7 +33,7 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
     first (EXL3: ``kld_curves``; GGUF: ``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and
     ``imatrix``; saved to ``measure_out`` when given). MODEL is checked against its config first, as convert
     checks it (``--from-config`` has no weights to check)."""
-    from mixq.convert.fit import run_plan as plan
+    from mixq.convert.plan_run import run_plan as plan
 
     check_outputs({"--measure-out": measure_out},
                   {"MODEL": model, "--from-config": from_config, "--imatrix": _path_or_none(imatrix),

@@ -57,7 +57,7 @@ def no_cuda(monkeypatch):
 
 def test_cpu_exl3_is_refused_with_an_estimate(mini_model, tmp_path, no_cuda):
     from mixq.convert.exl3_estimate import CPU_LIMIT_S, cpu_seconds
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
 
     out = tmp_path / "mini-exl3"
     line = _one_error_line(_cli("convert", mini_model, out, "--bpw", "3"))

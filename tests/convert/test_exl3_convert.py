@@ -152,7 +152,7 @@ def tiny_exl3(tiny_model, tmp_path_factory, fake_trellis):
 
 def test_convert_verify_and_plan_coverage(tiny_model, tiny_exl3):
     from mixq.convert.api import verify
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.exl3_names import exl3_layout
 
@@ -320,12 +320,12 @@ def test_convert_with_measured_curves_follows_the_sensitivity_plan(tiny_model, f
     """`mixq convert --measure CURVES.json` writes the plan that `mixq plan --measure CURVES.json` prints: a unit
     whose curve says it is very sensitive gets more bits than the role default, an insensitive one fewer."""
     from mixq.convert.pipeline import unit_bits
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
     from mixq.convert.measure import budget_units, save_curves
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.exl3_names import exl3_layout
     from mixq.formats.exl3_reader import Exl3Dir
-    from mixq.quant.allocator import EXL3_RATES
+    from mixq.planning.allocator import EXL3_RATES
 
     ck = open_checkpoint(tiny_model)
     keys = sorted(budget_units(ck))

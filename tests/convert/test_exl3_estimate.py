@@ -7,7 +7,8 @@ import pytest
 
 from mixq.convert.exl3_estimate import (CPU_LIMIT_S, CPU_WEIGHTS_PER_CORE_S, check_cpu_time, cpu_seconds,
                                         describe_seconds, trellis_weights)
-from mixq.convert.planning import Plan, plan_model
+from mixq.planning.types import Plan
+from mixq.planning.planner import plan_model
 from mixq.errors import InputError
 
 

@@ -8,8 +8,9 @@ import pytest
 
 from mixq.convert import gguf_measure as gmeas
 from mixq.errors import InputError, PlanError
-from mixq.quant import allocator as al
-from mixq.quant import gguf_mix as gm
+from mixq.planning import allocator as al
+from mixq.planning import gguf_measured as gmp
+from mixq.planning import gguf_mix as gm
 
 # the files llama.cpp's named mixes make of k256 (bench/results/k256.md): Q2_K, Q3_K_M, Q4_K_M
 NAMED_MIX_BYTES = (10_772_320, 12_674_400, 14_816_096)
@@ -25,14 +26,14 @@ def k256(k256_model):
 def _model_curves(k256) -> dict:
     """Curves shaped like a good quantizer's (numel·4^-bpw), token_embd and attention made costlier."""
     out = {}
-    for name, (spec, lad) in gmeas.measured_units(k256).items():
+    for name, (spec, lad) in gmp.measured_units(k256).items():
         w = 20.0 if spec.role in ("embed", "attn") else 1.0
         out[name] = {gm.type_bpw(t): w * math.prod(spec.shape) * 4.0 ** -gm.type_bpw(t) for t in lad}
     return out
 
 
 def test_measured_units_add_embedding_and_head(k256):
-    units = gmeas.measured_units(k256)
+    units = gmp.measured_units(k256)
     roles = {s.role for s, _ in units.values()}
     assert {"embed", "lm_head", "routed_expert", "attn", "shared_expert", "dense_mlp"} <= roles
     assert not any(s.mtp for s, _ in units.values())
@@ -43,7 +44,7 @@ def test_measured_units_add_embedding_and_head(k256):
 
 @pytest.mark.parametrize("size", NAMED_MIX_BYTES)
 def test_measured_plan_hits_the_size_within_a_thousandth(size, k256):
-    plan = gmeas.plan_gguf_measured(k256, _model_curves(k256), size=size)
+    plan = gmp.plan_gguf_measured(k256, _model_curves(k256), size=size)
     assert plan.total_bytes <= size and (size - plan.total_bytes) / size < 1e-3
     types = {t.name: t.type for t in plan.tensors}
     # costlier units get more bits than cheap ones of the same shape
@@ -54,9 +55,9 @@ def test_measured_plan_hits_the_size_within_a_thousandth(size, k256):
 def test_measured_plan_follows_the_curves(k256):
     curves = _model_curves(k256)
     hot = "blk.2.ffn_down_exps.weight"
-    base = gmeas.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[1])
+    base = gmp.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[1])
     curves[hot] = {b: 50 * e for b, e in curves[hot].items()}
-    hotter = gmeas.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[1])
+    hotter = gmp.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[1])
     t0 = {t.name: t.type for t in base.tensors}[hot]
     t1 = {t.name: t.type for t in hotter.tensors}[hot]
     assert gm.type_bpw(t1) > gm.type_bpw(t0)
@@ -67,7 +68,7 @@ def test_never_worse_takes_the_role_plan_when_greedy_stalls():
     a = al.Unit("a", "attn", 10, levels=(2.0, 3.0, 4.0), costs=(0.0, 10.0, 40.0), errors=(10.0, 9.9, 0.0))
     greedy = al.allocate([a], 10.0)
     assert greedy["a"] == 2.0
-    levels, taken = gmeas.never_worse([a], greedy, 10.0, {"attn": 6.0})
+    levels, taken = gmp.never_worse([a], greedy, 10.0, {"attn": 6.0})
     assert taken and levels["a"] == 3.0
 
 
@@ -75,11 +76,11 @@ def test_missing_curves_and_bad_targets_are_one_line(k256):
     curves = _model_curves(k256)
     del curves["blk.0.attn_q.weight"]
     with pytest.raises(PlanError, match="no measured error for blk.0.attn_q.weight"):
-        gmeas.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[0])
+        gmp.plan_gguf_measured(k256, curves, size=NAMED_MIX_BYTES[0])
     with pytest.raises(PlanError, match="exactly one of --bpw, --size"):
-        gmeas.plan_gguf_measured(k256, _model_curves(k256))
+        gmp.plan_gguf_measured(k256, _model_curves(k256))
     with pytest.raises(PlanError, match="fixed-type tensors alone"):
-        gmeas.plan_gguf_measured(k256, _model_curves(k256), size=1_000_000)
+        gmp.plan_gguf_measured(k256, _model_curves(k256), size=1_000_000)
     with pytest.raises(InputError, match="blk.9.attn_q.weight is not a budgeted GGUF tensor"):
         gmeas.measure_gguf_errors(k256, only=["blk.9.attn_q.weight"], progress=False)
 

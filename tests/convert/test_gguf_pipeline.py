@@ -80,7 +80,7 @@ def test_typed_api_file_types_are_the_plans_with_overrides(tiny_model, tmp_path)
     """`mixq.convert(model, out, GGUFOptions(...))`: --override steers a GGUF mix exactly as `mixq plan` shows it
     (it used to be dropped), and the result is the one ConvertResult type."""
     import mixq
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
 
     opts = mixq.GGUFOptions(qtype="Q4_K_M", overrides=("routed_expert=Q8_0",), threads=1, progress=False)
     res = mixq.convert(tiny_model, tmp_path / "m.gguf", opts)

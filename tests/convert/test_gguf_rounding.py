@@ -165,10 +165,10 @@ def test_convert_measured_plan_hits_the_size_loads_and_verifies(k256_model, tmp_
     import math
 
     from mixq.convert.api import verify
-    from mixq.convert.gguf_measure import measured_units
+    from mixq.planning.gguf_measured import measured_units
     from mixq.convert.gguf_pipeline import convert_gguf
     from mixq.formats.checkpoint import open_checkpoint
-    from mixq.quant import gguf_mix as gm
+    from mixq.planning import gguf_mix as gm
 
     units = measured_units(open_checkpoint(k256_model))
     curves = {n: {f"{gm.type_bpw(t):g}": (20.0 if s.role == "embed" else 1.0) * math.prod(s.shape)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixq.quant import allocator as al
+from mixq.planning import allocator as al
 from mixq.quant import trellis_loss as qs
 from mixq.quant import trellis
 

@@ -85,8 +85,8 @@ def test_plan_refuses_what_convert_refuses_with_the_same_line(case, cmd, tiny_mo
 
 def test_iq_ladder_plans_only_types_with_an_encoder(mini_model):
     """mini's 128-wide rows turn IQ4_XS into IQ4_NL; a type without an encoder never enters the plan."""
-    from mixq.convert.planning import plan_model
-    from mixq.quant.gguf_mix import has_encoder
+    from mixq.planning.planner import plan_model
+    from mixq.planning.gguf_mix import has_encoder
 
     plan = plan_model(mini_model, "gguf", bpw=5.0, gguf_ladder="iq")
     assert plan.tensors and all(has_encoder(t.type) for t in plan.tensors)

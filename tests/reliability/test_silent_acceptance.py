@@ -186,7 +186,7 @@ def test_plan_refuses_a_config_that_disagrees_with_the_weights(tiny_model, tmp_p
 
 
 def test_plan_model_of_a_path_checks_the_checkpoint(tiny_model, tmp_path):
-    from mixq.convert.planning import plan_model
+    from mixq.planning.planner import plan_model
 
     d = copy_model(tiny_model, tmp_path / "bad")
     cfg = json.loads((d / "config.json").read_text())

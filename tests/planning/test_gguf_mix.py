@@ -1,4 +1,4 @@
-"""quant/gguf_mix.py: llama-quantize's per-tensor choices (gguf-facts.md §4, gguf-glm5-next.md §3.3-3.4)."""
+"""planning/gguf_mix.py: llama-quantize's per-tensor choices (gguf-facts.md §4, gguf-glm5-next.md §3.3-3.4)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ from mixq.errors import PlanError
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.glm5next import gguf_policy
 from mixq.formats.gguf_names import gguf_tensors
-from mixq.quant import gguf_mix as gm
+from mixq.planning import gguf_mix as gm
 
 
 def _specs(path):

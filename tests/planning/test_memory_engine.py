@@ -1,4 +1,4 @@
-"""quant/memory.py against llama.cpp itself: the cache sizes llama.cpp logs when it creates a context (k256, BF16
+"""planning/memory.py against llama.cpp itself: the cache sizes llama.cpp logs when it creates a context (k256, BF16
 GGUF written by mixq) must match ``llama_cpp_cache`` within 2% at two context lengths. Slow; needs llama-cpp-python.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from mixq.quant.memory import CacheGeometry, llama_cpp_cache
+from mixq.planning.memory import CacheGeometry, llama_cpp_cache
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from mixq.cli import main
 from mixq.convert import measure as cs
-from mixq.convert.planning import measure_proxy, plan_model
+from mixq.convert.measure import measure_proxy
+from mixq.planning.planner import plan_model
 from mixq.formats.checkpoint import open_checkpoint
 
 CURVES = Path(__file__).resolve().parents[2] / "bench" / "results" / "measure_mini_curves.json"

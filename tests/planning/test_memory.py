@@ -1,4 +1,4 @@
-"""quant/memory.py: cache arithmetic against hand-derived engine layouts (docs/memory-model.md)."""
+"""planning/memory.py: cache arithmetic against hand-derived engine layouts (docs/memory-model.md)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mixq.errors import PlanError
-from mixq.quant import memory as mem
+from mixq.planning import memory as mem
 
 
 @pytest.fixture(scope="module")

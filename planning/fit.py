@@ -1,6 +1,6 @@
 """``mixq plan --fit``: the largest plan whose weights + cache + reserve fit a machine at a given context.
 
-memory = weights (the plan's file bytes) + cache (``quant/memory``) + reserve (compute buffers, scratch,
+memory = weights (the plan's file bytes) + cache (``planning/memory``) + reserve (compute buffers, scratch,
 driver) + companions (the mmproj file, a drafter). The weights budget is what is left; the allocator plans to
 it exactly as ``--size`` does. With ``--devices`` the layers are split in order over the cards (llama.cpp's
 layer split, exllamav3's autosplit) and each card must hold its layers' weights and cache plus its share of
@@ -13,12 +13,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from mixq.convert.options import parse_size_option
-from mixq.convert.planning import Plan, format_plan, plan_model
 from mixq.errors import InputError, PlanError
-from mixq.formats.checkpoint import Checkpoint, checkpoint_from_config, open_checkpoint
-from mixq.quant import memory as mem
-from mixq.quant.allocator import parse_size
+from mixq.planning import memory as mem
+from mixq.planning.display import format_plan
+from mixq.planning.planner import plan_model
+from mixq.planning.sizes import parse_context, parse_size, parse_size_option
+from mixq.planning.types import Plan
 
 # Compute/scratch reserve per engine when --reserve is not given: llama.cpp's compute buffers at the default
 # n_ubatch 512 plus backend/driver context, exllamav3's forward scratch at its default chunk size. A round,
@@ -26,21 +26,6 @@ from mixq.quant.allocator import parse_size
 DEFAULT_RESERVE = {"gguf": 4 * 10**9, "exl3": 4 * 10**9}
 DEFAULT_CACHE = {"gguf": "f16", "exl3": "fp16"}
 _LAYER = re.compile(r"(?:^blk\.|\.layers\.)(\d+)\.")
-
-
-def parse_context(text: str | int) -> int:
-    """"262144", "256K" (x1024), "1M" (x2^20)."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip().upper()
-    mult = {"K": 1024, "M": 1024**2}.get(s[-1:], 1)
-    try:
-        n = int(float(s[:-1] if mult > 1 else s) * mult)
-    except (ValueError, OverflowError):  # OverflowError: inf, 1e400
-        raise InputError(f"--context {text!r}: a token count such as 262144 or 256K") from None
-    if n <= 0:
-        raise InputError(f"--context {text!r}: must be positive")
-    return n
 
 
 @dataclass
@@ -215,39 +200,3 @@ def fit_plan(ckpt, fmt: str, *, fit: int | str, context: int | str, cache: str |
             notes.append(f"--devices sum {sum(caps) / 1e9:.3f} GB < --fit {fit_b / 1e9:.3f} GB")
         split = split_layers(plan, cb, ckpt, caps, res)
     return FitResult(fit_b, ctx, cb, res, comp, plan, split, notes)
-
-
-def run_plan(model: "str | Checkpoint | None", fmt: str, *, from_config: str | None = None, bpw: float | None = None,
-             size: str | None = None, qtype: str | None = None, overrides: Sequence[str] = (),
-             head_bits: float = 6, mtp_bits: float = 4, vision_bits: float | None = None, include_mtp: bool = True,
-             gguf_ladder: str = "k", measure: str | None = None, fit: str | None = None,
-             context: str | int | None = None, cache: str | None = None, reserve: str | None = None,
-             mmproj: bool = False, devices: str | None = None, n_seq: int = 1,
-             calibration: Sequence[str] = (), measure_out: str | None = None, measure_sample: str = "auto",
-             device: str | None = None) -> Plan | FitResult:
-    """What ``mixq plan`` runs: open MODEL (or build shapes from --from-config), then plan or fit. MODEL may be a
-    Checkpoint already opened (and checked against its config) by the caller."""
-    from mixq.convert.measure import resolve_measure
-
-    if (model is None) == (from_config is None):
-        raise InputError("give either MODEL or --from-config CONFIG.json")
-    if size is not None:  # before the checkpoint is opened, as convert checks it
-        parse_size_option("--size", size)
-    if isinstance(model, Checkpoint):
-        ckpt = model
-    else:
-        ckpt = open_checkpoint(model) if model is not None else checkpoint_from_config(from_config)
-    curves = resolve_measure(ckpt, measure, fmt, calibration=calibration or None, measure_out=measure_out,
-                             sample=measure_sample, device=device)
-    kw = dict(overrides=tuple(overrides), head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits,
-              include_mtp=include_mtp, measure=curves, gguf_ladder=gguf_ladder)
-    if fit is not None:
-        if context is None:
-            raise InputError("--fit needs --context TOKENS")
-        if bpw is not None or size is not None or qtype is not None:
-            raise InputError("--fit plans to the memory left; do not combine it with --bpw, --size or --type")
-        return fit_plan(ckpt, fmt, fit=fit, context=context, cache=cache, reserve=reserve, mmproj=mmproj,
-                        devices=devices, n_seq=n_seq, **kw)
-    if context is not None or cache is not None or devices is not None:
-        raise InputError("--context/--cache/--devices only apply with --fit")
-    return plan_model(ckpt, fmt, bpw=bpw, size=size, qtype=qtype, **kw)

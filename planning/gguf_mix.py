@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -330,8 +330,14 @@ def ladder(ne0: int, floor: str | None = None, kind: str = "k") -> list[str]:
 GGUF_ALIGNMENT = 32
 
 
-def _pad(n: int, a: int = GGUF_ALIGNMENT) -> int:
+def aligned(n: int, a: int = GGUF_ALIGNMENT) -> int:
+    """``n`` bytes rounded up to GGUF's alignment (every tensor's data and the header end on it)."""
     return -(-n // a) * a
+
+
+def stored_bytes(type_name: str, shape: Sequence[int]) -> int:
+    """Bytes a tensor of ``type_name`` takes in a GGUF file, alignment padding included."""
+    return aligned(tensor_nbytes(type_name, shape))
 
 
 def tensor_info_bytes(name: str, ndim: int) -> int:
@@ -342,10 +348,14 @@ def tensor_info_bytes(name: str, ndim: int) -> int:
 def gguf_file_bytes(tensors: Sequence[tuple[str, tuple[int, ...], str]], kv_bytes: int) -> tuple[int, int]:
     """(total file bytes, header bytes) of one GGUF: 24-byte header + KV + tensor infos, padded to 32, then each
     tensor's data padded to 32 (gguf-facts.md §1.1). ``kv_bytes`` comes from ``estimate_kv_bytes``."""
-    head = 24 + kv_bytes + sum(tensor_info_bytes(n, len(s)) for n, s, _ in tensors)
-    head = _pad(head)
-    data = sum(_pad(tensor_nbytes(t, s)) for _, s, t in tensors)
+    head = header_bytes([(n, len(s)) for n, s, _ in tensors], kv_bytes)
+    data = sum(stored_bytes(t, s) for _, s, t in tensors)
     return head + data, head
+
+
+def header_bytes(names_ndims: Iterable[tuple[str, int]], kv_bytes: int) -> int:
+    """A GGUF header's bytes: 24 fixed, the KV metadata, one tensor-info entry per (name, n_dims), padded."""
+    return aligned(24 + kv_bytes + sum(tensor_info_bytes(n, nd) for n, nd in names_ndims))
 
 
 def estimate_kv_bytes(n_layer_all: int, vocab_size: int, token_bytes: int | None = None,

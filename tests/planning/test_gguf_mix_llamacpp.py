@@ -1,4 +1,4 @@
-"""quant/gguf_mix.py against llama-quantize itself: quantize a mixq-written BF16 GGUF with
+"""planning/gguf_mix.py against llama-quantize itself: quantize a mixq-written BF16 GGUF with
 ``llama_model_quantize`` and compare every tensor's type (and the data bytes) with mixq's plan. Slow; needs
 llama-cpp-python 0.3.36."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from mixq.convert.planning import plan_model
+from mixq.planning.planner import plan_model
 
 pytestmark = pytest.mark.slow
 FTYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7}

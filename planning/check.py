@@ -14,7 +14,7 @@ def check_plan(ckpt, plan) -> None:
     GGUF: every planned type has an encoder in mixq (`gguf_mix.has_encoder`). EXL3: a trellis Linear planned
     unquantized (16 bits) must be lm_head or in the vision tower; everything else needs a trellis rate."""
     if plan.format == "gguf":
-        from mixq.quant.gguf_mix import encodable_types, has_encoder
+        from mixq.planning.gguf_mix import encodable_types, has_encoder
 
         for t in plan.tensors:
             if not has_encoder(t.type):
@@ -23,7 +23,7 @@ def check_plan(ckpt, plan) -> None:
                                 f"{', '.join(encodable_types())}")
         return
     if plan.format == "exl3":
-        from mixq.quant.allocator import EXL3_RATES
+        from mixq.planning.allocator import EXL3_RATES
 
         for t in plan.tensors:
             info = ckpt.info(t.hf_names[0] if t.hf_names else t.name)

@@ -6,7 +6,8 @@ import itertools
 import pytest
 
 from mixq.errors import InputError, PlanError
-from mixq.quant import allocator as al
+from mixq.planning import allocator as al
+from mixq.planning.sizes import parse_size
 
 
 def test_exl3_bytes_follow_the_padded_layout():
@@ -80,10 +81,10 @@ def test_measured_curves_solver_is_optimal_on_small_knapsack():
 
 
 def test_parse_size():
-    assert al.parse_size("108GB") == 108 * 10**9
-    assert al.parse_size("100GiB") == 100 * 2**30
-    assert al.parse_size("1.5TB") == 1_500_000_000_000
-    assert al.parse_size("512MiB") == 512 * 2**20
+    assert parse_size("108GB") == 108 * 10**9
+    assert parse_size("100GiB") == 100 * 2**30
+    assert parse_size("1.5TB") == 1_500_000_000_000
+    assert parse_size("512MiB") == 512 * 2**20
     for bad in ("lots", "-3GB", "12XB"):
         with pytest.raises(InputError):
-            al.parse_size(bad)
+            parse_size(bad)

@@ -7,8 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from mixq.cli import main
-from mixq.convert.fit import fit_plan
-from mixq.convert.planning import Plan, plan_model
+from mixq.planning.fit import fit_plan
+from mixq.planning.types import Plan
+from mixq.planning.planner import plan_model
 from mixq.errors import PlanError
 from mixq.formats.checkpoint import checkpoint_from_config, open_checkpoint
 
@@ -91,7 +92,7 @@ def test_cli_impossible_fit_exit_2(mini_model):
 
 
 def test_measure_curves_drive_the_allocation(mini_model):
-    from mixq.convert.planning import allocator_unit
+    from mixq.planning.exl3 import allocator_unit
 
     ck = open_checkpoint(mini_model)
     base = plan_model(ck, "exl3", bpw=4.0)

@@ -1,6 +1,6 @@
 """Bit allocation: pure arithmetic that turns a set of budget units into per-unit bitrates.
 
-Nothing here reads files. The planner (``mixq.convert.planning``) builds ``Unit`` objects from the architecture
+Nothing here reads files. The planner (``mixq.planning.planner``) builds ``Unit`` objects from the architecture
 table and calls ``allocate``; this module owns the EXL3 byte accounting, the exllamav3 rate ladder and the solver.
 
 Error model (see docs/planning.md). Without measurements the solver assumes the distortion of a tensor at
@@ -196,34 +196,3 @@ def bpw_budget(units: Sequence[Unit], target_bpw: float) -> float:
     if not 1.0 <= target_bpw <= 16.0:
         raise PlanError(f"--bpw {target_bpw}: must be between 1 and 16")
     return math.floor(target_bpw * sum(u.numel for u in units))
-
-
-def parse_size(text: str | int | float) -> int:
-    """"108GB" -> 108e9, "100GiB" -> 100·2^30, "512MB", "1.5TB", plain numbers are bytes. InputError for
-    anything else, a non-finite number (inf, nan, 1e400) or more than MAX_SIZE bytes."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        return int(_checked_size(text, text))
-    s = str(text).strip().replace("_", "")
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    num = s.rstrip("kKmMgGtTiIbB ")
-    unit = s[len(num):].strip().upper()
-    try:
-        value = float(num)
-    except ValueError:
-        value = None
-    if value is None or unit not in units or value <= 0:
-        raise InputError(f"cannot parse size {text!r}: use e.g. 108GB (10^9 bytes) or 100GiB (2^30 bytes)")
-    return int(round(_checked_size(value * units[unit], text)))
-
-
-MAX_SIZE = 2**60  # beyond any disk or memory (a larger size is a typo), well within 64-bit byte counts
-
-
-def _checked_size(value: float, text) -> float:
-    """`value` when it is a finite byte count of at most MAX_SIZE."""
-    if not math.isfinite(value):
-        raise InputError(f"size {text!r} is not a finite number of bytes: use e.g. 108GB or 100GiB")
-    if value > MAX_SIZE:
-        raise InputError(f"size {text!r} is {value:.3g} bytes, more than any disk or memory holds (at most 1 EiB)")
-    return value

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mixq.convert.planning import plan_model
+from mixq.planning.planner import plan_model
 
 pytestmark = pytest.mark.slow
 

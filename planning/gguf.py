@@ -1,0 +1,125 @@
+"""The GGUF planner: llama-quantize's named mixes, or ladder types per tensor to a --bpw or --size target."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from mixq.formats.glm5next import gguf_policy
+from mixq.formats.gguf_names import gguf_tensors
+from mixq.planning import allocator as al
+from mixq.planning import gguf_mix as gm
+from mixq.planning.budget import budget_bits, target_label
+from mixq.planning.overrides import check_unused, first_override
+from mixq.planning.types import Plan, PlannedTensor, numel, role_summary
+
+BUDGET_ROLES = ("attn", "routed_expert", "shared_expert", "dense_mlp")  # the roles a GGUF --bpw/--size budget sets
+
+
+def gguf_mix_context(ckpt, include_mtp: bool) -> gm.MixContext:
+    """What llama.cpp's type-mix rules read of a model: layer and expert counts, GQA, the glm5-next policy."""
+    tc = ckpt.text_config
+    n_all = ckpt.num_hidden_layers + (len(ckpt.nextn_layers) if include_mtp else 0)
+    first_kda = (ckpt.layer_types or ["linear_attention"])[0] == "linear_attention"
+    n_gqa = 0 if first_kda else int(tc.get("num_attention_heads", 1))  # head_count_kv = 1 on DSA layers
+    return gm.MixContext(n_layer_all=n_all, n_expert=int(tc.get("n_routed_experts", 0) or 0), n_gqa=n_gqa,
+                         policy=gguf_policy)
+
+
+def gguf_metadata_bytes(ckpt, n_layer_all: int) -> int:
+    """GGUF metadata estimate, exact token/merge byte counts when tokenizer.json is present."""
+    vocab = int(ckpt.text_config.get("vocab_size", 0) or 0)
+    tb = mb = None
+    tpl = 4096
+    tok = Path(ckpt.path) / "tokenizer.json"
+    try:
+        if tok.is_file():
+            j = json.loads(tok.read_text())
+            model = j.get("model", {})
+            v = model.get("vocab") or {}
+            toks = list(v) + [a.get("content", "") for a in j.get("added_tokens", [])]
+            tb = sum(len(t.encode()) for t in toks) + 10 * max(0, vocab - len(toks))
+            merges = model.get("merges") or []
+            mb = sum(len((" ".join(m) if isinstance(m, list) else m).encode()) for m in merges)
+            tcfg = Path(ckpt.path) / "tokenizer_config.json"
+            if tcfg.is_file():
+                tpl = len(str(json.loads(tcfg.read_text()).get("chat_template", "")).encode()) or tpl
+    except (OSError, ValueError):
+        tb = mb = None
+    return gm.estimate_kv_bytes(n_layer_all, vocab, tb, mb, tpl)
+
+
+def outside_bytes(specs: Sequence, types: Sequence[str], in_budget: Sequence[bool], kv: int) -> int:
+    """Bytes of a GGUF outside its budget: the header and every tensor that is not budgeted, at its type."""
+    fixed = sum(gm.stored_bytes(types[i], s.shape) for i, s in enumerate(specs) if not in_budget[i])
+    return fixed + gm.header_bytes([(s.name, len(s.shape)) for s in specs], kv)
+
+
+def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k") -> Plan:
+    """Every tensor of ``ckpt``'s GGUF: a llama-quantize mix (``qtype``) reproduced exactly, or ladder types per
+    budgeted tensor to the target, the rest at their floor, override or source type."""
+    specs = gguf_tensors(ckpt, include_mtp=include_mtp)
+    ctx = gguf_mix_context(ckpt, include_mtp)
+    src = ["F32" if s.policy == "f32" else "BF16" for s in specs]
+    quantizable = [s.policy in ("quant", "q8_floor") and gm.allows_quantization(s.name, s.shape, s.policy)
+                   for s in specs]
+    manual: dict[int, str] = {}
+    for i, s in enumerate(specs):
+        if quantizable[i]:
+            o = first_override(overrides, s.role, [s.name] + list(s.hf_names))
+            if o:
+                manual[i] = gm.ggml_type(o.value).name
+    check_unused(overrides)
+    kv = gguf_metadata_bytes(ckpt, ctx.n_layer_all)
+    in_budget = [quantizable[i] and not s.mtp and s.role not in ("lm_head", "embed") for i, s in enumerate(specs)]
+    if qtype is not None:
+        types = gm.mix_types([(s.name, s.shape, src[i]) for i, s in enumerate(specs)], qtype, ctx, manual=manual)
+    else:
+        types, units, unit_types = [""] * len(specs), [], {}
+        role_bits = {r: gm.type_bpw(t) for r, t in gm.GGUF_ROLE_TYPES.items()}
+        for i, s in enumerate(specs):
+            ne0 = int(s.shape[-1])
+            if not quantizable[i] or (s.role == "embed" and i not in manual):
+                types[i] = src[i]
+            elif i in manual:
+                types[i] = gm.fallback(manual[i], ne0) if gm.is_quantized_type(manual[i]) else manual[i]
+            elif s.policy == "q8_floor":
+                types[i] = gm.fallback("Q8_0", ne0)
+            elif s.mtp:
+                types[i] = gm.fallback(gm.bits_to_type(mtp_bits), ne0)
+            elif s.role == "lm_head":
+                t = gm.bits_to_type(head_bits)
+                types[i] = gm.fallback(t, ne0) if gm.is_quantized_type(t) else t
+            elif s.role in BUDGET_ROLES:
+                lad = gm.ladder(ne0, kind=ladder)
+                unit_types[s.name] = {gm.type_bpw(t): t for t in lad}
+                units.append(al.Unit(key=s.name, role=s.role, numel=numel(s.shape),
+                                     levels=tuple(gm.type_bpw(t) for t in lad),
+                                     costs=tuple(8 * gm.stored_bytes(t, s.shape) for t in lad),
+                                     layer=s.layer, n_layers=ckpt.num_hidden_layers))
+            else:
+                types[i] = src[i]
+            if types[i] and in_budget[i]:  # fixed members of the budget set (floor, overrides)
+                units.append(al.Unit(key=s.name, role=s.role, numel=numel(s.shape), levels=(0.0,),
+                                     costs=(8 * gm.stored_bytes(types[i], s.shape),), fixed=0.0))
+        if bpw is not None or size is not None:
+            outside = 0 if size is None else outside_bytes(specs, types, in_budget, kv)
+            what = target_label(bpw, size)
+            budget = budget_bits(units, bpw=bpw, size=size, outside_bytes=outside, what=what)
+            if ladder == "k":
+                what += " with K-quants (Q2_K is the smallest; --gguf-ladder iq adds IQ2_XXS..IQ4_XS)"
+            levels = al.allocate(units, budget, default_bits=role_bits, what=what)
+        else:
+            levels = {u.key: role_bits[u.role] if u.fixed is None else u.fixed for u in units}
+        for i, s in enumerate(specs):
+            if not types[i]:
+                lv = levels[s.name]
+                t = unit_types[s.name].get(lv) or gm.fallback(gm.GGUF_ROLE_TYPES[s.role], int(s.shape[-1]))
+                types[i] = t
+    tensors = [PlannedTensor(s.name, s.role, list(s.hf_names), tuple(s.shape), None, types[i],
+                             gm.tensor_nbytes(types[i], s.shape)) for i, s in enumerate(specs)]
+    total, _ = gm.gguf_file_bytes([(t.name, t.shape, t.type) for t in tensors], kv)
+    bud = [t for i, t in enumerate(tensors) if in_budget[i] and gm.is_quantized_type(t.type)]
+    num = sum(t.bytes * 8 for t in bud)
+    den = sum(numel(t.shape) for t in bud)
+    return Plan("gguf", total, num / den if den else 0.0, tensors, role_summary(tensors))

@@ -1,0 +1,64 @@
+"""Plan a model: every tensor's bits (EXL3) or ggml type (GGUF) and bytes, before anything is converted.
+
+``plan_model(ckpt, fmt, ...)`` reads only names and shapes (a Checkpoint from ``open_checkpoint`` or a
+shapes-only one from ``checkpoint_from_config``), takes storage policy from the architecture table
+(``formats/glm5next``; GGUF tensor list from ``formats/gguf_names``), and hands the budget to
+``planning/allocator`` (EXL3 and custom GGUF) or ``planning/gguf_mix`` (llama.cpp's named mixes).
+The result is the pinned ``Plan`` contract of docs/INTERNALS.md; docs/planning.md explains the conventions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from mixq.errors import InputError
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import validate_checkpoint
+from mixq.planning.sizes import parse_size
+from mixq.planning.check import check_plan
+from mixq.planning.exl3 import plan_exl3
+from mixq.planning.gguf import plan_gguf
+from mixq.planning.gguf_measured import plan_gguf_measured
+from mixq.planning.overrides import parse_overrides
+from mixq.planning.types import Plan
+
+
+def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | None = None, qtype: str | None = None,
+               overrides: Sequence[str | tuple[str, str]] = (), head_bits: float = 6, mtp_bits: float = 4,
+               vision_bits: float | None = None, include_mtp: bool = True,
+               measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = "k") -> Plan:
+    """Plan every tensor of ``ckpt`` for ``fmt`` ("exl3" | "gguf").
+
+    Targets (at most one): ``bpw`` (EXL3: exllamav3's ``bits`` convention; GGUF: bytes·8/elements of the
+    budgeted tensors), ``size`` (bytes of the main model files, headers included; "108GB" / "100GiB" accepted),
+    ``qtype`` (GGUF only: a llama-quantize mix name such as "Q4_K_M", reproduced exactly). None: role defaults.
+    ``measure``: per-unit error curves {unit key: {bits: error}} for the sensitivity solver (EXL3; GGUF:
+    planning/gguf_measured.plan_gguf_measured, which also budgets token_embd and output.weight).
+    ``gguf_ladder``: custom GGUF candidate types, "k" (Q2_K..Q8_0, what mixq writes) or "iq" (adds IQ2_XXS..IQ4_XS).
+    A path ``ckpt`` is opened and checked against its config (``validate_checkpoint``), as convert checks it."""
+    if isinstance(ckpt, (str, Path)):
+        ckpt = open_checkpoint(ckpt)
+        validate_checkpoint(ckpt)  # a config that disagrees with the weights: refused, as convert refuses it
+    fmt = fmt.lower()
+    if sum(x is not None for x in (bpw, size, qtype)) > 1:
+        raise InputError("give at most one of --bpw, --size, --type")
+    size_b = parse_size(size) if size is not None else None
+    ovs = parse_overrides(overrides)
+    if fmt == "exl3":
+        if qtype is not None:
+            raise InputError(f"--type {qtype}: named mixes are GGUF only; use --bpw or --size for EXL3")
+        plan = plan_exl3(ckpt, bpw=bpw, size=size_b, overrides=ovs, head_bits=head_bits, mtp_bits=mtp_bits,
+                          vision_bits=vision_bits, include_mtp=include_mtp, measure=measure)
+    elif fmt == "gguf" and measure is not None:
+        if qtype is not None or ovs or (bpw is None and size_b is None):
+            raise InputError("--measure plans a GGUF to --bpw or --size (not with --type or --override)")
+        plan = plan_gguf_measured(ckpt, measure, bpw=bpw, size=size_b, ladder=gguf_ladder, include_mtp=include_mtp,
+                                  mtp_bits=mtp_bits)
+    elif fmt == "gguf":
+        plan = plan_gguf(ckpt, bpw=bpw, size=size_b, qtype=qtype, overrides=ovs, head_bits=head_bits,
+                          mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder)
+    else:
+        raise InputError(f"--format {fmt!r}: exl3 or gguf")
+    check_plan(ckpt, plan)  # what plan shows, convert can write (one check for both)
+    plan.ref_params = getattr(ckpt, "params", None)  # file_bpw's denominator, the same in convert and eval
+    return plan

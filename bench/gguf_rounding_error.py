@@ -3,7 +3,7 @@
     python bench/gguf_rounding_error.py --rows 128 --types Q2_K,Q4_K,IQ2_S --json bench/results/gguf-rounding-error.json
 
 For each tensor (--tensors) and type, tr(ΔW·H·ΔWᵀ) of quant/kquants_hessian (damping and refinement passes as the
-converter uses them, and without refinement) divided by that of ggml's own encoder (mixq.quant.kquants, imatrix =
+converter uses them, and without refinement) divided by that of ggml's own encoder (mixq.quant.ggml.encoders, imatrix =
 the all-token diagonal, as `mixq imatrix` stores it). "in": H from the calibration text the rounding used (--rows x
 512 tokens of calibration.txt); "out": H from held-out text (--heldout-rows x 512 tokens of heldout.txt), i.e.
 what the rounding gains on inputs it never saw. Routed experts: the routing-weighted Hessians of
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     from mixq.convert.gguf_rounding import DAMP, REFINE_PASSES
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
-    from mixq.quant import kquants
-    from mixq.quant import kquants_hessian as kh
+    from mixq.quant.ggml import encoders as kquants
+    from mixq.quant.ggml import hessian_rounding as kh
 
     ckpt = open_checkpoint(SHARED / "models" / "glm5next-k256")
     names = a.tensors.split(",")

@@ -35,7 +35,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from mixq.formats.atomic import write_json  # noqa: E402
-from mixq.quant import kquants, kquants_fused, kquants_ggml  # noqa: E402
+from mixq.quant.ggml import encoders as kquants  # noqa: E402
+from mixq.quant.ggml import triton_search as kquants_fused
+from mixq.quant.ggml import libggml as kquants_ggml
 
 REPO = Path(__file__).resolve().parents[1]
 TYPES = ["Q4_K", "IQ2_S", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ3_XXS",

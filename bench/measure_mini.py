@@ -44,7 +44,7 @@ def actual_check(ck, keys, rates_by_key, calibration) -> dict[str, dict[float, f
     import torch
 
     from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
-    from mixq.quant import trellis_loss as qs
+    from mixq.quant.trellis import loss as qs
 
     groups = cs.budget_units(ck)
     ids = calibration_rows(load_tokenizer(ck.path), calibration, rows=cs.DEFAULT_ROWS, seq_len=cs.DEFAULT_SEQ_LEN,

@@ -17,7 +17,9 @@ import traceback
 
 import torch
 
-from mixq.quant import trellis, viterbi
+from mixq.quant import trellis
+
+from mixq.quant.trellis import viterbi
 
 RATES = {"mul1": [1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8], "3inst": [1, 2, 3, 4, 5, 6, 7, 8],
          "mcg": [1, 2, 3, 4, 5, 6, 7, 8]}

@@ -35,8 +35,10 @@ from pathlib import Path
 
 import torch
 
-from mixq.quant import codebooks as cb
-from mixq.quant import trellis, viterbi, viterbi_fused
+from mixq.quant.trellis import codebooks as cb
+from mixq.quant import trellis
+from mixq.quant.trellis import viterbi
+from mixq.quant.trellis import viterbi_triton as viterbi_fused
 
 REPO = Path(__file__).resolve().parents[1]
 SCALE_GRID = (0.94, 0.97, 1.0, 1.03, 1.06)

@@ -117,7 +117,7 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
     from tqdm.auto import tqdm
 
     from mixq.planning.sizes import parse_size as parse_bytes
-    from mixq.quant.codebooks import check_bits
+    from mixq.quant.trellis.codebooks import check_bits
     from mixq.quant.device import pick_device
 
     from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_unit

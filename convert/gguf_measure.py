@@ -22,8 +22,8 @@ import torch
 from mixq.errors import InputError
 from mixq.planning import gguf_mix as gm
 from mixq.planning.gguf_measured import measured_units
-from mixq.quant import kquants
-from mixq.quant import kquants_hessian as kh
+from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.device import pick_device
 
 DEFAULT_ROWS = 16

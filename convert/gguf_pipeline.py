@@ -9,7 +9,7 @@ and the outputs -> plan the types -> encode tensor by tensor and write (shards) 
   that decides no tensor (matches nothing, only never-quantized tensors, or only tensors an earlier rule decides)
   is an InputError, as are an imatrix naming no tensor of the model and i-quants without importance data;
 - the chat template (--chat-template, else the model's own) is linted with jinja2 before anything is written;
-- encoders: mixq.quant.kquants (bit-exact ggml), falling back to gguf-py for types it lacks, run on `threads`
+- encoders: mixq.quant.ggml.encoders (bit-exact ggml), falling back to gguf-py for types it lacks, run on `threads`
   worker processes by convert/gguf_workers (row blocks / expert slices; same bytes as one process);
 - the checkpoint is read lazily, one GGUF tensor at a time; output written under temp names, renamed at the end.
 """

@@ -3,14 +3,14 @@
 `--rounding exact` (the default) leaves every tensor to ggml's own encoder, so files are byte-identical to
 llama-quantize's. `--rounding hessian` keeps every tensor's ggml type (so the bytes count is the same and llama.cpp
 loads the file unchanged) but picks the codes inside each block to minimise the layer-output error
-tr(ΔW·H·ΔWᵀ) (quant/kquants_hessian.py), with H from a calibration forward this module runs itself
+tr(ΔW·H·ΔWᵀ) (quant/ggml/hessian_rounding.py), with H from a calibration forward this module runs itself
 (convert/gguf_hessians.py: layer by layer, routing-weighted per routed expert).
 
 `encode_hessian_rounded(...)` walks the calibration once and encodes every covered tensor as its layer is reached,
 spilling the encoded blocks to .npy files in a work directory (the file is written later in GGUF order, and the
 encoded model is as large as the output, so it is not kept in memory). Covered: 2-D Linears and stacked routed
 experts whose input the forward forms, and token_embd (rows weighted by what the first layer's Linears make of
-their error: gguf_hessians.embedding_hessian), in a type `kquants_hessian` supports. The rest (the split
+their error: gguf_hessians.embedding_hessian), in a type `hessian_rounding` supports. The rest (the split
 attn_k_b/attn_v_b, the NextN block, F16/BF16/F32 tensors, types without a Hessian path) keep ggml's encoder.
 With `tune_iters` > 0 (the default), each stage's Hessian-rounded codes are then tuned together for the decoder
 layer's output on the quantized model's streams (convert/gguf_tuning.py), and the tuned blocks replace the
@@ -30,7 +30,7 @@ import torch
 from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.errors import InputError
 from mixq.formats.partials import make_partial_dir
-from mixq.quant import kquants_hessian as kh
+from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.device import pick_device
 
 # damping of H (relative to its mean diagonal) and coordinate-descent passes after the feedback walk: measured on

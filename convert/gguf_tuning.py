@@ -1,7 +1,7 @@
 """GGUF `--rounding hessian`, second stage: block-output tuning of the encoded codes, one decoder layer at a time.
 
 After a layer's tensors are Hessian-rounded (convert/gguf_rounding.py), `LayerTuner.layer` moves the codes of
-every tensor of that layer together (quant/block_tuning.py) so that the layer, run on the *quantized* model's
+every tensor of that layer together (quant/ggml/block_tuning.py) so that the layer, run on the *quantized* model's
 hidden streams, reproduces the *source* layer's output on the source streams (mean squared error over the
 streams, calibration rows in batches). Two streams are carried from layer to layer: the source model's, and the
 quantized model's as llama.cpp will run it (every tensor of the layer at its planned type: tuned codes, the
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from mixq.convert.options import DEFAULT_TUNE_ITERS
-from mixq.quant import block_tuning as bt
-from mixq.quant.kquants_hessian import dequantize_blocks
+from mixq.quant.ggml import block_tuning as bt
+from mixq.quant.ggml.hessian_rounding import dequantize_blocks
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
 SCALE_LR = 0.2          # total reach of a block scale's relative change (types in SCALE_TUNED): scale_lr / 2

@@ -1,6 +1,6 @@
 """Encode GGUF tensors on N cores (`mixq convert --format gguf --threads N`), bytes and order as in one process.
 
-- `encode(x, qtype, imatrix)`: one array -> ggml data (mixq.quant.kquants, gguf-py for the types it lacks).
+- `encode(x, qtype, imatrix)`: one array -> ggml data (mixq.quant.ggml.encoders, gguf-py for the types it lacks).
 - `TensorEncoder(items, load, threads)`: `get(name)` returns tensor `name`'s encoded data; the writer asks for the
   tensors in file order. With threads > 1 each tensor is cut into tasks of about TASK_WEIGHTS weights -- row blocks
   of a 2-D tensor, whole experts or row blocks of one expert of a stacked 3-D tensor -- and the tasks go to a pool
@@ -68,7 +68,7 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device:
         return x.astype(np.float16)
     if q in ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1") and imatrix is None:
         return gguf.quants.quantize(x, ggml_type(q))
-    from mixq.quant import kquants
+    from mixq.quant.ggml import encoders as kquants
     n = x.shape[-1]
     # one (rows, n) matrix per expert / slice of a 3-D tensor
     mats = x if x.ndim == 3 else x.reshape(1, -1, n)
@@ -92,7 +92,7 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device:
         if w is not None and q in ("Q8_0", "BF16"):  # these ignore the imatrix in ggml too
             w = None
         if w is not None or q not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"):
-            raise InputError(f"no encoder for {q}{' with imatrix' if w is not None else ''} (mixq.quant.kquants lacks it)")
+            raise InputError(f"no encoder for {q}{' with imatrix' if w is not None else ''} (mixq.quant.ggml.encoders lacks it)")
         out.append(gguf.quants.quantize(rows, ggml_type(q)))
     res = np.stack(out)
     return res.reshape(x.shape[:-1] + (res.shape[-1],))

@@ -13,7 +13,7 @@ down_proj its activation), captured here from the experts module's inputs. A few
 measured (uniformly among the routed ones) and the layer's total is scaled by routing mass Σ_e Σ_t g_te².
 
 Sampling (CPU default, ``SAMPLING["cpu"]``): per matrix 1 random rotated 16-column strip (plus a strip holding
-an outlier, if any) and 2 experts per layer; on CUDA everything is encoded (exact). quant/trellis_loss.py has the
+an outlier, if any) and 2 experts per layer; on CUDA everything is encoded (exact). quant/trellis/loss.py has the
 estimator, docs/planning.md §3 its accuracy and cost.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.glm5next import global_hf_name
 from mixq.planning import allocator as al
-from mixq.quant import trellis_loss as qs
+from mixq.quant.trellis import loss as qs
 from mixq.quant.device import pick_device
 
 DEFAULT_ROWS = 16

@@ -21,8 +21,8 @@ from mixq.convert.gguf_measure import GGUFMeasurement, measure_gguf_errors
 from mixq.planning.gguf_measured import measured_units
 from mixq.errors import InputError
 from mixq.eval.reference import PerturbedKLD
-from mixq.quant import kquants
-from mixq.quant import kquants_hessian as kh
+from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import hessian_rounding as kh
 
 
 def _dequantized(x: torch.Tensor, qtype: str, imatrix: np.ndarray | None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Sequence
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from mixq.errors import PlanError
+from mixq.quant.ggml.registry import SUPPORTED
 
 MIX_DEFAULT = {
     "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K",
@@ -273,7 +274,7 @@ def mix_types(tensors: Sequence[tuple[str, tuple[int, ...], str]], mix: str, ctx
 
 # --- custom (role-based) GGUF ladders --------------------------------------------------------------------------
 GGUF_LADDER: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # K-quants (the default)
-# "iq": adds the i-quants (mixq.quant.kquants writes them all, bit-exact with ggml; IQ2_*/IQ3_XXS need an
+# "iq": adds the i-quants (mixq.quant.ggml.encoders writes them all, bit-exact with ggml; IQ2_*/IQ3_XXS need an
 # importance matrix, as in llama-quantize); the only way below 2.625 bpw, i.e. to put a 321B model into ~108 GB
 # (as the Unsloth UD-Q2_K_XL mixes do)
 GGUF_LADDER_IQ: tuple[str, ...] = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K", "IQ3_XXS", "Q3_K", "IQ4_XS", "Q4_K",
@@ -297,9 +298,7 @@ def bits_to_type(bits: float) -> str:
 
 
 def encodable_types() -> tuple[str, ...]:
-    """The ggml types mixq writes: the float types and every encoder registered in mixq.quant.kquants."""
-    from mixq.quant.kquants import SUPPORTED
-
+    """The ggml types mixq writes: the float types and every type of the ggml registry (mixq.quant.ggml.registry)."""
     return ("F32", "F16", "BF16") + tuple(SUPPORTED)
 
 

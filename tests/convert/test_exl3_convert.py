@@ -1,7 +1,7 @@
 """End-to-end EXL3 conversion of a tiny random glm5_next checkpoint: verify, read back, transformers forward,
 kill -9 + --resume byte-identical, bad input (the DFlash2 drafter: tests/convert/test_drafter.py).
 
-The trellis encoder (quant/trellis.py, tested on its own in tests/quant) needs minutes per tiny model on 2 shared
+The trellis encoder (quant/trellis/encoder.py, tested on its own in tests/quant) needs minutes per tiny model on 2 shared
 CPU cores, so the default-suite tests here swap in FAKE_TRELLIS: a deterministic stand-in with the same API and
 tensor layout whose output depends on the weight and on the calibration Hessian (so calibration state, resume
 and byte-identity are still exercised). The real encoder runs end to end (about two minutes) in tests/convert/test_exl3_real_trellis.py, a module of
@@ -83,8 +83,11 @@ def from_tensors(tensors, shape):
 
 
 def _fake_module() -> types.ModuleType:
+    import mixq.quant
+
     m = types.ModuleType("mixq.quant.trellis")
     exec(FAKE_TRELLIS, m.__dict__)
+    m.__path__ = [str(Path(mixq.quant.__file__).parent / "trellis")]  # the package's other modules stay real
     return m
 
 
@@ -104,6 +107,7 @@ def fake_trellis(tmp_path_factory):
         f"src = {FAKE_TRELLIS!r}\n"
         "m = types.ModuleType('mixq.quant.trellis')\n"
         "exec(src, m.__dict__)\n"
+        "m.__path__ = [os.path.join(os.path.dirname(mixq.quant.__file__), 'trellis')]\n"
         "sys.modules['mixq.quant.trellis'] = m\n"
         "mixq.quant.trellis = m\n"
         # SLOW_STAGES_ENV: sleep after each recorded stage, so a test can kill -9 a conversion mid-way

@@ -9,8 +9,8 @@ import torch
 from mixq.convert.options import check_rounding
 from mixq.convert import gguf_rounding as gr
 from mixq.errors import InputError
-from mixq.quant import kquants
-from mixq.quant import kquants_hessian as kh
+from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import hessian_rounding as kh
 
 PICK = {"token_embd.weight": "Q4_K", "blk.0.attn_q.weight": "Q2_K", "blk.1.ffn_up_exps.weight": "Q3_K",
         "output.weight": "Q6_K", "blk.3.attn_k_b.weight": "BF16", "blk.0.ssm_f_a.weight": "Q4_K",

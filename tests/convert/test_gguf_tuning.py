@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mixq.convert import gguf_tuning as gt
-from mixq.quant import kquants
+from mixq.quant.ggml import encoders as kquants
 
 PICK = {"token_embd.weight": "Q4_K", "blk.0.attn_q.weight": "Q2_K", "blk.0.ffn_down.weight": "Q3_K",
         "blk.0.ffn_up.weight": "Q4_K", "blk.0.attn_norm.weight": "F32", "output.weight": "Q6_K",

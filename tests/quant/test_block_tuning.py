@@ -1,4 +1,4 @@
-"""quant/block_tuning.py: ggml codes as a differentiable parameter on their encoded grid, and the signed descent
+"""quant/ggml/block_tuning.py: ggml codes as a differentiable parameter on their encoded grid, and the signed descent
 (glm5next-k256 weights, encoded by mixq's exact ggml encoders)."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from mixq.quant import block_tuning as bt
-from mixq.quant import ggml_levels as gl
-from mixq.quant import kquants
+from mixq.quant.ggml import block_tuning as bt
+from mixq.quant.ggml import levels as gl
+from mixq.quant.ggml import encoders as kquants
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""quant/ggml_levels.py: level codes written into ggml blocks decode (through gguf-py) to step*code + base."""
+"""quant/ggml/levels.py: level codes written into ggml blocks decode (through gguf-py) to step*code + base."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from mixq.errors import InputError
-from mixq.quant import ggml_levels as gl
-from mixq.quant import kquants
+from mixq.quant.ggml import levels as gl
+from mixq.quant.ggml import encoders as kquants
 
 
 def _k256_rows(k256_model, n_rows: int = 6) -> np.ndarray:

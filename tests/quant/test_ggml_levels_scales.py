@@ -1,4 +1,4 @@
-"""quant/ggml_levels.py super-scales and sub-block scales: read, written and decoded as llama.cpp's decoder
+"""quant/ggml/levels.py super-scales and sub-block scales: read, written and decoded as llama.cpp's decoder
 (gguf-py's dequantize) reads them, on blocks from mixq's exact ggml encoders."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from mixq.errors import InputError
-from mixq.quant import ggml_levels as gl
-from mixq.quant import kquants
+from mixq.quant.ggml import levels as gl
+from mixq.quant.ggml import encoders as kquants
 
 # per type: the code whose level value is 1 (y = d·s·1 − dmin·m)
 UNIT_CODE = {"Q2_K": 1, "Q3_K": 5, "Q4_K": 1, "Q5_K": 1, "Q6_K": 33}

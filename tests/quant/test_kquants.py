@@ -1,4 +1,4 @@
-"""Bit-exactness of mixq.quant.kquants against ggml (llama-cpp-python 0.3.36's libggml-base).
+"""Bit-exactness of mixq.quant.ggml.encoders against ggml (llama-cpp-python 0.3.36's libggml-base).
 
 The default suite checks digests recorded from ggml_quantize_chunk (tests/data/kquants_digests.json),
 so it needs no llama.cpp; ``test_live_*`` compare byte for byte with the C library when it is
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from mixq.errors import InputError
-from mixq.quant import kquants, kquants_ggml
+from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import libggml as kquants_ggml
 
 DIGESTS = Path(__file__).resolve().parent.parent / "data" / "kquants_digests.json"
 # the generated edge-case rows and imatrices themselves, so the check does not depend on numpy's RNG streams

@@ -1,4 +1,4 @@
-"""The fused Triton kernels (quant/kquants_fused.py, kquants_fused_grid.py, kquants_fused_descent.py) against the
+"""The fused Triton kernels (quant/ggml/triton_search.py, kquants_fused_grid.py, kquants_fused_descent.py) against the
 eager torch searches they replace: bitwise equal.
 
 On the CPU the kernels run in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, set before triton is
@@ -18,9 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from mixq.quant import kquants, kquants_fused, kquants_fused_descent, kquants_fused_grid
-from mixq.quant import kquants_torch_grid as tg
-from mixq.quant import kquants_torch_search as ts
+from mixq.quant.ggml import encoders as kquants
+
+from mixq.quant.ggml import triton_search as kquants_fused
+
+from mixq.quant.ggml import triton_descent as kquants_fused_descent
+
+from mixq.quant.ggml import triton_grid as kquants_fused_grid
+from mixq.quant.ggml import torch_grid as tg
+from mixq.quant.ggml import torch_search as ts
 
 pytest.importorskip("triton")
 
@@ -60,7 +66,8 @@ def edge_superblocks(S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 _ENCODERS = r"""
 import json, warnings, numpy as np, torch
 warnings.simplefilter("error", UserWarning)  # a kernel variant failing its first-use check warns
-from mixq.quant import kquants, kquants_fused
+from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import triton_search as kquants_fused
 x = (np.random.default_rng(0).standard_normal((2, 256)) * 0.02).astype(np.float32)
 im = np.random.default_rng(1).random(256).astype(np.float32)
 res = {}
@@ -73,8 +80,11 @@ print(json.dumps(res))
 
 _CHECK = r"""
 import json, sys, torch
-from mixq.quant import kquants_fused as kf, kquants_fused_descent as kd, kquants_fused_grid as kg
-from mixq.quant import kquants_torch_grid as tg, kquants_torch_search as ts
+from mixq.quant.ggml import triton_search as kf
+from mixq.quant.ggml import triton_descent as kd
+from mixq.quant.ggml import triton_grid as kg
+from mixq.quant.ggml import torch_grid as tg
+from mixq.quant.ggml import torch_search as ts
 sys.path.insert(0, sys.argv[2])
 import test_kquants_fused as T
 what = sys.argv[1]

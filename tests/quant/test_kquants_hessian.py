@@ -1,4 +1,4 @@
-"""quant/kquants_hessian.py: same ggml types and bytes count, smaller layer-output error tr(ΔW·H·ΔWᵀ).
+"""quant/ggml/hessian_rounding.py: same ggml types and bytes count, smaller layer-output error tr(ΔW·H·ΔWᵀ).
 
 Weights and Hessians are real: glm5next-k256 layer-0 q_proj and layer-1 routed experts, with input Hessians from
 a short calibration forward (4 rows x 128 tokens of calibration.txt)."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mixq.errors import InputError
-from mixq.quant import ggml_levels as gl
-from mixq.quant import kquants
-from mixq.quant import kquants_hessian as kh
+from mixq.quant.ggml import levels as gl
+from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import hessian_rounding as kh
 
 Q_PROJ = "model.language_model.layers.0.self_attn.q_proj.weight"
 EXPERTS = 4

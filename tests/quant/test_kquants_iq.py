@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from mixq.errors import InputError
-from mixq.quant import kquants, kquants_ggml
+from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import libggml as kquants_ggml
 
 
 def _kquants_cases():
@@ -81,7 +82,7 @@ def test_iq2_xxs_xs_refuse_without_imatrix():
 
 
 def test_codebook_tables_follow_ggml_rules():
-    from mixq.quant.kquants_iq2 import codebook
+    from mixq.quant.ggml.numpy_iq2 import codebook
 
     for t, (n, nwant) in {"IQ2_XXS": (256, 2), "IQ2_S": (1024, 1), "IQ3_XXS": (256, 2)}.items():
         cb = codebook(t)

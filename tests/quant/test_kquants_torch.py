@@ -1,4 +1,4 @@
-"""The torch encoders (mixq.quant.kquants_torch*) give ggml's bytes on CPU and, with ``-m gpu``, on CUDA.
+"""The torch encoders (mixq.quant.ggml.torch_encoders*) give ggml's bytes on CPU and, with ``-m gpu``, on CUDA.
 
 CPU: the recorded ggml digests of tests/data/kquants_digests.json (edge-case rows, every type, four
 imatrices) and, for the lattice i-quants (not recorded), equality with the numpy encoders that
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from mixq.errors import InputError
-from mixq.quant import kquants, kquants_ggml, kquants_torch
+from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import libggml as kquants_ggml
+from mixq.quant.ggml import torch_encoders as kquants_torch
 
 
 def _kquants_cases():

@@ -11,8 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mixq.quant import codebooks as cb
-from mixq.quant import ldlq, trellis, viterbi
+from mixq.quant.trellis import codebooks as cb
+from mixq.quant.trellis import ldlq
+from mixq.quant import trellis
+from mixq.quant.trellis import viterbi
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 _CACHE: dict = {}

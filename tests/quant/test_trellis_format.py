@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.quant import codebooks as cb
+from mixq.quant.trellis import codebooks as cb
 from mixq.quant import trellis
 
 DATA = Path(__file__).resolve().parent.parent / "data"

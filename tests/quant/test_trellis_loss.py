@@ -1,11 +1,11 @@
-"""quant/trellis_loss.py on a real glm5next-mini tensor with its calibration Hessian."""
+"""quant/trellis/loss.py on a real glm5next-mini tensor with its calibration Hessian."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from mixq.planning import allocator as al
-from mixq.quant import trellis_loss as qs
+from mixq.quant.trellis import loss as qs
 from mixq.quant import trellis
 
 Q_PROJ = "model.language_model.layers.0.self_attn.q_proj.weight"

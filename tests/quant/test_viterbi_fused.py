@@ -1,4 +1,4 @@
-"""quant/viterbi_fused.py: the fused Triton Viterbi against the torch path of quant/viterbi.py.
+"""quant/trellis/viterbi_triton.py: the fused Triton Viterbi against the torch path of quant/trellis/viterbi.py.
 
 On the CPU the kernels run in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, which must be set before
 triton is imported); the `gpu` tests compile them for the device and check many tiles at every rate.
@@ -20,8 +20,8 @@ import sys
 import pytest
 import torch
 
-from mixq.quant import codebooks as cb
-from mixq.quant import viterbi
+from mixq.quant.trellis import codebooks as cb
+from mixq.quant.trellis import viterbi
 
 # The interpreter's generic reduction calls the combine function once per element in Python (hours for one tile):
 # reduce as a balanced tree of adjacent pairs instead, vectorised (log2 n calls; for a selection that keeps the
@@ -63,7 +63,11 @@ if torch.equal(torch.addcmul(c * c, torch.tensor([0.3]), c, value=-2.0),
                (c.double() * c.double() - 2 * torch.tensor(0.3).double() * c.double()).float()):
     ti.InterpreterBuilder.create_fma = fma_one_rounding
 
-from mixq.quant import viterbi, viterbi_fused, codebooks as cb
+from mixq.quant.trellis import viterbi
+
+from mixq.quant.trellis import viterbi_triton as viterbi_fused
+
+from mixq.quant.trellis import codebooks as cb
 bits, tiles, modes, ties = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4] == "1"
 x = torch.randn(tiles, 256, generator=torch.Generator().manual_seed(int(2 * bits))) * 0.9
 table = cb.codebook_table("mul1")
@@ -138,7 +142,7 @@ def test_exact_costs_give_the_torch_path_states_in_interpreter():
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [1, 1.5, 2.5, 3, 3.5, 4, 5, 8])
 def test_every_rate_in_interpreter(bits):
-    from mixq.quant.viterbi_fused import default_costs
+    from mixq.quant.trellis.viterbi_triton import default_costs
 
     costs = default_costs(bits)
     r = _interpret(bits, 2, ("exact", costs))
@@ -181,7 +185,7 @@ def _gpu_case(bits: float, tiles: int, ties: bool = False):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bits", ALL_RATES)
 def test_default_costs_within_rounding_of_torch_path_on_gpu(bits):
-    from mixq.quant import viterbi_fused
+    from mixq.quant.trellis import viterbi_triton as viterbi_fused
 
     x, table, ref = _gpu_case(bits, 2048)  # enough tiles that seam choices average out (see above)
     a = viterbi_fused.encode(x, table.half(), bits)
@@ -196,7 +200,7 @@ def test_default_costs_within_rounding_of_torch_path_on_gpu(bits):
 @pytest.mark.parametrize("bits", [2, 2.5, 3, 4])
 @pytest.mark.parametrize("ties", [False, True])
 def test_exact_costs_give_the_torch_path_states_on_gpu(bits, ties):
-    from mixq.quant import viterbi_fused
+    from mixq.quant.trellis import viterbi_triton as viterbi_fused
 
     x, table, ref = _gpu_case(bits, 256, ties=ties)
     a = viterbi_fused.encode(x, table.half(), bits, costs="exact")

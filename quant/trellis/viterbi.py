@@ -6,7 +6,7 @@ equal s >> D. Costs are kept in float32 (the reference kernel uses fp16, which c
 Tail-biting is solved in two passes like the reference: a free-start run over a window around the ring seam
 (``warm`` positions before and after it; the whole ring on a GPU, a shorter window on the CPU) picks the seam
 edge, then pass 2 runs the full ring constrained to start and end on that edge, which makes the ring
-self-consistent by construction. On CUDA every bitrate runs the fused kernel of quant/viterbi_fused.py (one
+self-consistent by construction. On CUDA every bitrate runs the fused kernel of quant/trellis/viterbi_triton.py (one
 program per tile for all 256 steps); if it is unavailable, a per-step Triton add-compare-select with uint8
 backpointers. Elsewhere plain torch ops, with backpointers recomputed from stored minima.
 """
@@ -116,7 +116,7 @@ def _pass_torch(x, table, table2, d, positions, m0, n_keep, select_last):
 def viterbi_tiles(x: torch.Tensor, table: torch.Tensor, bits: float, warm: int | None = None) -> torch.Tensor:
     """Encode (T, 256) targets (tensor-core order) as consistent tail-biting rings; return (T, 256) int64 states."""
     if x.is_cuda and warm in (None, 128) and WARM in (None, 128) and fused_ok(bits):
-        from . import viterbi_fused
+        from . import viterbi_triton as viterbi_fused
         return viterbi_fused.encode(x, table.half(), float(bits))
     d = step_bits(float(bits))
     if warm is None:  # the full-ring pass 1 is ~1% better; worth its cost on a GPU, not in CPU tests
@@ -290,7 +290,7 @@ def viterbi_free(x: torch.Tensor, table: torch.Tensor, bits: float) -> torch.Ten
     """Free-start, free-end Viterbi MSE per tile (T,) — the cheap proxy used by the scale search. On CUDA with
     the fused kernel: the MSE of the tail-biting encode itself (as cheap there, and what the tiles will get)."""
     if x.is_cuda and fused_ok(bits):
-        from . import viterbi_fused
+        from . import viterbi_triton as viterbi_fused
         states = viterbi_fused.encode(x, table.half(), float(bits))
         return (table[states] - x.float()).square().mean(1)
     d = step_bits(float(bits))
@@ -351,7 +351,7 @@ _CHECK_RTOL = {"exact": 1e-2, "fp32": 1e-2, "mixed": 1e-2, "fp16": 3e-2}
 
 
 def _self_check_fused(k: float, tiles: int = 32) -> bool:
-    from . import viterbi_fused
+    from . import viterbi_triton as viterbi_fused
     from .codebooks import codebook_table
 
     dev = torch.device("cuda")

@@ -6,14 +6,14 @@
 
 Method (GPTQ/LDLQ error feedback, blocked as ggml blocks are): columns are taken in order, a ggml block
 (256 weights of a row for the K-quants and IQ2_S, 32 for the legacy types and IQ4_NL) at a time. When the walk
-reaches a block, its scales, mins and super-scales are chosen by mixq's exact ggml encoder (:mod:`kquants`, with
+reaches a block, its scales, mins and super-scales are chosen by mixq's exact ggml encoder (:mod:`encoders`, with
 the imatrix or else diag(H) as importance) from the *current* targets, i.e. the weights plus the feedback of the
 errors already made; then every column (scalar types; IQ4_NL to the nearest of its 16 table levels) or 8-column
 codebook group (IQ2_S) is rounded on that grid and its error is fed forward to the columns not yet rounded
 through the upper Cholesky factor U of H⁻¹
 (``targets[:, later] -= err·U⁻¹[group] · U[group, later]``), which is the greedy minimiser of the quadratic
 loss column by column. The walk keeps the scales ggml's search gives for those targets, so the block format,
-fp16 rounding and llama.cpp decoding are untouched; :mod:`ggml_levels` writes the chosen codes back.
+fp16 rounding and llama.cpp decoding are untouched; :mod:`levels` writes the chosen codes back.
 ``refine`` > 0 then runs that many passes of coordinate descent on the exact quadratic, which the greedy walk
 leaves on the table. Each pass moves, in turn: every code one step up or down (the best of a short list of
 codebook entries per IQ2_S group); every sub-block's integer scale and min one step (K-quants, IQ2_S)
@@ -31,10 +31,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import InputError
-from . import ggml_levels as gl
-from . import kquants
-from .device import pick_device
+from ...errors import InputError
+from . import levels as gl
+from . import encoders as kquants
+from ..device import pick_device
 
 SUPPORTED = gl.SCALAR_TYPES + ("IQ2_S",)
 DEFAULT_DAMP = 0.01      # relative diagonal damping of H (GPTQ's default): keeps U finite for rank-deficient H

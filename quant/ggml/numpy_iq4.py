@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kquants_search import F32, GROUP_MAX_EPS, f32, first_absmax, fp16_round, nearest_int, seq_sum
+from .numpy_search import F32, GROUP_MAX_EPS, f32, first_absmax, fp16_round, nearest_int, seq_sum
 
 # kvalues_iq4nl: the 16 signed levels of IQ4_NL / IQ4_XS
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int32)

@@ -5,7 +5,7 @@ random signs + per-channel RMS scales on both sides, blockwise 128-point Hadamar
 picked on a few sample tiles, tail-biting Viterbi per 16×16 tile (LDLQ error feedback when a Hessian is given),
 then a least-squares refit of the channel scales. Everything runs on the weight's device, batched over tiles and
 over stacked experts. The stages (``check_inputs``, ``pad_to``, ``regularize``, ``sample_tiles``,
-``global_scale``) are public for quant/trellis_loss.py, which runs them on sampled strips.
+``global_scale``) are public for quant/trellis/loss.py, which runs them on sampled strips.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import FormatError, InputError
+from ...errors import FormatError, InputError
 from . import codebooks as cb
 from .hadamard import had_both, had_cols, had_rows, random_signs
 from .ldlq import block_ldl, damp, ldlq

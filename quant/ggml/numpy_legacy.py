@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kquants_search import f32, fp16_round, make_qkx_quants, make_qx_quants, seq_sum
+from .numpy_search import f32, fp16_round, make_qkx_quants, make_qx_quants, seq_sum
 
 
 def _blocks_and_weights(x: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ For the scalar types every decoded weight is affine in its own level value, so t
 decoder (codes all at the low end, then all at the high end) instead of a second copy of each decoding rule.
 :func:`nearest_codes` and :func:`interpolated_values` give the rounding and a piecewise-linear relaxation on the
 level values, the same for every scalar type.
-Bit layouts follow ggml's block definitions (docstrings of :mod:`kquants_blocks` name the byte ranges).
+Bit layouts follow ggml's block definitions (docstrings of :mod:`numpy_kquants` name the byte ranges).
 IQ2_S (8-weight codebook groups with free signs) has its own pair: ``set_iq2s_groups`` / ``iq2s_group_scales``.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from ..errors import InputError
-from .kquants_blocks import pack_scales_k4, pack_scales_q3_k
-from .kquants_iq4 import IQ4_LEVELS
+from ...errors import InputError
+from .numpy_kquants import pack_scales_k4, pack_scales_q3_k
+from .numpy_iq4 import IQ4_LEVELS
 
 # code range (lo, hi) per scalar type; Q8_0 stays off -128, whose magnitude some SIMD dot products cannot take
 CODE_RANGE: dict[str, tuple[int, int]] = {

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the hot scale searches of the K-quant encoders, bit-exact with ggml on CUDA.
 
-The eager torch searches (:mod:`kquants_torch_search`) make one pass over memory per float operation;
+The eager torch searches (:mod:`torch_search`) make one pass over memory per float operation;
 these kernels run ggml's per-block loops in registers instead, one block per lane: each lane walks
 the 16 or 32 elements of its block in order (the sums stay sequential) for every candidate scale.
 Exactness rules on top of the eager ones: kernels are compiled without fused multiply-add

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from . import codebooks as cb
-from . import trellis
+from . import encoder as trellis
 from .hadamard import BLOCK as HBLOCK, had_both, hadamard_matrix
 from .ldlq import block_ldl, damp, ldlq
 from .viterbi import encode_tiles

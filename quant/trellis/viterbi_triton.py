@@ -1,6 +1,6 @@
 """Fused tail-biting Viterbi on CUDA: one Triton program per tile runs all 256 trellis steps of a pass.
 
-Same trellis and two-pass tail-biting scheme as quant/viterbi.py (reference §3.6), organised for a GPU:
+Same trellis and two-pass tail-biting scheme as quant/trellis/viterbi.py (reference §3.6), organised for a GPU:
 
 * The 65,536 codebook values are loaded once per program into registers as fp16 (128 KB: an fp32 table
   would fill the whole register file), viewed as (U, EH, EL) = (top D bits, middle 16-2D bits, low D bits)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .kquants_torch_search import (div_by, first_absmax, first_min, fp16_bits, half_bytes, make_qkx_quants,
+from .torch_search import (div_by, first_absmax, first_min, fp16_bits, half_bytes, make_qkx_quants,
                                    make_qx_quants, rdiv, seq_sum, sqrt, to_int32)
 
 

@@ -1,10 +1,10 @@
 """The lattice-codebook search of ggml's i-quants (IQ2_XXS/XS/S, IQ3_XXS/S) in torch, bit-exact on any device.
 
-Same search as :mod:`kquants_iq2` (which documents it), vectorised for accelerators: every candidate
+Same search as :mod:`numpy_iq2` (which documents it), vectorised for accelerators: every candidate
 scale of every sub-block is rounded at once, every off-codebook group of every candidate is snapped
 to its best neighbour at once (neighbour lists padded per width bin), and the candidates are then
 compared in ggml's order. Sub-block arrays are (element, sub-block) so that sums run in ggml's
-float32 order (:mod:`kquants_torch_search`). The codebook tables come from :func:`kquants_iq2.codebook`
+float32 order (:mod:`torch_search`). The codebook tables come from :func:`kquants_iq2.codebook`
 (derived from gguf-py's grids) and are copied once per device.
 """
 from __future__ import annotations
@@ -15,9 +15,11 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..errors import InputError
-from . import kquants_fused, kquants_fused_grid, kquants_iq2
-from .kquants_torch_search import F32, div_by, fp16_bits, nearest_int, rdiv, seq_sum, sqrt
+from ...errors import InputError
+from . import triton_search as kquants_fused
+from . import triton_grid as kquants_fused_grid
+from . import numpy_iq2 as kquants_iq2
+from .torch_search import F32, div_by, fp16_bits, nearest_int, rdiv, seq_sum, sqrt
 
 # neighbour-list width bins: each bin pads its groups only up to the longest list in it
 _WIDTHS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 1 << 30)

@@ -6,7 +6,7 @@
 - :func:`q3_search` - make_q3_quants (Q3_K without importance).
 Each lane keeps its block's levels in a (lanes, n) integer tile in registers (a column is read with an
 exact integer masked sum); the descent always runs its 5 sweeps, which gives ggml's result (a sweep
-that changes nothing in a block changes nothing later). Exactness rules: :mod:`kquants_fused`.
+that changes nothing in a block changes nothing later). Exactness rules: :mod:`triton_search`.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .kquants_fused import LANES, launch_opts, triton, tl
+from .triton_search import LANES, launch_opts, triton, tl
 
 F32 = torch.float32
 
 
 if triton is not None:
-    from .kquants_fused import nearest_int_bits
+    from .triton_search import nearest_int_bits
 
     @triton.jit
     def _col(tile, cols, i):

@@ -1,6 +1,6 @@
 """IQ4_XS and IQ4_NL encoders in torch (non-linear 16-level grid, 32-weight blocks), bit-exact with ggml.
 
-Same search as :mod:`kquants_iq4` (which documents it). ``encode_iq4_xs(xs, qw)`` takes super-blocks
+Same search as :mod:`numpy_iq4` (which documents it). ``encode_iq4_xs(xs, qw)`` takes super-blocks
 (S, 256) and importance (S, 256) or None; ``encode_iq4_nl(x, qw)`` takes rows (R, n) and their importance
 (R, n) or None. Both return uint8 blocks on the input's device.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .kquants_iq4 import IQ4_LEVELS
-from .kquants_torch_search import (F32, GROUP_MAX_EPS, div_by, first_absmax, fp16_bits, half_bytes, nearest_int,
+from .numpy_iq4 import IQ4_LEVELS
+from .torch_search import (F32, GROUP_MAX_EPS, div_by, first_absmax, fp16_bits, half_bytes, nearest_int,
                                    rdiv, seq_sum, sqrt)
 
 

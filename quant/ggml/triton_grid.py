@@ -1,12 +1,12 @@
 """Fused Triton kernel for the lattice-codebook search of the i-quants (IQ2_XXS/XS/S, IQ3_XXS/S), bit-exact.
 
 One lane per sub-block runs :func:`kquants_torch_grid.search` (ggml's loop, documented in
-:mod:`kquants_iq2`) in registers: for every candidate scale it rounds each group of levels, looks the
+:mod:`numpy_iq2`) in registers: for every candidate scale it rounds each group of levels, looks the
 code up in the codebook map and, off the codebook, scans that code's neighbour list for the entry with
 the least weighted error (the lane loops to the longest list in its program, masked); the fit sums run
 over the sub-block's elements in order, the candidates compete in ggml's order, and the winner's
 levels are stored as they win. The refinement pass re-rounds with the best scale. Exactness rules are
-those of :mod:`kquants_fused` (no FMA, ``div_rn``, the bit-trick rounding); used only where its
+those of :mod:`triton_search` (no FMA, ``div_rn``, the bit-trick rounding); used only where its
 self-check passes (:func:`kquants_fused.fused_ok`).
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from . import kquants_iq2
-from .kquants_fused import launch_opts, triton, tl
+from . import numpy_iq2 as kquants_iq2
+from .triton_search import launch_opts, triton, tl
 
 F32 = torch.float32
 # sub-blocks per program: the neighbour scan runs to the longest list among a program's lanes, so
@@ -48,7 +48,7 @@ def grid_tables(qtype: str, device: str) -> GridTables:
 
 
 if triton is not None:
-    from .kquants_fused import nearest_int_bits
+    from .triton_search import nearest_int_bits
 
     @triton.jit
     def _group_levels_code(x_ptr, lane, m, B, g0, idv, GROUP: tl.constexpr, BITS: tl.constexpr,

@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import kquants_fused, kquants_fused_descent
+from . import triton_search as kquants_fused
+
+from . import triton_descent as kquants_fused_descent
 
 F32 = torch.float32
 _MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds to an integer in the low mantissa bits
@@ -168,7 +170,7 @@ def make_qx_quants(x: torch.Tensor, nmax: int, qw: torch.Tensor | None = None) -
     """Symmetric signed search (ggml make_qx_quants, rmse_type 1): (scale, L int32 in [0, 2*nmax)).
 
     Weights are ``qw`` if given, else x*x; 19 candidate scales around -nmax/max. Runs the fused kernel
-    of :mod:`kquants_fused` where it is in use for x's device.
+    of :mod:`triton_search` where it is in use for x's device.
     """
     if kquants_fused.use_fused(x):
         def check() -> bool:
@@ -283,7 +285,7 @@ def make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rd
     """Asymmetric weighted search (ggml make_qkx2_quants / make_qkx3_quants with weights given).
 
     Returns (scale, the_min >= 0, L int32 in [0, nmax]); the block decodes as scale*L - the_min.
-    Runs the fused kernel of :mod:`kquants_fused` where it is in use for x's device.
+    Runs the fused kernel of :mod:`triton_search` where it is in use for x's device.
     """
     args = (nmax, rmin, rdelta, nstep, use_mad)
     if kquants_fused.use_fused(x):

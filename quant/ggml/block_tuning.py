@@ -1,6 +1,6 @@
 """Block-output tuning of the level codes inside ggml blocks: signed gradient descent through rounding.
 
-Hessian rounding (:mod:`kquants_hessian`) minimises each Linear's own output error for the inputs the source model
+Hessian rounding (:mod:`hessian_rounding`) minimises each Linear's own output error for the inputs the source model
 gives it. What the quantized model computes differs in two ways that a per-Linear objective does not see: a
 decoder layer's Linears act together, through attention, routing and the gated MLP, and the layer reads the
 quantized model's hidden streams, not the source's. Tuning closes both gaps the way AutoRound (Cheng et al. 2023)
@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from . import ggml_levels as gl
-from .kquants_hessian import dequantize_blocks
+from . import levels as gl
+from .hessian_rounding import dequantize_blocks
 
 TUNABLE = gl.SCALAR_TYPES      # one level per weight (affine or IQ4_NL's table); the lattice i-quants keep their codes
 START_REACH = 0.499            # how far towards the source weight a code's relaxation starts (in steps)

@@ -1,6 +1,6 @@
 """IQ3_XXS and IQ3_S encoders (256-weight super-blocks, 4-weight lattice codebooks), bit-exact with ggml.
 
-Same search as the IQ2 types (:mod:`kquants_iq2`): each group of 4 weights is |x| ≈ scale·(2l+1)
+Same search as the IQ2 types (:mod:`numpy_iq2`): each group of 4 weights is |x| ≈ scale·(2l+1)
 with l ∈ 0..7 restricted to a codebook of 256 (IQ3_XXS) or 512 (IQ3_S) 4-tuples, off-codebook
 tuples snapped to their best neighbour, sub-blocks of 32 weights with 4-bit scales under an fp16
 super-block scale. IQ3_XXS keeps 7 sign bits per 8 weights (even parity), IQ3_S all 8. Both accept
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kquants_iq2 import codebook, finish, prepare, search
-from .kquants_search import F32, f32
+from .numpy_iq2 import codebook, finish, prepare, search
+from .numpy_search import F32, f32
 
 GROUP_MAX_EPS_IQ3_XXS = F32(1e-8)
 

@@ -4,14 +4,14 @@ Each ``encode_qN_k(xs, qw)`` takes super-blocks ``xs`` float32 (S, 256) and opti
 importance ``qw`` (S, 256) on one device and returns uint8 (S, block_bytes) there. ``qw is None``
 follows ggml's reference quantizer (``quantize_row_*_ref``), otherwise its importance-weighted
 path (``quantize_row_*_impl``). The steps are public so that other encoders of these block formats
-can reuse them: :func:`subblocks` (layout), the searches of :mod:`kquants_torch_search`,
+can reuse them: :func:`subblocks` (layout), the searches of :mod:`torch_search`,
 :func:`requantize` (levels from the stored scales) and the ``pack_*`` functions (bytes).
 """
 from __future__ import annotations
 
 import torch
 
-from .kquants_torch_search import (F32, GROUP_MAX_EPS, div_by, first_absmax, fp16_bits, half_bytes,
+from .torch_search import (F32, GROUP_MAX_EPS, div_by, first_absmax, fp16_bits, half_bytes,
                                    make_q3_quants, make_qkx_quants, make_qp_quants, make_qx_quants, nearest_int,
                                    pos_max, rdiv, seq_sum, sqrt)
 

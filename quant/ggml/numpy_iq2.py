@@ -14,7 +14,7 @@ make the parity even). ggml's search, reproduced here:
 
 The codebooks come from gguf-py at runtime (``gguf.quants.IQ2_*.grid``); the code map and the
 neighbour lists are derived from them on first use. Arrays are (element, sub-block) so that sums
-run in ggml's float32 order (see :mod:`kquants_search`).
+run in ggml's float32 order (see :mod:`numpy_search`).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from functools import lru_cache
 import numpy as np
 from gguf import quants as gguf_quants
 
-from ..errors import InputError
-from .kquants_search import F32, GROUP_MAX_EPS, f32, fp16_round, make_qp_quants, nearest_int, seq_sum
+from ...errors import InputError
+from .numpy_search import F32, GROUP_MAX_EPS, f32, fp16_round, make_qp_quants, nearest_int, seq_sum
 
 GROUP_MAX_EPS_IQ2_S = F32(1e-8)
 # ggml's shapes per codebook: weights per entry, bits per packed level, level count, neighbour shells kept

@@ -4,13 +4,13 @@ Each ``encode_qN_k(xs, qw)`` takes super-blocks ``xs`` float32 (S, 256) and opti
 importance ``qw`` (S, 256) and returns uint8 (S, block_bytes). ``qw is None`` follows ggml's
 reference quantizer (``quantize_row_*_ref``), otherwise its importance-weighted path
 (``quantize_row_*_impl``). Internally arrays are (element, sub-block, super-block) so that the
-searches in :mod:`kquants_search` sum in ggml's order.
+searches in :mod:`numpy_search` sum in ggml's order.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .kquants_search import (F32, GROUP_MAX_EPS, f32, first_absmax, fp16_round, make_q3_quants,
+from .numpy_search import (F32, GROUP_MAX_EPS, f32, first_absmax, fp16_round, make_q3_quants,
                              make_qkx_quants, make_qp_quants, make_qx_quants, nearest_int, seq_sum)
 
 

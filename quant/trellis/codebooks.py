@@ -11,7 +11,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..errors import InputError
+from ...errors import InputError
 
 CODEBOOKS = ("mul1", "3inst", "mcg")
 MUL1_MULT = 0x83DCD12D

@@ -1,6 +1,6 @@
 """IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S encoders in torch, bit-exact with ggml on any device.
 
-The search is :mod:`kquants_torch_grid`'s; this module holds each type's parameters and byte
+The search is :mod:`torch_grid`'s; this module holds each type's parameters and byte
 layout. Each ``encode_*(xs, qw)`` takes super-blocks xs float32 (S, 256) and optional importance
 qw (S, 256) on one device and returns uint8 (S, block_bytes) there.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InputError
-from .kquants_torch_grid import device_codebook, finish, prepare, search
-from .kquants_torch_search import GROUP_MAX_EPS, f32, half_bytes, make_qp_quants
+from ...errors import InputError
+from .torch_grid import device_codebook, finish, prepare, search
+from .torch_search import GROUP_MAX_EPS, f32, half_bytes, make_qp_quants
 
 GROUP_MAX_EPS_IQ2_S = f32(1e-8)
 GROUP_MAX_EPS_IQ3_XXS = f32(1e-8)

@@ -3,17 +3,17 @@
 The contract is pinned (docs/INTERNALS.md). Without an importance matrix the bytes equal ggml's reference quantizer
 (``quantize_row_*_ref``); with one they equal ggml's importance path (``quantize_*`` with
 ``quant_weights``), which for Q8_0 ignores it. Q2_K…Q6_K and the importance paths of the legacy
-32-weight types are our vectorised numpy ports (:mod:`kquants_blocks`, :mod:`kquants_legacy`);
+32-weight types are our vectorised numpy ports (:mod:`numpy_kquants`, :mod:`numpy_legacy`);
 the legacy reference paths and Q8_0 come from gguf-py, which is bit-exact for them. The lattice
-i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (:mod:`kquants_iq2`, :mod:`kquants_iq3`) take their
+i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (:mod:`numpy_iq2`, :mod:`numpy_iq3`) take their
 codebooks from gguf-py; IQ2_XXS and IQ2_XS need an imatrix (ggml refuses them without one). IQ4_XS
-and IQ4_NL (:mod:`kquants_iq4`) share the non-linear 16-level grid.
+and IQ4_NL (:mod:`numpy_iq4`) share the non-linear 16-level grid.
 The imatrix is a per-column vector of length n (for an expert tensor: that expert's slice).
 
 Two paths, the same bytes: ``device="cpu"`` (the default) runs the numpy encoders on the calling
 thread (the GGUF converter's ``--threads`` worker processes use it); ``device="cuda"`` and
-:func:`quantize_tensor` run the torch encoders (:mod:`kquants_torch`; fused Triton kernels on CUDA,
-:mod:`kquants_fused`). Hand tensors to :func:`quantize_tensor` on the GPU to skip the host copies.
+:func:`quantize_tensor` run the torch encoders (:mod:`torch_encoders`; fused Triton kernels on CUDA,
+:mod:`triton_search`). Hand tensors to :func:`quantize_tensor` on the GPU to skip the host copies.
 
 Verified byte for byte against libggml-base of llama-cpp-python 0.3.36 (x86-64, GGML_NATIVE=OFF)
 for every type here, with and without imatrix, on edge-case rows and on every 2-D tensor of the
@@ -22,37 +22,18 @@ CPU time for the K-quants (bench/kquant_speed.py).
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from ..errors import InputError
-from . import kquants_blocks as kb
-from . import kquants_iq2, kquants_iq3, kquants_iq4, kquants_torch
-from . import kquants_legacy as kl
+from ...errors import InputError
+from . import torch_encoders
+from .registry import REGISTRY, REQUIRES_IMATRIX, SUPPORTED  # noqa: F401 (the encoders' public names)
 
 # weights per encoding chunk: numpy call overhead vs. working set (64K weights measured fastest: arrays stay in cache)
 CHUNK_WEIGHTS = 1 << 16
 
-_KQUANTS: dict[str, Callable[[np.ndarray, np.ndarray | None], np.ndarray]] = {
-    "Q2_K": kb.encode_q2_k, "Q3_K": kb.encode_q3_k, "Q4_K": kb.encode_q4_k,
-    "Q5_K": kb.encode_q5_k, "Q6_K": kb.encode_q6_k, "IQ4_XS": kquants_iq4.encode_iq4_xs,
-    "IQ2_XXS": kquants_iq2.encode_iq2_xxs, "IQ2_XS": kquants_iq2.encode_iq2_xs, "IQ2_S": kquants_iq2.encode_iq2_s,
-    "IQ3_XXS": kquants_iq3.encode_iq3_xxs, "IQ3_S": kquants_iq3.encode_iq3_s,
-}
-# ggml (and llama-quantize) refuse these without an importance matrix
-REQUIRES_IMATRIX = ("IQ2_XXS", "IQ2_XS")
-_LEGACY_IMATRIX: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "Q4_0": kl.encode_q4_0, "Q4_1": kl.encode_q4_1, "Q5_0": kl.encode_q5_0, "Q5_1": kl.encode_q5_1,
-}
-# 32-weight types encoded row by row with or without an imatrix: (x (R, n), imatrix (n,) | None)
-_ROW_ENCODERS: dict[str, Callable[[np.ndarray, np.ndarray | None], np.ndarray]] = {
-    "IQ4_NL": kquants_iq4.encode_iq4_nl,
-}
-SUPPORTED = tuple(_KQUANTS) + ("Q8_0",) + tuple(_LEGACY_IMATRIX) + tuple(_ROW_ENCODERS)
 
 
 def _ggml_type(qtype: str) -> GGMLQuantizationType:
@@ -63,17 +44,20 @@ def _ggml_type(qtype: str) -> GGMLQuantizationType:
 
 def block_size(qtype: str) -> int:
     """Weights per block (32 for Q8_0/Q4_0/…, 256 for K-quants)."""
-    return GGML_QUANT_SIZES[_ggml_type(qtype)][0]
+    _ggml_type(qtype)
+    return REGISTRY[qtype].block_weights
 
 
 def type_size(qtype: str) -> int:
     """Bytes per block."""
-    return GGML_QUANT_SIZES[_ggml_type(qtype)][1]
+    _ggml_type(qtype)
+    return REGISTRY[qtype].block_bytes
 
 
 def row_bytes(qtype: str, n: int) -> int:
     """Bytes of one encoded row of n weights."""
-    return n // block_size(qtype) * type_size(qtype)
+    _ggml_type(qtype)
+    return REGISTRY[qtype].row_bytes(n)
 
 
 def _check_shape(shape: tuple, qtype: str, imatrix_size: int | None) -> None:
@@ -103,16 +87,15 @@ def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.nd
 
 def _encode_rows(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> np.ndarray:
     R, n = x.shape
-    if qtype in _KQUANTS:
+    t = REGISTRY[qtype]
+    if t.superblock:
         xs = x.reshape(R * (n // 256), 256)
         qw = None
         if imatrix is not None:
             qw = np.broadcast_to(imatrix.reshape(1, n // 256, 256), (R, n // 256, 256)).reshape(-1, 256)
-        return _KQUANTS[qtype](xs, qw).reshape(R, -1)
-    if qtype in _ROW_ENCODERS:
-        return _ROW_ENCODERS[qtype](x, imatrix)
-    if imatrix is not None and qtype in _LEGACY_IMATRIX:
-        return _LEGACY_IMATRIX[qtype](x, imatrix)
+        return t.numpy(xs, qw).reshape(R, -1)
+    if t.numpy is not None and (imatrix is not None or not t.numpy_needs_imatrix):
+        return t.numpy(x, imatrix)
     if qtype in ("Q4_0", "Q5_0"):
         # ggml's scan keeps max = +0.0 for an all-(-0.0) block, gguf-py takes the -0.0 itself;
         # adding +0.0 turns -0.0 into +0.0 and changes nothing else
@@ -164,7 +147,7 @@ def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, *,
 
 
 def quantize_tensor(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None = None) -> torch.Tensor:
-    """Encode float rows ``x`` (rows, n) on x's device with the torch encoders (:mod:`kquants_torch`).
+    """Encode float rows ``x`` (rows, n) on x's device with the torch encoders (:mod:`torch_encoders`).
 
     Same contract and bytes as :func:`quantize`; returns uint8 (rows, bytes_per_row) on x's device.
     ``imatrix`` is (n,) for every row or (rows, n) with each row's own (stacked experts); it may live
@@ -183,7 +166,7 @@ def quantize_tensor(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None = 
         imatrix = imatrix.to(device=x.device, dtype=torch.float32).contiguous()
         if not bool(torch.isfinite(imatrix).all()):
             raise InputError("kquants.quantize: imatrix contains non-finite values")
-    return kquants_torch.encode(x, qtype, imatrix, row_bytes(qtype, x.shape[1]))
+    return torch_encoders.encode(x, qtype, imatrix, row_bytes(qtype, x.shape[1]))
 
 
 def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, *,
@@ -213,7 +196,7 @@ def _quantize_stacked_on(dev: torch.device, x: np.ndarray, qtype: str, im: np.nd
     """quantize_stacked on an accelerator: groups of experts per call, each row carrying its expert's imatrix
     (the groups bound the device copies of the stack and of its per-row imatrix)."""
     E, rows, n = x.shape
-    per = max(1, kquants_torch.chunk_weights(qtype, dev) // max(1, rows * n))
+    per = max(1, torch_encoders.chunk_weights(qtype, dev) // max(1, rows * n))
     out = np.empty((E, rows, row_bytes(qtype, n)), dtype=np.uint8)
     for e0 in range(0, E, per):
         e1 = min(E, e0 + per)

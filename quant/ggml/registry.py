@@ -1,0 +1,83 @@
+"""The ggml types mixq writes, each declared once: its block layout and the encoders registered for it.
+
+A type's block layout (weights and bytes per block) comes from gguf-py's size table, the one byte-size table of
+ggml types; a type adds how its encoders take their input (256-weight super-blocks or whole 32-weight-block
+rows), whether ggml insists on an importance matrix, and two backends with the same bytes: the numpy port (the
+CPU backend, on the converter's worker processes) and the torch encoder (every device; Triton kernels inside it on
+CUDA). A legacy type's numpy backend covers only the importance path: without an imatrix its bytes are gguf-py's
+own reference quantizer, which is bit-exact with ggml's for those types.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import numpy_iq2, numpy_iq3, numpy_iq4, torch_iq, torch_iq4
+from . import numpy_kquants as nk
+from . import numpy_legacy as nl
+from . import torch_kquants as tk
+from . import torch_legacy as tl
+
+Encoder = Callable  # (x, importance | None) -> uint8 blocks, numpy arrays or torch tensors by backend
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    """One ggml type: its layout and its encoders."""
+    name: str
+    superblock: bool                 # encoders take (blocks, 256) arrays; else whole rows of 32-weight blocks
+    torch: Encoder                   # every device
+    numpy: Encoder | None = None     # the CPU backend; None: gguf-py's reference quantizer
+    numpy_needs_imatrix: bool = False  # the numpy backend is the importance path only (gguf-py without one)
+    needs_imatrix: bool = False      # ggml (and llama-quantize) refuse the type without an importance matrix
+
+    @property
+    def block_weights(self) -> int:
+        return GGML_QUANT_SIZES[GGMLQuantizationType[self.name]][0]
+
+    @property
+    def block_bytes(self) -> int:
+        return GGML_QUANT_SIZES[GGMLQuantizationType[self.name]][1]
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one encoded row of ``n`` weights."""
+        return n // self.block_weights * self.block_bytes
+
+
+REGISTRY: dict[str, GGMLType] = {}
+
+
+def register(t: GGMLType) -> GGMLType:
+    """Add ``t`` to the registry (one declaration per type)."""
+    if t.name in REGISTRY:
+        raise ValueError(f"ggml type {t.name} registered twice")
+    GGMLQuantizationType[t.name]  # a name gguf-py does not know is a typo here
+    REGISTRY[t.name] = t
+    return t
+
+
+for _t in (
+    GGMLType("Q2_K", True, tk.encode_q2_k, nk.encode_q2_k),
+    GGMLType("Q3_K", True, tk.encode_q3_k, nk.encode_q3_k),
+    GGMLType("Q4_K", True, tk.encode_q4_k, nk.encode_q4_k),
+    GGMLType("Q5_K", True, tk.encode_q5_k, nk.encode_q5_k),
+    GGMLType("Q6_K", True, tk.encode_q6_k, nk.encode_q6_k),
+    GGMLType("IQ4_XS", True, torch_iq4.encode_iq4_xs, numpy_iq4.encode_iq4_xs),
+    GGMLType("IQ2_XXS", True, torch_iq.encode_iq2_xxs, numpy_iq2.encode_iq2_xxs, needs_imatrix=True),
+    GGMLType("IQ2_XS", True, torch_iq.encode_iq2_xs, numpy_iq2.encode_iq2_xs, needs_imatrix=True),
+    GGMLType("IQ2_S", True, torch_iq.encode_iq2_s, numpy_iq2.encode_iq2_s),
+    GGMLType("IQ3_XXS", True, torch_iq.encode_iq3_xxs, numpy_iq3.encode_iq3_xxs),
+    GGMLType("IQ3_S", True, torch_iq.encode_iq3_s, numpy_iq3.encode_iq3_s),
+    GGMLType("Q8_0", False, tl.encode_q8_0),
+    GGMLType("Q4_0", False, tl.encode_q4_0, nl.encode_q4_0, numpy_needs_imatrix=True),
+    GGMLType("Q4_1", False, tl.encode_q4_1, nl.encode_q4_1, numpy_needs_imatrix=True),
+    GGMLType("Q5_0", False, tl.encode_q5_0, nl.encode_q5_0, numpy_needs_imatrix=True),
+    GGMLType("Q5_1", False, tl.encode_q5_1, nl.encode_q5_1, numpy_needs_imatrix=True),
+    GGMLType("IQ4_NL", False, torch_iq4.encode_iq4_nl, numpy_iq4.encode_iq4_nl),
+):
+    register(_t)
+
+SUPPORTED = tuple(REGISTRY)
+REQUIRES_IMATRIX = tuple(n for n, t in REGISTRY.items() if t.needs_imatrix)

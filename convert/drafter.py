@@ -18,6 +18,7 @@ import torch
 from mixq.errors import FormatError, InputError
 from mixq.formats.dflash2 import ARCHITECTURE, CODEBOOK_ALIASES, check_tensor, drafter_shapes
 from mixq.formats.exl3_names import PAD, Exl3Unit, pad_up, stage_order
+from mixq.planning.types import DEFAULT_HEAD_BITS
 from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, torch_dtype
 
 from mixq.formats.model_files import check_model_dir
@@ -159,7 +160,7 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
             written.append((u.key, tensors))
         job.record(stage, writer.write_part(stage, written))
     b = achieved_bits(units, bitmap, "bits") or 0.0
-    qc = {"quant_method": "exl3", "version": EXL3_VERSION, "bits": b, "head_bits": 6,
+    qc = {"quant_method": "exl3", "version": EXL3_VERSION, "bits": b, "head_bits": DEFAULT_HEAD_BITS,
           "calibration": {"rows": 0, "cols": 0}, "out_scales": "auto", "codebook": codebook, "quantizer": "mixq"}
     man = compile_exl3(writer, units, bitmap, stages, config, path, qc, job, [])
     job.cleanup()

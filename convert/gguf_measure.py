@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from mixq.convert.measure import DEFAULT_ROWS, DEFAULT_SEQ_LEN  # one measurement default for EXL3 and GGUF
 from mixq.errors import InputError
 from mixq.planning import gguf_mix as gm
 from mixq.planning.gguf_measured import measured_units
@@ -26,8 +27,6 @@ from mixq.quant.ggml import encoders as kquants
 from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.device import pick_device
 
-DEFAULT_ROWS = 16
-DEFAULT_SEQ_LEN = 256
 REFERENCE_BPW = 3.5  # the end-to-end rescaling measures each unit at its ladder type nearest this width
 
 

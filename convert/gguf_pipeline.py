@@ -30,6 +30,7 @@ from mixq.formats.gguf_names import OUTPUT, TOKEN_EMBD
 from mixq.formats.gguf_writer import output_set
 from mixq.planning.sizes import parse_size  # one size convention: GB = 10^9, GiB = 2^30
 from mixq.planning import gguf_mix
+from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.convert.gguf_workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
 from mixq.convert.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (re-exported)
 from mixq.convert.options import PURE_FLOAT, GGUFOptions, options_for
@@ -65,8 +66,8 @@ def _pure_types(specs, outtype: str) -> list[str]:
     return out
 
 
-def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k", overrides=(), head_bits=6,
-                   mtp_bits=4, measure=None) -> list[str]:
+def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k", overrides=(),
+                   head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None) -> list[str]:
     from mixq.planning.planner import plan_model
 
     plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
@@ -80,8 +81,8 @@ def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k
 
 
 def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=(), output_tensor_type=None,
-                 token_embedding_type=None, include_mtp=True, gguf_ladder="k", overrides=(), head_bits=6,
-                 mtp_bits=4, measure=None) -> list[str]:
+                 token_embedding_type=None, include_mtp=True, gguf_ladder="k", overrides=(),
+                 head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None) -> list[str]:
     """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides.
     `measure`: measured curves {tensor: {bpw: error}} for a --bpw/--size plan (convert/gguf_measure)."""
     if sum(v is not None for v in (qtype, bpw, size)) != 1:
@@ -303,8 +304,8 @@ def _plan(run: _GGUFRun) -> None:
                              tensor_type=o.tensor_type, output_tensor_type=o.output_tensor_type,
                              token_embedding_type=o.token_embedding_type, include_mtp=o.include_mtp,
                              gguf_ladder=o.gguf_ladder or "k", overrides=o.overrides,
-                             head_bits=6 if o.head_bits is None else o.head_bits,
-                             mtp_bits=4 if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure))
+                             head_bits=DEFAULT_HEAD_BITS if o.head_bits is None else o.head_bits,
+                             mtp_bits=DEFAULT_MTP_BITS if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure))
     if o.imatrix is not None:
         from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Mapping, Union
 
 from mixq.errors import InputError, MixqError
 from mixq.planning.sizes import parse_size_option
+from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 
 OPTIONS_VERSION = 1
 DEFAULT_ROWS = 64
@@ -155,8 +156,8 @@ class Exl3Options(_Options):
     devices: tuple[str, ...] = _opt((), "--devices")
     shard_size: int | str = _opt(DEFAULT_EXL3_SHARD, "--shard-size")
     resume: bool = _opt(False, "--resume")
-    head_bits: float = _opt(6, "--head-bits")
-    mtp_bits: float = _opt(4, "--mtp-bits")
+    head_bits: float = _opt(DEFAULT_HEAD_BITS, "--head-bits")
+    mtp_bits: float = _opt(DEFAULT_MTP_BITS, "--mtp-bits")
     vision_bits: float | None = _opt(None, "--vision-bits")
     include_mtp: bool = _opt(True, "--no-mtp")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")

@@ -9,12 +9,12 @@ from mixq.formats.checkpoint import Checkpoint, checkpoint_from_config, open_che
 from mixq.planning.fit import FitResult, fit_plan
 from mixq.planning.planner import plan_model
 from mixq.planning.sizes import parse_size_option
-from mixq.planning.types import Plan
+from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS, Plan
 
 
 def run_plan(model: "str | Checkpoint | None", fmt: str, *, from_config: str | None = None, bpw: float | None = None,
              size: str | None = None, qtype: str | None = None, overrides: Sequence[str] = (),
-             head_bits: float = 6, mtp_bits: float = 4, vision_bits: float | None = None, include_mtp: bool = True,
+             head_bits: float = DEFAULT_HEAD_BITS, mtp_bits: float = DEFAULT_MTP_BITS, vision_bits: float | None = None, include_mtp: bool = True,
              gguf_ladder: str = "k", measure: str | None = None, fit: str | None = None,
              context: str | int | None = None, cache: str | None = None, reserve: str | None = None,
              mmproj: bool = False, devices: str | None = None, n_seq: int = 1,

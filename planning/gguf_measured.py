@@ -12,7 +12,7 @@ from mixq.planning import allocator as al
 from mixq.planning import gguf_mix as gm
 from mixq.planning.budget import budget_bits, target_label
 from mixq.planning.gguf import BUDGET_ROLES, gguf_metadata_bytes, gguf_mix_context, outside_bytes
-from mixq.planning.types import Plan, PlannedTensor, role_summary
+from mixq.planning.types import DEFAULT_MTP_BITS, Plan, PlannedTensor, role_summary
 
 MEASURED_ROLES = ("embed", "lm_head")  # budgeted by a measured plan on top of the planner's budget roles
 
@@ -75,7 +75,8 @@ def fill_remaining(units: Sequence, levels: dict[str, float], remaining: float) 
 
 
 def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw: float | None = None,
-                       size: int | None = None, ladder: str = "k", include_mtp: bool = True, mtp_bits: float = 4):
+                       size: int | None = None, ladder: str = "k", include_mtp: bool = True,
+                       mtp_bits: float = DEFAULT_MTP_BITS):
     """A GGUF --bpw/--size plan from measured curves (``gguf_kld_curves``): every budgeted tensor plus token_embd
     and output.weight get the ladder type that minimises the summed predicted KLD within the budget (the
     allocator's hull-greedy solver, then a fill of what it left). Never worse than the role-model plan of the

@@ -20,11 +20,11 @@ from mixq.planning.exl3 import plan_exl3
 from mixq.planning.gguf import plan_gguf
 from mixq.planning.gguf_measured import plan_gguf_measured
 from mixq.planning.overrides import parse_overrides
-from mixq.planning.types import Plan
+from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS, Plan
 
 
 def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | None = None, qtype: str | None = None,
-               overrides: Sequence[str | tuple[str, str]] = (), head_bits: float = 6, mtp_bits: float = 4,
+               overrides: Sequence[str | tuple[str, str]] = (), head_bits: float = DEFAULT_HEAD_BITS, mtp_bits: float = DEFAULT_MTP_BITS,
                vision_bits: float | None = None, include_mtp: bool = True,
                measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = "k") -> Plan:
     """Plan every tensor of ``ckpt`` for ``fmt`` ("exl3" | "gguf").

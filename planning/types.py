@@ -10,6 +10,10 @@ from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.glm5next import ROLES
 
+# bits of lm_head and of the NextN/MTP block when not given: exllamav3's defaults, which mixq's GGUF plans share
+DEFAULT_HEAD_BITS = 6
+DEFAULT_MTP_BITS = 4
+
 
 @dataclass
 class PlannedTensor:

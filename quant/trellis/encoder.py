@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import FormatError, InputError
+from ...formats.exl3_layout import PAD
 from . import codebooks as cb
 from .hadamard import had_both, had_cols, had_rows, random_signs
 from .ldlq import block_ldl, damp, ldlq
 from .viterbi import encode_tiles, viterbi_free
 
-PAD = 128
 REL_DAMP = 0.025
 # LDLQ feedback widens the quantizer's input a little at low rates (reference §3.5); applied in the scale search.
 LDLQ_DRIFT = {1.0: 1.08, 1.5: 1.035, 2.0: 1.018, 2.5: 1.009, 3.0: 1.004}

@@ -1,0 +1,109 @@
+"""bench/glm53_slice.py: the progress-log summaries (a cut EXL3 layer completed at its own per-unit rate; a cut
+GGUF file's per-type figures) and the script end to end on a toy slice on the CPU, with a deadline that cuts the
+EXL3 stage and skips the next one."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "glm53_slice.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("glm53_slice_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _events() -> list[dict]:
+    """A child that calibrated layer.1 (forward 10 s, 4 s of it Hessian accumulation), then encoded 4 of its 10
+    routed-expert units in 2 calls of 2 s and was killed 0.5 s into a third call of 2 units."""
+    return [
+        {"k": "child", "t0": 0.0},
+        {"k": "forward/layer.1", "t0": 5.0, "begin": 1},
+        {"k": "hessian_add", "t0": 6.0, "t1": 8.0},
+        {"k": "hessian_add", "t0": 9.0, "t1": 11.0},
+        {"k": "forward/layer.1", "t0": 5.0, "t1": 15.0, "peak_gpu_mib": 900.0},
+        {"k": "stage/layer.1", "t0": 15.0, "begin": 1, "units": {"routed_expert": [10, 1000], "attn": [2, 400]}},
+        {"k": "encode/layer.1/routed_expert", "t0": 16.0, "begin": 1, "n": 2, "w": 200},
+        {"k": "encode/layer.1/routed_expert", "t0": 16.0, "t1": 18.0, "n": 2, "w": 200,
+         "by_role": {"routed_expert": [2, 200]}, "peak_gpu_mib": 1200.0},
+        {"k": "encode/layer.1/routed_expert", "t0": 18.0, "begin": 1, "n": 2, "w": 200},
+        {"k": "encode/layer.1/routed_expert", "t0": 18.0, "t1": 20.0, "n": 2, "w": 200},
+        {"k": "encode/layer.1/routed_expert", "t0": 20.0, "begin": 1, "n": 2, "w": 200},
+        '{"k": "encode/layer.1/routed_exp',  # the line a kill cut short
+    ]
+
+
+def test_summarise_exl3_completes_a_cut_layer_at_its_measured_rate(tmp_path):
+    g = _module()
+    log = tmp_path / "exl3.jsonl"
+    log.write_text("\n".join(e if isinstance(e, str) else json.dumps(e) for e in _events()) + "\n")
+    s = g.summarise_exl3(g.read_log(log), t_end=20.5)
+    d = s["stages"]["layer.1"]
+    assert d["state"] == "cut"
+    assert d["calibration_forward_s"] == 10.0 and d["hessian_accumulate_s"] == 4.0
+    r = d["encode"]["routed_expert"]
+    assert (r["units_done"], r["units_total"], r["seconds"], r["s_per_unit"]) == (4, 10, 4.0, 1.0)
+    x = d["extrapolated_within_layer"]
+    # 6 routed units left at 1 s (0.5 s of the call in flight already spent) + 2 attention units of 400 weights
+    # at the layer's rate per weight (4 s / 400 weights => 2 s each)
+    assert x["per_role"]["routed_expert"] == {"units_left": 6, "s_per_unit": 1.0, "from": "measured in this layer"}
+    assert x["per_role"]["attn"]["s_per_unit"] == 2.0
+    assert x["encode_left_s"] == 6 * 1.0 + 2 * 2.0 - 0.5
+    assert x["stage_seconds"] == d["seconds"] + x["encode_left_s"] and d["seconds"] == 5.5
+    assert set(x["not_reached"]) == {"write", "record", "advance_forward"}
+    assert d["in_flight"] == [{"role": "routed_expert", "units": 2, "elapsed_s": 0.5}]
+    assert s["peak_gpu_mib"] == 1200.0 and s["before_first_stage_s"] == 5.0
+
+
+def test_summarise_gguf_cut_file():
+    g = _module()
+    ev = [{"k": "imatrix", "t0": 0.0, "begin": 1}, {"k": "forward/layer.0", "t0": 1.0, "t1": 3.0},
+          {"k": "imatrix", "t0": 0.0, "t1": 4.0}, {"k": "convert/Q4_K_M", "t0": 4.0, "begin": 1},
+          {"k": "encode/Q4_K", "t0": 5.0, "t1": 5.5, "w": 1_000_000}, {"k": "encode/Q6_K", "t0": 6.0, "begin": 1}]
+    s = g.summarise_gguf(ev, t_end=7.0)
+    assert s["imatrix"] == {"seconds": 4.0, "state": "done", "forward_s": {"layer.0": 2.0}, "accumulate_s": 0}
+    q = s["Q4_K_M"]
+    assert q["state"] == "cut" and q["seconds"] == 3.0
+    assert q["encode"]["Q4_K"]["mweights_per_s"] == 2.0 and "Q6_K" not in q["encode"]
+    assert s["open_at_end"][-1] == {"phase": "encode/Q6_K", "elapsed_s": 1.0}
+
+
+def test_slice_cut_by_deadline_on_cpu(tmp_path, flash_config):
+    """build, then EXL3 killed by its stage limit mid-layer, GGUF skipped by the deadline, projection."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(SCRIPT), "--work", str(tmp_path / "w"), "--json", str(out), "--small",
+           "--device", "cpu", "--experts", "2", "--layers", "kda-dense,kda-moe", "--no-fp8", "--rows", "4",
+           "--seq-len", "64", "--deadline-s", "70", "--reserve-s", "25", "--stage-limits", "exl3=25",
+           "--stages", "build,exl3,gguf,project", "--gguf-types", "Q4_K_M"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    st = res["stages"]
+    b = st["build"]
+    assert b["layers"] == ["kda-dense", "kda-moe"] and b["fp8"] is False and b["bytes_written"] > 10**6
+    assert (tmp_path / "w" / "bf16" / "config.json").is_file() and not (tmp_path / "w" / "fp8").exists()
+    cfg = json.loads((tmp_path / "w" / "bf16" / "config.json").read_text())["text_config"]
+    assert cfg["n_routed_experts"] == 2 and cfg["mlp_layer_types"] == ["dense", "sparse"]
+    assert res["cut"] == [{"stage": "exl3", "by": "--stage-limits exl3=25", "after_s": st["exl3"]["cut_after_s"]}]
+    x = st["exl3"]
+    assert x["cut"] and 24 <= x["cut_after_s"] <= 30 and x["peak_rss_mib"] > 100
+    ph = x["phases"]
+    assert ph["open_at_end"], ph  # the phase it was killed in
+    cut = [d for k, d in ph["stages"].items() if d["state"].startswith("cut")]
+    assert len(cut) == 1
+    if cut[0]["state"] == "cut":  # cut while encoding: N of M units and the rest extrapolated
+        enc = cut[0]["encode"]
+        assert sum(e.get("units_total", 0) for e in enc.values()) > sum(e["units_done"] for e in enc.values())
+        assert cut[0]["extrapolated_within_layer"]["stage_seconds"] >= cut[0]["measured_s"]
+    assert ph["stages"]["layer.0"]["calibration_forward_s"] > 0
+    assert [s["stage"] for s in res["skipped"]] == ["gguf"] and "gguf" not in st
+    p = st["project"]
+    assert p["assumptions"]["slice_layers"] == ["kda-dense", "kda-moe"] and p["assumptions"]["reference"] is None
+    assert "exl3_3.05" in p

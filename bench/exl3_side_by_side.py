@@ -123,7 +123,7 @@ def eval_phase(work: Path, json_path: Path, device: str, windows: int, ctx: int)
         if rec["returncode"] == 0:
             res.setdefault("scores", {})[engine] = [
                 {k: c.get(k) for k in ("name", "path", "engine", "bytes", "file_bpw", "kld_mean", "kld_mean_err",
-                                       "top1_agreement", "ppl") if k in c}
+                                       "top1", "top1_err", "ppl") if k in c}
                 for c in json.loads(rep.read_text())["candidates"]]
             save(json_path, res)
     res["table"] = table(res)
@@ -144,7 +144,7 @@ def table(res: dict) -> list[dict]:
                 c = scores[e].get(d)
                 if c:
                     row.update({f"{e}_kld": c.get("kld_mean"), f"{e}_kld_se": c.get("kld_mean_err"),
-                                f"{e}_top1": c.get("top1_agreement"), "bytes": c.get("bytes"),
+                                f"{e}_top1": c.get("top1"), "bytes": c.get("bytes"),
                                 "file_bpw": c.get("file_bpw")})
                     if conv == "exllamav3":
                         base[e] = c.get("kld_mean")

@@ -14,7 +14,8 @@ from mixq.errors import FormatError, InputError, MixqError, PlanError  # noqa: E
 from mixq import convert  # noqa: E402  (the package is callable: mixq.convert(model, out, options))
 from mixq.convert import ConvertResult, Exl3Options, GGUFOptions, verify  # noqa: E402
 
-_API = ("inspect", "plan", "measure", "evaluate", "compare", "imatrix", "output_format", "options_for")
+_API = ("inspect", "plan", "measure", "evaluate", "compare", "imatrix", "output_format", "options_for", "family",
+        "card")
 
 __all__ = ["convert", "verify", "Exl3Options", "GGUFOptions", "ConvertResult", "MixqError", "InputError",
            "PlanError", "FormatError", "__version__", *_API]

@@ -18,13 +18,15 @@ from typing import Sequence
 from mixq.convert.api import convert, output_format, verify
 from mixq.convert.imatrix import make_imatrix
 from mixq.convert.measure import resolve_measure, save_curves
-from mixq.convert.options import Exl3Options, GGUFOptions, options_for
+from mixq.convert.family import FamilyResult, run_family
+from mixq.convert.options import Exl3Options, GGUFOptions, family_options, options_for
 from mixq.convert.outputs import check_outputs, writing
 from mixq.planning.display import format_plan
 from mixq.convert.result import ConvertResult
 from mixq.demo import format_demo, run_demo
 from mixq.errors import FormatError, InputError, MixqError, PlanError
 from mixq.eval.api import DEFAULT_WINDOWS
+from mixq.eval.card import write_card
 from mixq.eval.api import evaluate as _evaluate_streamed
 from mixq.eval.plan_kld import measure_kld, run_plan
 from mixq.eval.report import compare, render_markdown
@@ -33,7 +35,8 @@ from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.formats.model_summary import format_report, inspect_path
 from mixq.quant.device import resolve_device
 
-__all__ = ["inspect", "plan", "measure", "convert", "verify", "evaluate", "compare", "imatrix", "demo",
+__all__ = ["inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "card", "imatrix",
+           "demo",
            "output_format", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
            "format_report", "format_plan", "render_markdown", "format_demo",
            "MixqError", "InputError", "PlanError", "FormatError"]
@@ -95,6 +98,19 @@ def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLik
     outs = [options.get(k) for k in ("json_out", "markdown_out", "save_ref")]
     with writing(*[p for p in outs if p is not None and p != "-"]):
         return _evaluate_streamed(reference, list(candidates), text, **options)
+
+
+def family(model: str | os.PathLike, out_dir: str | os.PathLike, **options) -> FamilyResult:
+    """A family of GGUFs in `out_dir` from one calibration and one encode per (tensor, type): `size` ("A,B,C" or a
+    list) or `bpw` (likewise), the other options as `convert` takes them for GGUF (docs/family.md).
+    `convert(model, out_dir, "gguf", size="A,B,C")` does the same."""
+    return run_family(model, out_dir, family_options(**options))
+
+
+def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite: bool = False) -> dict:
+    """Write `out_dir`/README.md, a Hugging Face model card of the family there (members, sizes, scores recorded
+    by `evaluate(model, [out_dir], ...)`, how they were made); returns {"card", "plot", "members"}."""
+    return write_card(out_dir, base_model=base_model, overwrite=overwrite)
 
 
 def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Sequence[str] | None = None,

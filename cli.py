@@ -181,7 +181,7 @@ def inspect(model: str, as_json: bool) -> None:
 @click.option("--save-ref", type=click.Path(), help="Write the reference log-probs to FILE for later --ref-logits runs.")
 @click.option("--ref-logits", type=click.Path(), help="Reuse reference log-probs (and tokens) from a --save-ref FILE.")
 @click.option("--ref-dtype", type=click.Choice(["float32", "float16", "uint16"]), default="float32", show_default=True, help="Storage of --save-ref log-probs (uint16: quantized as llama.cpp's KL base, half the size; docs/eval.md).")
-@click.option("--engine", type=click.Choice(["torch", "llamacpp"]), default="torch", show_default=True, help="llamacpp: GGUF candidates take logits from llama.cpp itself.")
+@click.option("--engine", type=click.Choice(["torch", "llamacpp", "exllamav3"]), default="torch", show_default=True, help="llamacpp: GGUF candidates take logits from llama.cpp itself; exllamav3: EXL3 candidates from exllamav3's own forward (CUDA).")
 @click.option("--cache-type", type=click.Choice(["f32", "f16", "q8_0"]), default="f32", show_default=True, help="llama.cpp KV cache type (--engine llamacpp).")
 @click.option("--device", default=None, help="torch device [default: cuda when present, else cpu].")
 @click.option("--devices", default=None, help="Deal the windows over several devices of one type (0,1 or cpu,cpu; or run under torchrun); the same numbers.")
@@ -244,8 +244,8 @@ def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
 @click.argument("model")
 @click.argument("out")
 @click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), default=None, help="Output format.  [default: gguf when OUT ends in .gguf, else exl3]")
-@click.option("--bpw", type=float, default=None, help="Target bits per weight of the budgeted tensors.")
-@click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB).")
+@click.option("--bpw", default=None, help="Target bits per weight of the budgeted tensors; GGUF: x,y,z makes a family in the directory OUT (docs/family.md).")
+@click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB); GGUF: A,B,C makes a family in the directory OUT (docs/family.md).")
 @click.option("--override", "overrides", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF mixes) per-tensor override, as `mixq plan` (repeatable).")
 @click.option("--calibration", multiple=True, type=click.Path(), help="EXL3, GGUF --rounding hessian: calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
 @click.option("--rows", type=int, default=None, help="EXL3, GGUF --rounding hessian: calibration rows.  [default: 64]")
@@ -292,6 +292,7 @@ def convert(model, out, fmt, as_json, **params) -> None:
       mixq convert ./GLM-5.3-Flash glm-Q4_K_M.gguf --type Q4_K_M --imatrix glm.imatrix.gguf --rounding hessian
       mixq convert ./GLM-5.3-Flash glm-108G.gguf --size 108GB --gguf-ladder iq
       mixq convert ./GLM-5.3-Flash glm-exl3-2.7 --bpw 2.7          # EXL3 (a directory); wants a GPU
+      mixq convert ./GLM-5.3-Flash glm-gguf --format gguf --size 95GB,108GB,120GB   # a family, one pass
     """
     ctx = click.get_current_context()
     given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
@@ -305,12 +306,35 @@ def convert(model, out, fmt, as_json, **params) -> None:
 
 
 @main.command()
+@click.argument("out_dir")
+@click.option("--base-model", default=None, help="Hub id of the source model for the card's base_model [default: the source directory's name].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT_DIR/README.md.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+@_reports_errors
+def card(out_dir, base_model, overwrite, as_json) -> None:
+    """Write OUT_DIR/README.md: a Hugging Face model card of the GGUF family in OUT_DIR (sizes, the scores
+    `mixq eval MODEL OUT_DIR` recorded, how the files were made). Uploading stays yours (huggingface-cli upload).
+
+    \b
+    Examples:
+      mixq convert ./GLM-5.3-Flash glm-gguf --format gguf --size 95GB,108GB,120GB
+      mixq eval ./GLM-5.3-Flash glm-gguf --text heldout.txt
+      mixq card glm-gguf --base-model zai-org/GLM-5.3-Flash
+    """
+    d = api.card(out_dir, base_model=base_model, overwrite=overwrite)
+    if as_json:
+        _print_json(d)
+    else:
+        click.echo(f"model card written to {d['card']}" + (f" (plot {d['plot']})" if d["plot"] else ""))
+
+
+@main.command()
 @click.argument("path")
 @click.option("--no-decode", is_flag=True, help="Skip decoding the quantized tensors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_reports_errors
 def verify(path, no_decode, as_json) -> None:
-    """Re-read a converted output (EXL3 dir or .gguf); exit 1 listing the problems.
+    """Re-read an EXL3 dir or .gguf (written by mixq or anyone); exit 1 listing the problems.
 
     \b
     Examples:
@@ -326,6 +350,8 @@ def verify(path, no_decode, as_json) -> None:
         n = len(rep["problems"])
         status = "OK" if not n else f"{n} problem(s)"
         click.echo(f"{path}: {status} ({rep.get('tensors', '?')} tensors, {rep.get('quantized', '?')} decoded)")
+        if rep.get("integrity"):  # what could be checked: mixq's seal, or (written by anyone) structure and decode
+            click.echo(f"{path}: {rep['integrity']}")
     if rep["problems"]:
         sys.exit(1)
 

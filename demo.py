@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from mixq.errors import InputError
 from mixq.formats.model_summary import inspect_model
 from mixq.formats.tiny import write_tiny_checkpoint
+from mixq.planning.planner import plan_model
+from mixq.planning.types import save_plan
+from mixq.runtime.calibration import BUILTIN_TEXT
+from mixq.convert import Exl3Options, GGUFOptions, convert
+from mixq.convert.api import verify
+from mixq.eval.api import evaluate
 
 # KDA linear attention + DSA sparse attention, the dense first layer and a MoE layer; the NextN block copies
 # the DSA + MoE layer; no vision tower (GGUF leaves it to an --mmproj file, EXL3 keeps it unquantized, and in a
@@ -37,10 +47,6 @@ SPECIAL_TOKENS = ("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|
 def write_demo_tokenizer(out_dir: Path, vocab: int) -> Path:
     """A byte-level BPE tokenizer (GPT-2 pre-tokenizer, GLM's special tokens) trained on the built-in text:
     tokenizer.json + tokenizer_config.json in ``out_dir``. Deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from mixq.runtime.calibration import BUILTIN_TEXT
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -74,9 +80,6 @@ def _step_inspect(ctx: dict) -> dict:
 
 
 def _step_plan(ctx: dict) -> dict:
-    from mixq.planning.planner import plan_model
-    from mixq.planning.types import save_plan
-
     gguf = plan_model(ctx["model"], "gguf", qtype=DEMO_GGUF_TYPE)
     o = DEMO_EXL3
     exl3 = plan_model(ctx["model"], "exl3", bpw=o["bpw"], head_bits=o["head_bits"], include_mtp=o["include_mtp"])
@@ -93,8 +96,6 @@ def _converted(res) -> dict:
 
 
 def _step_convert_gguf(ctx: dict) -> dict:
-    from mixq.convert import GGUFOptions, convert
-
     out = ctx["out"] / f"tiny-{DEMO_GGUF_TYPE}.gguf"
     # overwrite: a demo directory is reused from run to run
     res = convert(ctx["model"], out, GGUFOptions(qtype=DEMO_GGUF_TYPE, overwrite=True, progress=False))
@@ -103,12 +104,6 @@ def _step_convert_gguf(ctx: dict) -> dict:
 
 
 def _step_convert_exl3(ctx: dict) -> dict:
-    import shutil
-
-    import torch
-
-    from mixq.convert import Exl3Options, convert
-
     out = ctx["out"] / f"tiny-exl3-{DEMO_EXL3_BPW}"
     if out.exists():  # a finished EXL3 directory is never overwritten by convert: the demo's own, replaced
         shutil.rmtree(out)
@@ -120,8 +115,6 @@ def _step_convert_exl3(ctx: dict) -> dict:
 
 
 def _step_verify(ctx: dict) -> dict:
-    from mixq.convert.api import verify
-
     problems = {}
     for key in ("gguf", "exl3"):
         if key in ctx:
@@ -130,9 +123,6 @@ def _step_verify(ctx: dict) -> dict:
 
 
 def _step_eval(ctx: dict) -> dict:
-    from mixq.runtime.calibration import BUILTIN_TEXT
-    from mixq.eval.api import evaluate
-
     text = ctx["out"] / "demo-text.txt"
     text.write_text(BUILTIN_TEXT * 4)
     cands = [ctx[k] for k in ("gguf", "exl3") if k in ctx]

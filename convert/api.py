@@ -6,6 +6,8 @@
 
 Every option is checked when its options object is built, every input and output before anything is written.
 The keyword form `convert(model, out, "gguf", qtype="Q4_K_M")` builds the options the same way.
+Several targets (`size="A,B,C"` or a list, likewise `bpw`) with format "gguf" write a family into the directory
+`out` (convert/family.py, docs/family.md) and return its FamilyResult.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from pathlib import Path
 
 from mixq.errors import InputError
 
-from .options import OPTION_CLASSES, Exl3Options, GGUFOptions, flag_of, options_for, replace
+from .options import (OPTION_CLASSES, Exl3Options, GGUFOptions, family_options, flag_of, is_family, options_for,
+                      replace)
 from .result import ConvertResult
 
 FORMATS = tuple(OPTION_CLASSES)
@@ -37,6 +40,8 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
         if options not in (None, kwargs["format"]):
             raise InputError("give the format once: as the options or as format=")
         options = kwargs.pop("format")
+    if options in (None, "gguf", "exl3") and is_family(kwargs.get("size"), kwargs.get("bpw")):
+        return _family(model, out, options, kwargs)
     if options is None:
         options = output_format(out)
         if options == "exl3":
@@ -55,12 +60,25 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
         raise InputError(f"OUT {out}: must end in .gguf (--format gguf writes a .gguf file, or a split set named "
                          "after it)")
     if opts.format == "exl3":
-        from .pipeline import run_exl3
+        from .pipeline import run_exl3  # local: `import mixq` stays light (this brings torch)
 
         return run_exl3(model, out, opts)
-    from .gguf_pipeline import run_gguf
+    from .gguf_pipeline import run_gguf  # local: `import mixq` stays light (this brings torch)
 
     return run_gguf(model, out, opts)
+
+
+def _family(model, out, fmt: str | None, kwargs: dict):
+    """`--size A,B,C` / `--bpw x,y,z`: a family of GGUFs in the directory `out` (convert/family.py)."""
+    if fmt is None:
+        raise InputError(f"--size/--bpw with several targets writes a family into the directory {out}: give "
+                         "--format gguf")
+    if fmt == "exl3":
+        raise InputError("EXL3 families are not built yet: convert each --bpw on its own (GGUF families: "
+                         "--format gguf)")
+    from .family import run_family  # local: `import mixq` stays light (this brings torch)
+
+    return run_family(model, out, family_options(**kwargs))
 
 
 def _check_exl3_out(out, kwargs: dict) -> None:
@@ -74,22 +92,30 @@ def _check_exl3_out(out, kwargs: dict) -> None:
 
 
 def verify(path, *, model=None, decode: bool = True) -> dict:
-    """Verify a converted output: an EXL3 directory or a .gguf file. Returns a report with `problems`."""
+    """Verify an EXL3 directory or a .gguf file, written by mixq or by anyone. Returns a report with `problems`
+    and `integrity`: what could be checked (mixq's seal and checksums where the output carries them, else the
+    structure and the decode of every quantized tensor)."""
     p = Path(path)
     if p.suffix == ".gguf" or (p.is_file() and _magic(p) == b"GGUF"):
-        from mixq.formats.gguf_reader import verify_gguf
+        from mixq.formats.gguf_integrity import integrity_note, is_sealed_set  # local: `import mixq` stays light
+        from mixq.formats.gguf_reader import verify_gguf  # local: `import mixq` stays light
 
-        return verify_gguf(p, model=model, decode=decode)
+        report = verify_gguf(p, model=model, decode=decode)
+        report["integrity"] = integrity_note(is_sealed_set([Path(f) for f in report["files"]]),
+                                             report["checksums"], decoded=decode)
+        return report
     if p.is_dir():
-        from mixq.formats.exl3_reader import verify_exl3
+        from mixq.formats.exl3_reader import verify_exl3  # local: `import mixq` stays light
+        from mixq.formats.exl3_seal import integrity_note  # local: `import mixq` stays light
 
         report = verify_exl3(p)
-        if decode:  # the trellis decode lives in convert (formats does not import quant)
-            from mixq.runtime.dequant import exl3_decode_check
+        if decode:  # the trellis decode lives in the runtime (formats does not import quant)
+            from mixq.runtime.dequant import exl3_decode_check  # local: `import mixq` stays light
 
             report["quantized"], problems = exl3_decode_check(p)
             report["problems"] += problems
             report["ok"] = not report["problems"]
+            report["integrity"] = integrity_note(report["manifest"], report["sealed_files"], decoded=True)
         return report
     raise InputError(f"{p}: neither an EXL3 directory nor a .gguf file")
 

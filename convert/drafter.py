@@ -13,16 +13,23 @@ import math
 import time
 from pathlib import Path
 
+import safetensors  # safetensors.safe_open looked up per call (tests wrap it)
 import torch
+from safetensors import SafetensorError
+from tqdm.auto import tqdm
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.dflash2 import ARCHITECTURE, CODEBOOK_ALIASES, check_tensor, drafter_shapes
 from mixq.formats.exl3_names import PAD, Exl3Unit, pad_up, stage_order
+from mixq.planning.sizes import parse_size as parse_bytes
 from mixq.planning.types import DEFAULT_HEAD_BITS
 from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, torch_dtype
 
 from mixq.formats.model_files import check_model_dir
+from mixq.quant.device import pick_device
+from mixq.quant.trellis.codebooks import check_bits
 
+from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_unit
 from .job import Job, rss_peak_mib
 
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -33,8 +40,6 @@ class DrafterSource:
     shapes, source dtypes, tensors. Unreadable files raise FormatError naming the file."""
 
     def __init__(self, path: Path) -> None:
-        from safetensors import SafetensorError, safe_open
-
         self.path = check_model_dir(path)
         cfg = path / "config.json"
         if not cfg.is_file():
@@ -48,12 +53,12 @@ class DrafterSource:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise InputError(f"{path}: no .safetensors files")
-        self._open = safe_open
+        self._open = safetensors.safe_open
         self._errors = (OSError, ValueError, SafetensorError)
         self.entries: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
         for f in files:
             try:
-                with safe_open(str(f), framework="pt") as h:
+                with safetensors.safe_open(str(f), framework="pt") as h:
                     for n in h.offset_keys():
                         sl = h.get_slice(n)
                         if n in self.entries:
@@ -115,14 +120,6 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
                     shard_size: int | str = 8192 * 2**20, resume: bool = False, codebook: str = "mul1",
                     progress: bool = True):
     """Convert a local DFlash2 drafter directory to EXL3 at `bits` (uncalibrated). Returns a ConvertResult."""
-    from tqdm.auto import tqdm
-
-    from mixq.planning.sizes import parse_size as parse_bytes
-    from mixq.quant.trellis.codebooks import check_bits
-    from mixq.quant.device import pick_device
-
-    from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_unit
-
     t0 = time.time()
     path = Path(model)
     src = DrafterSource(path)

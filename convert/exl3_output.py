@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+import mixq.quant.trellis  # looked up per call: tests swap in a fake mixq.quant.trellis
 from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_writer import Exl3Writer, exl3_config, tensor_storage_entry
 
@@ -49,14 +50,12 @@ def quantize_batch(units: list[Exl3Unit], ws: list[torch.Tensor], bits: float,
                    device: torch.device) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """Quantize same-shape units at one rate in one stacked call (MoE experts), with per-unit Hessians
     (all given or all None). Encoder-speed device only: every unit is still stored as its own Linear."""
-    from mixq.quant import trellis
-
     w = torch.stack([x.float() for x in ws]).to(device)
     h = None
     if hessians[0] is not None:
         h = torch.stack([x.float() for x in hessians]).to(device)
-    qs = trellis.quantize(w if len(ws) > 1 else w[0], bits, hessian=h if (h is None or len(ws) > 1) else h[0],
-                          codebook=codebook, seed=seed)
+    qs = mixq.quant.trellis.quantize(w if len(ws) > 1 else w[0], bits,
+                                     hessian=h if (h is None or len(ws) > 1) else h[0], codebook=codebook, seed=seed)
     qs = qs if isinstance(qs, list) else [qs]
     return [(_stored(u, q), q.dequantize().float().cpu()) for u, q in zip(units, qs)]
 

@@ -2,7 +2,7 @@
 
 One calibration walk (convert/gguf_hessians.py) gives each Linear's input Hessian; every budgeted tensor is encoded
 in every type of its ladder (planning.gguf_mix.ladder: the types a --bpw/--size plan may give it), with the rounding
-the conversion will use (`exact`: ggml's encoder with the imatrix or diag(H); `hessian`: quant/kquants_hessian),
+the conversion will use (`exact`: ggml's encoder with the imatrix or diag(H); `hessian`: quant/ggml/hessian_rounding),
 and its layer-output error tr(ΔW·H·ΔWᵀ) is recorded. Routed experts: one unit per `*_exps` tensor (all experts of
 the layer), the sum over experts with their routing-weighted Hessians. token_embd has no input Hessian and is
 measured through the first layer (Σ_rows f_row·δ·M·δᵀ, f the calibration frequency of the token, M
@@ -18,14 +18,19 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from mixq.convert.gguf_hessians import embedding_hessian, layer_hessians, token_frequency
+from mixq.convert.gguf_rounding import DAMP, REFINE_PASSES
 from mixq.convert.measure import DEFAULT_ROWS, DEFAULT_SEQ_LEN  # one measurement default for EXL3 and GGUF
+from mixq.convert.options import check_rounding
 from mixq.errors import InputError
 from mixq.planning import gguf_mix as gm
 from mixq.planning.gguf_measured import measured_units
 from mixq.quant.ggml import encoders as kquants
 from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.device import pick_device
+from mixq.runtime.calibration import calibration_rows, load_tokenizer
 
 REFERENCE_BPW = 3.5  # the end-to-end rescaling measures each unit at its ladder type nearest this width
 
@@ -47,8 +52,6 @@ def _encode(w: torch.Tensor, qtype: str, h: torch.Tensor | None, importance: np.
             rounding: str, dev) -> torch.Tensor:
     """Dequantized copy of w (rows, n) / (E, rows, n) encoded as qtype with the chosen rounding."""
     if rounding == "hessian" and h is not None and qtype in kh.SUPPORTED:
-        from mixq.convert.gguf_rounding import DAMP, REFINE_PASSES
-
         b = kh.quantize_hessian(w, h, qtype, importance, damp=DAMP, refine=REFINE_PASSES, device=dev)
         return torch.from_numpy(kh.dequantize_blocks(b, qtype)).reshape(w.shape)
     if importance is None and qtype in kquants.REQUIRES_IMATRIX and h is not None:
@@ -105,8 +108,6 @@ def _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev) -> tuple[di
 def _embedding_curve(spec, types, fetch, stage, ckpt, ids: torch.Tensor, rounding: str, dev) -> tuple[dict, float]:
     """({bpw: Σ_rows f_row·δ_row·M·δ_rowᵀ}, exact error at the reference type) of token_embd: rows weighted by
     how often the calibration text uses the token (+1), M the first layer's embedding metric (else identity)."""
-    from mixq.convert.gguf_hessians import embedding_hessian, token_frequency
-
     w = fetch(spec.hf_names[0])
     freq = token_frequency(ids, w.shape[0]) + 1.0
     m = embedding_hessian(stage, ckpt, w, freq)
@@ -131,12 +132,6 @@ def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladde
     --imatrix the conversion will use; default: ggml's reference path, diag(H) for the types that need one).
     Errors of different units are not comparable until rescaled end to end (eval/gguf_kld.py). `only`: measure
     just these GGUF tensors (default: every budgeted one)."""
-    from tqdm.auto import tqdm
-
-    from mixq.runtime.calibration import calibration_rows, load_tokenizer
-    from mixq.convert.gguf_hessians import layer_hessians
-    from mixq.convert.options import check_rounding
-
     rounding = check_rounding(rounding)
     units = measured_units(ckpt, include_mtp, ladder)
     if only is not None:

@@ -2,7 +2,7 @@
 and the outputs -> plan the types -> encode tensor by tensor and write (shards) -> ConvertResult.
 
 `run_gguf(model, out, GGUFOptions(...))` (or `convert_gguf(model, out, qtype=... | bpw=... | size=..., ...)`):
-- tensor list and transforms: formats/gguf_names; per-tensor ggml types: the plan (convert/planning)
+- tensor list and transforms: formats/gguf_names; per-tensor ggml types: the plan (planning/planner)
   for mixes, or the converter's pure policy for F32/F16/BF16 (F32 pins per formats/glm5next);
 - llama-quantize options on GGUF names: `tensor_type` [(regex, TYPE)] (first match wins), `output_tensor_type`,
   `token_embedding_type`; never-quantized tensors (policy f32/keep) are left alone, as llama-quantize does; a rule
@@ -11,7 +11,11 @@ and the outputs -> plan the types -> encode tensor by tensor and write (shards) 
 - the chat template (--chat-template, else the model's own) is linted with jinja2 before anything is written;
 - encoders: mixq.quant.ggml.encoders (bit-exact ggml), falling back to gguf-py for types it lacks, run on `threads`
   worker processes by convert/gguf_workers (row blocks / expert slices; same bytes as one process);
-- the checkpoint is read lazily, one GGUF tensor at a time; output written under temp names, renamed at the end.
+- the checkpoint is read lazily, one GGUF tensor at a time; output written under temp names, renamed at the end;
+- --size is an upper bound of the file(s) on disk: the real header is measured and the plan redone when the
+  estimate would pass it (`_fit_size`); every file carries its receipt (`mixq.receipt.*`, convert/gguf_receipt.py);
+- `run_gguf(..., cache=EncodeCache)` (a family, convert/family.py): encodings served from and stored in the cache,
+  the bytes unchanged.
 """
 from __future__ import annotations
 
@@ -26,17 +30,32 @@ from typing import Mapping
 import numpy as np
 
 from mixq.errors import InputError, PlanError
-from mixq.formats.gguf_names import OUTPUT, TOKEN_EMBD
-from mixq.formats.gguf_writer import output_set
+from mixq.formats import mmproj  # mmproj.write_mmproj looked up per call (tests replace it)
+from mixq.formats.chat_template import model_template, prepare_template
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
+from mixq.formats.gguf_names import OUTPUT, TOKEN_EMBD, build_tensor, gguf_tensors
+from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
+from mixq.formats.gguf_writer import KV, TensorOut, gguf_file_nbytes, glm5next_kv, output_set, write_gguf
+from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
+from mixq.formats.receipt import receipt_kv
 from mixq.planning.sizes import parse_size  # one size convention: GB = 10^9, GiB = 2^30
 from mixq.planning import gguf_mix
+from mixq.planning.gguf import gguf_metadata_bytes, gguf_mix_context
+from mixq.planning.planner import plan_model
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
-from mixq.convert.gguf_workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
+from mixq.convert.encode_cache import EncodeCache
+from mixq.convert.gguf_receipt import conversion_receipt
+from mixq.convert.gguf_rounding import hessian_rounded
+from mixq.convert.gguf_workers import LOCAL_TYPES, TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
 from mixq.convert.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (re-exported)
+from mixq.convert.job import rss_peak_mib
+from mixq.convert.measure import load_curves
 from mixq.convert.options import PURE_FLOAT, GGUFOptions, options_for
 from mixq.convert.outputs import (check_distinct, check_free_space, check_output_file, gguf_partials_lock,
                                   writing)
 from mixq.convert.result import ConvertResult
+from mixq.quant.device import resolve_device
 
 # llama-quantize refuses these target types for a tensor without importance data (token_embd/output excepted)
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
@@ -44,6 +63,9 @@ NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
 # ggml_quantize_requires_imatrix)
 GGML_NEEDS_IMATRIX = ("IQ1_S", "IQ2_XXS", "IQ2_XS")
 METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alignment beyond the tensor data
+# --size: re-plans with the measured header overshoot taken off the budget; the receipt's type counts move the
+# header by a few bytes per round, so two rounds suffice in practice
+FIT_ROUNDS = 4
 
 
 def fallback_type(qtype: str, n: int) -> str:
@@ -68,8 +90,6 @@ def _pure_types(specs, outtype: str) -> list[str]:
 
 def _planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k", overrides=(),
                    head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None) -> list[str]:
-    from mixq.planning.planner import plan_model
-
     plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
                       gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits, mtp_bits=mtp_bits,
                       measure=measure)
@@ -167,11 +187,13 @@ def convert_gguf(model, out, **options) -> dict:
     return run_gguf(model, out, options_for("gguf", **options)).to_dict()
 
 
-def run_gguf(model, out, opts: GGUFOptions) -> ConvertResult:
+def run_gguf(model, out, opts: GGUFOptions, cache: EncodeCache | None = None) -> ConvertResult:
     """resolve -> validate -> plan -> encode and write (then the --mmproj file) -> result. Every check that can
-    fail on the user's input runs before the first byte is written."""
+    fail on the user's input runs before the first byte is written. `cache` (a family's, convert/family.py):
+    encoded tensors are served from it and new encodings stored in it; the bytes are those of a run without."""
     t0 = time.time()
     run = _resolve(model, out, opts)
+    run.cache = cache
     _validate(run)
     _plan(run)
     mm_out = Path(opts.mmproj) if opts.mmproj is not None else None
@@ -179,10 +201,9 @@ def run_gguf(model, out, opts: GGUFOptions) -> ConvertResult:
         files = _write(run)
         mm = None
         if mm_out is not None:
-            from mixq.formats.mmproj import write_mmproj
-
             try:
-                mm = write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress, overwrite=opts.overwrite)
+                mm = mmproj.write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress,
+                                         overwrite=opts.overwrite)
             except BaseException:  # the conversion asked for both files: a model file alone is not its output
                 for f in files:
                     f.unlink(missing_ok=True)
@@ -202,18 +223,17 @@ class _GGUFRun:
     template: str | list | None  # --chat-template text; after _validate, the template to embed (None: none)
     device: str | None = None  # an accelerator that encodes; None: CPU worker processes
     imx: dict | None = None
+    imatrix_obj: object | None = None  # the IMatrix read for --imatrix (its datasets and chunks go to the receipt)
     types: list[str] = field(default_factory=list)
     tokenizer_pre: str | None = None
     template_report: dict | None = None
+    cache: EncodeCache | None = None  # a family's encode cache; None: every tensor encoded here
+    tmeta: object | None = None       # tokenizer metadata, read once (the --size fit measures the header with it)
 
 
 def _resolve(model, out, opts: GGUFOptions) -> _GGUFRun:
     """Open the checkpoint, check it against its config, list the GGUF tensors, read the --chat-template text,
     count the encoder processes."""
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.checkpoint_check import validate_checkpoint
-    from mixq.formats.gguf_names import gguf_tensors
-
     device = _encode_device(opts)
     threads = 1 if device is not None else _thread_count(opts.threads)
     ckpt = open_checkpoint(model)
@@ -228,8 +248,6 @@ def _resolve(model, out, opts: GGUFOptions) -> _GGUFRun:
 def _encode_device(opts: GGUFOptions) -> str | None:
     """Where the quantized types are encoded: --device, else CUDA when present unless --threads asks for CPU
     worker processes. None: the CPU worker processes."""
-    from mixq.quant.device import resolve_device
-
     if opts.device is None and opts.threads is not None:
         return None
     dev = resolve_device(opts.device)
@@ -258,9 +276,6 @@ def _read_template(path) -> str | None:
 def _validate(run: _GGUFRun) -> None:
     """The outputs can be written, replace no input and no existing file (the checkpoint was checked against its
     config when it was opened)."""
-    from mixq.formats.checkpoint_check import scan_finite
-    from mixq.formats.mmproj import check_mmproj
-
     o = run.opts
     _check_template(run)
     imatrix_path = o.imatrix if isinstance(o.imatrix, (str, Path)) else None
@@ -275,15 +290,13 @@ def _validate(run: _GGUFRun) -> None:
     if o.mmproj is not None:
         check_output_file(o.mmproj, overwrite=o.overwrite, label="--mmproj", suffix=".gguf")
         # the projector file is written after the model: check its inputs and weights before either
-        check_mmproj(run.ckpt, o.mmproj_type, f"--mmproj {o.mmproj}")
+        mmproj.check_mmproj(run.ckpt, o.mmproj_type, f"--mmproj {o.mmproj}")
         scan_finite(run.ckpt, run.ckpt.vision_names(), progress=o.progress)
 
 
 def _check_template(run: _GGUFRun) -> None:
     """Lint, check (and with --fix-chat-template, repair) the template to embed: --chat-template, else the model's
     own; a template jinja2 rejects is refused here, naming its file, instead of being embedded."""
-    from mixq.formats.chat_template import model_template, prepare_template
-
     o = run.opts
     if run.template is not None:
         tmpl, where = run.template, str(o.chat_template)
@@ -300,19 +313,14 @@ def _check_template(run: _GGUFRun) -> None:
 def _plan(run: _GGUFRun) -> None:
     """Every tensor's ggml type; the importance data they need; the room they take on disk."""
     o = run.opts
-    run.types = assign_types(run.ckpt, run.specs, qtype=o.qtype, bpw=o.bpw, size=run.size,
-                             tensor_type=o.tensor_type, output_tensor_type=o.output_tensor_type,
-                             token_embedding_type=o.token_embedding_type, include_mtp=o.include_mtp,
-                             gguf_ladder=o.gguf_ladder or "k", overrides=o.overrides,
-                             head_bits=DEFAULT_HEAD_BITS if o.head_bits is None else o.head_bits,
-                             mtp_bits=DEFAULT_MTP_BITS if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure))
+    run.types = _assign(run, run.size)
     if o.imatrix is not None:
-        from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
-
         im = o.imatrix if isinstance(o.imatrix, IMatrix) else read_imatrix(o.imatrix)
         check_names(im, [s.name for s in run.specs],
                     f"--imatrix {o.imatrix}" if isinstance(o.imatrix, (str, Path)) else "--imatrix")
         run.imx = im.means()
+        run.imatrix_obj = im
+    _fit_size(run)
     for s, t in zip(run.specs, run.types):  # fail before writing anything, naming the first such tensor
         exempt = s.name in (TOKEN_EMBD, OUTPUT) and t not in GGML_NEEDS_IMATRIX  # llama-quantize's exception
         if t in NEEDS_IMATRIX and not exempt and (run.imx is None or run.imx.get(s.name) is None):
@@ -327,25 +335,56 @@ def _plan(run: _GGUFRun) -> None:
     check_free_space(run.out, need, "the GGUF output")
 
 
+def _assign(run: _GGUFRun, size: int | None) -> list[str]:
+    """The ggml types of run.specs for the options, to `size` bytes when the target is a size."""
+    o = run.opts
+    return assign_types(run.ckpt, run.specs, qtype=o.qtype, bpw=o.bpw, size=size,
+                        tensor_type=o.tensor_type, output_tensor_type=o.output_tensor_type,
+                        token_embedding_type=o.token_embedding_type, include_mtp=o.include_mtp,
+                        gguf_ladder=o.gguf_ladder or "k", overrides=o.overrides,
+                        head_bits=DEFAULT_HEAD_BITS if o.head_bits is None else o.head_bits,
+                        mtp_bits=DEFAULT_MTP_BITS if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure))
+
+
+def _fit_size(run: _GGUFRun) -> None:
+    """--size: the file(s) as they will be written (tokenizer, chat template, receipt, seal placeholders, tensor
+    infos, alignment: measured, gguf_writer.gguf_file_nbytes) at or below the target. The planner estimates the
+    header; when the real file would be larger, the plan is made again with the estimate's error taken off its
+    budget. A plan that already fits is kept as it is."""
+    if run.size is None:
+        return
+    kv_estimate = gguf_metadata_bytes(run.ckpt, gguf_mix_context(run.ckpt, run.opts.include_mtp).n_layer_all)
+    asked = run.size
+    for _ in range(FIT_ROUNDS):
+        kv, tokenizer, outs = _metadata(run)
+        real = gguf_file_nbytes(kv, outs, tokenizer=tokenizer, shard_size=_shard_bytes(run.opts))
+        if real <= run.size:
+            return
+        estimate, _ = gguf_mix.gguf_file_bytes([(t.name, t.shape, t.qtype) for t in outs], kv_estimate)
+        # the planner fills its budget up to its own estimate: take the estimate's error off the budget (and at
+        # least the overshoot, should the error be negative)
+        asked = min(asked - (real - run.size), run.size - (real - estimate))
+        run.types = _assign(run, asked)
+    raise PlanError(f"--size {run.opts.size}: no plan keeps the file at or below {run.size:,} bytes "
+                    f"(the last one is {real:,})")
+
+
+def _shard_bytes(o: GGUFOptions) -> int:
+    return 0 if o.shard_size in (0, "0", None) else parse_size(o.shard_size)
+
+
 def _curves(measure):
     """--measure for GGUF: a curves mapping as given, or the JSON file `mixq plan --measure-out` wrote."""
     if measure is None or isinstance(measure, Mapping):
         return measure
-    from mixq.convert.measure import load_curves
-
     return load_curves(measure)
 
 
 def _write(run: _GGUFRun) -> list[Path]:
     """Encode every tensor (worker processes) and stream the file(s): metadata, tokenizer, tensor data."""
-    from mixq.formats.gguf_names import build_tensor
-    from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
-    from mixq.formats.gguf_writer import KV, TensorOut, glm5next_kv, write_gguf
-
     o, ckpt, imx = run.opts, run.ckpt, run.imx
-    outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(run.specs, run.types)]
     by_name = {s.name: s for s in run.specs}
-    qtypes = {t.name: t.qtype for t in outs}
+    qtypes = {s.name: t for s, t in zip(run.specs, run.types)}
 
     def load(name: str) -> tuple[np.ndarray, np.ndarray | None]:
         x = build_tensor(by_name[name], ckpt.get).numpy()
@@ -355,24 +394,59 @@ def _write(run: _GGUFRun) -> list[Path]:
                              f"{(x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]}")
         return x, w
 
+    outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(run.specs, run.types)]
     items = [(t.name, t.qtype, f"{by_name[t.name].hf_names[0]} -> {t.name} ({t.qtype})") for t in outs]
-    with _rounded(run) as pre, TensorEncoder([i for i in items if i[0] not in pre], load, threads=run.threads,
-                                             device=run.device) as enc:
-        enc.start()  # workers spawn and build their code tables while the tokenizer and metadata are read
-        n_vocab = ckpt.shape(next(s for s in run.specs if s.name == TOKEN_EMBD).hf_names[0])[0]
-        tmeta = tokenizer_metadata(ckpt.path, n_vocab, o.tokenizer_pre)
-        run.tokenizer_pre = tmeta.pre
-        tmpl = run.template  # linted and prepared by _validate (the model's own when no --chat-template)
-        kv = glm5next_kv(ckpt, include_mtp=o.include_mtp, file_type=o.qtype)
-        if imx is not None:
-            kv += [KV("quantize.imatrix.file", "STRING",
-                      str(o.imatrix) if isinstance(o.imatrix, (str, Path)) else "mixq"),
-                   KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
-        shard = 0 if o.shard_size in (0, "0", None) else parse_size(o.shard_size)
-        files = write_gguf(run.out, kv, outs, lambda t: pre[t.name]() if t.name in pre else enc.get(t.name),
-                           tokenizer=lambda w: add_tokenizer(w, tmeta, tmpl), shard_size=shard, progress=o.progress,
-                           overwrite=o.overwrite)
+    with _rounded(run) as pre:
+        keys, cached = _cache_keys(run, outs, pre, load)
+        with TensorEncoder([i for i in items if i[0] not in pre and i[0] not in cached], load,
+                           threads=run.threads, device=run.device) as enc:
+            enc.start()  # workers spawn and build their code tables while the tokenizer and metadata are read
+            kv, tokenizer, outs = _metadata(run)
+
+            def produce(t: TensorOut) -> np.ndarray:
+                if t.name in pre:
+                    return pre[t.name]()
+                if t.name in cached:  # the cache's bytes are those the encoder gives (content-addressed key)
+                    return run.cache.get(keys[t.name])
+                data = enc.get(t.name)
+                if t.name in keys:
+                    run.cache.put(keys[t.name], data)
+                return data
+
+            files = write_gguf(run.out, kv, outs, produce, tokenizer=tokenizer, shard_size=_shard_bytes(o),
+                               progress=o.progress, overwrite=o.overwrite)
     return files
+
+
+def _cache_keys(run: _GGUFRun, outs: list, pre, load) -> tuple[dict[str, str], set[str]]:
+    """With a family's cache: the key of every tensor ggml's encoders make (casts to F32/F16/BF16 and Hessian-
+    rounded tensors excepted), and the names whose entry is already stored."""
+    if run.cache is None:
+        return {}, set()
+    src = str(run.ckpt.path)
+    keys = {t.name: run.cache.key(src, t.name, t.qtype, t.shape, lambda n=t.name: load(n))
+            for t in outs if t.name not in pre and t.qtype not in LOCAL_TYPES}
+    return keys, {n for n, k in keys.items() if run.cache.has(k)}
+
+
+def _metadata(run: _GGUFRun):
+    """(KVs, tokenizer adder, tensor list) of the file to write: the model's keys, the imatrix keys, the receipt
+    (formats/receipt), and the tokenizer with the prepared chat template; the tokenizer is read once per run."""
+    o, ckpt, imx = run.opts, run.ckpt, run.imx
+    if run.tmeta is None:
+        n_vocab = ckpt.shape(next(s for s in run.specs if s.name == TOKEN_EMBD).hf_names[0])[0]
+        run.tmeta = tokenizer_metadata(ckpt.path, n_vocab, o.tokenizer_pre)
+    tmeta = run.tmeta
+    run.tokenizer_pre = tmeta.pre
+    tmpl = run.template  # linted and prepared by _validate (the model's own when no --chat-template)
+    kv = glm5next_kv(ckpt, include_mtp=o.include_mtp, file_type=o.qtype)
+    if imx is not None:
+        kv += [KV("quantize.imatrix.file", "STRING",
+                  str(o.imatrix) if isinstance(o.imatrix, (str, Path)) else "mixq"),
+               KV("quantize.imatrix.entries_count", "UINT32", len(imx))]
+    kv += receipt_kv(conversion_receipt(run))
+    outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(run.specs, run.types)]
+    return kv, (lambda w: add_tokenizer(w, tmeta, tmpl)), outs
 
 
 def _rounded(run: _GGUFRun):
@@ -381,16 +455,12 @@ def _rounded(run: _GGUFRun):
     o = run.opts
     if o.rounding != "hessian":
         return contextlib.nullcontext({})
-    from mixq.convert.gguf_rounding import hessian_rounded
-
     return hessian_rounded(run.ckpt, run.specs, run.types, run.out, imatrix=run.imx,
                            calibration=list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
                            tune_iters=o.tune_iters, device=o.device, progress=o.progress)
 
 
 def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> ConvertResult:
-    from mixq.convert.job import rss_peak_mib
-
     counts: dict[str, int] = {}
     for t in run.types:
         counts[t] = counts.get(t, 0) + 1

@@ -26,12 +26,16 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from mixq.convert.gguf_hessians import embedding_hessian, layer_hessians, token_frequency
+from mixq.convert.gguf_tuning import LayerTuner
 from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.errors import InputError
 from mixq.formats.partials import make_partial_dir
 from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.device import pick_device
+from mixq.runtime.calibration import calibration_rows, load_tokenizer
 
 # damping of H (relative to its mean diagonal) and coordinate-descent passes after the feedback walk: measured on
 # k256 with held-out Hessians (bench/gguf_quality.py), 0.1 and 3 generalise better than GPTQ's usual 0.01 and none
@@ -89,11 +93,6 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     exact path; without it the Hessian's diagonal does. Tensors whose input the forward never forms are left out.
     `tune_iters` > 0: each stage's codes are then tuned for the layer's output on the quantized model's streams
     (convert/gguf_tuning.py), with that many descent steps per stage."""
-    from tqdm.auto import tqdm
-
-    from mixq.runtime.calibration import calibration_rows, load_tokenizer
-    from mixq.convert.gguf_hessians import embedding_hessian, layer_hessians, token_frequency
-
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     todo = [(s, t) for s, t in zip(specs, types) if covered(s, t)]
@@ -110,8 +109,6 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     done: dict[str, Path] = {}
     tuner = None
     if tune_iters > 0:
-        from mixq.convert.gguf_tuning import LayerTuner
-
         tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, device=dev)
     bar = tqdm(total=sum(math.prod(s.shape) for s, _ in todo), desc="hessian rounding", unit="w", unit_scale=True,
                disable=not progress)

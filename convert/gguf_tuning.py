@@ -20,6 +20,7 @@ Cost: `iters` forward and backward passes of one layer over `batch_rows` rows, p
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -28,9 +29,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mixq.convert.gguf_workers import encode
 from mixq.convert.options import DEFAULT_TUNE_ITERS
+from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml.hessian_rounding import dequantize_blocks
+from mixq.runtime.layer_stream import EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_state_dict
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
 SCALE_LR = 0.2          # total reach of a block scale's relative change (types in SCALE_TUNED): scale_lr / 2
@@ -68,8 +72,6 @@ class StageReport:
 def tuning_budget(device: torch.device) -> int:
     """How many weights one stage may tune at once: a third of the free memory of `device` (host memory for the
     CPU), at ``BYTES_PER_TUNED_WEIGHT`` each."""
-    import os
-
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
@@ -82,8 +84,6 @@ def stored_values(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None)
     their type, quantized types through the exact path's encoder (convert/gguf_workers) and gguf-py's decoder."""
     if qtype in FLOAT_TYPES:
         return weights.to(_TORCH_FLOAT[qtype]).float()
-    from mixq.convert.gguf_workers import encode
-
     x = weights.detach().to("cpu", torch.float32).numpy()
     b = encode(x, qtype, None if imatrix is None else np.asarray(imatrix, np.float32))
     return torch.from_numpy(dequantize_blocks(b, qtype).reshape(x.shape)).float()
@@ -102,8 +102,6 @@ class LayerTuner:
                  imatrix: Mapping[str, np.ndarray] | None = None, iters: int = DEFAULT_TUNE_ITERS,
                  lr: float | None = None, scale_lr: float | None = None, batch_rows: int = 4,
                  device: str | torch.device = "cpu", max_weights: int | None = None) -> None:
-        from mixq.runtime.layer_stream import DecoderStream
-
         self.ckpt, self.ids = ckpt, input_ids.long()
         self.iters, self.lr = int(iters), float(TUNE_LR if lr is None else lr)
         self.scale_lr = float(SCALE_LR if scale_lr is None else scale_lr)
@@ -132,8 +130,6 @@ class LayerTuner:
 
     def _values(self, layer: int | None, encoded: Mapping[str, np.ndarray], only: set[str] | None = None):
         """({HF name: fixed float32 value}, [(spec, LevelCodes)]) of the GGUF tensors of `layer`."""
-        from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
-
         members = [(spec, qtype) for spec, qtype in self.by_layer.get(layer, [])
                    if only is None or spec.name in only]
         tunable = [(spec, qtype) for spec, qtype in members if encoded.get(spec.name) is not None
@@ -174,8 +170,6 @@ class LayerTuner:
 
     @staticmethod
     def _tuned_values(tuned) -> dict[str, torch.Tensor]:
-        from mixq.formats.gguf_names import unbuild_tensor
-
         out: dict[str, torch.Tensor] = {}
         for spec, codes in tuned:
             out.update(unbuild_tensor(spec, codes.dequantized().reshape(spec.shape)))
@@ -183,8 +177,6 @@ class LayerTuner:
 
     # -- the stages
     def _start(self, encoded: Mapping[str, np.ndarray]) -> None:
-        from mixq.runtime.layer_stream import EMBED_NAME
-
         self.source = self.stream.embed(self.ids, self._fetch)
         fixed, tuned = self._values(None, encoded, only={s.name for s, _ in self.by_layer.get(None, [])
                                                         if s.hf_names == [EMBED_NAME] and s.role == "embed"})
@@ -217,8 +209,6 @@ class LayerTuner:
     def layer(self, layer: int, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Tune decoder layer `layer` (`encoded`: GGUF name -> Hessian-rounded blocks of its covered tensors, and
         token_embd's for the first layer), advance both streams past it, and return the tuned blocks."""
-        from mixq.runtime.layer_stream import layer_state_dict
-
         self.held = 0
         first = self.source is None
         if first:
@@ -272,8 +262,6 @@ class LayerTuner:
     def head(self, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Tune the output head (its encoded blocks in `encoded`) for the KL divergence of the quantized model's
         logits from the source model's, on the streams the last layer left."""
-        from mixq.runtime.layer_stream import HEAD_NAME, NORM_NAME
-
         if self.source is None:
             return {}
         self.held = 0

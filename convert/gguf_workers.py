@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -30,10 +31,13 @@ from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from typing import Callable, Iterator, Sequence
 
+import gguf
 import numpy as np
 
 from mixq.runtime.child_process import die_with_parent
 from mixq.errors import InputError, MixqError
+from mixq.planning.gguf_mix import ggml_type
+from mixq.quant.ggml import encoders as kquants
 
 # weights per task, about 0.2-1 s of one core: large enough that pickling a task (4 bytes/weight in, <1 back) is
 # ~1% of its encode time (K-quants ~5 M weights/s), small enough that the last tasks of a conversion end together
@@ -56,10 +60,6 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device:
 
     `imatrix` is (n,) or, for stacked 3-D tensors, (E, n): one importance vector per expert/slice. `device`
     (e.g. "cuda"): the quantized types run on mixq's torch encoders there (same bytes); None or "cpu": numpy."""
-    import gguf
-
-    from mixq.planning.gguf_mix import ggml_type
-
     q = qtype.upper()
     x = np.ascontiguousarray(x, dtype=np.float32)
     if q == "F32":
@@ -68,7 +68,6 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device:
         return x.astype(np.float16)
     if q in ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1") and imatrix is None:
         return gguf.quants.quantize(x, ggml_type(q))
-    from mixq.quant.ggml import encoders as kquants
     n = x.shape[-1]
     # one (rows, n) matrix per expert / slice of a 3-D tensor
     mats = x if x.ndim == 3 else x.reshape(1, -1, n)
@@ -416,8 +415,6 @@ class TensorEncoder:
             raise self._broken(label) from e
 
     def _start_pool(self) -> ProcessPoolExecutor:
-        import multiprocessing
-
         ctx = multiprocessing.get_context("spawn")
         with _single_threaded_env(), _signals_held():
             pool = ProcessPoolExecutor(self.threads, mp_context=ctx, initializer=_worker_init,

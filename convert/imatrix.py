@@ -1,6 +1,6 @@
 """`mixq imatrix`: an importance matrix from a calibration forward, in llama.cpp's GGUF imatrix format.
 
-`collect_imatrix(model, calibration)` runs convert/calibration layer by layer and keys Σx² per input column (and
+`collect_imatrix(model, calibration)` runs runtime/calibration layer by layer and keys Σx² per input column (and
 the row counts) by GGUF tensor name; `make_imatrix(model, out, ...)` checks OUT first, then collects and writes.
 """
 from __future__ import annotations
@@ -8,8 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import validate_checkpoint
+from mixq.formats.gguf_names import TOKEN_EMBD, gguf_tensors
+from mixq.formats.imatrix_file import IMatrix, write_imatrix
 from mixq.quant.device import resolve_device
+from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 
 from .outputs import check_free_space, check_outputs, writing
 
@@ -17,9 +23,6 @@ from .outputs import check_free_space, check_outputs, writing
 def imatrix_bytes(model) -> int:
     """An upper bound of the imatrix file's size: a float32 sum and a count per input column of every matrix
     (per expert for stacked experts), plus 1 MiB of names and metadata (GLM-5.3: ~0.8 GB)."""
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.gguf_names import gguf_tensors
-
     n = 0
     for s in gguf_tensors(open_checkpoint(model), include_mtp=False):
         if len(s.shape) >= 2:
@@ -29,19 +32,11 @@ def imatrix_bytes(model) -> int:
 
 def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
                     datasets: list[str] | None = None, progress: bool = True):
-    """Importance matrix of `model` from a calibration forward (convert/calibration, layer by layer), keyed by
+    """Importance matrix of `model` from a calibration forward (runtime/calibration, layer by layer), keyed by
     GGUF tensor name as llama-imatrix keys it: Σx² per input column and the row count, one vector per expert
     for `*_exps`. Differences to llama-imatrix: every calibration token passes through every routed expert
     (so expert counts equal the token count, none is left at 0), and output.weight is always included.
     Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix."""
-    from tqdm import tqdm
-
-    from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.checkpoint_check import validate_checkpoint
-    from mixq.formats.gguf_names import TOKEN_EMBD, gguf_tensors
-    from mixq.formats.imatrix_file import IMatrix
-
     dev = resolve_device(device)  # before the checkpoint is read: a missing CUDA is a one-line error
     ckpt = open_checkpoint(model)
     validate_checkpoint(ckpt)
@@ -76,8 +71,6 @@ def make_imatrix(model, out, calibration=None, *, rows: int = 64, seq_len: int =
                  progress: bool = True, overwrite: bool = False) -> dict:
     """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format. OUT may
     not be an input, nor an existing file unless `overwrite`."""
-    from mixq.formats.imatrix_file import write_imatrix
-
     check_outputs({"OUT": out}, {"MODEL": model, **{f"--calibration {i + 1}": c
                                                    for i, c in enumerate(calibration or [])}}, overwrite=overwrite)
     out = Path(out)

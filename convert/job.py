@@ -14,10 +14,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
@@ -108,9 +114,7 @@ class Job:
         """Hold an exclusive flock on JOB_DIR/lock (holding our pid) while this job runs: a second process on the
         same OUT (a --resume while the first still runs) is refused. The kernel drops the lock with the process,
         so a killed run never blocks its --resume."""
-        try:
-            import fcntl
-        except ImportError:  # not POSIX
+        if fcntl is None:  # not POSIX
             return
         fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -185,7 +189,5 @@ class Job:
 
 def rss_peak_mib() -> float:
     """Peak resident set size of this process in MiB (Linux ru_maxrss is KiB)."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

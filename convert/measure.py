@@ -2,7 +2,7 @@
 
 One calibration pass (``runtime/calibration.py``, full Hessians, source weights) walks the decoder layer by
 layer; for every budgeted unit of the layer (the planner's units: one Linear, the fused KDA qkv, or all routed
-experts of the layer) ``quant/trellis_loss.measure`` quantizes the weight with the trellis encoder at each rate
+experts of the layer) ``quant/trellis/loss.measure`` quantizes the weight with the trellis encoder at each rate
 (LDLQ with the same Hessian the EXL3 pipeline uses) and returns tr(ΔW·H·ΔWᵀ). The result is the curves
 ``{unit key: {bits: loss}}`` that ``plan_model(measure=...)`` hands to the knapsack solver.
 
@@ -25,13 +25,17 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from mixq.runtime.calibration import (LayerCalibrator, RoutingCapture, calibrate, calibration_rows, capture_routing,
                                       expert_activation, load_tokenizer)
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.exl3_names import exl3_layout
 from mixq.formats.glm5next import global_hf_name
 from mixq.planning import allocator as al
+from mixq.planning.exl3 import allocator_unit
 from mixq.quant.trellis import loss as qs
 from mixq.quant.device import pick_device
 
@@ -49,9 +53,6 @@ BIG_MODEL = 2_000_000_000
 
 def budget_units(ckpt) -> dict[str, list]:
     """The planner's budgeted EXL3 units (``bits`` key) -> their Exl3Units (from formats/exl3_names)."""
-    from mixq.planning.exl3 import allocator_unit
-    from mixq.formats.exl3_names import exl3_layout
-
     groups: dict[str, list] = {}
     for u in exl3_layout(ckpt, include_mtp=False):
         if u.kind == "trellis" and u.bits_key == "bits":
@@ -79,10 +80,6 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     rows / seq_len / rates: None = ``DEFAULT_ROWS`` / ``DEFAULT_SEQ_LEN`` / ``RATES`` (read at call time).
     strips / experts: "auto" = ``SAMPLING`` for the device; None = all; an int = that many rotated 16-column
     strips per matrix / experts per layer."""
-    from tqdm.auto import tqdm
-
-    from mixq.formats.checkpoint import open_checkpoint
-
     rows = DEFAULT_ROWS if rows is None else rows
     seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
     rates = tuple(RATES if rates is None else rates)
@@ -186,8 +183,6 @@ def _measure_experts(stage, us, cap: RoutingCapture | None, fetch, rates, strips
 def predicted_loss(plan, curves: Mapping[str, Mapping[float, float]], ckpt) -> float:
     """Σ over the budgeted units of ``plan`` (EXL3) of the curve value at the unit's planned bits: the total
     error the solver predicts for that plan under ``curves``."""
-    from mixq.planning.exl3 import allocator_unit
-
     levels: dict[str, float] = {}
     for t in plan.tensors:
         info = ckpt.info(t.name)

@@ -72,7 +72,7 @@ def check_rounding(rounding: str) -> str:
 def _device(cls, v) -> None:
     if v is None:
         return
-    from mixq.quant.device import parse_device
+    from mixq.quant.device import parse_device  # local: `import mixq` stays light (this brings torch)
 
     parse_device(v, flag_of(cls, "device"))
 
@@ -183,7 +183,7 @@ class Exl3Options(_Options):
 
     def _set_devices(self) -> None:
         """--devices (several ranks, runtime/distributed.py) as normalised device names; not with --device."""
-        from mixq.runtime.distributed import parse_devices
+        from mixq.runtime.distributed import parse_devices  # local: `import mixq` stays light (this brings torch)
 
         self._set("devices", parse_devices(self.devices if self.devices else None, flag_of(type(self), "devices")))
         if self.devices and self.device is not None:
@@ -258,7 +258,7 @@ class GGUFOptions(_Options):
         if self.threads is not None:
             _positive_int(cls, "threads", self.threads)
         if self.tokenizer_pre is not None:  # a name llama.cpp does not know verifies, then fails to load
-            from mixq.formats.gguf_tokenizer import check_pre
+            from mixq.formats.gguf_tokenizer import check_pre  # local: `import mixq` stays light (this brings torch)
 
             check_pre(self.tokenizer_pre, flag_of(cls, "tokenizer_pre"))
         _device(cls, self.device)
@@ -311,7 +311,7 @@ def _tensor_type_pair(item) -> tuple[str, str]:
 
 def encodable_type(name: str, what: str) -> str:
     """The upper-case ggml type `name` if mixq can write it, else InputError naming `what`."""
-    from mixq.planning import gguf_mix
+    from mixq.planning import gguf_mix  # local: `import mixq` stays light (this brings torch)
 
     t = str(name).upper()
     try:
@@ -325,7 +325,7 @@ def encodable_type(name: str, what: str) -> str:
 
 def _gguf_mix_name(qtype: str) -> str:
     """--type: F32/F16/BF16, or a llama-quantize mix name (Q4_K_M, Q8_0, ...), upper-cased."""
-    from mixq.planning import gguf_mix
+    from mixq.planning import gguf_mix  # local: `import mixq` stays light (this brings torch)
 
     q = str(qtype).upper()
     if q in PURE_FLOAT:
@@ -356,6 +356,8 @@ def options_for(fmt: str, **kwargs) -> Exl3Options | GGUFOptions:
         if k in _ALIASES:
             k, conv = _ALIASES[k]
             v = conv(v)
+        if k == "bpw" and isinstance(v, str):  # the command line passes --bpw as text (it may be a family list)
+            v = bpw_number(v)
         if k not in names:
             other = [o for o, c in OPTION_CLASSES.items() if o != f and k in {x.name for x in fields(c)}]
             if other:
@@ -371,3 +373,120 @@ def replace(options: Exl3Options | GGUFOptions, **changes) -> Exl3Options | GGUF
                                           **changes})
 
 
+
+
+# --- families: several targets of one conversion (`--size A,B,C`, `--bpw x,y,z`; convert/family.py) ---------------
+_LABEL_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+@dataclass(frozen=True)
+class FamilyTarget:
+    """One member's target: `kind` "size" (bytes) or "bpw", and the `label` its file is named with
+    (`<model>-<label>.gguf`: the size as the user wrote it, e.g. 108GB, or `<x>bpw`)."""
+    kind: str
+    value: int | float
+    label: str
+
+
+@dataclass(frozen=True)
+class FamilyOptions:
+    """A GGUF family: the options every member shares (`base`, whose target is the first member's) and the
+    members' targets. `imatrix_calibration` / `imatrix_rows` / `imatrix_seq_len`: the calibration of the imatrix
+    the family computes once when no --imatrix is given (with --rounding exact; with hessian rounding the same
+    --calibration / --rows / --seq-len serve both)."""
+    base: GGUFOptions
+    targets: tuple[FamilyTarget, ...]
+    imatrix_calibration: tuple[Union[str, Path], ...] = ()
+    imatrix_rows: int = DEFAULT_ROWS
+    imatrix_seq_len: int = DEFAULT_SEQ_LEN
+
+    def member(self, target: FamilyTarget, **changes) -> GGUFOptions:
+        """The options of one member: `base` with this target (and `changes`, e.g. the family's imatrix)."""
+        size = target.value if target.kind == "size" else None
+        bpw = target.value if target.kind == "bpw" else None
+        return replace(self.base, size=size, bpw=bpw, **changes)
+
+
+def _parts(v) -> list:
+    """A list target as given: "A,B,C" or a sequence; a single value as a one-item list."""
+    if v is None:
+        return []
+    if isinstance(v, (list, tuple)):
+        return list(v)
+    if isinstance(v, str):
+        return [p.strip() for p in v.split(",") if p.strip()] or [v]
+    return [v]
+
+
+def is_family(size=None, bpw=None) -> bool:
+    """Whether --size / --bpw name several targets (a comma list or a sequence): a family conversion."""
+    return len(_parts(size)) > 1 or len(_parts(bpw)) > 1 or isinstance(size, (list, tuple)) \
+        or isinstance(bpw, (list, tuple))
+
+
+def bpw_number(v, flag: str = "--bpw") -> float:
+    """A --bpw value given as text ("3.5") or a number, as a float (InputError naming the flag otherwise)."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            raise InputError(f"{flag} {v!r}: expected a number such as 3.5") from None
+    return v
+
+
+def _size_label(text, n: int) -> str:
+    """The file-name part of a size target: the user's spelling ("108GB"), or the bytes in GB/MB/KB."""
+    if isinstance(text, str) and not text.strip().isdigit():
+        return text.strip().replace(" ", "")
+    for unit, div in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= div:
+            return f"{n / div:.4g}{unit}"
+    return f"{n}B"
+
+
+def family_targets(size=None, bpw=None) -> tuple[FamilyTarget, ...]:
+    """The members' targets of `--size A,B,C` or `--bpw x,y,z` (not both), each parsed and checked once;
+    InputError for a bad value, a repeated target or two labels that name the same file."""
+    sizes, bpws = _parts(size), _parts(bpw)
+    if sizes and bpws:
+        raise InputError("give a family as --size A,B,C or as --bpw x,y,z, not both")
+    out = []
+    for s in sizes:
+        n = parse_size_option("--size", s)
+        out.append(FamilyTarget("size", n, _size_label(s, n)))
+    for b in bpws:
+        x = bpw_number(b)
+        _positive_float(GGUFOptions, "bpw", x)
+        out.append(FamilyTarget("bpw", float(x), f"{float(x):g}bpw"))
+    if not out:
+        raise InputError("a family needs --size A,B,C or --bpw x,y,z")
+    seen: dict[str, FamilyTarget] = {}
+    for t in out:
+        if not _LABEL_RE.match(t.label):
+            raise InputError(f"--{t.kind} {t.label!r}: not usable in a file name")
+        if t.label.lower() in seen or any(u.kind == t.kind and u.value == t.value for u in seen.values()):
+            raise InputError(f"--{t.kind} {t.label}: given twice in the family")
+        seen[t.label.lower()] = t
+    return tuple(out)
+
+
+def family_options(**kwargs) -> FamilyOptions:
+    """FamilyOptions from convert's keyword options (`size` / `bpw` as lists or "A,B,C"); every option is checked
+    as one conversion checks it (the first member's options are built here)."""
+    kw = dict(kwargs)
+    kw.pop("format", None)
+    targets = family_targets(kw.pop("size", None), kw.pop("bpw", None))
+    if kw.get("qtype") is not None:
+        raise InputError(f"--type {kw['qtype']}: a family is made of --size or --bpw targets")
+    if kw.get("mmproj") is not None:
+        raise InputError("--mmproj with a family: write the projector once, with a single conversion")
+    cal = {}
+    if str(kw.get("rounding", "exact")).lower() == "exact" and kw.get("imatrix") is None:
+        # --rounding exact has no calibration pass of its own: the family's calibration makes its imatrix
+        cal = {"imatrix_calibration": _tuple(kw.pop("calibration", ())),
+               "imatrix_rows": kw.pop("rows", DEFAULT_ROWS), "imatrix_seq_len": kw.pop("seq_len", DEFAULT_SEQ_LEN)}
+        _positive_int(GGUFOptions, "rows", cal["imatrix_rows"])
+        _positive_int(GGUFOptions, "seq_len", cal["imatrix_seq_len"], 2)
+    first = targets[0]
+    base = options_for("gguf", **kw, **{first.kind: first.value})
+    return FamilyOptions(base, targets, **cal)

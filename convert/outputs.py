@@ -24,6 +24,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cleanup, no lock
+    fcntl = None
+
 from mixq.errors import InputError
 from mixq.formats.partials import is_partial_dir, partial_prefix
 
@@ -243,8 +248,6 @@ def writing(*paths: str | os.PathLike, hint: str = "") -> Iterator[None]:
 
 
 def _flock(fd: int, mode: int) -> bool:
-    import fcntl
-
     try:
         fcntl.flock(fd, mode)
         return True
@@ -260,9 +263,7 @@ def gguf_partials_lock(*outs: str | os.PathLike | None) -> Iterator[list[Path]]:
     A run holds a shared flock on the output's directory while it writes there, so an exclusive flock that
     succeeds proves no mixq run is writing in it: the partials there are then leftovers of killed runs. The lock
     goes with the process (kill -9 included), so a dead run never blocks a later one."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no cleanup, no lock
+    if fcntl is None:  # not POSIX: no cleanup, no lock
         yield []
         return
     removed: list[Path] = []

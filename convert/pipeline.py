@@ -12,6 +12,7 @@ statistics and the stacked trellis calls are split over the ranks and their resu
 """
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -20,18 +21,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from mixq.errors import InputError, PlanError
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
 from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
-from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer
+from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, torch_dtype
 from mixq.formats.glm5next import global_hf_name
 from mixq.formats.model_files import check_model_dir
+from mixq.planning.planner import plan_model
+from mixq.planning.sizes import parse_size
+from mixq.quant.device import resolve_device
 
+from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
+from .drafter import convert_drafter
 from .exl3_ranks import encode_batches, scan_share, share_job, shared_state
 from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
 from .exl3_estimate import check_cpu_time, describe_seconds
 from .job import JOB_DIR, Job, file_digest, rss_peak_mib
+from .measure import load_curves
 from .options import DEFAULT_EXL3_SHARD, DEFAULT_ROWS, DEFAULT_SEQ_LEN, Exl3Options, flag_of, options_for  # noqa: F401
 from .outputs import check_distinct, check_free_space, check_output_dir, writing
 
@@ -41,14 +51,10 @@ DEFAULT_SHARD = DEFAULT_EXL3_SHARD
 def parse_bytes(s: int | str) -> int:
     """'8GiB', '512MB', '108GB', '1000000' -> bytes, with `mixq plan`'s convention (GB = 10^9, GiB = 2^30), so a
     --size given to convert means the same bytes as the plan's."""
-    from mixq.planning.sizes import parse_size
-
     return parse_size(s)
 
 
 def _is_drafter(model) -> bool:
-    import json
-
     cfg = Path(str(model)) / "config.json"
     try:
         check_model_dir(cfg.parent)  # a config.json that links out of MODEL is refused, not read
@@ -106,8 +112,6 @@ def batches(items: list[tuple[Exl3Unit, bool]], bits: dict[str, float]) -> list[
 
 
 def _raw_tensors(u: Exl3Unit, w: torch.Tensor, fetch) -> dict[str, torch.Tensor]:
-    from mixq.formats.exl3_writer import torch_dtype
-
     if u.kind == "fp16_linear":
         d = {f"{u.key}.weight": w.to(torch.float16).contiguous()}
         if u.bias:
@@ -199,8 +203,6 @@ class _Exl3Run:
 
 def _resolve(model, out, opts: Exl3Options, ranks: RankContext) -> _Exl3Run:
     """Open the checkpoint and turn every option into the value the steps use (device, byte counts, curves)."""
-    from mixq.formats.checkpoint import open_checkpoint
-
     ckpt = open_checkpoint(model)
     if ckpt.config.get("model_type") != "glm5_next":
         raise InputError(f"{ckpt.path}: model_type {ckpt.config.get('model_type')!r} is not glm5_next")
@@ -212,8 +214,6 @@ def _resolve(model, out, opts: Exl3Options, ranks: RankContext) -> _Exl3Run:
             raise InputError(f"calibration file not found: {f}")
     measure = opts.measure
     if isinstance(measure, (str, Path)):
-        from mixq.convert.measure import load_curves
-
         measure = load_curves(measure)
     size = parse_bytes(opts.size) if opts.size is not None else None
     return _Exl3Run(opts, ckpt, Path(out), device, parse_bytes(opts.shard_size), size, measure, ranks=ranks)
@@ -221,8 +221,6 @@ def _resolve(model, out, opts: Exl3Options, ranks: RankContext) -> _Exl3Run:
 
 def _validate(run: _Exl3Run) -> None:
     """The checkpoint matches its config; OUT can be written and replaces no input."""
-    from mixq.formats.checkpoint_check import validate_checkpoint
-
     validate_checkpoint(run.ckpt)  # config vs weights, before anything is planned or written
     check_distinct({"OUT": run.out}, {"MODEL": Path(run.ckpt.path), "--measure": _path_or_none(run.opts.measure),
                                       **{f"--calibration {i + 1}": f for i, f in enumerate(run.opts.calibration)}})
@@ -233,8 +231,6 @@ def _validate(run: _Exl3Run) -> None:
 
 def _calibration_ids(run: _Exl3Run) -> torch.Tensor:
     """The calibration rows, tokenized with the checkpoint's own tokenizer."""
-    from mixq.runtime.calibration import calibration_rows, load_tokenizer
-
     o = run.opts
     return calibration_rows(load_tokenizer(run.ckpt.path), list(o.calibration) or None, rows=o.rows,
                             seq_len=o.seq_len, vocab_size=run.ckpt.shape(global_hf_name("embed"))[0])
@@ -242,8 +238,6 @@ def _calibration_ids(run: _Exl3Run) -> torch.Tensor:
 
 def _plan(run: _Exl3Run) -> None:
     """Trellis bits of every unit (the plan `mixq plan` prints) and the stage order."""
-    from mixq.planning.planner import plan_model
-
     o = run.opts
     run.plan = plan_model(run.ckpt, "exl3", bpw=o.bpw, size=run.size, overrides=o.overrides, head_bits=o.head_bits,
                           mtp_bits=o.mtp_bits, vision_bits=o.vision_bits, include_mtp=o.include_mtp,
@@ -258,15 +252,11 @@ def _plan(run: _Exl3Run) -> None:
     est = check_cpu_time(run.plan, run.device,
                          explicit=o.device is not None or bool(getattr(o, "devices", None)))
     if est is not None and o.progress:
-        from tqdm.auto import tqdm
-
         tqdm.write(f"EXL3 on the CPU: about {describe_seconds(est)} of trellis encoding", file=sys.stderr)
 
 
 def _start_job(run: _Exl3Run) -> None:
     """Check the weights and the free space, then open (or continue) the job inside OUT."""
-    from mixq.formats.checkpoint_check import scan_finite
-
     o = run.opts
     settings = _settings(run.ckpt, run.bits, calibration_files=o.calibration, rows=o.rows, seq_len=o.seq_len,
                          codebook=o.codebook, device=run.device, shard_size=run.shard_bytes,
@@ -288,8 +278,6 @@ def _start_job(run: _Exl3Run) -> None:
 def _run_stages(run: _Exl3Run) -> None:
     """Embedding, then the calibrated decoder layers and head (resuming after the last finished one), then the
     uncalibrated NextN block and vision tower; each stage's part is recorded in the job as it is written."""
-    from tqdm.auto import tqdm
-
     job = run.job
     bar = tqdm(total=len(run.stages), desc="exl3", unit="stage", disable=not run.progress, initial=run.resumed)
     if "embed" in run.by_stage and not job.is_done("embed"):
@@ -307,8 +295,6 @@ def _run_stages(run: _Exl3Run) -> None:
 
 def _run_calibrated(run: _Exl3Run, bar) -> None:
     """Decoder layers (calibrated on the already quantized layers before them) and the head."""
-    from mixq.runtime.calibration import LayerCalibrator
-
     o, ckpt, job = run.opts, run.ckpt, run.job
     state_stage, state = shared_state(run.ranks, job)
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
@@ -349,8 +335,6 @@ def _stage_hessians(run: _Exl3Run, stage_units: list[Exl3Unit], stats: dict | No
 def _write_stage(run: _Exl3Run, stage: str, stats: dict | None):
     """Quantize/copy the units of one stage and write its part; returns (PartInfo, {HF name: the stored weight as
     the model will see it (dequantized / fp16-rounded)})."""
-    from tqdm.auto import tqdm
-
     def fetch(n: str) -> torch.Tensor:
         return run.ckpt.get(n, dtype=torch.float32)
 
@@ -427,8 +411,6 @@ _DRAFTER_OPTIONS = ("bpw", "device", "shard_size", "resume", "codebook", "progre
 
 
 def _convert_drafter(model, out, opts: Exl3Options) -> ConvertResult:
-    from .drafter import convert_drafter
-
     unused = [k for k in opts.given() if k not in _DRAFTER_OPTIONS]
     if unused:
         raise InputError(f"{flag_of(Exl3Options, unused[0])} does not apply to a DFlash2 drafter "
@@ -436,8 +418,6 @@ def _convert_drafter(model, out, opts: Exl3Options) -> ConvertResult:
     check_distinct({"OUT": out}, {"MODEL": model})
     check_output_dir(out)
     Job.check_target(out, resume=opts.resume)
-    from mixq.quant.device import resolve_device
-
     resolve_device(opts.device)
     return convert_drafter(model, out, bits=opts.bpw or 6.0, device=opts.device, shard_size=opts.shard_size,
                            resume=opts.resume, codebook=opts.codebook, progress=opts.progress)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 def evaluate(*args, **kwargs):
     """See `mixq.eval.api.evaluate`."""
-    from mixq.eval.api import evaluate as _evaluate
+    from mixq.eval.api import evaluate as _evaluate  # local: `import mixq.eval.stats` stays light
 
     return _evaluate(*args, **kwargs)
 
 
 def compare(*args, **kwargs):
     """See `mixq.eval.report.compare`."""
-    from mixq.eval.report import compare as _compare
+    from mixq.eval.report import compare as _compare  # local: `import mixq.eval.stats` stays light
 
     return _compare(*args, **kwargs)

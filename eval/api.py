@@ -22,7 +22,10 @@ from mixq.convert.outputs import check_outputs
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import write_text
 from mixq.eval import candidates as cands
+from mixq.eval.family import expand_families, record_scores
+from mixq.eval import exllamav3_engine
 from mixq.eval import reference as refm
+from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
 from mixq.eval.reflogits import REF_DTYPES, RefLogitsReader, RefLogitsWriter, roundtrip
 from mixq.eval.report import render_markdown
@@ -31,7 +34,9 @@ from mixq.eval.streamed import STATE_DTYPES, StreamedModel, StreamedModels, stat
 from mixq.eval.window_split import gather_in_order, rank_window_ids
 from mixq.formats.checkpoint_check import validate_checkpoint
 
-ENGINES = ("torch", "llamacpp")
+ENGINES = ("torch", "llamacpp", "exllamav3")
+# the candidates an engine other than torch scores itself (the others go through the torch engine)
+ENGINE_FORMATS = {"llamacpp": "gguf", exllamav3_engine.ENGINE: exllamav3_engine.FORMAT}
 DEFAULT_CTX = 512
 DEFAULT_WINDOWS = 32  # `mixq eval`'s default: a bounded run (like llama-perplexity --chunks), not the whole text
 SAVE_REF_ONE_DEVICE = "--save-ref writes every window from one process: give one device"
@@ -49,7 +54,7 @@ class EvalRun:
     windows: refm.Windows
     text_name: str
     candidates: list[cands.Candidate]
-    sources: list[DequantSource | None]   # None: logits from llama.cpp (--engine llamacpp, GGUF)
+    sources: list[DequantSource | None]   # None: logits from the engine itself (llama.cpp GGUF, exllamav3 EXL3)
     reader: RefLogitsReader | None
     engine: str
     cache_type: str
@@ -108,6 +113,7 @@ def evaluate(
     `markdown_out`, `save_ref`) may not be an input or an existing file unless `overwrite`.
     """
     given = dict(locals())  # every argument, for the worker ranks of a multi-device run
+    candidates, families = expand_families(candidates)  # a family directory: its members, in the one forward
     check_outputs({"--json": None if json_out == "-" else json_out, "--markdown": markdown_out,
                    "--save-ref": save_ref}, eval_inputs(reference, candidates, text, ref_logits),
                   overwrite=overwrite)
@@ -133,6 +139,7 @@ def evaluate(
         if report is None:
             return None  # a rank other than 0: rank 0 reports
         _write_outputs(report, json_out, markdown_out)
+        record_scores(report, families)  # family.json and each member's <file>.receipt.json
         return report
 
 
@@ -206,8 +213,10 @@ def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_
         text_name = str(text)
     cand_list = [cands.open_candidate(c) for c in candidates]
     n_layers = ref.ckpt.num_hidden_layers
-    sources = [None if (engine == "llamacpp" and c.format == "gguf") else cands.open_weights(c, n_layers, dev)
-               for c in cand_list]
+    native = [ENGINE_FORMATS.get(engine) == c.format for c in cand_list]
+    if engine == exllamav3_engine.ENGINE and any(native):
+        exllamav3_engine.check_engine(dev)  # no exllamav3 or no CUDA: one error line before any forward
+    sources = [None if own else cands.open_weights(c, n_layers, dev) for c, own in zip(cand_list, native)]
     return EvalRun(ref_dir, ref.ckpt.config, ref, dev, win, text_name, cand_list, sources, reader, engine,
                    cache_type, Path(save_ref) if save_ref else None, ref_dtype, state_dtype, batch_windows)
 
@@ -243,7 +252,8 @@ def _split_windows(run: EvalRun, ranks: RankContext) -> None:
         if run.save_ref:
             raise InputError(SAVE_REF_ONE_DEVICE)
         if any(s is None for s in run.sources):
-            raise InputError("--engine llamacpp scores GGUF candidates in llama.cpp: give one device")
+            raise InputError(f"--engine {run.engine} scores {ENGINE_FORMATS[run.engine].upper()} candidates "
+                             "itself: give one device")
     run.ranks = ranks
     run.mine = rank_window_ids(run.windows.count, run.batch_windows, ranks)
 
@@ -304,8 +314,6 @@ class _LlamaCppLogits:
         self.path, self.windows, self.cache_type, self.seconds = path, windows, cache_type, 0.0
 
     def __enter__(self):
-        from mixq.eval.llamacpp import LlamaCppScorer
-
         self.scorer = LlamaCppScorer(self.path, ctx=self.windows.ctx, first=self.windows.first,
                                      cache_type=self.cache_type)
         return self
@@ -322,6 +330,8 @@ class _LlamaCppLogits:
 
 def _candidate_logits(run: EvalRun, models: StreamedModels, i: int):
     c, src = run.candidates[i], run.sources[i]
+    if src is None and run.engine == exllamav3_engine.ENGINE:
+        return exllamav3_engine.Exllamav3Logits(c.path, run.windows, _vocab(run.config), run.device)
     if src is None:
         return _LlamaCppLogits(c.path, run.windows, run.cache_type)
     model = next(m for m in models.models if m.source is src)
@@ -418,7 +428,7 @@ def _report(run: EvalRun, scored: list, ref_seconds: float | None, state_device:
         # bpw: mixq's one figure, file bytes x 8 / reference parameters (file_bpw in plan and convert JSONs too)
         entry = {"path": str(c.path), "format": c.format, "bytes": c.bytes, "bpw": c.bytes * 8 / ref_params}
         entry.update(acc.summary())
-        entry["engine"] = run.engine if c.format == "gguf" else "torch"
+        entry["engine"] = run.engine if ENGINE_FORMATS.get(run.engine) == c.format else "torch"
         if entry["engine"] == "llamacpp":
             entry["cache_type"] = run.cache_type
         entry["tokens_per_s"] = window_tokens / secs if secs > 0 else None

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from mixq.convert.gguf_measure import GGUFMeasurement, measure_gguf_errors
 from mixq.planning.gguf_measured import measured_units
@@ -36,8 +37,6 @@ def unit_klds(ckpt, measurement: GGUFMeasurement, calibration: Sequence[str] | N
               device: str | None = None, seed: int = 0, progress: bool = True) -> dict[str, float]:
     """Each unit's KLD (model with that unit alone at its reference type ‖ source model), mean over calibration
     tokens. Experts are encoded one by one with their own imatrix slice, as the converter does."""
-    from tqdm.auto import tqdm
-
     units = measured_units(ckpt)
     scorer = PerturbedKLD(ckpt, calibration, rows=rows, seq_len=seq_len, seed=seed, device=device)
     base = scorer.base

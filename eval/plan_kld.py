@@ -14,13 +14,18 @@ import time
 from typing import Mapping, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from mixq.convert.measure import budget_units, measure_curves, parse_sample, save_curves
 from mixq.convert.outputs import check_outputs
+from mixq.convert.plan_run import run_plan as plan
 from mixq.errors import InputError
+from mixq.eval import gguf_kld  # gguf_kld.gguf_kld_curves looked up per call (tests replace it)
 from mixq.eval.reference import PerturbedKLD
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import validate_checkpoint
+from mixq.formats.gguf_names import gguf_tensors
+from mixq.formats.imatrix_file import check_names, read_imatrix
 
 TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
 
@@ -33,8 +38,6 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
     first (EXL3: ``kld_curves``; GGUF: ``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and
     ``imatrix``; saved to ``measure_out`` when given). MODEL is checked against its config first, as convert
     checks it (``--from-config`` has no weights to check)."""
-    from mixq.convert.plan_run import run_plan as plan
-
     check_outputs({"--measure-out": measure_out},
                   {"MODEL": model, "--from-config": from_config, "--imatrix": _path_or_none(imatrix),
                    "--measure": _path_or_none(measure), **{f"--calibration {i + 1}": c for i, c in enumerate(calibration)}},
@@ -70,16 +73,11 @@ def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str 
     """End-to-end KLD curves {unit: {bits or type: KLD}} of every budgeted unit: EXL3 (``kld_curves``) or GGUF
     (``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and ``imatrix``, a file or means)."""
     if fmt == "gguf":
-        from mixq.eval.gguf_kld import gguf_kld_curves
-        from mixq.formats.gguf_names import gguf_tensors
-
         if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
-            from mixq.formats.imatrix_file import check_names, read_imatrix
-
             im = check_names(read_imatrix(imatrix), [s.name for s in gguf_tensors(ckpt)], f"--imatrix {imatrix}")
             imatrix = im.means()
-        return gguf_kld_curves(ckpt, calibration or None, ladder=gguf_ladder, rounding=rounding, imatrix=imatrix,
-                               device=device, progress=progress)
+        return gguf_kld.gguf_kld_curves(ckpt, calibration or None, ladder=gguf_ladder, rounding=rounding,
+                                        imatrix=imatrix, device=device, progress=progress)
     return kld_curves(ckpt, calibration or None, device=device, sample=sample, progress=progress)
 
 
@@ -106,8 +104,6 @@ def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = No
     tokens, `mixq eval`'s KLD) after adding i.i.d. Gaussian noise of the trellis's weight-space error at ``ref_bits``
     (TRELLIS_D·2^(−2·ref_bits)·mean(W²) per tensor) to that unit alone. Holds the whole model in memory: for
     models that fit (fixtures, drafters); a per-layer variant for 320B models is not built."""
-    from tqdm.auto import tqdm
-
     groups = budget_units(ckpt)
     scorer = PerturbedKLD(ckpt, calibration, rows=rows, seq_len=seq_len, seed=seed, device=device)
     base = scorer.base

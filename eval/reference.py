@@ -17,6 +17,8 @@ from mixq.errors import FormatError, InputError
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.formats.glm5next import classify, global_hf_name
 from mixq.quant.device import pick_device  # noqa: F401 - re-exported for callers
+from mixq.runtime.calibration import calibration_rows
+from mixq.eval.stats import log_probs, token_quantities
 
 DEFAULT_ARCH = "Glm5NextForConditionalGeneration"
 
@@ -162,9 +164,6 @@ class PerturbedKLD:
     float32): for models that fit."""
 
     def __init__(self, ckpt, calibration=None, *, rows: int, seq_len: int, seed: int, device: str | None) -> None:
-        from mixq.runtime.calibration import calibration_rows
-        from mixq.eval.stats import log_probs
-
         self.path = ckpt.path
         self.device = pick_device(device)
         self.ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
@@ -183,6 +182,4 @@ class PerturbedKLD:
 
     def kld(self, weights: dict[str, torch.Tensor]) -> float:
         """Mean KLD of the model holding `weights` against the source model."""
-        from mixq.eval.stats import token_quantities
-
         return float(token_quantities(self.ref, self._logits(weights), self.targets)["kld"].mean())

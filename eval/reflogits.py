@@ -18,7 +18,9 @@ import os
 import struct
 from pathlib import Path
 
+import safetensors  # safetensors.safe_open looked up per call (tests wrap it)
 import torch
+from safetensors import SafetensorError
 
 from mixq.errors import FormatError, InputError
 
@@ -137,13 +139,11 @@ class RefLogitsReader:
     """Windows and per-window log-probs (float32) of a reference file, read lazily."""
 
     def __init__(self, path: Path):
-        from safetensors import SafetensorError, safe_open
-
         self.path = Path(path)
         if not self.path.is_file():
             raise InputError(f"{path}: no such reference log-prob file")
         try:
-            self._f = safe_open(str(self.path), framework="pt")
+            self._f = safetensors.safe_open(str(self.path), framework="pt")
         except (SafetensorError, OSError) as e:
             raise FormatError(f"{path}: not a readable safetensors file ({e})") from e
         md = self._f.metadata() or {}

@@ -28,14 +28,16 @@ def render_markdown(report: dict) -> str:
         f"Reference `{report['reference']}`, text `{report['text']}`, ctx {report['ctx']} "
         f"({report.get('windows', '?')} windows, {report.get('score', 'half')} scored), engine {report.get('engine', 'torch')}",
         "",
-        "| candidate | format | size | bpw | KLD mean ± err | KLD median | KLD p99 | KLD max | top-1 % | PPL ref | PPL | ΔPPL | RMS Δp % | positions |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| candidate | format | size | bpw | KLD mean ± err | KLD median | KLD p99 | KLD max | top-1 % | PPL ref | PPL | ΔPPL | RMS Δp % | positions | engine |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in report["candidates"]:
+        # the engine per candidate: with --engine llamacpp / exllamav3 only the matching format runs in it
         lines.append(
             f"| {_name(c['path'])} | {c['format']} | {_size(c['bytes'])} | {c['bpw']:.3f} | "
             f"{c['kld_mean']:.3g} ± {c['kld_mean_err']:.2g} | {c['kld_median']:.3g} | {c['kld_p99']:.3g} | {c['kld_max']:.3g} | "
-            f"{100 * c['top1']:.2f} | {c['ppl_ref']:.4f} | {c['ppl']:.4f} | {c['dppl']:+.4f} | {100 * c['rms_dp']:.3f} | {c['positions']} |"
+            f"{100 * c['top1']:.2f} | {c['ppl_ref']:.4f} | {c['ppl']:.4f} | {c['dppl']:+.4f} | {100 * c['rms_dp']:.3f} | {c['positions']} | "
+            f"{c.get('engine', 'torch')} |"
         )
     return "\n".join(lines) + "\n"
 

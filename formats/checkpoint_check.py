@@ -22,7 +22,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
+import safetensors  # safetensors.safe_open looked up per call (tests wrap it)
 import torch
+from safetensors import SafetensorError
+from tqdm.auto import tqdm
 
 from mixq.errors import FormatError, InputError, MixqError
 from mixq.formats.checkpoint import Checkpoint, checkpoint_from_config
@@ -82,14 +85,12 @@ def _source_files(ckpt: "Checkpoint") -> list[Path]:
 def _file_problems(ckpt: "Checkpoint") -> list[tuple[type, str]]:
     """The safetensors library's own header checks per file, tensors a shard holds that the index does not list,
     and FP8 scale dtypes/shapes (the scales are not tensors of the Checkpoint)."""
-    from safetensors import SafetensorError, safe_open
-
     out: list[tuple[type, str]] = []
     listed = set(ckpt.names())
     indexed = (Path(ckpt.path) / INDEX).is_file()
     for f in _source_files(ckpt):
         try:
-            with safe_open(str(f), framework="pt") as h:
+            with safetensors.safe_open(str(f), framework="pt") as h:
                 keys = list(h.keys())
                 scales = {k: (h.get_slice(k).get_dtype(), tuple(h.get_slice(k).get_shape()))
                           for k in keys if k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in listed}
@@ -321,9 +322,6 @@ def scan_finite(ckpt: "Checkpoint", names: Iterable[str] | None = None, *, progr
     """Read every tensor (or `names`) once, with the FP8 block scales, in chunks of about `chunk_bytes` rows
     through the safetensors library, and raise on the first NaN/Inf (fp8 weights are checked on their raw
     bytes, so no dequantization is paid). Returns the bytes read."""
-    from safetensors import safe_open
-    from tqdm.auto import tqdm
-
     todo = list(ckpt.names() if names is None else names)
     wanted = set(todo) | {n + SCALE_SUFFIX for n in todo if ckpt.is_fp8(n)}
     total = sum(ckpt.nbytes(n) for n in todo)
@@ -331,7 +329,7 @@ def scan_finite(ckpt: "Checkpoint", names: Iterable[str] | None = None, *, progr
     with tqdm(total=total, desc="check weights", unit="B", unit_scale=True, disable=not progress,
               leave=False) as bar:
         for f in _source_files(ckpt):
-            with safe_open(str(f), framework="pt") as h:
+            with safetensors.safe_open(str(f), framework="pt") as h:
                 for k in (k for k in h.keys() if k in wanted):
                     sl = h.get_slice(k)
                     shape = sl.get_shape()

@@ -1,6 +1,6 @@
 """The EXL3 storage layout of exllamav3 1.6.5: constants and pure shape / byte arithmetic (no mixq imports).
 
-One place for what the planner (quant/allocator), the unit table (formats/exl3_names), the writers, the trellis
+One place for what the planner (planning/allocator), the unit table (formats/exl3_names), the writers, the trellis
 decoder and verify must agree on. Facts: ../shared/reference/exl3-format.md §1.1 (shard names), §1.4 (the tensors
 of a quantized Linear), §1.6 (padding), §4.1 (rates).
 """

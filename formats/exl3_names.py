@@ -35,6 +35,8 @@ class Exl3Unit:
     pad_to: int = PAD
     split: list[int] = field(default_factory=list)  # dim-0 sizes of hf_names when concatenated
     src_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    marker: str | None = "mul1"    # codebook marker tensor of a trellis unit ("mul1" | "mcg"; None = 3INST)
+    part: bool = False             # holds a dim-0 slice of its one HF tensor (a fused HF Linear stored split)
 
     @property
     def padded(self) -> tuple[int, int]:
@@ -48,7 +50,7 @@ class Exl3Unit:
             if bits is None:
                 raise ValueError(f"{self.key}: bits needed for a trellis unit")
             k, n = self.padded
-            return linear_tensors(self.key, k, n, bits, bias=bool(self.bias))
+            return linear_tensors(self.key, k, n, bits, bias=bool(self.bias), marker=self.marker)
         if self.kind == "fp16_linear":
             d = {f"{self.key}.weight": (self.shape, "float16")}
             if self.bias:
@@ -169,6 +171,18 @@ def stage_order(units: list[Exl3Unit]) -> list[str]:
         base = {"embed": 0, "layer": 1, "head": 2, "mtp": 3, "vision": 4}[kind]
         return (base, int(idx) if idx else 0)
     return sorted({u.stage for u in units}, key=rank)
+
+
+# exllamav3 stores some fused HF Linears as separate Linears (the vision attention's qkv as q/k/v, exl3-format.md
+# §6.1): the leaf of the HF key -> the leaves of the stored keys, in the HF tensor's row order
+SPLIT_LINEARS = {"qkv": ("q_proj", "k_proj", "v_proj")}
+
+
+def add_unit_tensors(out: dict[str, torch.Tensor], u: Exl3Unit, tensors: dict[str, torch.Tensor]) -> None:
+    """Add one unit's HF-named tensors to ``out``; a `part` unit's slice is appended on dim 0 to what the parts
+    before it (in unit order) put there."""
+    for name, t in tensors.items():
+        out[name] = torch.cat([out[name], t], 0) if u.part and name in out else t
 
 
 def hf_names_of_key(units: list[Exl3Unit]) -> dict[str, Exl3Unit]:

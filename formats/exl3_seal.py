@@ -11,7 +11,9 @@ checks of the sealed JSON files against the stored tensors.
 against the tensors: each unit's bits against its trellis shape (last dim 16·K, exl3-format.md §1.4),
 config.json's hidden_size and layer count against the stored norms, quantization_config.json's rates and
 tensor_storage against the trellis shapes and config.json. A manifest without `files` (no seal) gets the
-structural checks only: its shards against their recorded hashes and the two config files present.
+structural checks only: its shards against their recorded hashes and the two config files present. A directory
+without mixq's manifest at all (exllamav3's own output) has nothing to seal: it gets the consistency checks that
+hold for any writer (`consistency_problems(..., manifest=False)`), and `integrity_note` says so.
 """
 from __future__ import annotations
 
@@ -133,7 +135,7 @@ def _load_quant_config(directory: Path) -> tuple[dict | None, list[str]]:
         return None, []  # reported by file_problems
     try:
         d = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         return None, [f"{QUANT_CONFIG}: unreadable ({e})"]
     return (d, []) if isinstance(d, dict) else (None, [f"{QUANT_CONFIG}: not a JSON object"])
 
@@ -226,7 +228,8 @@ def _rates(units: list[Exl3Unit], stored: dict) -> dict[str, float]:
     return {key: round(num / den, 2) for key, (num, den) in acc.items() if den}
 
 
-def _quant_config_problems(qcfile: dict, config: dict, units: list[Exl3Unit], stored: dict) -> list[str]:
+def _quant_config_problems(qcfile: dict, config: dict, units: list[Exl3Unit], stored: dict, *,
+                           rates: bool = True) -> list[str]:
     """quantization_config.json against config.json's quantization_config, its rates against the trellis shapes,
     its tensor_storage against the units and the stored tensors."""
     problems = []
@@ -236,13 +239,13 @@ def _quant_config_problems(qcfile: dict, config: dict, units: list[Exl3Unit], st
         if qc.get(key) != cqc.get(key):
             problems.append(f"{QUANT_CONFIG}: {key} is {qc.get(key)!r}, {CONFIG}'s quantization_config.{key} is "
                             f"{cqc.get(key)!r}")
-    rates = _rates(units, stored)
+    achieved = _rates(units, stored) if rates else {}
     for key in RATE_KEYS:
-        if key in rates and key in qc:
+        if key in achieved and key in qc:
             v = qc[key]
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or abs(float(v) - rates[key]) > 1e-6:
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or abs(float(v) - achieved[key]) > 1e-6:
                 problems.append(f"{QUANT_CONFIG}: {key} is {v!r}, the stored trellis tensors of the {key} units "
-                                f"give {rates[key]:g}")
+                                f"give {achieved[key]:g}")
     storage = qcfile.get("tensor_storage")
     if not isinstance(storage, dict):
         return problems + [f"{QUANT_CONFIG}: tensor_storage missing"]
@@ -253,8 +256,8 @@ def _quant_config_problems(qcfile: dict, config: dict, units: list[Exl3Unit], st
             u = by_key.get(mod)
             k_bits = _stored_bits(u, stored) if u is not None and u.kind == "trellis" else None
             if k_bits is None:
-                problems.append(f"{QUANT_CONFIG}: tensor_storage.{mod} has bits_per_weight, {MANIFEST} has no "
-                                "stored trellis unit of that key")
+                problems.append(f"{QUANT_CONFIG}: tensor_storage.{mod} has bits_per_weight, no stored trellis "
+                                "unit has that key")
             elif entry["bits_per_weight"] != k_bits:
                 problems.append(f"{QUANT_CONFIG}: tensor_storage.{mod}.bits_per_weight is "
                                 f"{entry['bits_per_weight']!r}, {mod}.trellis holds {k_bits:g} bits")
@@ -272,14 +275,26 @@ def _quant_config_problems(qcfile: dict, config: dict, units: list[Exl3Unit], st
 
 
 def consistency_problems(directory: Path, config: dict, units: list[Exl3Unit], bits: dict,
-                         stored: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+                         stored: dict[str, tuple[str, tuple[int, ...]]], *, manifest: bool = True) -> list[str]:
     """The sealed JSON against the tensors (see module docstring): one line per disagreement, naming the file
-    and the key or tensor. `stored`: tensor name -> (dtype tag, shape) read from the shards' headers."""
-    problems = _unit_problems(units, bits, stored)
+    and the key or tensor. `stored`: tensor name -> (dtype tag, shape) read from the shards' headers.
+    `manifest` False: units derived from the stored tensors (no mixq manifest): their bits are the trellis
+    shapes' by construction, and quantization_config.json's rates are not held against the tensors (exllamav3
+    records the rates it was asked for, mixq the ones achieved); its tensor_storage still is."""
+    problems = _unit_problems(units, bits, stored) if manifest else []
     problems += _config_problems(config, units, stored)
     qcfile, bad = _load_quant_config(Path(directory))
     problems += bad
     if qcfile is not None:
-        problems += _quant_config_problems(qcfile, config, units, stored)
+        problems += _quant_config_problems(qcfile, config, units, stored, rates=manifest)
     return problems
+
+
+def integrity_note(manifest: bool, sealed_files: int, *, decoded: bool) -> str:
+    """The line `mixq verify` prints about what it could check: the seal of a directory with mixq's manifest,
+    or the structure (and trellis decode) alone of one without."""
+    what = "structure and decode checked" if decoded else "structure checked"
+    if not manifest:
+        return f"no mixq manifest: {what}"
+    return f"mixq manifest: {sealed_files} sealed files' sha256 and {what}"
 

@@ -25,6 +25,7 @@ from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import atomic_open, atomic_path, json_bytes, write_bytes
 from mixq.formats.exl3_layout import MUL1_MULTIPLIER, SHARD_SIZE, shard_names
 from mixq.formats.exl3_seal import CONFIG, INDEX, MANIFEST, QUANT_CONFIG, bytes_digest, file_digest, seal_manifest
+from mixq.formats.glm5next import normalise_layer_type
 from mixq.formats.safetensors_io import (ST_DTYPES, dtype_name, dtype_tag, open_safetensors, read_metadata,
                                          tensor_entries, write_safetensors)
 
@@ -67,8 +68,6 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 def exl3_config(source_config: dict, quant_config: dict) -> dict:
     """The source config.json with `quantization_config` added, `tie_word_embeddings` false (a separate lm_head
     is always written) and layer_types spelled linear_attention / deepseek_sparse_attention."""
-    from mixq.formats.glm5next import normalise_layer_type
-
     cfg = json.loads(json.dumps(source_config))
     qc = dict(quant_config)
     old = cfg.get("quantization_config")

@@ -9,6 +9,8 @@ Every file (each shard of a split set) carries, under keys llama.cpp ignores (it
 The header is written before the data, so the keys are written as placeholders of the final length and filled
 in place once the data is on disk (`seal`); tensor data and its offsets are untouched by the seal.
 `integrity_problems(paths)` re-reads the files and lists every mismatch (verify runs it, with or without decode).
+A file without these keys (llama-quantize's, gguf-py's, any other writer's) is not sealed, which is no problem:
+`integrity_note` tells verify's reader that only its structure and decode were checked.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import hashlib
 from pathlib import Path
 from typing import Any, Iterable
 
+import gguf
 import numpy as np
 
 from mixq.errors import FormatError
@@ -48,8 +51,6 @@ def conversion_id(names_and_digests: Iterable[tuple[str, str]]) -> str:
 def sealed_writer(path: Path, arch: str, **kwargs: Any):
     """A gguf-py GGUFWriter whose every output file (each shard) gets placeholder integrity keys, sized for
     its own tensors, next to the split keys gguf-py adds per shard."""
-    import gguf
-
     class _SealedWriter(gguf.GGUFWriter):
         def add_shard_kv_data(self) -> None:
             super().add_shard_kv_data()  # single file: nothing; split: split.* keys into every shard
@@ -89,8 +90,6 @@ def _put_string(field, index: int, text: str) -> None:
 def seal(paths: list[Path], digests: dict[str, str]) -> str:
     """Fill the placeholder keys of freshly written `paths` (one conversion, shards in order) from the data
     digests `digests` {tensor name: hex}; returns the conversion id."""
-    import gguf
-
     readers = [gguf.GGUFReader(p, "r+") for p in paths]
     try:
         order = [[t.name for t in r.tensors] for r in readers]
@@ -116,6 +115,20 @@ def _string(reader, key: str) -> str | None:
     except Exception:  # noqa: BLE001 - a corrupt field reads as absent, reported by the caller
         return None
     return v if isinstance(v, str) else None
+
+
+def is_sealed_set(paths: list[Path]) -> bool:
+    """True when any file of a GGUF (set) carries mixq's integrity keys (headers only are read)."""
+    return any(KEY_TENSORS in open_gguf_reader(p).fields for p in paths)
+
+
+def integrity_note(sealed: bool, checksums: int, *, decoded: bool) -> str:
+    """The line `mixq verify` prints about what it could check: mixq's seal where the file carries one
+    (llama-quantize outputs and other writers' files do not), else the structure (and decode) alone."""
+    what = "structure and decode checked" if decoded else "structure checked"
+    if not sealed:
+        return f"no mixq seal: {what}"
+    return f"mixq seal: {checksums} tensor sha256 and {what}"
 
 
 def integrity_problems(paths: list[Path], readers: list | None = None) -> tuple[list[str], int]:

@@ -13,14 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 from gguf import Keys
 
 from mixq.errors import FormatError
+from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.glm5next import TEXT_PREFIX, gguf_sources
 from mixq.formats.gguf_header_check import open_gguf_reader
-from mixq.formats.gguf_names import GGUFTensorSpec, merge_kv_b, unbuild_tensor
+from mixq.formats.gguf_integrity import integrity_problems
+from mixq.formats.gguf_names import GGUFTensorSpec, gguf_tensors, merge_kv_b, unbuild_tensor
+from mixq.formats.gguf_writer import ARCH, tensor_nbytes
 
 HF_PREFIX = TEXT_PREFIX
 _SPLIT_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")  # parses gguf-py's SHARD_NAME_FORMAT
@@ -40,8 +44,6 @@ class GGUFTensorEntry:
 
     def dequantize(self) -> np.ndarray:
         """float32 array of `shape` (gguf-py's dequantizers)."""
-        import gguf
-
         t = self._reader.tensors[self._index]
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         return np.asarray(arr, dtype=np.float32).reshape(self.shape)
@@ -140,8 +142,6 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
     """Check a GGUF: arch, tensor count, each tensor's byte size, data decodes to finite values; with `model`
     (the source checkpoint) also that exactly the expected tensors with the expected shapes are present.
     Returns a report dict; problems are listed in report["problems"] (empty = OK)."""
-    from mixq.formats.gguf_writer import ARCH, tensor_nbytes
-
     g = read_gguf(path)
     problems: list[str] = []
     arch = g.kv.get(Keys.General.ARCHITECTURE)
@@ -165,9 +165,6 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
             except Exception as ex:  # noqa: BLE001 - report, keep checking the rest
                 problems.append(f"{name}: does not decode ({ex})")
     if model is not None:
-        from mixq.formats.checkpoint import open_checkpoint
-        from mixq.formats.gguf_names import gguf_tensors
-
         ckpt = open_checkpoint(model)
         has_mtp = int(g.kv.get(Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=ARCH), 0) or 0) > 0
         want_specs = {s.name: s for s in gguf_tensors(ckpt, include_mtp=has_mtp)}
@@ -179,8 +176,6 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
             if tuple(want_specs[n].shape) != g.tensors[n].shape:
                 problems.append(f"{n}: shape {g.tensors[n].shape}, expected {tuple(want_specs[n].shape)}")
     # per-tensor sha256, metadata digest and conversion id of every shard (formats/gguf_integrity), always
-    from mixq.formats.gguf_integrity import integrity_problems
-
     open_readers = {e.shard: e._reader for e in g.tensors.values()}
     sealed, checked = integrity_problems(g.paths, [open_readers.get(i) for i in range(len(g.paths))])
     problems += sealed

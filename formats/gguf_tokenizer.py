@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
 
+import gguf
 from gguf import TokenType
 
 from mixq.errors import InputError
@@ -118,8 +119,6 @@ def tokenizer_metadata(model_dir: str | Path, n_vocab: int, tokenizer_pre: str |
     """Build the GGUF tokenizer metadata from a model directory's tokenizer.json / tokenizer_config.json.
 
     `n_vocab` is the embedding row count: ids the tokenizer lacks become `[PAD<id>]` (UNUSED)."""
-    import gguf
-
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").is_file():
         raise InputError(f"{model_dir}: no tokenizer.json (only byte-level BPE tokenizers are supported)")

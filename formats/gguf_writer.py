@@ -12,14 +12,17 @@ import glob
 import math
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, Keys
 from gguf.gguf_writer import SHARD_NAME_FORMAT
 from gguf.quants import quant_shape_to_byte_shape
+from tqdm import tqdm
 
 from mixq.errors import FormatError, InputError
 from mixq.formats.gguf_integrity import data_sha256, seal, sealed_writer
@@ -67,8 +70,6 @@ class TensorOut:
 
 
 def _file_type(ftype: str | None) -> int | None:
-    import gguf
-
     if ftype is None:
         return None
     name = {"F32": "ALL_F32"}.get(ftype.upper(), "MOSTLY_" + ftype.upper())
@@ -190,8 +191,6 @@ def _f32_keys(tc: dict) -> list[tuple[str, Any]]:
 
 def add_kv(writer, kvs: Iterable[KV]) -> None:
     """Add KVs to a GGUFWriter with explicit types (never gguf-py's int->INT32 inference)."""
-    import gguf
-
     for kv in kvs:
         vt = gguf.GGUFValueType[kv.vtype]
         st = gguf.GGUFValueType[kv.sub_type] if kv.sub_type else None
@@ -219,6 +218,44 @@ def output_set(path: str | Path) -> list[Path]:
     return ([path] if path.is_file() else []) + split
 
 
+def _headed_writer(path: Path, kv: list[KV], tensors: list[TensorOut], tokenizer, shard_size: int,
+                   shard_max_tensors: int, arch: str):
+    """A sealed GGUFWriter for `path` with the header, metadata and tensor infos of every file written: what
+    `write_gguf` writes before the tensor data, and what `gguf_file_nbytes` measures."""
+    # every file gets mixq.integrity.* placeholders, filled by seal() once the data is written
+    w = sealed_writer(path, arch, split_max_size=int(shard_size), split_max_tensors=int(shard_max_tensors))
+    # GGUFWriter already wrote general.architecture in its constructor
+    add_kv(w, [k for k in kv if k.key != Keys.General.ARCHITECTURE])
+    if tokenizer is not None:
+        tokenizer(w)
+    for t in tensors:
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=ggml_type(t.qtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    return w
+
+
+def gguf_file_nbytes(kv: list[KV], tensors: list[TensorOut], *, tokenizer: Callable[[Any], None] | None = None,
+                     shard_size: int = 0, shard_max_tensors: int = 0, arch: str = ARCH) -> int:
+    """The exact bytes on disk of the file(s) `write_gguf` would write with these arguments: each file's header
+    (metadata, seal placeholders, tensor infos) is written to a scratch directory and measured, and the tensor
+    data, each tensor padded to the alignment, is added. No tensor data is produced (a --size plan checks its
+    real file size with it before encoding)."""
+    with tempfile.TemporaryDirectory(prefix=".mixq-size-") as tmp:
+        w = _headed_writer(Path(tmp) / "size.gguf", kv, tensors, tokenizer, shard_size, shard_max_tensors, arch)
+        try:
+            align = w.data_alignment
+            per_file = [list(ts.values()) for ts in w.tensors]
+            for f in w.fout:
+                f.flush()
+            heads = [f.tell() for f in w.fout]
+        finally:
+            w.close()
+    pad = lambda n: (n + align - 1) // align * align  # noqa: E731
+    return sum(pad(h) + sum(pad(ti.nbytes) for ti in tis) for h, tis in zip(heads, per_file))
+
+
 def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
                produce: Callable[[TensorOut], np.ndarray], *, tokenizer: Callable[[Any], None] | None = None,
                shard_size: int = 0, shard_max_tensors: int = 0, progress: bool = True, arch: str = ARCH,
@@ -233,27 +270,14 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
     published the same name meanwhile makes this one fail); with it, the earlier set of `path` is replaced whole
     (its shards that the new set does not reuse are removed).
     """
-    from tqdm import tqdm
-
     path = Path(path)
     if path.suffix != ".gguf":
         raise InputError(f"{path}: GGUF output must end in .gguf")
     tmpdir = make_partial_dir(path)
     try:
-        # every file gets mixq.integrity.* placeholders, filled by seal() once the data is written
-        w = sealed_writer(tmpdir / path.name, arch, split_max_size=int(shard_size),
-                          split_max_tensors=int(shard_max_tensors))
-        digests: dict[str, str] = {}
-        # GGUFWriter already wrote general.architecture in its constructor
-        add_kv(w, [k for k in kv if k.key != Keys.General.ARCHITECTURE])
-        if tokenizer is not None:
-            tokenizer(w)
-        for t in tensors:
-            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=ggml_type(t.qtype))
+        w = _headed_writer(tmpdir / path.name, kv, tensors, tokenizer, shard_size, shard_max_tensors, arch)
         n_files = len(w.tensors)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
+        digests: dict[str, str] = {}
         for t in tqdm(tensors, desc=f"write {path.name}", unit="tensor", disable=not progress, leave=False):
             arr = np.ascontiguousarray(produce(t))
             if arr.nbytes != t.nbytes:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
@@ -63,8 +64,6 @@ class IMatrix:
 
 def write_imatrix(path: str | Path, im: IMatrix) -> Path:
     """Write `im` in llama.cpp's GGUF imatrix format (temp name, then rename)."""
-    import gguf
-
     path = Path(path)
     with atomic_path(path) as tmp:  # a failed write (disk full, Ctrl-C) leaves nothing behind
         w = gguf.GGUFWriter(tmp, "imatrix")

@@ -10,10 +10,12 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 from gguf import Keys
 
 from mixq.errors import InputError
+from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.gguf_writer import KV, TensorOut, ggml_type, write_gguf
 
 CV = Keys.ClipVision
@@ -157,10 +159,6 @@ def mmproj_kv(ckpt, model_dir: Path, ftype: str) -> list[KV]:
 
 def write_mmproj(model, out, outtype: str = "F16", progress: bool = True, overwrite: bool = False) -> dict:
     """Write the vision tower of `model` as a glm5v mmproj GGUF at `out` (F16 default, or Q8_0)."""
-    import gguf
-
-    from mixq.formats.checkpoint import open_checkpoint
-
     outtype = outtype.upper()
     if outtype not in ("F16", "Q8_0"):
         raise InputError(f"mmproj type must be F16 or Q8_0, not {outtype}")

@@ -1,12 +1,18 @@
-"""`mixq inspect`: what a checkpoint holds, by role (its JSON shape is pinned), or a GGUF file's summary."""
+"""`mixq inspect`: what a checkpoint holds, by role (its JSON shape is pinned), a GGUF file's summary, or an EXL3
+directory's units and rates (written by mixq or by anyone)."""
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections import Counter
 from pathlib import Path
 
 from mixq.formats.checkpoint import Checkpoint, checkpoint_from_config, open_checkpoint
+from mixq.formats.exl3_reader import Exl3Dir
+from mixq.formats.gguf_inspect import inspect_gguf
 from mixq.formats.glm5next import ROLES
+from mixq.formats.model_files import check_model_dir
 
 
 def inspect_checkpoint(ckpt: Checkpoint) -> dict:
@@ -54,12 +60,66 @@ def inspect_model(path: str | os.PathLike) -> dict:
     return inspect_checkpoint(open_checkpoint(path))
 
 
-def inspect_path(path: str | os.PathLike) -> dict:
-    """Dispatch on what ``path`` is: a ``.gguf`` file (formats/gguf_inspect) or an HF checkpoint."""
-    if str(path).endswith(".gguf"):
-        from mixq.formats.gguf_inspect import inspect_gguf
+def is_exl3_dir(path: str | os.PathLike) -> bool:
+    """True for a directory whose config.json says quantization_config.quant_method "exl3" (a config that does
+    not parse is left to the checkpoint reader, which names the error)."""
+    p = Path(path)
+    if not p.is_dir() or not (p / "config.json").is_file():
+        return False
+    check_model_dir(p)  # an untrusted directory: its config.json may not lead out of it
+    try:
+        qc = json.loads((p / "config.json").read_text()).get("quantization_config")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError):
+        return False  # RecursionError: hostile nesting, named by the checkpoint reader
+    return isinstance(qc, dict) and qc.get("quant_method") == "exl3"
 
+
+def inspect_exl3(path: str | os.PathLike) -> dict:
+    """Summary of an EXL3 directory: who wrote it, its units by kind, the rate and codebook of every quantized
+    Linear (per budget key: bits, head_bits, mtp_bits, vision_bits; 16 = an fp16 Linear), bytes and bpw."""
+    d = Exl3Dir(path)
+    qc = {k: v for k, v in d.config["quantization_config"].items() if k != "original_quantization_config"}
+    kinds: Counter[str] = Counter(u.kind for u in d.units)
+    codebooks: Counter[str] = Counter(u.marker or "3inst" for u in d.units if u.kind == "trellis")
+    rates: dict[str, dict] = {}
+    rows, params = [], 0
+    for u in d.units:
+        params += math.prod(u.shape)
+        bits = d.bits.get(u.key) if u.kind == "trellis" else 16.0 if u.kind == "fp16_linear" else None
+        if u.bits_key and bits is not None:
+            k, n = u.padded
+            r = rates.setdefault(u.bits_key, {"units": 0, "weights": 0, "bits": 0.0})
+            r["units"] += 1
+            r["weights"] += k * n  # padded, as exllamav3 counts a Linear's rate
+            r["bits"] += bits * k * n
+        rows.append({"key": u.key, "kind": u.kind, "role": u.role, "stage": u.stage, "shape": list(u.shape),
+                     "bits": bits, "codebook": (u.marker or "3inst") if u.kind == "trellis" else None})
+    for r in rates.values():
+        r["bpw"] = round(r.pop("bits") / r["weights"], 4) if r["weights"] else None
+    size = sum((d.path / s).stat().st_size for s in d.shards if (d.path / s).is_file())
+    version = qc.get("version")
+    writer = "mixq" if d.has_manifest or qc.get("quantizer") == "mixq" else \
+        f"exllamav3 {version}" if version else "unknown"
+    return {
+        "path": str(d.path), "format": "exl3", "writer": writer, "mixq_manifest": d.has_manifest,
+        "quantization_config": qc, "shards": len(d.shards), "tensors": len(d.stored), "units": len(d.units),
+        "params": params, "bytes": size, "bpw": round(8.0 * size / max(params, 1), 4),
+        "kinds": dict(sorted(kinds.items())), "codebooks": dict(sorted(codebooks.items())), "rates": rates,
+        # one-line strings for the plain-text `mixq inspect` view (lists/dicts are JSON-only there)
+        "unit_summary": ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())),
+        "rate_summary": ", ".join(f"{k} {r['bpw']:g} ({r['units']} units)" for k, r in rates.items()),
+        "codebook_summary": ", ".join(f"{k} x{v}" for k, v in sorted(codebooks.items())) or "none",
+        "unit_list": rows,
+    }
+
+
+def inspect_path(path: str | os.PathLike) -> dict:
+    """Dispatch on what ``path`` is: a ``.gguf`` file (formats/gguf_inspect), an EXL3 directory, or an HF
+    checkpoint."""
+    if str(path).endswith(".gguf"):
         return inspect_gguf(path)
+    if is_exl3_dir(path):
+        return inspect_exl3(path)
     return inspect_model(path)
 
 

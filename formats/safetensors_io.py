@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import safetensors  # safe_open and torch.save_file looked up per call (tests wrap them)
+import safetensors.torch
 import torch
 
 from mixq.errors import FormatError, InputError
@@ -122,13 +124,11 @@ def _header_problem(path: Path) -> str:
 def open_safetensors(path: str | os.PathLike) -> Iterator[Any]:
     """The library's ``safe_open`` handle of ``path``; InputError when it cannot be read, FormatError when the
     library refuses its contents."""
-    from safetensors import safe_open
-
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{p}: no such safetensors file")
     try:
-        handle = safe_open(str(p), framework="pt")
+        handle = safetensors.safe_open(str(p), framework="pt")
     except PermissionError as e:
         raise InputError(f"{p}: cannot read ({e.strerror or e})") from None
     except Exception as e:  # noqa: BLE001 - SafetensorError, or OSError for a file shorter than its header says
@@ -187,10 +187,9 @@ def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> str:
     """Write ``tensors`` with the library (temporary name, fsync, rename); returns the file's sha256."""
-    from safetensors.torch import save_file
-
     with atomic_path(path) as tmp:
-        save_file(_own_storage(tensors), str(tmp), metadata={k: str(v) for k, v in (metadata or {}).items()})
+        safetensors.torch.save_file(_own_storage(tensors), str(tmp),
+                                    metadata={k: str(v) for k, v in (metadata or {}).items()})
     return sha256_file(path)
 
 

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from safetensors.torch import save_file
 
 from mixq.errors import InputError
 from mixq.formats.atomic import atomic_dir
+from mixq.formats.checkpoint import nextn_shapes
 from mixq.formats.glm5next import is_vision
 
 FP8_BLOCK = 128
@@ -101,8 +103,6 @@ def _is_fp8_target(name: str, shape: tuple[int, ...], dsa_layers: set[int]) -> b
 def _nextn_tensors(sd: dict[str, torch.Tensor], n: int, hidden: int, gen: torch.Generator,
                    config: dict) -> dict[str, torch.Tensor]:
     """NextN block at layers.{n}: body copied from the last trunk layer when it is DSA + MoE (else random)."""
-    from mixq.formats.checkpoint import nextn_shapes
-
     text = config["text_config"]
     shapes = nextn_shapes(config, text, text["layer_types"])
     src, dst = f"layers.{n - 1}.", f"layers.{n}."
@@ -141,7 +141,6 @@ def write_tiny_checkpoint(
     ``_scale_inv`` blocks (needs widths >= 128). ``shards`` > 1 writes ``model-0000i-of-0000k.safetensors`` plus
     ``model.safetensors.index.json`` (the NextN block in the last shard)."""
     import transformers
-    from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
     out = Path(out_dir)

@@ -3,6 +3,8 @@ planner never shows a plan that the converter then refuses."""
 from __future__ import annotations
 
 from mixq.errors import PlanError
+from mixq.planning.allocator import EXL3_RATES
+from mixq.planning.gguf_mix import encodable_types, has_encoder
 
 # EXL3 budget keys whose Linears may be stored unquantized (fp16) when planned at 16 bits
 EXL3_UNQUANTIZED_KEYS = ("head_bits", "vision_bits")
@@ -14,8 +16,6 @@ def check_plan(ckpt, plan) -> None:
     GGUF: every planned type has an encoder in mixq (`gguf_mix.has_encoder`). EXL3: a trellis Linear planned
     unquantized (16 bits) must be lm_head or in the vision tower; everything else needs a trellis rate."""
     if plan.format == "gguf":
-        from mixq.planning.gguf_mix import encodable_types, has_encoder
-
         for t in plan.tensors:
             if not has_encoder(t.type):
                 raise PlanError(f"{t.name}: planned as {t.type} (by an --override, or the fallback of its type for "
@@ -23,8 +23,6 @@ def check_plan(ckpt, plan) -> None:
                                 f"{', '.join(encodable_types())}")
         return
     if plan.format == "exl3":
-        from mixq.planning.allocator import EXL3_RATES
-
         for t in plan.tensors:
             info = ckpt.info(t.hf_names[0] if t.hf_names else t.name)
             if info.exl3 != "trellis" or t.bits is not None:

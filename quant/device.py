@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from mixq.errors import InputError
+
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """`device` if given, else cuda when available, else cpu."""
@@ -16,8 +18,6 @@ SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 def parse_device(device: str | torch.device, what: str = "--device") -> torch.device:
     """`device` as a torch.device, or InputError naming `what` when it is not cpu, cuda or cuda:N."""
-    from mixq.errors import InputError
-
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -29,8 +29,6 @@ def parse_device(device: str | torch.device, what: str = "--device") -> torch.de
 
 def resolve_device(device: str | torch.device | None = None, what: str = "--device") -> torch.device:
     """`pick_device`, checked: InputError naming `what` for a malformed device or one this machine lacks."""
-    from mixq.errors import InputError
-
     if not device:
         return pick_device(None)
     dev = parse_device(device, what)

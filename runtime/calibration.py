@@ -28,6 +28,7 @@ from mixq.errors import InputError
 from mixq.formats import glm5next
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
+from mixq.runtime.distributed import block_owner
 from mixq.runtime.layer_stream import DecoderStream, module_sources, module_to_hf
 
 if TYPE_CHECKING:
@@ -299,8 +300,6 @@ class LayerCalibrator:
     def _own_expert_stats(self, experts: nn.Module, x: torch.Tensor, down: list[str], stats, limit: float) -> None:
         """This rank's block of routed experts: every token through each, its down_proj input accumulated (the
         same operations as the one-process loop, so the same sums)."""
-        from mixq.runtime.distributed import block_owner
-
         for e in range(len(down)):
             if block_owner(e, len(down), self.ranks.world) != self.ranks.rank:
                 continue
@@ -314,8 +313,6 @@ class LayerCalibrator:
     def _share_expert_hessians(self, stats: dict) -> None:
         """Every routed expert's Hessian from the rank that accumulated it to every rank, in place of the
         accumulators (a SharedHessian each, None where an expert saw no finite token)."""
-        from mixq.runtime.distributed import block_owner
-
         for down in self._expert_inputs.values():
             for r in range(self.ranks.world):
                 names = [n for e, n in enumerate(down) if block_owner(e, len(down), self.ranks.world) == r]

@@ -4,10 +4,12 @@
 nothing decoded), the float32 tensors of one decoder layer (`layer(i)`), and single tensors outside the decoder
 layers (`get(name)`: embedding, final norm, lm_head). Formats:
 - "hf": an HF checkpoint directory through `formats.checkpoint` (BF16/FP16/FP32, FP8 blocks dequantized);
-- "gguf": a glm5-next GGUF (or split set) through `formats.gguf_reader` (gguf-py dequantizes; experts unstacked,
-  kv_b rebuilt, A_log and conv reshaped back);
-- "exl3": an EXL3 directory through `formats.exl3_reader` (stored tensors), trellis units decoded here with
-  `quant.trellis` (W = diag(suh)·H·Ŵ·H·diag(svh), padding cropped, fused units split back).
+- "gguf": a glm5-next GGUF (or split set) through `formats.gguf_reader`, its blocks decoded on the source's device
+  by `quant.ggml.torch_decode` (gguf-py for a type it does not decode); experts unstacked, kv_b rebuilt, A_log
+  and conv reshaped back;
+- "exl3": an EXL3 directory (mixq's, or exllamav3's own without mixq's manifest) through `formats.exl3_reader`
+  (stored tensors), trellis units decoded here with `quant.trellis` (W = diag(suh)·H·Ŵ·H·diag(svh), padding
+  cropped, fused units split back, the parts of a Linear stored split joined again).
 Which tensors belong to which decoder layer comes from the architecture table (`formats.glm5next.classify`).
 `read_exl3(path)` gives a whole EXL3 directory at once (tools and tests on small models).
 """
@@ -18,8 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import mixq.quant.trellis  # looked up per call: tests swap in a fake mixq.quant.trellis
 from mixq.errors import FormatError, InputError
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.exl3_names import MCG_MARKER, MUL1_MARKER, add_unit_tensors
+from mixq.formats.exl3_reader import Exl3Dir
+from mixq.formats.gguf_names import merge_kv_b, unbuild_tensor
+from mixq.formats.gguf_reader import read_gguf, spec_from_gguf
 from mixq.formats.glm5next import classify
+from mixq.quant.ggml import torch_decode
 
 FORMATS = ("hf", "gguf", "exl3")
 
@@ -66,8 +75,6 @@ class CheckpointSource(DequantSource):
     format = "hf"
 
     def __init__(self, path: Path, num_hidden_layers: int | None = None) -> None:
-        from mixq.formats.checkpoint import open_checkpoint
-
         self.ckpt = open_checkpoint(path)
         super().__init__(self.ckpt.path, num_hidden_layers or self.ckpt.num_hidden_layers)
         self._by_layer: dict[int | None, list[str]] = {}
@@ -108,11 +115,9 @@ class GGUFSource(_UnitSource):
 
     format = "gguf"
 
-    def __init__(self, path: Path, num_hidden_layers: int) -> None:
-        from mixq.formats.gguf_names import merge_kv_b, unbuild_tensor
-        from mixq.formats.gguf_reader import read_gguf, spec_from_gguf
-
+    def __init__(self, path: Path, num_hidden_layers: int, device: str | torch.device = "cpu") -> None:
         super().__init__(path, num_hidden_layers)
+        self.device = torch.device(device)  # where torch decodes the blocks; the tensors come back on the CPU
         self.file = read_gguf(path)
         self._specs = {}
         self._by_layer: dict[int | None, list[str]] = {}
@@ -131,24 +136,25 @@ class GGUFSource(_UnitSource):
         self._shapes = {n: tuple(t.shape) for n, t in merge_kv_b(parts).items()}
 
     def _decode(self, gguf_names: list[str]) -> dict[str, torch.Tensor]:
-        from mixq.formats.gguf_names import merge_kv_b, unbuild_tensor
-
         parts: dict[str, torch.Tensor] = {}
         for name in gguf_names:
-            t = torch.from_numpy(np.array(self.file.tensors[name].dequantize()))
+            e = self.file.tensors[name]
+            if torch_decode.can_decode(e.qtype):  # torch on self.device, the same values as gguf-py's
+                raw = torch_decode.stored_bytes(e.raw()).to(self.device)
+                t = torch_decode.dequantize(raw, e.qtype, e.shape)
+            else:
+                t = torch.from_numpy(np.array(e.dequantize()))
             parts.update(unbuild_tensor(self._specs[name], t))
-        return merge_kv_b(parts)
+        return {n: t.cpu() for n, t in merge_kv_b(parts).items()}
 
 
 class Exl3Source(_UnitSource):
-    """An EXL3 directory written by mixq: stored tensors read per unit, trellis units decoded on `device`."""
+    """An EXL3 directory (any writer): stored tensors read per unit, trellis units decoded on `device`."""
 
     format = "exl3"
 
     def __init__(self, path: Path, num_hidden_layers: int | None = None,
                  device: str | torch.device = "cpu") -> None:
-        from mixq.formats.exl3_reader import Exl3Dir
-
         self.dir = Exl3Dir(path)
         if num_hidden_layers is None:
             cfg = self.dir.config
@@ -157,24 +163,32 @@ class Exl3Source(_UnitSource):
         self.device = torch.device(device)
         self._by_layer: dict[int | None, list] = {}
         self._global: dict[str, object] = {}
+        self._parts: dict[str, list] = {}  # HF name -> every unit holding a slice of it (a Linear stored split)
+        shapes: dict[str, torch.Tensor] = {}
         for u in self.dir.units:
             layer = self._layer_of(u.hf_names[0])
             self._by_layer.setdefault(layer, []).append(u)
             names = u.split_back(torch.empty(u.shape, device="meta"))
-            for n, t in names.items():
-                self._shapes[n] = tuple(t.shape)
+            if u.bias:
+                names[u.bias] = torch.empty(u.shape[0], device="meta")
+            add_unit_tensors(shapes, u, names)
+            for n in names:
                 if layer is None:
                     self._global[n] = u
-            if u.bias:
-                self._shapes[u.bias] = (u.shape[0],)
+                if u.part:
+                    self._parts.setdefault(n, []).append(u)
+        self._shapes = {n: tuple(t.shape) for n, t in shapes.items()}
 
     def _decode(self, units) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for u in units:
-            out.update(u.split_back(dequantize_unit(self.dir, u, self.device)))
-            if u.bias:
-                out[u.bias] = self.dir.tensor(f"{u.key}.bias").float()[: u.shape[0]]
+            add_unit_tensors(out, u, unit_weights(self.dir, u, self.device))
         return out
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self._parts:  # every part, not only the one `_global` remembers
+            return self._decode(self._parts[name])[name]
+        return super().get(name)
 
 
 def open_dequant(path: str | Path, fmt: str, *, num_hidden_layers: int | None = None,
@@ -188,16 +202,13 @@ def open_dequant(path: str | Path, fmt: str, *, num_hidden_layers: int | None = 
     if fmt == "gguf":
         if num_hidden_layers is None:
             raise InputError(f"{path}: a GGUF source needs the reference's num_hidden_layers")
-        return GGUFSource(Path(path), num_hidden_layers)
+        return GGUFSource(Path(path), num_hidden_layers, device=device)
     raise InputError(f"{path}: unknown weight format {fmt!r} (one of {FORMATS})")
 
 
 # --- EXL3 trellis decoding ---------------------------------------------------------------------------------------
 def decode_linear(t: dict[str, torch.Tensor], key: str, device: str | torch.device = "cpu") -> torch.Tensor:
     """Dequantize one EXL3 Linear from its stored tensors -> padded HF-orientation weight (n, k) float32."""
-    from mixq.formats.exl3_names import MCG_MARKER, MUL1_MARKER
-    from mixq.quant import trellis
-
     trel = t[f"{key}.trellis"]
     if trel.dtype != torch.int16 or trel.dim() != 3:
         raise FormatError(f"{key}.trellis: expected a 3-D int16 tensor, got {tuple(trel.shape)} {trel.dtype}")
@@ -210,7 +221,7 @@ def decode_linear(t: dict[str, torch.Tensor], key: str, device: str | torch.devi
     if marker:
         parts[marker] = t[f"{key}.{marker}"]
     k, n = 16 * trel.shape[0], 16 * trel.shape[1]
-    return trellis.from_tensors(parts, (n, k)).dequantize().float()
+    return mixq.quant.trellis.from_tensors(parts, (n, k)).dequantize().float()
 
 
 def dequantize_unit(d, u, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -222,29 +233,32 @@ def dequantize_unit(d, u, device: str | torch.device = "cpu") -> torch.Tensor:
     return next(iter(t.values())).float().reshape(u.shape)
 
 
+def unit_weights(d, u, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """{HF name: float32 tensor} of one EXL3 unit (its bias included); a `part` unit gives its slice."""
+    out = u.split_back(dequantize_unit(d, u, device))
+    if u.bias:
+        out[u.bias] = d.tensor(f"{u.key}.bias").float()[: u.shape[0]]
+    return out
+
+
 def read_exl3(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """{HF checkpoint name: float32 tensor} of every tensor stored in the EXL3 directory `path`."""
-    from mixq.formats.exl3_reader import Exl3Dir
-
     d = Exl3Dir(path)
     out: dict[str, torch.Tensor] = {}
     for u in d.units:
-        out.update(u.split_back(dequantize_unit(d, u, device)))
-        if u.bias:
-            out[u.bias] = d.tensor(f"{u.key}.bias").float()[: u.shape[0]]
+        add_unit_tensors(out, u, unit_weights(d, u, device))
     return out
 
 
 def exl3_decode_check(path: str | Path, device: str | torch.device = "cpu") -> tuple[int, list[str]]:
     """Decode every stored trellis unit of an EXL3 directory: (units decoded, problems) — a unit that does not
     decode or decodes to non-finite values is a problem (what `verify` adds to `formats.exl3_reader`'s checks)."""
-    from mixq.formats.exl3_reader import Exl3Dir
-
     d = Exl3Dir(path)
     decoded, problems = 0, []
     for u in d.units:
-        if u.kind != "trellis" or any(n not in d.where for n in u.tensor_specs(d.bits.get(u.key))):
-            continue  # missing tensors are reported by the reader's own checks
+        if u.kind != "trellis" or d.bits.get(u.key) is None \
+                or any(n not in d.where for n in u.tensor_specs(d.bits.get(u.key))):
+            continue  # missing tensors (or an unreadable rate) are reported by the reader's own checks
         try:
             w = dequantize_unit(d, u, device)
         except (FormatError, ValueError, RuntimeError) as e:

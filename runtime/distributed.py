@@ -18,17 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing as mp
 import os
 import pickle
+import queue as queue_mod
 import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
+from mixq import errors
 from mixq.runtime.child_process import die_with_parent
 from mixq.errors import InputError, MixqError
+from mixq.quant.device import resolve_device
 
 TIMEOUT_ENV = "MIXQ_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800
@@ -115,16 +120,12 @@ class RankContext:
 
     def barrier(self) -> None:
         if self.world > 1:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """`obj` of rank `src` (picklable) on every rank."""
         if self.world == 1:
             return obj
-        import torch.distributed as dist
-
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, device=self.comm_device)
         return box[0]
@@ -133,8 +134,6 @@ class RankContext:
         """Every rank's `obj`, in rank order, on rank `dst` (None elsewhere)."""
         if self.world == 1:
             return [obj]
-        import torch.distributed as dist
-
         out = [None] * self.world if self.rank == dst else None
         if self.comm_device.type == "cuda":  # NCCL has no gather of objects: every rank gets them, dst keeps
             everyone = [None] * self.world
@@ -149,8 +148,6 @@ class RankContext:
         (default: where they arrive). One broadcast of all their bytes plus one of their names and shapes."""
         if self.world == 1:
             return tensors if out_device is None else {k: v.to(out_device) for k, v in tensors.items()}
-        import torch.distributed as dist
-
         meta = self.broadcast_object(
             None if self.rank != src else [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], src)
         sizes = [_nbytes(dtype, shape) for _, dtype, shape in meta]
@@ -213,8 +210,6 @@ def _torchrun_env() -> tuple[int, int, int] | None:
 
 def needs_launch(devices: Sequence[str]) -> bool:
     """True when this process should start one worker per device: several devices, and not already a rank."""
-    import torch.distributed as dist
-
     return len(devices) > 1 and not (dist.is_available() and dist.is_initialized()) and _torchrun_env() is None
 
 
@@ -227,8 +222,6 @@ def _rank_device(devices: Sequence[str], device: str | None, local_rank: int) ->
 
 
 def _init_group(rank: int, world: int, dev: torch.device, init_method: str) -> None:
-    import torch.distributed as dist
-
     if dev.type == "cuda":
         for k, v in NCCL_ENV.items():
             os.environ.setdefault(k, v)
@@ -242,8 +235,6 @@ def _init_group(rank: int, world: int, dev: torch.device, init_method: str) -> N
 def rank_context(devices: Sequence[str] = (), device: str | None = None) -> Iterator[RankContext]:
     """This process's RankContext: a worker of `launch` (its group is already up), a torchrun rank (the group is
     started here from the environment and ended on exit), or a world of one on `devices[0]` / `device`."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -251,8 +242,6 @@ def rank_context(devices: Sequence[str] = (), device: str | None = None) -> Iter
         return
     env = _torchrun_env()
     if env is None:
-        from mixq.quant.device import resolve_device
-
         yield RankContext(0, 1, resolve_device(devices[0] if devices else device,
                                                DEVICES_FLAG if devices else "--device"))
         return
@@ -280,8 +269,6 @@ def _worker(rank: int, devices: Sequence[str], port: int, target: Callable, args
             queue, parent: int) -> None:
     """One rank: join the group, run `target(*args, **kwargs)`, report ("ok", result) / ("error", class, message) /
     ("crash", message) on `queue`."""
-    import torch.distributed as dist
-
     die_with_parent(parent)  # a launcher killed outright takes its ranks with it
     os.environ["LOCAL_RANK"] = str(rank)
     try:
@@ -306,10 +293,6 @@ def launch(target: Callable, args: tuple, devices: Sequence[str], kwargs: dict |
     """Run `target(*args, **kwargs)` in one spawned process per device (rank i on devices[i]) and return rank 0's result.
     A rank that raises ends every rank: its MixqError is raised again here (same class, same one line), any
     other failure as a RankError naming the rank."""
-    import multiprocessing as mp
-
-    from mixq import errors
-
     check_devices_present(devices)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -341,8 +324,6 @@ def launch(target: Callable, args: tuple, devices: Sequence[str], kwargs: dict |
 
 def _next_message(queue, procs, results: dict) -> tuple:
     """The next report of a worker; a RankError when a worker ended without one (killed, out of memory)."""
-    import queue as queue_mod
-
     while True:
         try:
             return queue.get(timeout=0.5)

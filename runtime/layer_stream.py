@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from mixq.errors import InputError
 from mixq.formats import glm5next
@@ -148,8 +149,6 @@ class DecoderStream:
                   prev_topk_indices=prev_topk)
         if params is None:
             return mod(hidden, **kw)
-        from torch.func import functional_call
-
         return functional_call(mod, params, (hidden,), kw)
 
     def run_layer(self, mod: nn.Module, hidden: torch.Tensor, topk: torch.Tensor | None, *,

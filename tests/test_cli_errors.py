@@ -11,7 +11,7 @@ from mixq.cli import main
     (["convert", "m", "o", "--bogus"], "No such option '--bogus'"),
     (["convert", "m"], "Missing argument 'OUT'"),
     (["convert", "m", "o", "--format", "onnx"], "'onnx' is not one of"),
-    (["convert", "m", "o", "--bpw", "four"], "'four' is not a valid float"),
+    (["convert", "m", "o", "--bpw", "four"], "--bpw 'four': expected a number"),
     (["frobnicate"], "No such command 'frobnicate'"),
 ])
 def test_usage_errors_are_one_line(args, needle):

@@ -2,6 +2,7 @@
 
 Every import statement of the package is read from the source (module level and inside functions alike):
 formats <- quant <- runtime <- planning <- convert <- eval <- demo <- api <- cli. `mixq/__init__.py` and `__main__.py` sit on top.
+Imports sit at the top of their module: a function-local one is an optional heavy dependency or a listed exception.
 """
 from __future__ import annotations
 
@@ -146,3 +147,88 @@ def test_no_import_cycle_between_files():
     cycles = _cycles(edges)
     assert [c for c in cycles if c not in KNOWN_CYCLES] == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]  # the finder finds
+
+
+# Function-local imports allowed in product code; every other import sits at the top of its module.
+LOCAL_IMPORT_PREFIXES = ("triton", "llama_cpp", "exllamav3", "matplotlib",  # optional heavy dependencies
+                         "transformers")  # a dependency, deferred: `import mixq.cli` does not load it (~0.6 s)
+KEPT_LOCAL_IMPORTS = {
+    # (file, imported module): why it stays inside its function
+    ("__init__.py", "mixq.api"): "the lazy __getattr__ of the facade: `import mixq` stays light",
+    # `import mixq` imports mixq.convert (the callable package), hence convert/api.py and convert/options.py;
+    # these bring torch (~1 s) or gguf, so they load when a conversion / verify / option check needs them
+    ("convert/api.py", "mixq.convert.pipeline"): "`import mixq` stays light",
+    ("convert/api.py", "mixq.convert.gguf_pipeline"): "`import mixq` stays light",
+    ("convert/api.py", "mixq.convert.family"): "`import mixq` stays light",
+    ("convert/api.py", "mixq.formats.gguf_integrity"): "`import mixq` stays light",
+    ("convert/api.py", "mixq.formats.gguf_reader"): "`import mixq` stays light",
+    ("convert/api.py", "mixq.formats.exl3_reader"): "`import mixq` stays light",
+    ("convert/api.py", "mixq.formats.exl3_seal"): "`import mixq` stays light",
+    ("convert/api.py", "mixq.runtime.dequant"): "`import mixq` stays light",
+    ("convert/options.py", "mixq.quant.device"): "`import mixq` stays light",
+    ("convert/options.py", "mixq.runtime.distributed"): "`import mixq` stays light",
+    ("convert/options.py", "mixq.formats.gguf_tokenizer"): "`import mixq` stays light",
+    ("convert/options.py", "mixq.planning.gguf_mix"): "`import mixq` stays light",
+    ("eval/__init__.py", "mixq.eval.api"): "the package's lazy facade: `import mixq.eval.stats` stays light",
+    ("eval/__init__.py", "mixq.eval.report"): "the package's lazy facade: `import mixq.eval.stats` stays light",
+    ("formats/checkpoint.py", "huggingface_hub"): "its download stack (httpx, ~0.13 s at CLI start-up), for hub "
+                                                  "repo ids only; a failed import reads as 'could not download'",
+    ("quant/trellis/viterbi.py", "mixq.quant.trellis.viterbi_triton"): "imports triton (optional) at its top",
+}
+PENDING_LOCAL_IMPORTS: set[tuple[str, str]] = set()  # none left
+
+
+def _local_imports(module: str, tree: ast.AST, mods, is_package: bool = False) -> list[tuple[str, int]]:
+    """(imported module, line) of every import statement inside a function body of `tree`."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for ch in ast.iter_child_nodes(node):
+            if isinstance(ch, ast.Import) and in_function:
+                found.extend((a.name, ch.lineno) for a in ch.names)
+            elif isinstance(ch, ast.ImportFrom) and in_function:
+                base = ch.module or ""
+                if ch.level:
+                    pkg = package
+                    for _ in range(ch.level - 1):
+                        pkg = pkg.rsplit(".", 1)[0]
+                    base = pkg + ("." + ch.module if ch.module else "")
+                found.extend((f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base, ch.lineno)
+                             for a in ch.names)
+            visit(ch, in_function or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def _allowed(rel: str, target: str) -> bool:
+    return (target.split(".")[0] in LOCAL_IMPORT_PREFIXES or (rel, target) in KEPT_LOCAL_IMPORTS
+            or (rel, target) in PENDING_LOCAL_IMPORTS)
+
+
+def test_imports_sit_at_the_top_of_their_module():
+    """No function-local import in product code beyond the optional heavy dependencies and the listed ones."""
+    mods = _module_files()
+    local, seen = [], set()
+    for m, p in mods.items():
+        rel = p.relative_to(REPO).as_posix()
+        for target, line in _local_imports(m, ast.parse(p.read_text(encoding="utf-8")), mods, p.name == "__init__.py"):
+            seen.add((rel, target))
+            if not _allowed(rel, target):
+                local.append(f"{rel}:{line} imports {target} inside a function")
+    assert local == [], "move these to the top of their module (or, for a real reason, list them above)"
+    stale = sorted((set(KEPT_LOCAL_IMPORTS) | PENDING_LOCAL_IMPORTS) - seen)
+    assert stale == [], f"no longer imported inside a function: drop these from the lists above: {stale}"
+
+
+def test_the_local_import_finder_finds():
+    mods = {"mixq.a": None, "mixq.a.b": None, "mixq.a.c": None}
+    tree = ast.parse("import json\n"
+                     "def f():\n    import gguf\n    from . import c\n    from .c import X\n"
+                     "class K:\n    def g(self):\n        import matplotlib.pyplot as plt\n"
+                     "        def h():\n            from mixq.a import b\n")
+    assert _local_imports("mixq.a.b", tree, mods) == [("gguf", 3), ("mixq.a.c", 4), ("mixq.a.c", 5),
+                                                     ("matplotlib.pyplot", 8), ("mixq.a.b", 10)]
+    assert not _allowed("x.py", "gguf") and _allowed("x.py", "matplotlib.pyplot")
+    assert not _allowed("x.py", "tritonish") and _allowed("eval/__init__.py", "mixq.eval.api")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, quants
 
 from ...errors import InputError
 from . import levels as gl
@@ -79,8 +80,6 @@ def layer_error(w: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> tor
 
 def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray:
     """float32 weights of ggml blocks (..., bytes per row), through gguf-py's decoder."""
-    from gguf import GGMLQuantizationType, quants
-
     return quants.dequantize(np.ascontiguousarray(blocks), GGMLQuantizationType[qtype])
 
 

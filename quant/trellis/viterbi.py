@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from .codebooks import step_bits
+from .codebooks import codebook_table, step_bits
 
 NSTATES = 65536
 _INF = float("inf")
@@ -116,7 +116,7 @@ def _pass_torch(x, table, table2, d, positions, m0, n_keep, select_last):
 def viterbi_tiles(x: torch.Tensor, table: torch.Tensor, bits: float, warm: int | None = None) -> torch.Tensor:
     """Encode (T, 256) targets (tensor-core order) as consistent tail-biting rings; return (T, 256) int64 states."""
     if x.is_cuda and warm in (None, 128) and WARM in (None, 128) and fused_ok(bits):
-        from . import viterbi_triton as viterbi_fused
+        from . import viterbi_triton as viterbi_fused  # local: viterbi_triton imports triton (optional)
         return viterbi_fused.encode(x, table.half(), float(bits))
     d = step_bits(float(bits))
     if warm is None:  # the full-ring pass 1 is ~1% better; worth its cost on a GPU, not in CPU tests
@@ -290,7 +290,7 @@ def viterbi_free(x: torch.Tensor, table: torch.Tensor, bits: float) -> torch.Ten
     """Free-start, free-end Viterbi MSE per tile (T,) — the cheap proxy used by the scale search. On CUDA with
     the fused kernel: the MSE of the tail-biting encode itself (as cheap there, and what the tiles will get)."""
     if x.is_cuda and fused_ok(bits):
-        from . import viterbi_triton as viterbi_fused
+        from . import viterbi_triton as viterbi_fused  # local: viterbi_triton imports triton (optional)
         states = viterbi_fused.encode(x, table.half(), float(bits))
         return (table[states] - x.float()).square().mean(1)
     d = step_bits(float(bits))
@@ -351,8 +351,7 @@ _CHECK_RTOL = {"exact": 1e-2, "fp32": 1e-2, "mixed": 1e-2, "fp16": 3e-2}
 
 
 def _self_check_fused(k: float, tiles: int = 32) -> bool:
-    from . import viterbi_triton as viterbi_fused
-    from .codebooks import codebook_table
+    from . import viterbi_triton as viterbi_fused  # local: viterbi_triton imports triton (optional)
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(2)

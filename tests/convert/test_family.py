@@ -1,0 +1,124 @@
+"""GGUF families (convert/family.py): several byte targets from one calibration and one encode per (tensor, type);
+each member within its bytes, verified, carrying its receipt, and byte-identical to the same member converted
+alone with the same imatrix."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import error_line, run_cli
+from mixq.api import convert, inspect, verify
+from mixq.convert.encode_cache import CACHE_DIR
+from mixq.convert.family import FAMILY_JSON
+from mixq.formats.gguf_reader import read_gguf
+from mixq.formats.receipt import file_sha256, read_receipt
+from mixq.planning.planner import plan_model
+
+# on glm5next-mini a --size plan keeps token_embd in BF16 and output at 6 bits, more than the Q3_K_M..Q5_K_M
+# mixes' whole files: with token_embd at Q4_K and output at 5 bits their byte counts are reachable
+STEER = {"overrides": ("embed=Q4_K",), "head_bits": 5}
+MIXES = ("Q3_K_M", "Q4_K_M", "Q5_K_M")
+CALIB = {"rows": 4, "seq_len": 64}  # the family's own imatrix: a few rows keep it to seconds on a CPU
+
+
+def mix_bytes(model) -> list[int]:
+    """The whole-file bytes of the llama-quantize mixes, as the planner gives them."""
+    return [plan_model(model, "gguf", qtype=q).total_bytes for q in MIXES]
+
+
+@pytest.fixture(scope="module")
+def family(mini_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("family") / "mini-gguf"
+    sizes = mix_bytes(mini_model)
+    res = convert(mini_model, out, "gguf", size=sizes, threads=1, progress=False, **STEER, **CALIB)
+    return out, sizes, res
+
+
+def test_members_within_their_bytes_and_verified(family):
+    out, sizes, res = family
+    doc = json.loads((out / FAMILY_JSON).read_text())
+    assert [m["target_bytes"] for m in doc["members"]] == sizes
+    for m, size in zip(doc["members"], sizes):
+        f = out / m["file"]
+        assert f.name == f"glm5next-mini-{size / 1e6:.4g}MB.gguf"  # <model>-<size>.gguf
+        assert m["bytes"] == f.stat().st_size <= size  # never above its target
+        assert m["within_0.1%"] == (size - m["bytes"] <= 0.001 * size)
+        assert m["within_0.1%"] or "below the target" in m["note"]  # a coarse ladder is said, not hidden
+        assert m["bpw"] == pytest.approx(m["bytes"] * 8 / doc["ref_params"])
+        rep = verify(f)
+        assert rep["problems"] == [] and "seal" in rep["integrity"]
+    assert doc["members"][0]["within_0.1%"]  # the Q3_K_M-sized member lands within 0.1%
+    assert doc["imatrix"]["computed"] and (out / doc["imatrix"]["file"]).is_file()
+    # one encode per (tensor, type): later members were served what earlier ones encoded
+    assert res.cache["hits"] > 0 and res.cache["writes"] == res.cache["entries"]
+
+
+def test_members_identical_to_single_conversions(family, mini_model, tmp_path):
+    out, sizes, res = family
+    imatrix = out / "glm5next-mini.imatrix.gguf"
+    for m, size in zip(res.members, sizes):
+        single = tmp_path / f"single-{size}.gguf"
+        convert(mini_model, single, "gguf", size=size, imatrix=imatrix, threads=2, progress=False, **STEER)
+        assert single.read_bytes() == (out / m["file"]).read_bytes(), m["file"]
+
+
+def test_receipt_in_every_member(family):
+    out, sizes, res = family
+    im_sha = file_sha256(out / "glm5next-mini.imatrix.gguf")
+    for m, size in zip(res.members, sizes):
+        r = read_receipt(read_gguf(out / m["file"]).kv)
+        assert r["target"] == {"size": size} and r["source"] == "glm5next-mini"
+        assert r["calibration"]["imatrix"]["sha256"] == im_sha
+        assert r["calibration"]["imatrix"]["chunks"] == CALIB["rows"]
+        assert r["calibration"]["imatrix"]["chunk_size"] == CALIB["seq_len"]
+        assert r["plan"]["types"] == m["plan"]["types"]
+        assert r["options"]["overrides"] == ["embed=Q4_K"] and "threads" not in r["options"]
+        d = inspect(out / m["file"])
+        assert d["receipt"] == r and f"target size={size}" in d["receipt_summary"]
+
+
+def test_rerun_keeps_members_and_serves_the_cache(family, mini_model):
+    out, sizes, res = family
+    gone = out / res.members[1]["file"]
+    before = gone.read_bytes()
+    entries = len(list((out / CACHE_DIR).glob("*.npy")))
+    gone.unlink()  # as if the run had been killed before this member
+    again = convert(mini_model, out, "gguf", size=sizes, threads=1, progress=False, **STEER, **CALIB)
+    assert [m["kept"] for m in again.members] == [True, False, True]
+    assert again.cache["writes"] == 0 and again.cache["hits"] > 0  # every encode came from the cache
+    assert gone.read_bytes() == before
+    assert len(list((out / CACHE_DIR).glob("*.npy"))) == entries
+
+
+def test_cli_family_and_its_errors(family, mini_model, tmp_path):
+    out, sizes, res = family
+    r = run_cli("convert", mini_model, out, "--format", "gguf", "--size", ",".join(map(str, sizes)),
+                "--override", "embed=Q4_K", "--head-bits", "5", "--rows", "4", "--seq-len", "64", "--threads", "1",
+                "--json")
+    assert r.exit_code == 0, r.output[-2000:]
+    d = json.loads(r.stdout)
+    assert [m["kept"] for m in d["members"]] == [True, True, True]
+    assert "give --format gguf" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--size", "6MB,7MB"))
+    assert "EXL3 families" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--format", "exl3",
+                                                 "--bpw", "2.5,3"))
+    assert "given twice" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--format", "gguf",
+                                               "--size", "6MB,6MB"))
+    assert "--bpw 'x'" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--format", "gguf",
+                                             "--bpw", "3,x"))
+    assert not (tmp_path / "f").exists()  # nothing written for a refused family
+
+
+@pytest.mark.slow
+def test_members_load_in_llama_cpp(family):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    out, sizes, res = family
+    for m in res.members:
+        llm = llama_cpp.Llama(model_path=str(out / m["file"]), n_ctx=64, verbose=False)
+        try:
+            toks = llm.tokenize(b"The capital of France is")
+            llm.eval(toks)
+            assert llm.n_tokens == len(toks)
+        finally:
+            llm.close()

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from gguf import GGUFReader
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -32,6 +34,16 @@ def sha256(path: Path) -> str:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+    return h.hexdigest()
+
+
+def tensor_digest(path: Path) -> str:
+    """sha256 of a GGUF's tensors alone (name, type, shape and data of each, in file order): equal when two files
+    differ only in their metadata keys."""
+    h = hashlib.sha256()
+    for t in GGUFReader(path).tensors:
+        h.update(f"{t.name}:{t.tensor_type.name}:{list(t.shape)}".encode())
+        h.update(t.data.tobytes())
     return h.hexdigest()
 
 
@@ -64,6 +76,7 @@ def run(out: Path, models: list[str], exl3_tiny: bool) -> dict[str, str]:
         mixq("convert", m, gg.name, "--format", "gguf", "--type", "Q4_K_M", "--imatrix", imat.name, "--threads", "1",
              "--overwrite", cwd=out)
         res[f"{name}-Q4_K_M-imatrix.gguf"] = sha256(gg)
+        res[f"{name}-Q4_K_M-imatrix.gguf#tensors"] = tensor_digest(gg)
         for label, args in {
             "plan-exl3-3.05": ["--format", "exl3", "--bpw", "3.05"],
             "plan-gguf-Q4_K_M": ["--format", "gguf", "--type", "Q4_K_M"],

@@ -14,6 +14,17 @@ ROOMS = ["errors", "formats", "quant", "runtime", "planning", "convert", "eval",
 PACKAGES = ("formats", "quant", "runtime", "planning", "convert", "eval")
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a `from ... import` names, relative levels resolved against `package`."""
+    base = node.module or ""
+    if node.level:
+        pkg = package
+        for _ in range(node.level - 1):
+            pkg = pkg.rsplit(".", 1)[0]
+        base = pkg + ("." + node.module if node.module else "")
+    return base
+
+
 def _module_files() -> dict[str, Path]:
     files = {p for d in PACKAGES for p in (REPO / d).rglob("*.py")} | set(REPO.glob("*.py"))
     out = {}
@@ -37,12 +48,7 @@ def _imports(module: str, path: Path) -> list[tuple[str, str | None, int]]:
         if isinstance(node, ast.Import):
             found += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "mixq"]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = package
-                for _ in range(node.level - 1):
-                    pkg = pkg.rsplit(".", 1)[0]
-                base = pkg + ("." + node.module if node.module else "")
+            base = _absolute(node, package)
             if base.split(".")[0] == "mixq":
                 found += [(base, a.name, node.lineno) for a in node.names]
     return found
@@ -188,12 +194,7 @@ def _local_imports(module: str, tree: ast.AST, mods, is_package: bool = False) -
             if isinstance(ch, ast.Import) and in_function:
                 found.extend((a.name, ch.lineno) for a in ch.names)
             elif isinstance(ch, ast.ImportFrom) and in_function:
-                base = ch.module or ""
-                if ch.level:
-                    pkg = package
-                    for _ in range(ch.level - 1):
-                        pkg = pkg.rsplit(".", 1)[0]
-                    base = pkg + ("." + ch.module if ch.module else "")
+                base = _absolute(ch, package)
                 found.extend((f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base, ch.lineno)
                              for a in ch.names)
             visit(ch, in_function or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))

@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cli_helpers import error_line, run_cli
 from mixq.api import convert, inspect, verify
 from mixq.convert.encode_cache import CACHE_DIR
 from mixq.convert.family import FAMILY_JSON
+from mixq.eval.llamacpp import LlamaCppScorer
+from mixq.eval.reference import load_tokenizer, tokenize_text
 from mixq.formats.gguf_reader import read_gguf
 from mixq.formats.receipt import file_sha256, read_receipt
 from mixq.planning.planner import plan_model
@@ -122,3 +125,24 @@ def test_members_load_in_llama_cpp(family):
             assert llm.n_tokens == len(toks)
         finally:
             llm.close()
+
+
+@pytest.mark.slow
+def test_members_load_in_llama_cpp(family, mini_model, heldout_text):
+    """Every member is a file llama.cpp itself runs: finite logits on a held-out window, and the smaller members
+    agree with the largest one on most next tokens (they are quants of one model, not noise)."""
+    pytest.importorskip("llama_cpp")
+    out, sizes, _ = family
+    ids = torch.tensor(tokenize_text(load_tokenizer(mini_model), heldout_text, need_tokens=512)[256:512])
+    members = json.loads((out / FAMILY_JSON).read_text())["members"]
+    logits = []
+    for m in members:
+        sc = LlamaCppScorer(out / m["file"], ctx=256, first=0, cache_type="f32")
+        try:
+            logits.append(sc(ids))
+        finally:
+            sc.close()
+        assert torch.isfinite(logits[-1]).all(), m["file"]
+    top = [lg.argmax(-1) for lg in logits]
+    for t in top[:-1]:
+        assert (t == top[-1]).float().mean() > 0.8

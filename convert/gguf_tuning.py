@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -95,8 +95,10 @@ class LayerTuner:
     specs/types: every GGUF tensor of the conversion with its planned type (tensors of a layer that are not among
     them keep their source values in the quantized stream). imatrix: GGUF name -> importance, for ggml's encoding
     of the tensors Hessian rounding leaves to it. max_weights: weights one stage may tune at once (None: from the
-    device's free memory, `tuning_budget`); past it, routed-expert stacks keep their Hessian rounding (the other
-    tensors first, then whole stacks while they fit)."""
+    device's free memory, `tuning_budget`); the other tensors come first, then whole routed-expert stacks while
+    they fit; the stacks left over are tuned after them in groups of experts that fit the budget (every stack of
+    the layer over the same experts at once, all else frozen at its tuned or encoded values), so every expert is
+    tuned; an expert that alone is over the budget keeps its Hessian rounding."""
 
     def __init__(self, ckpt, input_ids: torch.Tensor, specs: Sequence, types: Sequence[str], *,
                  imatrix: Mapping[str, np.ndarray] | None = None, iters: int = DEFAULT_TUNE_ITERS,
@@ -134,13 +136,15 @@ class LayerTuner:
                    if only is None or spec.name in only]
         tunable = [(spec, qtype) for spec, qtype in members if encoded.get(spec.name) is not None
                    and qtype in bt.TUNABLE and spec.transform in ("none", "stack")]
-        room, chosen = self.max_weights, set()
+        room, chosen, over = self.max_weights, set(), []
         for spec, qtype in sorted(tunable, key=lambda m: m[0].transform == "stack"):  # stacks last
             n = int(np.prod(spec.shape))
             cost = n * (2 if self._scales(qtype) else 1)
             if cost <= room:
                 chosen.add(spec.name)
                 room -= cost
+            elif spec.transform == "stack":
+                over.append((spec, qtype))  # tuned after the rest, a group of experts at a time
             else:
                 self.held += n
         fixed_parts: dict[str, torch.Tensor] = {}
@@ -162,7 +166,32 @@ class LayerTuner:
             base, half = k.rsplit("#", 1)
             if f"{base}#{'v' if half == 'k' else 'k'}" not in halves:
                 del fixed_parts[k]
-        return merge_kv_b(fixed_parts), tuned
+        return merge_kv_b(fixed_parts), tuned, over
+
+    def _expert_ranges(self, over: list) -> list[tuple[int, int]]:
+        """The routed-expert stacks `over` (that did not fit with the rest) cut into expert ranges that each fit the
+        budget, every stack over the same experts. When one expert alone is over it, none: those weights are
+        counted in `held` and keep their rounding."""
+        if not over:
+            return []
+        experts = min(int(spec.shape[0]) for spec, _ in over)
+        per_expert = sum(int(np.prod(spec.shape[1:])) * (2 if self._scales(q) else 1) for spec, q in over)
+        size = self.max_weights // per_expert
+        if size < 1:
+            self.held += sum(int(np.prod(spec.shape)) for spec, _ in over)
+            return []
+        return [(e0, min(experts, e0 + size)) for e0 in range(0, experts, size)]
+
+    def _group(self, over: list, encoded: Mapping[str, np.ndarray], e0: int, e1: int) -> list[tuple]:
+        """[(full spec, (e0, e1), LevelCodes of experts e0..e1)] of every stack in `over`: one group's codes, made
+        when its stage starts so that one group at a time is in memory."""
+        group = []
+        for spec, qtype in over:
+            part = replace(spec, hf_names=spec.hf_names[e0:e1], shape=(e1 - e0, *spec.shape[1:]))
+            blocks = np.asarray(encoded[spec.name])[e0:e1]
+            group.append((spec, (e0, e1), bt.LevelCodes(blocks, qtype, build_tensor(part, self._fetch), self.device,
+                                                        scales=self._scales(qtype))))
+        return group
 
     def _scales(self, qtype: str) -> bool:
         """Whether a tensor of `qtype` has its block scales learned with its codes."""
@@ -175,11 +204,20 @@ class LayerTuner:
             out.update(unbuild_tensor(spec, codes.dequantized().reshape(spec.shape)))
         return out
 
+    @staticmethod
+    def _group_values(group) -> dict[str, torch.Tensor]:
+        """HF name -> value of the experts a group tunes (each stack's experts e0..e1)."""
+        out: dict[str, torch.Tensor] = {}
+        for spec, (e0, e1), codes in group:
+            w = codes.dequantized().reshape(e1 - e0, *spec.shape[1:])
+            out.update({n: w[i] for i, n in enumerate(spec.hf_names[e0:e1])})
+        return out
+
     # -- the stages
     def _start(self, encoded: Mapping[str, np.ndarray]) -> None:
         self.source = self.stream.embed(self.ids, self._fetch)
-        fixed, tuned = self._values(None, encoded, only={s.name for s, _ in self.by_layer.get(None, [])
-                                                        if s.hf_names == [EMBED_NAME] and s.role == "embed"})
+        fixed, tuned, _ = self._values(None, encoded, only={s.name for s, _ in self.by_layer.get(None, [])
+                                                           if s.hf_names == [EMBED_NAME] and s.role == "embed"})
         self.embed = tuned[0] if tuned else None
         self.embed_fixed = None  # read only when the embedding is not tuned (it is the largest tensor)
         if self.embed is None:
@@ -213,7 +251,7 @@ class LayerTuner:
         first = self.source is None
         if first:
             self._start(encoded)
-        fixed, tuned = self._values(layer, encoded)
+        fixed, tuned, over = self._values(layer, encoded)
         tuned_all = tuned + [self.embed] if first and self.embed is not None else tuned
         mod = self.stream.materialize(layer, self._fetch)
         target, topk_next = self.stream.run_layer(mod, self.source, self.topk_source)
@@ -224,8 +262,11 @@ class LayerTuner:
                 const[n] = (fixed[n] if n in fixed else self._fetch(n)).to(self.device)
             return const[n]
 
+        frozen: dict[str, torch.Tensor] = {}  # tuned in an earlier stage of this layer, fixed in the later ones
+        active: list = []                      # the expert group the current stage tunes
+
         def state():
-            vals = self._tuned_values(tuned)
+            vals = {**frozen, **self._tuned_values(tuned), **self._group_values(active)}
             return layer_state_dict(mod, layer, lambda n: vals[n] if n in vals else constant(n))
 
         def quant_input(sl: slice) -> torch.Tensor:
@@ -240,6 +281,23 @@ class LayerTuner:
             return F.mse_loss(out, target[sl].to(self.device))
 
         self._tune(layer, tuned_all, loss)
+        grouped: dict[str, np.ndarray] = {}  # the stacks tuned a group of experts at a time
+        ranges = self._expert_ranges(over)
+        if ranges:
+            with torch.no_grad():
+                frozen.update({k: v.detach() for k, v in self._tuned_values(tuned).items()})
+            tuned_now, tuned = tuned, []  # the other tensors stay at their tuned values while the experts move
+            for e0, e1 in ranges:
+                active[:] = self._group(over, encoded, e0, e1)
+                self._tune(layer, [(spec, codes) for spec, _, codes in active], loss)
+                with torch.no_grad():
+                    for k, v in self._group_values(active).items():
+                        frozen[k] = v.detach()
+                        const.pop(k, None)  # its encoded value is not read again
+                for spec, _, codes in active:
+                    grouped.setdefault(spec.name, np.array(encoded[spec.name], copy=True))[e0:e1] = codes.blocks()
+            active.clear()
+            tuned = tuned_now
         with torch.no_grad():
             sd = {k: v.detach() for k, v in state().items()}
             outs, topks = [], []
@@ -252,7 +310,7 @@ class LayerTuner:
         self.topk_quant = torch.cat(topks) if topks else None
         self.source, self.topk_source = target, topk_next
         self.stream.release(layer)
-        result = {spec.name: codes.blocks() for spec, codes in tuned}
+        result = {spec.name: codes.blocks() for spec, codes in tuned} | grouped
         if first and self.embed is not None:
             result[self.embed[0].name] = self.embed[1].blocks()
         if first:  # the embedding enters the first layer only
@@ -266,7 +324,7 @@ class LayerTuner:
             return {}
         self.held = 0
         heads = {s.name for s, _ in self.by_layer.get(None, []) if s.role == "lm_head"}
-        _, tuned = self._values(None, encoded, only=heads)
+        _, tuned, _ = self._values(None, encoded, only=heads)
         if not tuned:
             return {}
         spec, codes = tuned[0]

@@ -107,3 +107,46 @@ def test_block_scales_are_learned_only_for_the_32_weight_types(setup):
     src = layer0["blk.0.attn_q.weight"].reshape(-1, 84)
     assert np.array_equal(q2[:, :16], src[:, :16]) and np.array_equal(q2[:, 80:], src[:, 80:])
     assert tuner.reports[-1].kept and tuner.reports[-1].check_after < tuner.reports[-1].check_before
+
+
+MOE = {"blk.1.attn_q.weight": "Q4_K", "blk.1.ffn_gate_exps.weight": "Q3_K", "blk.1.ffn_up_exps.weight": "Q3_K",
+       "blk.1.ffn_down_exps.weight": "Q4_K", "blk.1.ffn_up_shexp.weight": "Q4_K"}
+
+
+def test_experts_over_the_budget_are_tuned_in_groups(setup):
+    """With a budget that holds the layer's other tensors and a quarter of its 16 experts, the routed experts are
+    still tuned: four stages of 4 experts after the other tensors' stage, the experts' stages lowering the layer's
+    held-out loss further; the keep-the-best guard holds per stage (a stage that does not help leaves its experts
+    at their rounding); the bytes' shapes kept; an expert alone over the budget keeps its rounding."""
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import build_tensor, gguf_tensors
+
+    ck, _, _, ids, _ = setup
+    specs = [s for s in gguf_tensors(open_checkpoint(ck.path)) if s.name in MOE]
+    types = [MOE[s.name] for s in specs]
+    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
+        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}  # stacks (E, rows, bytes), as encoded
+    stacks = [s for s in specs if s.transform == "stack"]
+    per_expert = sum(int(np.prod(s.shape[1:])) for s in stacks)
+    others = sum(int(np.prod(s.shape)) for s in specs if s.transform != "stack")
+    assert others < 4 * per_expert  # the budget below holds the rest, not one whole stack beside it
+    tuner = gt.LayerTuner(ck, ids, specs, types, iters=32, lr=0.5, max_weights=4 * per_expert)
+    tuner.layer(0, {})  # layer 0 has none of these tensors: both streams advance
+    out = tuner.layer(1, encoded)
+    assert set(out) == set(MOE) and tuner.held == 0
+    for n, b in out.items():
+        assert b.shape == encoded[n].shape and b.dtype == np.uint8, n
+    stages = [r for r in tuner.reports if r.layer == 1]
+    assert len(stages) == 1 + 4  # the other tensors, then 4 groups of 4 experts
+    assert stages[0].kept and all(r.check_after <= r.check_before for r in stages)
+    assert all(a.check_before == b.check_after for a, b in zip(stages[1:], stages))  # one stage starts where the last ended
+    assert stages[-1].check_after < 0.99 * stages[0].check_after  # the experts' stages lowered the loss further
+    assert sum(r.kept for r in stages[1:]) >= 2
+    for k, r in enumerate(stages[1:]):
+        for s in stacks:  # a kept stage moved each of its experts; a reverted one left them as encoded
+            moved = [not np.array_equal(out[s.name][e], encoded[s.name][e]) for e in range(4 * k, 4 * k + 4)]
+            assert moved == [r.kept] * 4, (s.name, k)
+    small = gt.LayerTuner(ck, ids, specs, types, iters=4, max_weights=per_expert - 1)
+    small.layer(0, {})
+    out = small.layer(1, encoded)
+    assert all(s.name not in out for s in stacks) and small.held == sum(int(np.prod(s.shape)) for s in stacks)

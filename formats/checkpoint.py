@@ -7,6 +7,7 @@ tensors are never listed as tensors of their own.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -327,6 +328,15 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 def _meta_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Checkpoint-named tensor shapes of Glm5NextForConditionalGeneration built on the meta device."""
+    return dict(_meta_state_shapes_of(json.dumps(config, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_state_shapes_of(config_json: str) -> dict[str, tuple[int, ...]]:
+    """`_meta_state_shapes` of a config as canonical JSON, remembered for the process: building the meta model
+    takes ~0.2 s, and a conversion checks its checkpoint against the config several times (plan, fit, write;
+    each member of a family)."""
+    config = json.loads(config_json)
     import transformers
     from transformers.core_model_loading import revert_weight_conversion
 

@@ -263,10 +263,10 @@ class LayerTuner:
             return const[n]
 
         frozen: dict[str, torch.Tensor] = {}  # tuned in an earlier stage of this layer, fixed in the later ones
-        active: list = []                      # the expert group the current stage tunes
+        live, group = tuned, []  # what the current stage moves: the layer's tensors, then one expert group
 
         def state():
-            vals = {**frozen, **self._tuned_values(tuned), **self._group_values(active)}
+            vals = {**frozen, **self._tuned_values(live), **self._group_values(group)}
             return layer_state_dict(mod, layer, lambda n: vals[n] if n in vals else constant(n))
 
         def quant_input(sl: slice) -> torch.Tensor:
@@ -286,18 +286,17 @@ class LayerTuner:
         if ranges:
             with torch.no_grad():
                 frozen.update({k: v.detach() for k, v in self._tuned_values(tuned).items()})
-            tuned_now, tuned = tuned, []  # the other tensors stay at their tuned values while the experts move
+            live = []  # the layer's other tensors stay at their tuned values while the experts move
             for e0, e1 in ranges:
-                active[:] = self._group(over, encoded, e0, e1)
-                self._tune(layer, [(spec, codes) for spec, _, codes in active], loss)
+                group = self._group(over, encoded, e0, e1)
+                self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
                 with torch.no_grad():
-                    for k, v in self._group_values(active).items():
+                    for k, v in self._group_values(group).items():
                         frozen[k] = v.detach()
                         const.pop(k, None)  # its encoded value is not read again
-                for spec, _, codes in active:
+                for spec, _, codes in group:
                     grouped.setdefault(spec.name, np.array(encoded[spec.name], copy=True))[e0:e1] = codes.blocks()
-            active.clear()
-            tuned = tuned_now
+            group = []  # every value is in `frozen` now
         with torch.no_grad():
             sd = {k: v.detach() for k, v in state().items()}
             outs, topks = [], []

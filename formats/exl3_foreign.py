@@ -61,10 +61,10 @@ def _dtype(stored: Stored, name: str) -> str:
     return dtype_name(ST_DTYPES[stored[name][0]])
 
 
-def _marker(stored: Stored, key: str) -> str | None:
-    """The codebook marker a Linear carries ("mul1" / "mcg"; None = 3INST; both: the first, verify names the
-    other as unexpected)."""
-    return next((m for m in MARKERS if f"{key}.{m}" in stored), None)
+def codebook_marker(tensors, key: str) -> str | None:
+    """The codebook marker Linear `key` carries among `tensors` (names, stored or planned): "mul1" / "mcg"; None =
+    3INST; both: the first, verify names the other as unexpected."""
+    return next((m for m in MARKERS if f"{key}.{m}" in tensors), None)
 
 
 def trellis_bits(stored: Stored, key: str) -> float | None:
@@ -75,7 +75,7 @@ def trellis_bits(stored: Stored, key: str) -> float | None:
 
 def _quantized(u: Exl3Unit, stored: Stored, **changes) -> tuple[Exl3Unit, float | None]:
     key = changes.get("key", u.key)
-    return replace(u, kind="trellis", marker=_marker(stored, key), **changes), trellis_bits(stored, key)
+    return replace(u, kind="trellis", marker=codebook_marker(stored, key), **changes), trellis_bits(stored, key)
 
 
 def _fp16(u: Exl3Unit, stored: Stored, key: str, hf_names: list[str], src: tuple[int, ...]) -> Exl3Unit:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
-from mixq.formats.exl3_foreign import derive_units
+from mixq.formats.exl3_foreign import codebook_marker, derive_units
 from mixq.formats.exl3_layout import RATES
 from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_seal import (CONFIG, INDEX, MANIFEST, consistency_problems, file_problems, integrity_note,
@@ -40,11 +40,6 @@ def _load_json(p: Path, what: str) -> dict:
     return d
 
 
-def _marker_of(expected: dict, key: str) -> str | None:
-    """The codebook marker the manifest plans for a trellis unit (mul1 / mcg; none = 3INST)."""
-    return next((m for m in ("mul1", "mcg") if f"{key}.{m}" in expected), None)
-
-
 def _units(manifest: dict) -> list[Exl3Unit]:
     out = []
     expected = manifest.get("expected") or {}
@@ -53,7 +48,7 @@ def _units(manifest: dict) -> list[Exl3Unit]:
                             role=d["role"], stage=d["stage"], bits_key=d.get("bits_key"), dtype=d.get("dtype"),
                             bias=d.get("bias"), pad_to=d.get("pad_to", 128), split=list(d.get("split") or []),
                             src_shapes=[tuple(s) for s in d.get("src_shapes") or [d["shape"]]],
-                            marker=_marker_of(expected, d["key"]) if d["kind"] == "trellis" else None))
+                            marker=codebook_marker(expected, d["key"]) if d["kind"] == "trellis" else None))
     return out
 
 

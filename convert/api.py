@@ -97,13 +97,9 @@ def verify(path, *, model=None, decode: bool = True) -> dict:
     structure and the decode of every quantized tensor)."""
     p = Path(path)
     if p.suffix == ".gguf" or (p.is_file() and _magic(p) == b"GGUF"):
-        from mixq.formats.gguf_integrity import integrity_note, is_sealed_set  # local: `import mixq` stays light
         from mixq.formats.gguf_reader import verify_gguf  # local: `import mixq` stays light
 
-        report = verify_gguf(p, model=model, decode=decode)
-        report["integrity"] = integrity_note(is_sealed_set([Path(f) for f in report["files"]]),
-                                             report["checksums"], decoded=decode)
-        return report
+        return verify_gguf(p, model=model, decode=decode)
     if p.is_dir():
         from mixq.formats.exl3_reader import verify_exl3  # local: `import mixq` stays light
         from mixq.formats.exl3_seal import integrity_note  # local: `import mixq` stays light

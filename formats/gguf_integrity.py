@@ -117,9 +117,15 @@ def _string(reader, key: str) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def is_sealed_set(paths: list[Path]) -> bool:
+def set_readers(paths: list[Path], readers: list | None = None) -> list:
+    """gguf-py GGUFReaders of every file of a GGUF (set): those of `readers` given, the others opened (headers
+    checked first, formats/gguf_header_check)."""
+    return [r if r is not None else open_gguf_reader(p) for p, r in zip(paths, readers or [None] * len(paths))]
+
+
+def is_sealed_set(paths: list[Path], readers: list | None = None) -> bool:
     """True when any file of a GGUF (set) carries mixq's integrity keys (headers only are read)."""
-    return any(KEY_TENSORS in open_gguf_reader(p).fields for p in paths)
+    return any(KEY_TENSORS in r.fields for r in set_readers(paths, readers))
 
 
 def integrity_note(sealed: bool, checksums: int, *, decoded: bool) -> str:
@@ -137,7 +143,7 @@ def integrity_problems(paths: list[Path], readers: list | None = None) -> tuple[
 
     Returns (problems, tensors checked). A set with no integrity keys at all (not written by mixq) gives no
     problem and 0 checked; a set where some shards have them and others do not is reported."""
-    readers = [r if r is not None else open_gguf_reader(p) for p, r in zip(paths, readers or [None] * len(paths))]
+    readers = set_readers(paths, readers)
     sealed = [KEY_TENSORS in r.fields for r in readers]
     if not any(sealed):
         return [], 0

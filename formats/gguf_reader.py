@@ -22,7 +22,7 @@ from mixq.errors import FormatError
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.glm5next import TEXT_PREFIX, gguf_sources
 from mixq.formats.gguf_header_check import open_gguf_reader
-from mixq.formats.gguf_integrity import integrity_problems
+from mixq.formats.gguf_integrity import integrity_note, integrity_problems, is_sealed_set, set_readers
 from mixq.formats.gguf_names import GGUFTensorSpec, gguf_tensors, merge_kv_b, unbuild_tensor
 from mixq.formats.gguf_writer import ARCH, tensor_nbytes
 
@@ -141,7 +141,8 @@ def read_gguf_weights(path: str | Path, prefix: str = HF_PREFIX) -> dict[str, to
 def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool = True) -> dict:
     """Check a GGUF: arch, tensor count, each tensor's byte size, data decodes to finite values; with `model`
     (the source checkpoint) also that exactly the expected tensors with the expected shapes are present.
-    Returns a report dict; problems are listed in report["problems"] (empty = OK)."""
+    Returns a report dict; problems are listed in report["problems"] (empty = OK), and "integrity" says what could
+    be checked: mixq's seal where the file carries one, else (any other writer's file) the structure and decode."""
     g = read_gguf(path)
     problems: list[str] = []
     arch = g.kv.get(Keys.General.ARCHITECTURE)
@@ -177,7 +178,8 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
                 problems.append(f"{n}: shape {g.tensors[n].shape}, expected {tuple(want_specs[n].shape)}")
     # per-tensor sha256, metadata digest and conversion id of every shard (formats/gguf_integrity), always
     open_readers = {e.shard: e._reader for e in g.tensors.values()}
-    sealed, checked = integrity_problems(g.paths, [open_readers.get(i) for i in range(len(g.paths))])
+    readers = set_readers(g.paths, [open_readers.get(i) for i in range(len(g.paths))])
+    sealed, checked = integrity_problems(g.paths, readers)
     problems += sealed
     types: dict[str, int] = {}
     for e in g.tensors.values():
@@ -185,4 +187,5 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
     quantized = sum(n for t, n in types.items() if t not in ("F32", "F16", "BF16"))
     return {"path": str(g.paths[0]), "files": [str(p) for p in g.paths], "tensors": len(g.tensors),
             "quantized": quantized if decode else 0, "bytes": n_bytes, "types": types, "checksums": checked,
+            "integrity": integrity_note(is_sealed_set(g.paths, readers), checked, decoded=decode),
             "problems": problems, "ok": not problems}

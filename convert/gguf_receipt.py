@@ -13,9 +13,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
-from mixq.formats.receipt import file_sha256
+from mixq.formats.safetensors_io import sha256_file
 from mixq.planning import gguf_mix
 from mixq.planning.sizes import parse_size
+from mixq.planning.types import numel
 
 # options that never change a byte of the output (or are output paths / recorded elsewhere in the receipt)
 NOT_IN_RECEIPT = ("threads", "device", "progress", "overwrite", "mmproj", "imatrix", "calibration", "measure",
@@ -31,12 +32,12 @@ def mixq_version() -> str:
 
 
 def cached_file_sha256(path: str | Path) -> str:
-    """file_sha256, remembered per (path, size, mtime) for the process: a --size fit builds the header often."""
+    """sha256_file, remembered per (path, size, mtime) for the process: a --size fit builds the header often."""
     p = Path(path)
     st = p.stat()
     k = (str(p.resolve()), st.st_size, st.st_mtime_ns)
     if k not in _SHA_MEMO:
-        _SHA_MEMO[k] = file_sha256(p)
+        _SHA_MEMO[k] = sha256_file(p)
     return _SHA_MEMO[k]
 
 
@@ -61,15 +62,8 @@ def _plan_summary(run) -> dict:
     for t in run.types:
         counts[t] = counts.get(t, 0) + 1
     total = sum(gguf_mix.tensor_nbytes(t, s.shape) for s, t in zip(run.specs, run.types))
-    params = sum(int(_prod(s.shape)) for s in run.specs)
+    params = sum(numel(s.shape) for s in run.specs)
     return {"tensor_bytes": total, "bpw": round(8.0 * total / max(params, 1), 4), "types": dict(sorted(counts.items()))}
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _calibration(run) -> dict:

@@ -16,7 +16,8 @@ from typing import Sequence
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.gguf_reader import read_gguf
-from mixq.formats.receipt import file_sha256, read_receipt, write_receipt_json
+from mixq.formats.receipt import read_receipt, write_receipt_json
+from mixq.formats.safetensors_io import sha256_file
 
 FAMILY_JSON = "family.json"  # the name convert/family.py writes (eval may not import convert's family module)
 SCORE_KEYS = ("kld_mean", "kld_mean_err", "kld_p99", "top1", "top1_err", "ppl", "ppl_ref", "dppl", "positions")
@@ -74,7 +75,7 @@ def _text_info(report: dict) -> dict:
     info = {"text": Path(text).name if text else None, "ctx": report.get("ctx"), "windows": report.get("windows"),
             "score": report.get("score")}
     if text and Path(text).is_file():
-        info["text_sha256"] = file_sha256(text)
+        info["text_sha256"] = sha256_file(text)
     return info
 
 

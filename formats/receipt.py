@@ -5,7 +5,7 @@ Keys (all STRING; JSON where the value is structured; llama.cpp skips keys it do
   mixq.receipt.mixq         the mixq version that wrote the file
   mixq.receipt.source       the source checkpoint's directory name
   mixq.receipt.target       JSON: {"size": bytes} | {"bpw": x} | {"type": "Q4_K_M"}
-  mixq.receipt.plan         JSON: {"planned_bytes", "bpw", "types": {ggml type: tensors}, "roles": {role: {...}}}
+  mixq.receipt.plan         JSON: {"tensor_bytes", "bpw", "types": {ggml type: tensors}}
   mixq.receipt.calibration  JSON: {"imatrix": {"file", "sha256", "datasets", "chunks", "chunk_size"}} and/or
                             {"hessian": {"files": [{"file", "sha256"}], "rows", "seq_len", "tune_iters"}};
                             {} when the file was made without calibration
@@ -18,7 +18,6 @@ they go to `<file>.receipt.json` beside it (`write_receipt_json`) and to the fam
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,15 +30,6 @@ LAYOUT = "1"
 FIELDS = ("version", "mixq", "source", "target", "plan", "calibration", "options")
 JSON_FIELDS = ("target", "plan", "calibration", "options")
 RECEIPT_SUFFIX = ".receipt.json"
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes (calibration text, imatrix file)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
 
 
 def _dumps(v: Any) -> str:
@@ -80,8 +70,8 @@ def receipt_summary(r: Mapping[str, Any]) -> str:
     parts = [f"mixq {r.get('mixq', '?')}", f"from {r.get('source', '?')}"]
     if target:
         parts.append("target " + ", ".join(f"{k}={v}" for k, v in target.items()))
-    if plan.get("planned_bytes"):
-        parts.append(f"planned {plan['planned_bytes']:,} bytes")
+    if plan.get("tensor_bytes"):
+        parts.append(f"tensors {plan['tensor_bytes']:,} bytes")
     if "imatrix" in cal:
         im = cal["imatrix"]
         parts.append(f"imatrix {im.get('file')} ({im.get('chunks')} x {im.get('chunk_size')} tokens, "

@@ -16,7 +16,8 @@ from mixq.convert.family import FAMILY_JSON
 from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.reference import load_tokenizer, tokenize_text
 from mixq.formats.gguf_reader import read_gguf
-from mixq.formats.receipt import file_sha256, read_receipt
+from mixq.formats.receipt import read_receipt
+from mixq.formats.safetensors_io import sha256_file
 from mixq.planning.planner import plan_model
 
 # on glm5next-mini a --size plan keeps token_embd in BF16 and output at 6 bits, more than the Q3_K_M..Q5_K_M
@@ -69,7 +70,7 @@ def test_members_identical_to_single_conversions(family, mini_model, tmp_path):
 
 def test_receipt_in_every_member(family):
     out, sizes, res = family
-    im_sha = file_sha256(out / "glm5next-mini.imatrix.gguf")
+    im_sha = sha256_file(out / "glm5next-mini.imatrix.gguf")
     for m, size in zip(res.members, sizes):
         r = read_receipt(read_gguf(out / m["file"]).kv)
         assert r["target"] == {"size": size} and r["source"] == "glm5next-mini"
@@ -80,6 +81,8 @@ def test_receipt_in_every_member(family):
         assert r["options"]["overrides"] == ["embed=Q4_K"] and "threads" not in r["options"]
         d = inspect(out / m["file"])
         assert d["receipt"] == r and f"target size={size}" in d["receipt_summary"]
+        assert f"tensors {r['plan']['tensor_bytes']:,} bytes" in d["receipt_summary"]
+        assert r["plan"]["tensor_bytes"] == m["plan"]["tensor_bytes"]
 
 
 def test_rerun_keeps_members_and_serves_the_cache(family, mini_model):

@@ -60,6 +60,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -475,6 +476,149 @@ def _calibration_seconds(p: Probe) -> dict[str, float]:
     return out
 
 
+def _encode_probe(p: Probe) -> None:
+    """ggml's encoders per type (`encode/TYPE`, the weights of each call); nested calls counted once."""
+    from mixq.quant.ggml import encoders as kquants
+
+    for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
+        p.wrap([kquants], fn, lambda x, qtype, *a, **k: f"encode/{qtype}", group="encode",
+               info=lambda x, *a, **k: {"w": int(x.size if hasattr(x, "size") and not callable(x.size)
+                                                  else x.numel())})
+
+
+def _stage_name(layer: int | None) -> str:
+    return "head" if layer is None else f"layer.{layer}"
+
+
+def _block_weights(blocks, qtype: str) -> int:
+    """Weights held by ggml blocks of `qtype` (uint8 bytes, any shape)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    n, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return int(np.asarray(blocks).size // nbytes * n)
+
+
+def _rounding_plan(ckpt, specs, types, *a, **k) -> dict:
+    """{"todo": {stage: [[GGUF name, type, weights, experts]]}}: what Hessian rounding will encode (the M of
+    'N of M'), logged when it starts."""
+    from mixq.convert.gguf_rounding import covered
+
+    todo: dict[str, list] = {}
+    for s, t in zip(specs, types):
+        if covered(s, t):
+            st = "embed" if s.role == "embed" else _stage_name(s.layer)
+            todo.setdefault(st, []).append([s.name, t, math.prod(s.shape),
+                                            len(s.hf_names) if s.transform == "stack" else 0])
+    return {"todo": todo}
+
+
+def _log_result(p: Probe, owner, attr: str, event) -> None:
+    """After each call of `owner.attr`, log `event(result, *args)` (a dict with its "k")."""
+    orig = getattr(owner, attr)
+
+    def logged(*a, **k):
+        out = orig(*a, **k)
+        now = time.time()
+        p.emit({"t0": now, "t1": now, **event(out, *a, **k)})  # an instant: t1 = t0
+        return out
+
+    setattr(owner, attr, logged)
+
+
+def _descent_probe(p: Probe) -> None:
+    """Every step of block-output tuning's sign descent (`tune_step`, at its start: the steps done when a stage is
+    cut) and every held-out check (`tune_check`: the loss of the held-out rows, without gradients)."""
+    from mixq.quant.ggml import block_tuning as bt
+
+    orig = bt.sign_descent
+
+    def descent(params, loss, batches, iters, lr, **kw):
+        step = [0]
+
+        def counted(batch):
+            step[0] += 1
+            now = time.time()
+            p.emit({"k": "tune_step", "t0": now, "t1": now, "it": step[0], "of": iters})  # an instant
+            return loss(batch)
+
+        score = kw.get("score")
+        if score is not None:
+            def checked():
+                t0 = time.time()
+                out = score()  # reads the losses back: the device has finished
+                p.emit({"k": "tune_check", "t0": t0, "t1": time.time()})
+                return out
+            kw["score"] = checked
+        return orig(params, counted, batches, iters, lr, **kw)
+
+    bt.sign_descent = descent
+
+
+def _tuning_probe(p: Probe) -> None:
+    """Block-output tuning (convert/gguf_tuning.py): per layer, its stages (the layer's tensors, then each group of
+    experts: weights, steps), the groups it cut the stacks into, the codes' set-up, the tuner's own encodes of the
+    tensors Hessian rounding leaves to ggml (`stored_values`) and its host decodes."""
+    import mixq.convert.gguf_rounding as gr
+    import mixq.convert.gguf_tuning as gt
+    from mixq.quant.ggml import block_tuning as bt
+
+    p.wrap([gr], "_tune_stage", lambda tuner, layer, paths: f"tune/{_stage_name(layer)}")
+    p.wrap([gt.LayerTuner], "__init__", lambda *a, **k: "tune_init")
+    p.wrap([gt.LayerTuner], "layer", lambda self, layer, enc: f"tune_layer/{_stage_name(layer)}")
+    p.wrap([gt.LayerTuner], "head", lambda self, enc: "tune_layer/head")
+    p.wrap([gt.LayerTuner], "_tune", lambda self, layer, tuned, loss: f"tune_stage/{_stage_name(layer)}",
+           info=lambda self, layer, tuned, loss: {"w": sum(int(c.u.numel()) for _, c in tuned), "iters": self.iters,
+                                                  "tensors": len(tuned)})
+    _log_result(p, gt.LayerTuner, "_expert_ranges",
+                lambda res, self, over: {"k": "tune_groups", "ranges": [list(r) for r in res],
+                                         "max_weights": self.max_weights, "over": [s.name for s, _ in over]})
+    p.wrap([gt], "stored_values", lambda qtype, w, im: f"stored_values/{qtype}",
+           info=lambda qtype, w, im: {"w": int(w.numel())})
+    p.wrap([bt.LevelCodes], "__init__", lambda self, blocks, qtype, *a, **k: f"codes_init/{qtype}",
+           info=lambda self, blocks, qtype, *a, **k: {"w": _block_weights(blocks, qtype)}, begin=False)
+    _descent_probe(p)
+
+
+def _hessian_probe(log_path: Path | None = None) -> Probe:
+    """The phases of `convert --rounding hessian`: checkpoint check, plan, the calibration forward per layer (with
+    the Hessian accumulation), per-expert Hessians, Hessian rounding per tensor and per call (expert slices) with
+    its parts (factorisation, ggml's encoder, the refinement passes, host decodes), block-output tuning
+    (_tuning_probe), ggml's exact encoders, the write."""
+    import mixq.convert.gguf_hessians as gh
+    import mixq.convert.gguf_pipeline as gp
+    import mixq.convert.gguf_rounding as gr
+    import mixq.convert.gguf_tuning as gt
+    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml import hessian_rounding as kh
+    from mixq.quant.ggml import levels as gl
+
+    p = Probe(log_over=5.0, log_path=log_path)
+    _encode_probe(p)
+    _calibration_probe(p)
+    p.wrap([gp], "validate_checkpoint", lambda *a, **k: "validate")
+    p.wrap([gp], "_plan", lambda *a, **k: "plan")
+    p.wrap([gp], "write_gguf", lambda *a, **k: "write")
+    p.wrap([gr], "encode_hessian_rounded", lambda *a, **k: "hessian_rounding", info=_rounding_plan)
+    p.wrap([gh.StageHessians], "experts", lambda self, spec, e0, e1: f"experts_hessian/{_stage_name(self.layer)}",
+           info=lambda self, spec, e0, e1: {"n": e1 - e0}, begin=False)
+    p.wrap([gr], "embedding_hessian", lambda *a, **k: "embed_hessian")
+    p.wrap([gr], "_encode_spec", lambda spec, qtype, *a, **k: f"round/{spec.name}",
+           info=lambda spec, qtype, *a, **k: {"type": qtype, "w": math.prod(spec.shape)})
+    p.wrap([kh], "quantize_hessian", lambda w, h, qtype, *a, **k: f"round_call/{qtype}",
+           info=lambda w, *a, **k: {"w": math.prod(w.shape)}, begin=False)
+    for fn, part in (("upper_inverse_factor", "factor"), ("refine_codes", "refine"), ("refine_iq2s", "refine"),
+                     ("refine_sub_scales", "sub_scales"), ("refit_super_scales", "super_scales")):
+        p.wrap([kh], fn, lambda *a, _p=part, **k: f"round_part/{_p}", begin=False)
+    p.wrap([kh], "_encode_block", lambda x, qtype, *a, **k: "round_part/ggml_encode", group="encode", begin=False)
+    p.wrap([kh, gt, bt], "dequantize_blocks", lambda blocks, qtype: f"host_dequant/{qtype}",
+           info=lambda blocks, qtype: {"w": _block_weights(blocks, qtype)}, begin=False)
+    p.wrap([gl], "level_grid", lambda blocks, qtype: f"host_level_grid/{qtype}",
+           info=lambda blocks, qtype: {"w": _block_weights(blocks, qtype)}, begin=False)
+    _tuning_probe(p)
+    return p
+
+
 # --- reading a stage's progress log (a finished stage's and a killed one's alike) -----------------------------
 
 def read_log(path: Path) -> list[dict]:
@@ -659,7 +803,305 @@ def summarise_gguf(events: list[dict], t_end: float | None = None) -> dict:
     return out
 
 
-SUMMARIES = {"exl3": summarise_exl3, "gguf": summarise_gguf}
+# --- the GGUF --rounding hessian stages: their progress logs read back ----------------------------------------
+
+def _spans(closed: list[dict], prefix: str) -> list[dict]:
+    return [e for e in closed if e["k"].startswith(prefix) and "t1" in e]
+
+
+def _in(e: dict, span: dict) -> bool:
+    return span["t0"] <= e["t0"] <= span["t1"]
+
+
+def _secs(events: list[dict], prefix: str, span: dict | None = None) -> float:
+    return sum(e["t1"] - e["t0"] for e in events if e["k"].startswith(prefix) and "t1" in e
+               and (span is None or _in(e, span)))
+
+
+def _weights_seconds(events: list[dict], prefix: str, span: dict | None = None) -> dict[str, dict]:
+    """{suffix: {"weights", "seconds", "calls"}} of the finished calls under `prefix` (within `span`)."""
+    out: dict[str, dict] = {}
+    for e in events:
+        if e["k"].startswith(prefix) and "t1" in e and (span is None or _in(e, span)):
+            d = out.setdefault(e["k"][len(prefix):], {"weights": 0, "seconds": 0.0, "calls": 0})
+            d["weights"] += e.get("w", 0)
+            d["seconds"] += e["t1"] - e["t0"]
+            d["calls"] += 1
+    for d in out.values():
+        d["seconds"] = round(d["seconds"], 3)
+        d["mweights_per_s"] = round(d["weights"] / max(d["seconds"], 1e-9) / 1e6, 3)
+    return out
+
+
+def _tune_stages(done: list[dict], closed: list[dict], layer_span: dict, st: str, groups: list) -> list[dict]:
+    """The tuning stages of one layer: the layer's tensors, then each expert group; per stage the weights tuned,
+    steps done of the iterations, seconds per step, the held-out checks, the set-up before the first step."""
+    out = []
+    spans = [s for s in closed if s["k"] == f"tune_stage/{st}" and _in(s, layer_span) and s.get("w")]
+    for i, e in enumerate(spans):
+        steps = [x["t0"] for x in done if x["k"] == "tune_step" and _in(x, e)]
+        checks = [x for x in done if x["k"] == "tune_check" and _in(x, e)]
+        first = min(steps) if steps else e["t1"]
+        after = sum(x["t1"] - x["t0"] for x in checks if x["t0"] >= first)
+        d = {"what": "the layer's tensors" if i == 0 or not groups else f"experts {groups[i - 1][0]}-{groups[i - 1][1]}"
+             if i - 1 < len(groups) else "experts", "weights": e.get("w"), "iters": e.get("iters"),
+             "steps_done": len(steps), "seconds": round(e["t1"] - e["t0"], 2),
+             "state": "cut" if "elapsed" in e else "done", "checks": len(checks),
+             "check_s": round(sum(x["t1"] - x["t0"] for x in checks), 2),
+             "setup_s": round(first - e["t0"] - (sum(x["t1"] - x["t0"] for x in checks) - after), 2)}
+        if steps:
+            d["s_per_step"] = round((e["t1"] - first - after) / len(steps), 4)
+        out.append(d)
+    return out
+
+
+def _tune_summary(done: list[dict], closed: list[dict], st: str) -> dict | None:
+    """One stage's block-output tuning: the tuner's layer call and its parts (stages, groups, codes set-up, the
+    tuner's own encodes and host decodes, the streams: materialise, source and quantized passes)."""
+    lay = next((e for e in closed if e["k"] == f"tune_layer/{st}"), None)
+    if lay is None:
+        return None
+    outer = next((e for e in closed if e["k"] == f"tune/{st}"), None)
+    grp = next((e for e in done if e["k"] == "tune_groups" and _in(e, lay)), None)
+    groups = grp["ranges"] if grp else []
+    stages = _tune_stages(done, closed, lay, st, groups)
+    stored = {t: x for t, x in _weights_seconds(closed, "stored_values/", lay).items()
+              if t not in ("F32", "F16", "BF16")}  # floats are only rounded
+    d = {"seconds": round(lay["t1"] - lay["t0"], 2), "state": "cut" if "elapsed" in lay else "done",
+         "stages": stages, "groups": groups, "max_weights": grp["max_weights"] if grp else None,
+         "codes_init_s": round(_secs(done, "codes_init/", lay), 2),
+         "stored_values": stored,
+         "stored_values_encode": _weights_seconds(done, "encode/", lay),
+         "host_dequant_s": round(_secs(done, "host_dequant/", lay), 2)}
+    d["streams_other_s"] = round(d["seconds"] - sum(s["seconds"] for s in stages) - d["codes_init_s"]
+                                 - _secs(closed, "stored_values/", lay) - d["host_dequant_s"], 2)
+    if outer is not None:
+        d["spill_s"] = round((outer["t1"] - outer["t0"]) - d["seconds"], 2)  # the .npy blocks read and rewritten
+    return d
+
+
+def _round_summary(done: list[dict], closed: list[dict], todo: list, t_end: float) -> dict:
+    """Hessian rounding of one stage's tensors: per tensor its type, weights done of total, seconds (the
+    per-expert Hessians, the weights' fetch and the spill inside), the state."""
+    tensors = {}
+    for name, qtype, w, experts in todo:
+        e = next((x for x in closed if x["k"] == f"round/{name}"), None)
+        d = {"type": qtype, "weights": w, "experts": experts, "state": "not started", "weights_done": 0}
+        if e is not None:
+            calls = [x for x in done if x["k"].startswith("round_call/") and _in(x, e)]
+            d["state"] = "cut" if "elapsed" in e else "done"
+            d["seconds"] = round(e["t1"] - e["t0"], 2)
+            d["weights_done"] = w if d["state"] == "done" else sum(x.get("w", 0) for x in calls)
+            d["round_call_s"] = round(sum(x["t1"] - x["t0"] for x in calls), 2)
+            d["experts_hessian_s"] = round(_secs(done, "experts_hessian/", e), 2)
+            if d["state"] == "cut":
+                last = max([x["t1"] for x in calls] or [e["t0"]])
+                d["in_flight_s"] = round(t_end - last, 2)
+                if d["weights_done"]:
+                    d["s_per_mweight"] = round((last - e["t0"]) / d["weights_done"] * 1e6, 4)
+            else:
+                d["s_per_mweight"] = round((e["t1"] - e["t0"]) / max(w, 1) * 1e6, 4)
+        tensors[name] = d
+    return tensors
+
+
+def _round_rates(stages: dict) -> dict[str, dict]:
+    """Seconds per M weights of Hessian rounding per type and shape kind ("TYPE/stack", "TYPE/matrix"): finished
+    tensors, and the finished part of a cut one."""
+    acc: dict[str, list[float]] = {}
+    for d in stages.values():
+        for x in d.get("round", {}).get("tensors", {}).values():
+            if x.get("s_per_mweight") is None or not x["weights_done"]:
+                continue
+            k = f"{x['type']}/{'stack' if x['experts'] else 'matrix'}"
+            a = acc.setdefault(k, [0.0, 0])
+            a[0] += x["s_per_mweight"] * x["weights_done"] / 1e6
+            a[1] += x["weights_done"]
+    return {k: {"weights": w, "seconds": round(s, 2), "s_per_mweight": round(s / w * 1e6, 4)}
+            for k, (s, w) in sorted(acc.items())}
+
+
+def _extrapolate_stage(d: dict, rates: dict, t_end: float) -> dict:
+    """A cut stage completed at the rates measured: the tensors left to round at their own rate (else their type's
+    in this run, else the run's mean per weight), the tuning stage in flight and its groups left at the seconds per
+    step measured; what was not reached is listed."""
+    left, basis = 0.0, {}
+    mean = (sum(r["seconds"] for r in rates.values()) / max(1, sum(r["weights"] for r in rates.values())) * 1e6
+            if rates else None)
+    for name, x in d.get("round", {}).get("tensors", {}).items():
+        if x["state"] == "done":
+            continue
+        k = f"{x['type']}/{'stack' if x['experts'] else 'matrix'}"
+        rate, src = x.get("s_per_mweight"), "measured in this tensor"
+        if rate is None and k in rates:
+            rate, src = rates[k]["s_per_mweight"], f"{k} in this run"
+        elif rate is None and mean is not None:
+            rate, src = mean, "the run's mean per weight"
+        if rate is None:
+            basis[name] = {"from": "no rounding finished: not extrapolated"}
+            continue
+        rest = (x["weights"] - x["weights_done"]) / 1e6 * rate - x.get("in_flight_s", 0.0)
+        left += max(0.0, rest)
+        basis[name] = {"weights_left": x["weights"] - x["weights_done"], "s_per_mweight": round(rate, 4), "from": src}
+    tune = d.get("tune")
+    not_reached = []
+    if tune is None:
+        not_reached.append("block-output tuning")
+    else:
+        for s in tune["stages"]:
+            if s["state"] == "cut" and s.get("s_per_step") and s.get("iters"):
+                per_check = s["check_s"] / s["checks"] if s["checks"] else 0.0
+                left += max(0, s["iters"] - s["steps_done"]) * s["s_per_step"] \
+                    + max(0, _checks(s["iters"]) - s["checks"]) * per_check
+        n_groups = len(tune["groups"])
+        started = max(0, len(tune["stages"]) - 1)
+        per = [s for s in tune["stages"][1:] if s.get("s_per_step")]
+        if n_groups > started and per:
+            g = per[-1]
+            left += (n_groups - started) * (g["iters"] * g["s_per_step"] + g["setup_s"] + g["check_s"])
+        if tune["state"] == "cut":
+            not_reached.append("the tuned layer's quantized pass")
+    return {"left_s": round(left, 2), "stage_seconds": round(d.get("seconds", 0.0) + left, 2), "round_basis": basis,
+            "not_reached": not_reached}
+
+
+def summarise_hessian(events: list[dict], t_end: float | None = None) -> dict:
+    """The phases of the gguf-hessian stage (and of gguf-tune): the imatrix, the host rates sampled, then per
+    calibrated stage of `convert --rounding hessian` the capture forward (with its Hessian accumulation), the
+    per-expert Hessians, Hessian rounding per tensor (N of M weights), block-output tuning (stages and expert
+    groups, steps, the tuner's own encodes), then ggml's exact encodes and the write; a cut stage is completed
+    within the layer at its measured rates ("extrapolated_within_layer")."""
+    t_end = t_end if t_end is not None else max([e.get("t1", e["t0"]) for e in events] or [time.time()])
+    done, open_ = _pair(events, t_end)
+    closed = done + [dict(e, t1=t_end) for e in open_]
+    out: dict = {}
+    im = next((e for e in closed if e["k"] == "imatrix"), None)
+    if im is not None:
+        out["imatrix"] = {"seconds": round(im["t1"] - im["t0"], 2), "state": "cut" if "elapsed" in im else "done",
+                          "rows": im.get("rows"), "reused": im.get("reused", False),
+                          "forward_s": {x["k"].split("/", 1)[1]: round(x["t1"] - x["t0"], 2) for x in done
+                                        if x["k"].startswith("forward/") and _in(x, im)}}
+    rates = next((e for e in events if e["k"] == "host_rates"), None)
+    if rates is not None:
+        out["host_rates"] = rates["rates"]
+    probed = {k: v for e in events if e["k"] == "round_probe" for k, v in e["rate"].items()}
+    if probed:
+        out["round_probe"] = probed
+    eh = [e for e in done if e["k"].startswith("experts_hessian/")]
+    if eh:
+        sec, n = sum(e["t1"] - e["t0"] for e in eh), sum(e.get("n", 0) for e in eh)
+        out["experts_hessian"] = {"calls": len(eh), "experts": n, "seconds": round(sec, 2),
+                                  "s_per_expert": round(sec / max(n, 1), 4)}
+    conv = next((e for e in closed if e["k"].startswith(("convert/", "probe/"))), None)
+    plan = next((e for e in events if e["k"] == "hessian_rounding" and "todo" in e), None)
+    todo = plan["todo"] if plan else {}
+    stages: dict[str, dict] = {}
+    if conv is not None:
+        out["convert"] = {"label": conv["k"].split("/", 1)[1], "seconds": round(conv["t1"] - conv["t0"], 2),
+                          "state": "cut" if "elapsed" in conv else "done",
+                          "validate_s": round(_secs(done, "validate", conv), 2),
+                          "plan_s": round(_secs(done, "plan", conv), 2),
+                          "tune_init_s": round(_secs(done, "tune_init", conv), 2)}
+        names = set(todo) | {e["k"].split("/", 1)[1] for e in closed if e["k"].startswith(("forward/", "tune_layer/"))
+                             and _in(e, conv)}
+        for st in sorted(names, key=_stage_order):
+            d: dict = {"state": "not started"}
+            fwd = next((e for e in closed if e["k"] == f"forward/{st}" and _in(e, conv)), None)
+            if fwd is not None:
+                d["capture_forward_s"] = round(fwd["t1"] - fwd["t0"], 2)
+                d["hessian_accumulate_s"] = round(_within(done, "hessian_add", fwd["t0"], fwd["t1"]), 2)
+                d["state"] = "cut in the capture forward" if "elapsed" in fwd else "done"
+            if st in todo:
+                t = _round_summary(done, closed, todo[st], t_end)
+                spans = [e for e in closed if e["k"].startswith("round/") and e["k"][6:] in t]
+                d["round"] = {"seconds": round(sum(e["t1"] - e["t0"] for e in spans), 2), "tensors": t,
+                              "parts_s": {k: v["seconds"] for k, v in _weights_seconds(
+                                  [e for e in done if any(_in(e, s) for s in spans)], "round_part/").items()},
+                              "host_dequant_s": round(sum(_secs(done, "host_dequant/", s) for s in spans), 2),
+                              "weights_done": sum(x["weights_done"] for x in t.values()),
+                              "weights": sum(x["weights"] for x in t.values())}
+                if any(x["state"] != "done" for x in t.values()) and d["state"] == "done":
+                    d["state"] = "cut in Hessian rounding" if any(x["state"] == "cut" for x in t.values()) \
+                        else "not finished"
+            tune = _tune_summary(done, closed, st)
+            if tune is not None:
+                d["tune"] = tune
+                if tune["state"] == "cut":
+                    d["state"] = "cut in block-output tuning"
+                elif d["state"] == "not started":  # the tune probe: streams and tuning, no capture
+                    d["state"] = "done"
+            starts = [e["t0"] for e in closed if _in(e, conv) and (e["k"] in (f"forward/{st}", f"tune/{st}",
+                      f"tune_layer/{st}") or e["k"][6:] in d.get("round", {}).get("tensors", {}))]
+            ends = [e["t1"] for e in closed if _in(e, conv) and (e["k"] in (f"forward/{st}", f"tune/{st}",
+                    f"tune_layer/{st}") or e["k"][6:] in d.get("round", {}).get("tensors", {}))]
+            if starts:
+                d["seconds"] = round(max(ends) - min(starts), 2)
+            stages[st] = d
+        r = _round_rates(stages)
+        for st, d in stages.items():
+            if d["state"] != "done" and d["state"] != "not started":
+                d["measured_s"] = d.get("seconds", 0.0)
+                d["extrapolated_within_layer"] = _extrapolate_stage(d, r, t_end)
+        out["stages"] = stages
+        out["round_rates"] = r
+        wr = next((e for e in closed if e["k"] == "write" and _in(e, conv)), None)
+        if wr is not None:
+            enc = _weights_seconds(done, "encode/", wr)
+            out["write"] = {"seconds": round(wr["t1"] - wr["t0"], 2), "state": "cut" if "elapsed" in wr else "done",
+                            "encode": enc, "encode_s": round(sum(x["seconds"] for x in enc.values()), 2)}
+        first = min([e["t0"] for e in closed if _in(e, conv) and e["k"].startswith(("forward/", "round/",
+                                                                                      "tune_layer/"))] or [None])
+        if first is not None:
+            out["convert"]["before_first_stage_s"] = round(first - conv["t0"], 2)
+    start = next((e["t0"] for e in events if e["k"] == "child"), None)
+    if start is not None:
+        out["elapsed_s"] = round(t_end - start, 2)
+    out["open_at_end"] = [{"phase": e["k"], "elapsed_s": e["elapsed"]} for e in open_]
+    out.update(_peaks_of(events))
+    return out
+
+
+def summarise_eval(events: list[dict], t_end: float | None = None) -> dict:
+    """The eval stage's phases: the cheap candidate written, then per model (the reference, a candidate) its
+    reads / decodes per layer, the forward per layer, the weights' copy to the device, its head and logits; a
+    candidate's decode split into the GPU decode kernels (per type) and the rest (bytes in, copies, unbuild)."""
+    t_end = t_end if t_end is not None else max([e.get("t1", e["t0"]) for e in events] or [time.time()])
+    done, open_ = _pair(events, t_end)
+    closed = done + [dict(e, t1=t_end) for e in open_]
+    out: dict = {}
+    cand = next((e for e in closed if e["k"].startswith("candidate/")), None)
+    if cand is not None:
+        out["candidate_written"] = {"type": cand["k"].split("/", 1)[1], "seconds": round(cand["t1"] - cand["t0"], 2),
+                                    "state": "cut" if "elapsed" in cand else "done",
+                                    "encode": _weights_seconds(done, "encode/", cand)}
+    models: dict[str, dict] = {}
+    for e in done:
+        kind, _, rest = e["k"].partition("/")
+        if kind not in ("load", "get", "dequant", "forward", "materialize", "logits", "embed"):
+            continue
+        who = e.get("model", rest)
+        m = models.setdefault(who, {})
+        sec = e["t1"] - e["t0"]
+        if kind == "forward":
+            lay = m.setdefault("forward_per_layer_s", {})
+            key = f"layer.{e.get('layer')}"
+            lay[key] = round(lay.get(key, 0.0) + sec, 3)
+        elif kind == "embed":  # its tensor read (get/) is counted there
+            sec -= _secs(done, "get/", e)
+        m[f"{kind}_s"] = round(m.get(f"{kind}_s", 0.0) + sec, 3)
+    for who, m in models.items():
+        if who != "reference":
+            m["decode"] = _weights_seconds(done, f"decode/{who}/")
+            m["decode_s"] = round(sum(x["seconds"] for x in m["decode"].values()), 3)
+    out["models"] = models
+    out["score_s"] = round(_secs(done, "score"), 2)
+    out["open_at_end"] = [{"phase": e["k"], "elapsed_s": e["elapsed"]} for e in open_]
+    out.update(_peaks_of(events))
+    return out
+
+
+SUMMARIES = {"exl3": summarise_exl3, "gguf": summarise_gguf, "gguf-hessian": summarise_hessian,
+             "gguf-tune": summarise_hessian, "eval": summarise_eval}
 
 
 def summarise_spans(events: list[dict], t_end: float | None = None) -> dict:
@@ -749,33 +1191,99 @@ def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_l
     return d
 
 
-EVAL_CANDIDATES = ("mixq-exl3", "slice-iq-2.6bpw.gguf", "slice-Q4_K_M.gguf")
+EVAL_CANDIDATES = ("mixq-exl3", "slice-iq-2.6bpw.gguf", "slice-Q4_K_M.gguf", "slice-iq-2.6bpw-hessian.gguf",
+                   "slice-Q8_0.gguf")
 
 
-def stage_eval(work: Path, device: str, windows: int = 16, ctx: int = 4096) -> dict:
-    """Streaming `mixq eval` against the BF16 slice on held-out text, of every candidate the earlier stages left
-    (mixq's EXL3 directory, the i-quant GGUF, the Q4_K_M GGUF): one reference pass, each candidate's layers
-    loaded (dequantized) and run; the load times are kept per source format."""
+def _complete(path: Path) -> bool:
+    """A candidate its stage finished: a GGUF file (renamed into place once written), an EXL3 directory holding its
+    config.json (written last; a cut conversion leaves a directory without one)."""
+    return path.is_file() or (path / "config.json").is_file()
+
+
+def _eval_probe(p: Probe) -> None:
+    """Per model (the reference, each candidate): its layer reads (`load/CLASS`), single tensors (`get/CLASS`), a
+    candidate's decode (`dequant/CLASS`, and inside it torch's GPU decode per type: `decode/NAME/TYPE`), the copy of
+    each layer to the device (`materialize`), the forward per layer (`forward`), the embedding, the logits and the
+    statistics. Every event names its model and layer."""
+    from mixq.eval import api
+    from mixq.eval.streamed import StreamedModels
+    from mixq.quant.ggml import torch_decode
     from mixq.runtime import dequant, layer_stream
+
+    cur = {"model": "reference", "layer": None}
+
+    def who(src) -> str:
+        if not isinstance(src, dequant.DequantSource):
+            return cur["model"]
+        return "reference" if isinstance(src, dequant.CheckpointSource) else src.path.name
+
+    def at(src, layer=None) -> dict:
+        cur.update(model=who(src), layer=layer)
+        return dict(cur)
+
+    for cls in (dequant.CheckpointSource, dequant.GGUFSource, dequant.Exl3Source):
+        p.wrap([cls], "layer", lambda self, i, _c=cls.__name__: f"load/{_c}", info=lambda self, i: at(self, i))
+        p.wrap([cls], "get", lambda self, name, _c=cls.__name__: f"get/{_c}", info=lambda self, name: at(self))
+    for cls in (dequant.GGUFSource, dequant.Exl3Source):
+        p.wrap([cls], "_decode", lambda self, units, _c=cls.__name__: f"dequant/{_c}",
+               info=lambda self, units: {"model": who(self)}, begin=False)
+    p.wrap([torch_decode], "dequantize", lambda raw, qtype, shape: f"decode/{cur['model']}/{qtype}",
+           info=lambda raw, qtype, shape: {"w": math.prod(shape)}, begin=False)
+    for m in ("run_layer", "run_layer_inplace"):
+        p.wrap([layer_stream.DecoderStream], m, lambda *a, **k: "forward", info=lambda *a, **k: dict(cur))
+    p.wrap([layer_stream.DecoderStream], "materialize", lambda self, layer, fetch: "materialize",
+           info=lambda self, layer, fetch: dict(cur))
+    p.wrap([layer_stream.DecoderStream], "embed", lambda *a, **k: "embed",
+           info=lambda self, ids, fetch, *a, **k: {"model": who(getattr(fetch, "__self__", None))})
+    p.wrap([StreamedModels], "scored_logits", lambda self, m, w, first: "logits",
+           info=lambda self, m, w, first: {"model": who(m.source)}, begin=False)
+    p.wrap([api], "token_quantities", lambda *a, **k: "score", begin=False)
+
+
+def _cheap_candidate(work: Path, device: str, qtype: str, probe: Probe) -> dict:
+    """`convert --type QTYPE` of the slice (a type ggml encodes fast): a candidate for the eval when the conversion
+    stages left none."""
+    from mixq.convert import GGUFOptions, convert
+
+    _encode_probe(probe)
+    enc = {"device": device} if device != "cpu" else {"threads": 1}
+    with probe.span(f"candidate/{qtype}"):
+        res, sec = _timed(convert, work / "bf16", work / f"slice-{qtype}.gguf",
+                          GGUFOptions(qtype=qtype, progress=False, overwrite=True, **enc))
+    d = res.to_dict()
+    return {"name": f"slice-{qtype}.gguf", "wall_seconds": sec, "bytes": d["bytes"], "types": d["types"]}
+
+
+def stage_eval(work: Path, device: str, windows: int = 16, ctx: int = 4096, cheap: str = "Q8_0") -> dict:
+    """Streaming `mixq eval` against the BF16 slice on held-out text, of every candidate the earlier stages finished
+    (mixq's EXL3 directory, the i-quant GGUFs, the Q4_K_M GGUF); with none, the `cheap` GGUF (`--eval-cheap`, made
+    here first). One reference pass, each candidate's layers loaded (dequantized) and run; per model its reads,
+    decodes, copies, forward per layer and logits (_eval_probe)."""
     from mixq.eval.api import evaluate
 
-    cands = [work / n for n in EVAL_CANDIDATES if (work / n).exists()]
+    probe = Probe(log_over=5.0, log_path=_LOG)
+    cands = [work / n for n in EVAL_CANDIDATES if _complete(work / n)]
+    made = None
+    if not cands and cheap and cheap.lower() != "none":
+        made = _cheap_candidate(work, device, cheap, probe)
+        cands = [work / made["name"]]
     if not cands:
         raise SystemExit(f"no candidate in {work}: run the exl3 or gguf stage first")
-    probe = Probe(log_over=5.0, log_path=_LOG)
-    for cls in (dequant.CheckpointSource, dequant.GGUFSource, dequant.Exl3Source):
-        probe.wrap([cls], "layer", lambda self, i, _c=cls.__name__: f"load/{_c}")
-    for m in ("run_layer", "run_layer_inplace"):
-        probe.wrap([layer_stream.DecoderStream], m, lambda *a, **k: "forward")
+    _eval_probe(probe)
     rep, sec = _timed(evaluate, work / "bf16", cands, SHARED / "data" / "heldout.txt", ctx=ctx,
                       windows=windows, device=device, progress=False)
     keep = ("kld_mean", "top1", "ppl", "peak_rss_mib", "peak_gpu_mib", "seconds", "timings")
-    return {"wall_seconds": sec, "windows": windows, "ctx": ctx, "timings": probe.rounded(),
-            "report": {k: rep[k] for k in keep if k in rep},
-            "candidates": [{"name": p.name, **{k: c[k] for k in ("kld_mean", "top1_agreement", "ppl", "bpw", "file_bpw",
-                                                               "bytes") if k in c}}
-                           for p, c in zip(cands, rep["candidates"])],
-            **_peaks()}
+    out = {"wall_seconds": sec, "windows": windows, "ctx": ctx, "timings": probe.rounded(),
+           "report": {k: rep[k] for k in keep if k in rep},
+           "candidates": [{"name": p.name, **{k: c[k] for k in ("kld_mean", "top1_agreement", "ppl", "bpw",
+                                                                 "file_bpw", "bytes") if k in c}}
+                          for p, c in zip(cands, rep["candidates"])],
+           **_peaks()}
+    if made is not None:
+        out["cheap_candidate"] = made
+    out["phases"] = summarise_eval(read_log(_LOG)) if _LOG else {}
+    return out
 
 
 def _eager_for(types: set[str]) -> None:
@@ -849,6 +1357,247 @@ def _gguf_weights_by_type(path: Path) -> dict[str, int]:
     out: dict[str, int] = {}
     for t in GGUFReader(path).tensors:
         out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return out
+
+
+# --- GGUF --rounding hessian: the 108 GB plan's bpw with Hessian rounding and block-output tuning -------------
+
+HESSIAN_LABEL = "iq-2.6bpw-hessian"
+HESSIAN_PLAN = dict(GGUF_TYPES["iq-2.6bpw"], rounding="hessian")  # the gguf stage's 108 GB-class plan
+SAMPLE_ROWS = 32  # rows of one real matrix encoded and decoded per type on the host (the tuner's host paths)
+
+
+def _slice_imatrix(work: Path, device: str, probe: Probe, rows: int, seq_len: int) -> Path:
+    """The gguf stage's imatrix when it is there, else one made here from `rows` x `seq_len` tokens."""
+    from mixq.convert.imatrix import make_imatrix
+
+    shared = work / "slice.imatrix.gguf"
+    if shared.is_file():
+        with probe.span("imatrix", rows=None, reused=True):
+            pass
+        return shared
+    imat = work / "slice-hessian.imatrix.gguf"
+    imat.unlink(missing_ok=True)
+    with probe.span("imatrix", rows=rows, reused=False):
+        _timed(make_imatrix, work / "bf16", imat, rows=rows, seq_len=seq_len, device=device, progress=False)
+    return imat
+
+
+def _sample_matrix(ckpt):
+    """SAMPLE_ROWS rows of the first routed-expert matrix reading the hidden stream (else any such matrix)."""
+    import torch
+
+    hidden = int(ckpt.text_config["hidden_size"])
+    names = [n for n in ckpt.names() if len(ckpt.shape(n)) == 2 and ckpt.shape(n)[1] == hidden
+             and ckpt.shape(n)[0] >= SAMPLE_ROWS]
+    name = next((n for n in names if ckpt.info(n).role == "routed_expert"), names[0])
+    return ckpt.get(name, dtype=torch.float32)[:SAMPLE_ROWS].contiguous().numpy()
+
+
+def host_rates(work: Path, types: list[str]) -> dict[str, dict]:
+    """M weights/s on this host, per type, of what `--rounding hessian` runs with numpy: ggml's encoder in the
+    tuner (`stored_values`, the types Hessian rounding leaves to ggml), gguf-py's decoder (the tuner's and the
+    rounding's host decodes) and the level grid of the tunable types (the codes' set-up)."""
+    import numpy as np
+
+    from mixq.convert.gguf_workers import encode
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml import hessian_rounding as kh
+    from mixq.quant.ggml import levels as gl
+
+    x = _sample_matrix(open_checkpoint(work / "bf16"))
+    im = np.mean(x * x, axis=0) + 1e-6  # a positive importance: the i-quants need one
+    out: dict[str, dict] = {}
+    for q in types:
+        encode(x[:1], q, im)  # the first call of a type builds its tables: not part of the rate
+        t = time.time()
+        b = encode(x, q, im)
+        d = {"numpy_encode": x.size / max(time.time() - t, 1e-9) / 1e6}
+        t = time.time()
+        kh.dequantize_blocks(b, q)
+        d["host_decode"] = x.size / max(time.time() - t, 1e-9) / 1e6
+        if q in bt.TUNABLE:
+            t = time.time()
+            gl.level_grid(b, q)
+            d["level_grid"] = x.size / max(time.time() - t, 1e-9) / 1e6
+        out[q] = {k: round(v, 3) for k, v in d.items()}
+    return out
+
+
+def _hessian_types(work: Path) -> list[str]:
+    """Quantized types of the slice's hessian plan and of the release's 108 GB plan (the host rates sampled)."""
+    from mixq.convert.gguf_pipeline import assign_types
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import gguf_tensors
+
+    ck = open_checkpoint(work / "bf16")
+    kw = {k: v for k, v in HESSIAN_PLAN.items() if k != "rounding"}
+    mine = set(assign_types(ck, gguf_tensors(ck), **kw))
+    return sorted((mine | set(_release_gguf_weights())) - {"F32", "F16", "BF16"})
+
+
+def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 512, tune_iters: int = 200,
+                       imatrix_rows: int | None = None, eager_types: str = "") -> dict:
+    """`convert --bpw 2.6 --gguf-ladder iq --rounding hessian --imatrix` of the slice (the gguf stage's 108 GB-class
+    plan), every phase logged (_hessian_probe): imatrix (the gguf stage's, else made from `imatrix_rows`), the host
+    rates of the tuner's numpy paths, then per layer the capture forward, per-expert Hessians, Hessian rounding,
+    block-output tuning (`tune_iters` steps per stage, expert groups), then ggml's encoders and the write."""
+    from mixq.convert import GGUFOptions, convert
+
+    if eager_types:
+        _eager_for(set(eager_types.split(",")))
+    probe = _hessian_probe(_LOG)
+    imat = _slice_imatrix(work, device, probe, imatrix_rows or rows, seq_len)
+    out: dict = {"tune_iters": tune_iters, "rows": rows, "seq_len": seq_len, "imatrix": imat.name,
+                 "eager_types": eager_types}
+    with probe.span("host_rates_sample"):
+        out["host_rates_mweights_per_s"] = host_rates(work, _hessian_types(work))
+    probe.emit({"k": "host_rates", "t0": time.time(), "rates": out["host_rates_mweights_per_s"]})
+    enc = {"device": device} if device != "cpu" else {"threads": 1}
+    opts = GGUFOptions(imatrix=str(imat), progress=False, overwrite=True, rows=rows, seq_len=seq_len,
+                       tune_iters=tune_iters, **HESSIAN_PLAN, **enc)
+    with probe.span(f"convert/{HESSIAN_LABEL}"):
+        res, sec = _timed(convert, work / "bf16", work / f"slice-{HESSIAN_LABEL}.gguf", opts)
+    d = res.to_dict()
+    out[HESSIAN_LABEL] = {"wall_seconds": sec, "bytes": d["bytes"], "bpw": d["bpw"], "types": d["types"]}
+    out["phases"] = summarise_hessian(read_log(_LOG)) if _LOG else {}
+    out.update(_peaks())
+    return out
+
+
+def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512, tune_iters: int = 200,
+                    probe_iters: int = 20) -> dict:
+    """Block-output tuning of the slice's first MoE layer as `--rounding hessian` runs it (mixq's LayerTuner with
+    the hessian stage's plan, its memory budget and expert groups), `probe_iters` steps per tuning stage, started
+    from ggml's encoding of the layer's tunable tensors (the same types and bytes as their Hessian rounding: a
+    step's cost does not depend on the codes). The layer's other tensors keep their source values (the hessian
+    stage costs their encode and host decode); the layers before it only carry the streams. `project` scales the
+    seconds per step to `tune_iters`."""
+    import numpy as np
+    import torch
+
+    from mixq.convert.gguf_pipeline import assign_types
+    from mixq.convert.gguf_rounding import covered
+    from mixq.convert.gguf_tuning import LayerTuner
+    from mixq.convert.gguf_workers import encode
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import build_tensor, gguf_tensors
+    from mixq.quant.device import pick_device
+    from mixq.quant.ggml import block_tuning as bt
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
+
+    probe = _hessian_probe(_LOG)
+    ckpt = open_checkpoint(work / "bf16")
+    specs = gguf_tensors(ckpt)
+    types = assign_types(ckpt, specs, **{k: v for k, v in HESSIAN_PLAN.items() if k != "rounding"})
+    moe = list(ckpt.text_config["mlp_layer_types"]).index("sparse")
+    sel = [(s, t) for s, t in zip(specs, types) if s.layer == moe and covered(s, t) and t in bt.TUNABLE]
+    dev = pick_device(device)
+    ids = calibration_rows(load_tokenizer(ckpt.path), None, rows=rows, seq_len=seq_len,
+                           vocab_size=int(ckpt.text_config["vocab_size"]))
+    fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
+    # a flat importance: ggml's imatrix variants of the fused kernels compile in seconds, the plain Q4_K/Q5_K
+    # search in most of a minute on first use (bench/results/kquant-compile-time.json)
+    with probe.span("start_codes", w=sum(math.prod(s.shape) for s, _ in sel)):
+        encoded = {s.name: encode(build_tensor(s, fetch).numpy(), t, np.ones(s.shape[-1], np.float32),
+                                  device=None if dev.type == "cpu" else str(dev)) for s, t in sel}
+    with probe.span(f"probe/tune {probe_iters} steps"):
+        tuner = LayerTuner(ckpt, ids, [s for s, _ in sel], [t for _, t in sel], iters=probe_iters, device=dev)
+        for i in range(moe):
+            tuner.layer(i, {})  # the streams into the MoE layer: nothing of these layers is tuned here
+        stream = tuner.source   # the source streams entering the MoE layer (the Hessians' stand-in below)
+        tuner.layer(moe, encoded)
+    del encoded
+    rounded = round_probe(_probe_stacks(specs, moe), stream, fetch, dev, probe)
+    return {"layer": moe, "probe_iters": probe_iters, "tune_iters": tune_iters, "max_weights": tuner.max_weights,
+            "round_probe": rounded,
+            "tuned": {s.name: [t, math.prod(s.shape)] for s, t in sel},
+            "reports": [{"layer": r.layer, "check_before": r.check_before, "check_after": r.check_after,
+                         "kept": r.kept, "changed": round(r.changed, 4), "seconds": round(r.seconds, 2)}
+                        for r in tuner.reports],
+            "phases": summarise_hessian(read_log(_LOG)) if _LOG else {}, **_peaks()}
+
+
+def _probe_stacks(specs: list, layer: int) -> list:
+    """(slice stack spec, type) per routed-expert stack type Hessian rounding covers in the release's 108 GB plan,
+    most weights first: the slice's stack of `layer` as wide as the release's widest-by-weights stack of the type."""
+    from mixq.convert.gguf_rounding import covered
+
+    by: dict[str, dict[int, int]] = {}
+    for s, t in _release_gguf_specs():
+        if s.transform == "stack" and covered(s, t):
+            n = by.setdefault(t, {})
+            n[int(s.shape[-1])] = n.get(int(s.shape[-1]), 0) + math.prod(s.shape)
+    mine = [s for s in specs if s.layer == layer and s.transform == "stack"]
+    if not mine:
+        return []
+    release_hidden = int(json.loads(SHAPE_CONFIG.read_text())["text_config"]["hidden_size"])
+    out = []
+    for t, widths in sorted(by.items(), key=lambda kv: -sum(kv[1].values())):
+        n = max(widths, key=widths.get)
+        # the slice's stack reading the hidden stream when the release's does (a toy slice is narrower)
+        want = [s for s in mine if (s.shape[-1] == max(x.shape[-1] for x in mine)) == (n == release_hidden)]
+        out.append(((want or mine)[0], t))
+    return out
+
+
+def round_probe(stacks: list, stream, fetch, dev, probe: Probe) -> dict[str, dict]:
+    """Hessian rounding of one expert slice (the converter's slice size) of each routed-expert stack type the
+    release's plan rounds ("TYPE/stack": seconds per M weights), as `_encode_spec` rounds it, with a stand-in Hessian of the same shape
+    for every expert: E[x·xᵀ] of the source stream entering the layer (its first n dimensions). The cost is the
+    column loop and the refinement passes over the slice, not the Hessian's values; the per-expert Hessians'
+    formation is not in it (the gguf-hessian stage measures that)."""
+    import torch
+
+    import mixq.convert.gguf_rounding as gr
+    from mixq.quant.ggml import hessian_rounding as kh
+
+    x = stream[..., 0, :].reshape(-1, stream.shape[-1]).to(dev, torch.float32)
+    out: dict[str, dict] = {}
+    for spec, qtype in stacks:
+        key = f"{qtype}/stack"
+        if key in out:
+            continue
+        n = int(spec.shape[-1])
+        e = min(len(spec.hf_names), gr._expert_slice(n))
+        h = (x[:, :n].T @ x[:, :n] / x.shape[0]).expand(e, n, n).contiguous()
+        w = torch.stack([fetch(name) for name in spec.hf_names[:e]])
+        with probe.span(f"round_probe/{key}", w=int(w.numel()), experts=e):
+            t = time.time()
+            kh.quantize_hessian(w, h, qtype, None, damp=gr.DAMP, refine=gr.REFINE_PASSES, device=dev)
+            sec = time.time() - t
+        out[key] = {"tensor": spec.name, "experts": e, "weights": int(w.numel()), "seconds": round(sec, 2),
+                    "s_per_mweight": round(sec / w.numel() * 1e6, 4)}
+        probe.emit({"k": "round_probe", "t0": time.time(), "t1": time.time(), "rate": {key: out[key]}})
+        del h, w
+    return out
+
+
+def stage_dequant(work: Path, device: str, rounds: int = 3, max_weights: int = 200_000_000) -> dict:
+    """bench/gguf_dequant_speed.py on this stage's device: gguf-py on the host against torch's decoders, on the
+    slice's GGUF candidate (capped per type) and one synthetic tensor of each quantized type of the release's
+    108 GB plan. Its JSON goes to WORK/gguf_dequant_speed.json and into this stage's result."""
+    gg = next((work / n for n in reversed(EVAL_CANDIDATES) if n.endswith(".gguf") and (work / n).is_file()), None)
+    types = sorted(t for t in _release_gguf_weights() if t not in ("F32", "F16", "BF16"))
+    js = work / "gguf_dequant_speed.json"
+    js.unlink(missing_ok=True)
+    cuda = device != "cpu"
+    cmd = [sys.executable, str(REPO / "bench" / "gguf_dequant_speed.py"), "--device", "cuda" if cuda else "cpu",
+           "--synthetic", ",".join(types), "--synthetic-shape", "4096x4096" if cuda else "64x4096",
+           "--rounds", str(rounds), "--json", str(js)]
+    if gg is not None:
+        cmd += ["--gguf", str(gg), "--max-weights", str(max_weights)]
+    t = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    out = {"returncode": r.returncode, "wall_seconds": round(time.time() - t, 1), "gguf": gg.name if gg else None,
+           "table": r.stdout[-3000:]}
+    if r.returncode:
+        out["tail"] = r.stderr[-2000:]
+    if js.is_file():
+        d = json.loads(js.read_text())
+        out["paths"] = d["paths"]
+        out["weights_by_type"] = d["weights_by_type"]
     return out
 
 
@@ -1124,16 +1873,38 @@ def project_exl3(st: dict, layers: tuple, experts: int, counts: dict, ref: dict 
             "scaled": scaled}
 
 
+@lru_cache(maxsize=1)
+def _release_plan():
+    """The 108 GB i-quant plan of the release (`mixq plan --size 108GB --gguf-ladder iq`), made once."""
+    from mixq.formats.checkpoint import checkpoint_from_config
+    from mixq.planning.planner import plan_model
+
+    return plan_model(checkpoint_from_config(SHAPE_CONFIG), "gguf", size=108 * 10**9, gguf_ladder="iq")
+
+
 def _release_gguf_weights() -> dict[str, int]:
     """Weights per ggml type of the 108 GB i-quant plan of the release (`mixq plan --size 108GB --gguf-ladder iq`)."""
-    from mixq.planning.planner import plan_model
-    from mixq.formats.checkpoint import checkpoint_from_config
-
-    plan = plan_model(checkpoint_from_config(SHAPE_CONFIG), "gguf", size=108 * 10**9, gguf_ladder="iq")
     out: dict[str, int] = {}
-    for t in plan.tensors:
+    for t in _release_plan().tensors:
         out[t.type] = out.get(t.type, 0) + math.prod(int(x) for x in t.shape)
     return out
+
+
+@lru_cache(maxsize=1)
+def _release_gguf_specs() -> tuple:
+    """(GGUF tensor spec, planned type) of every tensor of the release's 108 GB plan."""
+    from mixq.formats.checkpoint import checkpoint_from_config
+    from mixq.formats.gguf_names import gguf_tensors
+
+    by = {t.name: t.type for t in _release_plan().tensors}
+    return tuple((s, by[s.name]) for s in gguf_tensors(checkpoint_from_config(SHAPE_CONFIG)) if s.name in by)
+
+
+def _release_kinds() -> dict[int, str]:
+    """Decoder layer -> kind (kda-dense / kda-moe / dsa-moe) of the release."""
+    t = json.loads(SHAPE_CONFIG.read_text())["text_config"]
+    inv = {v: k for k, v in LAYER_KINDS.items()}
+    return {i: inv[(a, m)] for i, (a, m) in enumerate(zip(t["layer_types"], t["mlp_layer_types"]))}
 
 
 def project_gguf(st: dict, layers: tuple, experts: int, counts: dict, ref: dict | None) -> dict:
@@ -1210,6 +1981,338 @@ def project_gguf(st: dict, layers: tuple, experts: int, counts: dict, ref: dict 
     return out
 
 
+# --- GGUF --rounding hessian, projected: per release layer from its planned tensors and the rates measured ------
+
+HESSIAN_TARGET_HOURS = 3.0
+EVAL_TARGET_HOURS = 0.25
+RELEASE_EVAL_TOKENS = 16 * 4096  # the release eval: 16 windows x 4096 tokens
+
+
+class _Rates:
+    """Seconds of the hessian path's parts, looked up per type / layer kind, each answer with where it came from;
+    every borrowing is kept once in `notes`."""
+
+    def __init__(self) -> None:
+        self.notes: dict[str, str] = {}
+
+    def note(self, what: str, src: str) -> None:
+        self.notes.setdefault(what, src)
+
+
+def _first_stage(phases: dict, layers: tuple, kind: str, need) -> dict | None:
+    """The first slice stage of `kind` whose phases satisfy `need`."""
+    for i, k in enumerate(layers):
+        d = (phases.get("stages") or {}).get(f"layer.{i}")
+        if k == kind and d and need(d):
+            return d
+    return None
+
+
+def _capture_seconds(st: dict, layers: tuple, ref: dict | None, r: _Rates) -> dict[str, float]:
+    """The calibration (Hessian capture) forward per layer kind: this run's hessian stage, else the exl3 stage's
+    calibration forward (the same LayerCalibrator pass with full Hessians); DSA+MoE from KDA+MoE plus the
+    reference's DSA-minus-KDA difference when the slice has no DSA layer."""
+    out: dict[str, float] = {}
+    hp = (st.get("gguf-hessian") or {}).get("phases") or {}
+    xp = ((st.get("exl3") or {}).get("phases") or {})
+    for kind in LAYER_KINDS:
+        d = _first_stage(hp, layers, kind, lambda d: "capture_forward_s" in d and "capture" not in d["state"])
+        if d is not None:
+            out[kind] = d["capture_forward_s"]
+            r.note(f"capture forward {kind}", "this run's gguf-hessian stage")
+            continue
+        d = _first_stage(xp, layers, kind, lambda d: "calibration_forward_s" in d
+                         and d.get("state") != "cut in the calibration forward")
+        if d is not None:
+            out[kind] = d["calibration_forward_s"]
+            r.note(f"capture forward {kind}", "the exl3 stage's calibration forward (the same full-Hessian pass)")
+    if "dsa-moe" not in out and "kda-moe" in out:
+        delta = 0.0
+        rx = (ref or {}).get("stages", {}).get("exl3", {})
+        if "calibration" in rx:
+            c, rl = rx["calibration"], ref["_layers"]
+            dsa = [c.get(f"layer.{i}", 0) for i, k in enumerate(rl) if k == "dsa-moe"]
+            kda = [c.get(f"layer.{i}", 0) for i, k in enumerate(rl) if k == "kda-moe"]
+            if dsa and kda:
+                delta = sum(dsa) / len(dsa) - sum(kda) / len(kda)
+        out["dsa-moe"] = out["kda-moe"] + delta
+        r.note("capture forward dsa-moe", f"KDA+MoE + the reference EXL3 run's DSA-minus-KDA difference ({delta:.2f} s)"
+               if "calibration" in rx else "KDA+MoE's (no reference run to add the DSA-minus-KDA difference)")
+    return out
+
+
+def _with_probe_rates(hp: dict, tune: dict, r: _Rates) -> dict:
+    """The hessian stage's rounding rates, plus the tune probe's one-slice rates of the stack types it did not
+    round (with the per-expert Hessians' seconds the hessian stage measured, per expert, added)."""
+    rates = dict(hp.get("round_rates") or {})
+    probed = (tune.get("phases") or {}).get("round_probe") or tune.get("round_probe") or {}
+    eh = hp.get("experts_hessian")
+    for k, v in probed.items():
+        if k in rates:
+            continue
+        extra = eh["s_per_expert"] / (v["weights"] / v["experts"]) * 1e6 if eh and eh.get("experts") else 0.0
+        rates[k] = {"weights": v["weights"], "seconds": v["seconds"], "s_per_mweight": v["s_per_mweight"] + extra}
+        r.note(f"rounding {k}", "the tune probe's one expert slice (stand-in Hessians)"
+               + (" + the per-expert Hessians as measured in the gguf-hessian stage" if extra
+                  else "; the per-expert Hessians' formation not included (not measured)"))
+    return rates
+
+
+def _round_rate(rates: dict, qtype: str, stack: bool, r: _Rates) -> float:
+    """Seconds per M weights of Hessian rounding (its per-expert Hessians, fetch and spill included) of a tensor
+    of `qtype`: this run's rate of the type and shape kind, else of the type, else the run's mean."""
+    k = f"{qtype}/{'stack' if stack else 'matrix'}"
+    if k in rates:
+        return rates[k]["s_per_mweight"]
+    same = [v for kk, v in rates.items() if kk.split("/")[0] == qtype]
+    if same:
+        r.note(f"rounding {k}", f"{qtype}'s rate on the other shape kind in this run")
+        return sum(v["seconds"] for v in same) / sum(v["weights"] for v in same) * 1e6
+    if rates:
+        r.note(f"rounding {k}", "the run's mean rounding rate per weight (this type was not rounded)")
+        return sum(v["seconds"] for v in rates.values()) / sum(v["weights"] for v in rates.values()) * 1e6
+    r.note(f"rounding {k}", "no rounding measured: 0")
+    return 0.0
+
+
+def _tune_source(st: dict, layers: tuple, kind: str, r: _Rates) -> dict | None:
+    """The measured tuning of a layer like `kind`: MoE layers from the tune probe, else the hessian stage; dense
+    layers from the hessian stage, else a MoE layer's (an upper bound); DSA+MoE as KDA+MoE (the slice has no DSA
+    layer; a step is the layer's forward and backward)."""
+    hp = (st.get("gguf-hessian") or {}).get("phases") or {}
+    tp = (st.get("gguf-tune") or {}).get("phases") or {}
+    want = "kda-moe" if kind == "dsa-moe" else kind
+    tries = [(hp, "gguf-hessian", want)] if want == "kda-dense" else [(tp, "gguf-tune", want), (hp, "gguf-hessian", want)]
+    if want == "kda-dense":
+        tries += [(tp, "gguf-tune", "kda-moe"), (hp, "gguf-hessian", "kda-moe")]
+
+    def ok(d: dict) -> bool:
+        stages = (d.get("tune") or {}).get("stages") or []
+        return bool(stages and stages[0].get("s_per_step"))
+
+    for ph, name, k in tries:
+        d = _first_stage(ph, layers, k, ok)
+        if d is None:
+            continue
+        why = "" if k == kind else (" (the slice has no DSA layer)" if kind == "dsa-moe"
+                                    else " (no dense layer tuned: an upper bound)")
+        r.note(f"tuning {kind}", f"the {name} stage's {k} layer{why}")
+        return d["tune"]
+    return None
+
+
+def _budget(st: dict) -> int | None:
+    """Weights one tuning stage may hold (the tuner's budget on this device), as measured."""
+    for name in ("gguf-tune", "gguf-hessian"):
+        s = st.get(name) or {}
+        if s.get("max_weights"):
+            return s["max_weights"]
+        for d in ((s.get("phases") or {}).get("stages") or {}).values():
+            if (d.get("tune") or {}).get("max_weights"):
+                return d["tune"]["max_weights"]
+    return None
+
+
+def _checks(iters: int, checks: int = 4) -> int:
+    """Held-out checks of a descent of `iters` steps (block_tuning.sign_descent: the start and `checks` marks)."""
+    return 1 + len({round(iters * k / checks) for k in range(1, checks + 1)})
+
+
+def _stage_cost(stage: dict, iters: int) -> float:
+    """One tuning stage at `iters` steps: the steps at their measured rate, its held-out checks (at their measured
+    seconds each) and set-up."""
+    check = stage.get("check_s", 0.0) / stage["checks"] if stage.get("checks") else 0.0
+    return iters * stage["s_per_step"] + _checks(iters) * check + max(0.0, stage.get("setup_s", 0.0))
+
+
+def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | None, host: dict,
+                  r: _Rates) -> dict[str, float]:
+    """Seconds of block-output tuning of one release layer (its (spec, type, covered) list): the stage of the
+    layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step, the
+    codes' set-up, the host decodes of what is encoded but not tuned, the tuner's numpy encodes of what Hessian
+    rounding leaves to ggml, and the streams (materialise, source and quantized passes)."""
+    from mixq.quant.ggml import block_tuning as bt
+
+    out = {"steps": 0.0, "codes_init": 0.0, "host_decode": 0.0, "stored_values_numpy": 0.0, "streams": 0.0}
+    if tune is None:
+        return out
+    tun = [(s, t) for s, t, c in tensors if c and t in bt.TUNABLE]
+    room = budget if budget is not None else float("inf")
+    chosen, over = [], []
+    for s, t in sorted(tun, key=lambda m: m[0].transform == "stack"):
+        n = math.prod(s.shape)
+        if n <= room:
+            chosen.append((s, t))
+            room -= n
+        elif s.transform == "stack":
+            over.append((s, t))
+    st0 = tune["stages"][0]
+    groups = [x for x in tune["stages"][1:] if x.get("s_per_step")]
+    out["steps"] = _stage_cost(st0, iters) if chosen else 0.0
+    if over and budget:
+        per_expert = sum(math.prod(s.shape[1:]) for s, _ in over)
+        size = max(1, budget // per_expert)
+        n_groups = math.ceil(min(int(s.shape[0]) for s, _ in over) / size)
+        g = groups[-1] if groups else st0
+        if not groups:
+            r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
+        out["steps"] += n_groups * _stage_cost(g, iters)
+    tuned_w = sum(x.get("weights") or 0 for x in tune["stages"])
+    if tuned_w:
+        out["codes_init"] = tune.get("codes_init_s", 0.0) / tuned_w * sum(math.prod(s.shape) for s, _ in tun)
+    for s, t, c in tensors:
+        w = math.prod(s.shape)
+        if c and t not in bt.TUNABLE:  # encoded by Hessian rounding, not tunable: decoded on the host (gguf-py)
+            out["host_decode"] += w / 1e6 / _host_rate(host, t, "host_decode", r)
+        elif not c and t not in ("F32", "F16", "BF16"):  # left to ggml: the tuner encodes it with numpy
+            out["stored_values_numpy"] += w / 1e6 / _host_rate(host, t, "numpy_encode", r)
+    out["streams"] = max(0.0, tune.get("streams_other_s", 0.0))
+    return out
+
+
+def _host_rate(host: dict, qtype: str, what: str, r: _Rates) -> float:
+    """M weights/s of a host path for `qtype` (host_rates), else the slowest measured type's (named)."""
+    v = (host.get(qtype) or {}).get(what)
+    if v:
+        return v
+    known = [d[what] for d in host.values() if d.get(what)]
+    r.note(f"host {what} {qtype}", "not sampled: the slowest sampled type's rate" if known else "not sampled: 1 M/s")
+    return min(known) if known else 1.0
+
+
+def _release_layers(specs: tuple) -> dict:
+    """Release tensors grouped: decoder layer -> [(spec, type, covered)], plus "nextn" and "head"."""
+    from mixq.convert.gguf_rounding import covered
+
+    out: dict = {}
+    for s, t in specs:
+        key = "nextn" if s.mtp else ("head" if s.layer is None else s.layer)
+        out.setdefault(key, []).append((s, t, covered(s, t)))
+    return out
+
+
+def _exact_rate(exact: dict, qtype: str, r: _Rates) -> float:
+    """ggml's encoder on the GPU, M weights/s (the exact projection's rates; the mean where it has none)."""
+    rates = {t: v["rate"] for t, v in (exact.get("rates_mweights_per_s") or {}).items()}
+    if qtype in rates:
+        return rates[qtype]
+    r.note(f"exact encode {qtype}", "the exact projection's mean rate (this type was not encoded)")
+    return sum(rates.values()) / len(rates) if rates else 1.0
+
+
+def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict) -> dict:
+    """GGUF 108 GB `--gguf-ladder iq --rounding hessian` release hours on one device: every release layer from
+    its planned tensors (the 108 GB plan) at the rates this run measured: the capture forward per layer kind,
+    Hessian rounding per type (s per M weights, its per-expert Hessians and spill included), block-output tuning
+    (the stage of the layer's tensors and the expert groups over the tuner's budget, at the measured seconds per
+    step x `tune_iters`), the tuner's host paths (numpy encodes of the types Hessian rounding leaves to ggml, gguf-py
+    decodes of the encoded tensors it does not tune), then ggml's encoders for the rest (NextN included), the
+    write; imatrix and read/write/seal from the exact projection. Every borrowing is in `scaled`."""
+    hs = st.get("gguf-hessian") or {}
+    hp = hs.get("phases") or {}
+    iters = int(hs.get("tune_iters") or (st.get("gguf-tune") or {}).get("tune_iters") or 200)
+    r = _Rates()
+    rates = _with_probe_rates(hp, st.get("gguf-tune") or {}, r)
+    host = hp.get("host_rates") or hs.get("host_rates_mweights_per_s") or {}
+    capture = _capture_seconds(st, layers, ref, r)
+    budget = _budget(st)
+    if budget is None:
+        r.note("tuning budget", "not measured: every stack tuned with the layer's tensors (a lower bound)")
+    kinds = _release_kinds()
+    groups = _release_layers(_release_gguf_specs())
+    per_layer, missing = {}, []
+    tunes = {k: _tune_source(st, layers, k, r) for k in LAYER_KINDS}
+    for i in sorted(k for k in groups if isinstance(k, int)):
+        kind, tensors = kinds[i], groups[i]
+        parts = {"capture_forward": capture.get(kind, 0.0),
+                 "hessian_rounding": sum(math.prod(s.shape) / 1e6 * _round_rate(rates, t, s.transform == "stack", r)
+                                         for s, t, c in tensors if c)}
+        parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, host, r))
+        parts["exact_encode_gpu"] = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in tensors
+                                        if not c and t not in ("F32", "F16", "BF16"))
+        stacks = sorted({t for s, t, _ in tensors if s.transform == "stack"})
+        per_layer[i] = {"kind": kind, "experts": "+".join(stacks) or "-",
+                        "seconds": round(sum(parts.values()), 1), "parts_s": {k: round(v, 2) for k, v in parts.items()}}
+    for k in LAYER_KINDS:
+        if k not in capture:
+            missing.append(f"capture forward of {k}")
+        if tunes[k] is None:
+            missing.append(f"block-output tuning of a {k} layer")
+    if not rates:
+        missing.append("Hessian rounding (no tensor finished)")
+    layer_s = sum(d["seconds"] for d in per_layer.values())
+    nextn = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in groups.get("nextn", [])
+                if t not in ("F32", "F16", "BF16"))
+    head = _head_seconds(groups.get("head", []), hp, tunes["kda-dense"], iters, rates, r)
+    read_rate = ((st.get("load") or {}).get("bf16") or {}).get("gb_per_s") or 3.5
+    spill = sum(_type_bytes(t, math.prod(s.shape)) for k, g in groups.items() if k != "nextn" for s, t, c in g if c)
+    spill_read = spill / 1e9 / read_rate
+    r.note("spill read at the write", f"the rounded blocks ({spill / 1e9:.0f} GB) read back at the load stage's "
+                                      f"{read_rate} GB/s")
+    conv = hp.get("convert") or {}
+    start = conv.get("validate_s", 0.0) + conv.get("plan_s", 0.0) + conv.get("tune_init_s", 0.0)
+    parts_h = {"imatrix (exact path's)": exact.get("imatrix_hours", 0.0),
+               "decoder layers": round(layer_s / 3600, 3), "nextn (ggml encoders)": round(nextn / 3600, 3),
+               "head (rounding + tuning)": round(head / 3600, 3),
+               "read/write/seal (exact path's)": exact.get("read_write_seal_hours", 0.0),
+               "spill read at the write": round(spill_read / 3600, 3), "start": round(start / 3600, 3)}
+    total = sum(parts_h.values())
+    by_part: dict[str, float] = {}
+    for d in per_layer.values():
+        for k, v in d["parts_s"].items():
+            by_part[k] = by_part.get(k, 0.0) + v
+    by_kind = _per_layer_type(per_layer)
+    return {"hours": round(total, 2), "target_hours": HESSIAN_TARGET_HOURS,
+            "meets_target": total <= HESSIAN_TARGET_HOURS, "tune_iters": iters, "tuning_budget_weights": budget,
+            "parts_hours": parts_h,
+            "decoder_parts_hours": {k: round(v / 3600, 3) for k, v in sorted(by_part.items(), key=lambda x: -x[1])},
+            "per_layer_type": by_kind,
+            "capture_forward_s": {k: round(v, 2) for k, v in capture.items()},
+            "rounding_s_per_mweight": {k: v["s_per_mweight"] for k, v in rates.items()},
+            "host_rates_mweights_per_s": host,
+            **({"missing": missing} if missing else {}),
+            "scaled": [{"scaled": k, "from": v} for k, v in r.notes.items()]}
+
+
+def _per_layer_type(per_layer: dict) -> dict:
+    """The release layers grouped by kind and expert types: count, seconds each (mean), parts, layer indices."""
+    out: dict[str, dict] = {}
+    for i, d in per_layer.items():
+        key = f"{d['kind']}, experts {d['experts']}" if d["experts"] != "-" else d["kind"]
+        g = out.setdefault(key, {"count": 0, "layers": [], "seconds": 0.0, "parts_s": {}})
+        g["count"] += 1
+        g["layers"].append(i)
+        g["seconds"] += d["seconds"]
+        for k, v in d["parts_s"].items():
+            g["parts_s"][k] = g["parts_s"].get(k, 0.0) + v
+    for g in out.values():
+        n = g["count"]
+        g["seconds_each"] = round(g.pop("seconds") / n, 1)
+        g["hours_all"] = round(g["seconds_each"] * n / 3600, 3)
+        g["parts_s"] = {k: round(v / n, 2) for k, v in g["parts_s"].items()}
+    return out
+
+
+def _type_bytes(qtype: str, weights: int) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    n, b = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return weights // n * b
+
+
+def _head_seconds(tensors: list, hp: dict, dense_tune: dict | None, iters: int, rates: dict, r: _Rates) -> float:
+    """output.weight: its rounding at its type's rate, and its tuning (the KL of the logits) as measured in this run
+    when the head was reached, else as one dense layer's tuning stage (named)."""
+    sec = sum(math.prod(s.shape) / 1e6 * _round_rate(rates, t, False, r) for s, t, c in tensors if c)
+    head = ((hp.get("stages") or {}).get("head") or {}).get("tune")
+    if head and head.get("state") == "done" and head["stages"] and head["stages"][0].get("s_per_step"):
+        return sec + _stage_cost(head["stages"][0], iters) + max(0.0, head.get("streams_other_s", 0.0))
+    if dense_tune is not None and dense_tune["stages"][0].get("s_per_step"):
+        r.note("head tuning", "not reached: as the dense layer's tuning stage")
+        return sec + _stage_cost(dense_tune["stages"][0], iters)
+    return sec
+
+
 def project_eval(st: dict, n_layers: int, counts: dict) -> dict:
     """One eval run = the reference pass + every candidate's: one candidate costs the reference's load, its own
     load and two of the (1 + n) forward passes; the rest (windows, logits, KLD) is shared."""
@@ -1238,6 +2341,93 @@ def project_eval(st: dict, n_layers: int, counts: dict) -> dict:
                                      "forward (reference + candidate)": round(2 * fwd * depth / 3600, 2),
                                      "head+other": round(rest / n / 3600, 3)}
     return out
+
+
+def project_eval_phases(st: dict, layers: tuple, counts: dict) -> dict:
+    """One candidate's eval of the release (16 windows x 4096 unless the run used others): the reference pass and the
+    candidate's, part by part. Reads and copies to the device scale by the text weights (BF16 for the reference);
+    the candidate's decode splits into torch's decode kernels (per type of the 108 GB plan at the dequant stage's
+    rates on this device, else this candidate's rate per weight) and the rest per weight (bytes in, copies,
+    unbuild); the forward per layer kind x the release's layers (DSA+MoE as KDA+MoE when the slice has none); the
+    embedding, the logits and the statistics as measured (same windows, same widths)."""
+    v = st.get("eval") or {}
+    models = (v.get("phases") or {}).get("models") or {}
+    cand = next((k for k in models if k != "reference"), None)
+    if "reference" not in models or cand is None:
+        return {}
+    r = _Rates()
+    rel, sl = counts["release"], counts["slice"]
+    w_ratio = (sum(rel.values()) - rel.get("vision", 0)) / max(1, sum(sl.values()) - sl.get("vision", 0))
+    slice_w = sum(sl.values()) - sl.get("vision", 0)
+    n_kind: dict[str, int] = {}
+    for k in _release_kinds().values():
+        n_kind[k] = n_kind.get(k, 0) + 1
+    rel_w: dict[str, int] = {}
+    for s, t in _release_gguf_specs():
+        if not s.mtp:  # the eval's forward has no NextN block
+            rel_w[t] = rel_w.get(t, 0) + math.prod(s.shape)
+
+    tokens = (v.get("windows") or 16) * (v.get("ctx") or 4096)
+    tok = RELEASE_EVAL_TOKENS / tokens  # the forward, logits and statistics scale with the tokens scored
+    if tok != 1:
+        r.note("tokens", f"forward, logits and statistics x{tok:g} ({RELEASE_EVAL_TOKENS} tokens, this run {tokens})")
+
+    def forward(m: dict) -> float:
+        per = m.get("forward_per_layer_s") or {}
+        by: dict[str, float] = {}
+        for i, k in enumerate(layers):
+            if f"layer.{i}" in per:
+                by.setdefault(k, per[f"layer.{i}"])
+        if "dsa-moe" not in by and "kda-moe" in by:
+            by["dsa-moe"] = by["kda-moe"]
+            r.note("forward dsa-moe", "the KDA+MoE layer's (the slice has no DSA layer)")
+        return tok * (sum(n * by.get(k, 0.0) for k, n in n_kind.items()) + m.get("embed_s", 0.0))
+
+    ref, c = models["reference"], models[cand]
+    parts = {"reference: read BF16": (ref.get("load_s", 0.0) + ref.get("get_s", 0.0)) * w_ratio,
+             "reference: copy to the device": ref.get("materialize_s", 0.0) * w_ratio,
+             "reference: forward": forward(ref),
+             "reference: logits": tok * ref.get("logits_s", 0.0)}
+    deq = c.get("load_s", 0.0) + c.get("get_s", 0.0)
+    dec = c.get("decode_s", 0.0)
+    parts["candidate: decode kernels"] = _release_decode(st, rel_w, c, slice_w, r)
+    parts["candidate: bytes in, copies, unbuild"] = max(0.0, deq - dec) / max(1, slice_w) * sum(rel_w.values())
+    parts["candidate: copy to the device"] = c.get("materialize_s", 0.0) * w_ratio
+    parts["candidate: forward"] = forward(c)
+    parts["candidate: logits"] = tok * c.get("logits_s", 0.0)
+    parts["statistics (KLD, top-1)"] = tok * (v.get("phases") or {}).get("score_s", 0.0)
+    total = sum(parts.values())
+    top = max(parts, key=parts.get)
+    deq_h = sum(x for k, x in parts.items() if k.startswith("candidate: ") and "forward" not in k
+                and "logits" not in k)
+    return {"one_candidate_hours": round(total / 3600, 3), "target_hours": EVAL_TARGET_HOURS,
+            "meets_target": total / 3600 <= EVAL_TARGET_HOURS, "candidate": cand, "windows": v.get("windows"),
+            "ctx": v.get("ctx"), "parts_hours": {k: round(x / 3600, 4) for k, x in parts.items()},
+            "largest_part": top, "candidate_dequant_hours": round(deq_h / 3600, 3),
+            "dequant_dominates": deq_h > total / 2,
+            "scaled": [{"scaled": k, "from": x} for k, x in r.notes.items()]
+            + [{"scaled": "reads and copies to the device by the text weights", "factor": round(w_ratio, 2)}]}
+
+
+def _release_decode(st: dict, rel_w: dict, cand: dict, slice_w: int, r: _Rates) -> float:
+    """Seconds of torch's decode kernels over the release's 108 GB candidate: per type at the dequant stage's rate
+    on the eval's device (torch-cuda, else the CPU row), else at this candidate's measured decode rate."""
+    paths = (st.get("dequant") or {}).get("paths") or {}
+    row = paths.get("torch-cuda") or next((p for k, p in paths.items() if k.startswith("torch-cpu")), None)
+    own = sum(x["weights"] for x in (cand.get("decode") or {}).values())
+    own_rate = own / max(cand.get("decode_s", 0.0), 1e-9) / 1e6 if own else None
+    sec = 0.0
+    for t, w in rel_w.items():
+        rate = (row or {}).get("by_type", {}).get(t)
+        if rate:
+            r.note("decode rates", "the dequant stage (bench/gguf_dequant_speed.py) on this device")
+        elif own_rate:
+            rate = own_rate
+            r.note(f"decode {t}", "this candidate's decode rate per weight (the dequant stage has no figure)")
+        else:
+            continue
+        sec += w / 1e6 / rate
+    return sec
 
 
 def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | None = DEFAULT_REFERENCE) -> dict:
@@ -1271,14 +2461,23 @@ def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | No
         out["gguf_108GB"] = project_gguf(st, layers, experts, counts, ref)
         if "hours_108GB" in out["gguf_108GB"]:
             out["gguf_108GB_hours"] = out["gguf_108GB"]["hours_108GB"]
-    ev = project_eval(st, len(layers), counts)
+    if any((st.get(k) or {}).get("phases") for k in ("gguf-hessian", "gguf-tune")):
+        h = project_gguf_hessian(st, layers, ref, out.get("gguf_108GB", {}))
+        if "gguf_108GB" not in out:
+            h.setdefault("missing", []).append("the exact path's projection (imatrix, read/write/seal, ggml's encode "
+                                               "rates): run the gguf stage, or start from its JSON (--seed-json)")
+        out["gguf_108GB_hessian"] = h
+        out["gguf_108GB_hessian_hours"] = h["hours"]
+    ev = project_eval_phases(st, layers, counts) or project_eval(st, len(layers), counts)
     if ev:
         out["eval"] = ev
-        out["eval_one_candidate_hours"] = ev.get("one_exl3_candidate_hours", ev.get("one_gguf_candidate_hours"))
+        out["eval_one_candidate_hours"] = ev.get("one_candidate_hours", ev.get("one_exl3_candidate_hours",
+                                                                              ev.get("one_gguf_candidate_hours")))
     return out
 
 
 CHILD_STAGES = {"build": stage_build, "load": stage_load, "exl3": stage_exl3, "eval": stage_eval, "gguf": stage_gguf,
+                "gguf-tune": stage_gguf_tune, "gguf-hessian": stage_gguf_hessian, "dequant": stage_dequant,
                 "exllamav3": stage_exllamav3, "k256": stage_k256}
 MIN_STAGE_S = 20.0  # a stage is not started with less than this left before the deadline
 
@@ -1353,9 +2552,15 @@ def _child_main(a) -> None:
     dev = a.device or "cuda"
     kw: dict = {}
     if a.child == "eval":
-        kw = {"windows": a.eval_windows, "ctx": a.eval_ctx}
-    elif a.child in ("exl3", "gguf", "exllamav3"):
+        kw = {"windows": a.eval_windows, "ctx": a.eval_ctx, "cheap": a.eval_cheap}
+    elif a.child in ("exl3", "gguf", "exllamav3", "gguf-hessian", "gguf-tune"):
         kw = {"rows": a.rows, "seq_len": a.seq_len}
+    if a.child == "gguf-hessian":
+        kw.update(tune_iters=a.tune_iters, imatrix_rows=a.imatrix_rows, eager_types=a.eager_types)
+    elif a.child == "gguf-tune":
+        kw.update(tune_iters=a.tune_iters, probe_iters=a.tune_probe_iters)
+    elif a.child == "dequant":
+        kw = {"rounds": a.dequant_rounds}
     if a.child == "build":
         kw = {"experts": a.experts, "small": a.small, "layers": parse_layers(a.layers), "fp8": not a.no_fp8}
     if a.child == "exllamav3":
@@ -1391,6 +2596,18 @@ def main() -> None:
     ap.add_argument("--exllamav3-limit", type=float, default=None,
                     help="seconds: stop exllamav3's converter there (its per-layer times are still recorded)")
     ap.add_argument("--eager-types", default="", help="gguf stage: types encoded without the fused kernels")
+    ap.add_argument("--tune-iters", type=int, default=200,
+                    help="gguf-hessian: block-output tuning steps per stage (the converter's default); gguf-tune and "
+                         "project: the steps the seconds per step are scaled to")
+    ap.add_argument("--tune-probe-iters", type=int, default=20, help="gguf-tune: steps run per tuning stage")
+    ap.add_argument("--imatrix-rows", type=int, default=None,
+                    help="gguf-hessian: calibration rows of its imatrix when the gguf stage left none [default: --rows]")
+    ap.add_argument("--eval-cheap", default="Q8_0",
+                    help="eval: the GGUF type written for the eval when no conversion stage finished a candidate "
+                         "(none: no such candidate)")
+    ap.add_argument("--dequant-rounds", type=int, default=3, help="dequant stage: passes per decoder path")
+    ap.add_argument("--seed-json", type=Path, default=None,
+                    help="start the results from this earlier run's JSON (its stages kept unless run again)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--progress-log", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kill-at", type=float, default=None, help=argparse.SUPPRESS)
@@ -1405,6 +2622,10 @@ def main() -> None:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.work.mkdir(parents=True, exist_ok=True)
     res = json.loads(a.json.read_text()) if a.json.is_file() else {}
+    if a.seed_json is not None and not res:
+        res = json.loads(a.seed_json.read_text())
+        res["seeded_from"] = {"json": str(repo_relative(str(a.seed_json.resolve()))),
+                              "stages": sorted(res.get("stages", {}))}
     res.setdefault("stages", {})
     res["skipped"], res["cut"] = [], []
     limits = _limits(a.stage_limits)
@@ -1414,7 +2635,9 @@ def main() -> None:
                   "device": device, "gguf_types": a.gguf_types}
     child_args = ["--eval-windows", str(a.eval_windows), "--eval-ctx", str(a.eval_ctx), "--rows", str(a.rows),
                   "--seq-len", str(a.seq_len), "--experts", str(a.experts), "--layers", ",".join(layers),
-                  "--gguf-types", a.gguf_types] + (["--small"] if a.small else []) \
+                  "--gguf-types", a.gguf_types, "--tune-iters", str(a.tune_iters), "--tune-probe-iters",
+                  str(a.tune_probe_iters), "--eval-cheap", a.eval_cheap, "--dequant-rounds", str(a.dequant_rounds)] \
+        + (["--imatrix-rows", str(a.imatrix_rows)] if a.imatrix_rows else []) + (["--small"] if a.small else []) \
         + (["--no-fp8"] if a.no_fp8 else []) \
         + (["--exllamav3-limit", str(a.exllamav3_limit)] if a.exllamav3_limit else []) \
         + (["--eager-types", a.eager_types] if a.eager_types else [])

@@ -21,7 +21,15 @@ is within 2 points of the BF16 drafter's. Strict limits, reported beside: the BF
 within KLD 1e-3 and top-1 0.99 of each other.
 
   python bench/drafter_check.py --out OUT_DIR [--target DIR] [--train-seconds 75] [--random]
+                                [--target-build DIR [--target-train-seconds 90]]
 OUT_DIR receives drafter_check.json, log.txt, results.md (the docs/results.md rows), drafter-bf16/, drafter-6.0bpw/.
+
+The Generator runs a target only when its KDA heads are 128 wide (k256's are 64; steps 1 and 5 then fall back to
+the cache-less forward and drafting rounds). --target-build DIR first builds such a target from --target's config
+and tokenizer with bench/kda128_target.py (trained --target-train-seconds on the calibration text; a DIR that
+already holds one is reused) and checks against it; `kda128_target.py --out DIR` then `--target DIR` does the same
+in two processes (the device command in kda128_target.py's docstring). For a 128-wide target a generator failure
+is an error of the check, not a reason to fall back silently.
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kda128_target  # noqa: E402
 from drafter_distill import TorchDrafter, distill  # noqa: E402
 from drafter_engine import (engine_rounds, generate, greedy_without_cache, load_drafter, load_target,  # noqa: E402
                             prompts_from, target_states)
@@ -62,7 +71,8 @@ class Run:
             f.write(line + "\n")
 
     def phase(self, name: str, fn, *args, **kwargs):
-        """Run one phase; a failure is recorded (with its traceback in the log) and the check goes on."""
+        """Run one phase; a failure is recorded (with its traceback in the log) and the check goes on. The report
+        is saved after every phase, so a run cut short by a time limit still leaves what it measured."""
         t = time.time()
         try:
             res = fn(*args, **kwargs)
@@ -72,6 +82,8 @@ class Run:
             self.report["errors"][name] = f"{type(e).__name__}: {e}"
             self.log(f"{name} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
             return None
+        finally:
+            self.save()
 
     def save(self) -> None:
         (self.out / "drafter_check.json").write_text(json.dumps(repo_relative(self.report), indent=2, default=str)
@@ -186,12 +198,47 @@ def convert_drafter_cli(src: Path, out: Path, device: str) -> dict:
     return json.loads(r.stdout)
 
 
+def build_target(run: Run, args) -> Path:
+    """--target-build DIR: a target with 128-wide KDA heads (bench/kda128_target.py) from --target's config and
+    tokenizer, trained on --calibration; reused when DIR already holds one."""
+    out = args.target_build
+    if kda128_target.is_built(out):
+        run.log(f"target: reusing {out}")
+        return out
+    _, model = kda128_target.build(out, source=args.target, calibration=args.calibration, heldout=args.heldout,
+                                   train_seconds=args.target_train_seconds, device=args.torch_device, seed=args.seed,
+                                   log=run.log)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the training's memory, before exllamav3 loads the target
+    return out
+
+
+def describe_target(run: Run, target: Path, target_cfg: dict) -> None:
+    """The target's KDA geometry and whether exllamav3's Generator is expected to run it (128 x 128 heads); for a
+    bench/kda128_target.py build also its training summary and its name for the report."""
+    heads, width = kda128_target.kda_heads(target_cfg)
+    run.report["target"] = {"kda_heads": heads, "kda_head_dim": width,
+                            "generator_expected": width == kda128_target.KDA_HEAD_DIM}
+    if kda128_target.is_built(target):
+        summary = json.loads((target / "training_run.json").read_text())
+        if "kda_heads" in summary:
+            run.report["target_build"] = summary
+            run.report["target_label"] = target.name
+
+
 def check(args) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "log.txt").write_text("")
     run = Run(args.out)
     run.report["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    if args.target_build is not None:
+        built = run.phase("target_build", build_target, run, args)
+        if built is None:
+            return finish(run)  # checking the source model instead would answer another question
+        args.target = built
     target_cfg = json.loads((args.target / "config.json").read_text())
+    describe_target(run, args.target, target_cfg)
     from mixq.formats.dflash2 import drafter_config
 
     taps = drafter_config(target_cfg, layers=args.layers)["dflash_config"]["target_layer_ids"]
@@ -225,6 +272,8 @@ def training_data(run: Run, args, target, cache, tok, taps: list[int]):
         g = generate(target, cache, tok, prompts, args.train_new_tokens)
         how = f"engine generator, {g['tokens_per_second']} tok/s"
     except RuntimeError as e:  # e.g. exllamav3's recurrent KDA kernel: 128 x 128 heads only
+        if run.report["target"]["generator_expected"]:
+            run.log(f"engine generation failed on a 128-wide KDA target: {e}\n{traceback.format_exc()}")
         run.log(f"engine generation failed ({e}); greedy continuations through the cache-less forward instead")
         t0 = time.time()
         g = {"tokens": greedy_without_cache(target, prompts, args.train_new_tokens)}
@@ -270,6 +319,9 @@ def acceptance_phase(run: Run, args, target, cache, tok, drafters: dict, taps: l
     try:
         base = generate(target, cache, tok, prompts, args.eval_new_tokens)
     except Exception as e:  # noqa: BLE001 - any generator failure: the round-by-round measure still applies
+        if rep["target"]["generator_expected"]:  # this target is the one the Generator should run: a failure
+            rep["errors"]["generate_plain"] = f"{type(e).__name__}: {e}"
+            run.log(f"generate_plain FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         run.log(f"engine generation failed ({e}); acceptance from drafting rounds on greedy continuations")
         rep["acceptance_method"] = f"drafting rounds on the target's greedy continuations (engine generation: {e})"
         run.phase("acceptance_rounds", rounds_acceptance, run, args, target, prompts, taps, drafters)
@@ -355,7 +407,8 @@ def results_md(rep: dict) -> str:
     """The docs/results.md lines of this run."""
     q, acc, g = rep.get("quant_logits") or {}, rep.get("acceptance") or {}, rep.get("generation") or {}
     d, c = rep.get("drafter") or {}, rep.get("convert") or {}
-    lines = [f"- drafter: {d.get('kind')} ({(rep.get('distill') or {}).get('steps', 0)} distillation steps, "
+    lines = [target_line(rep)] if rep.get("target_build") else []
+    lines += [f"- drafter: {d.get('kind')} ({(rep.get('distill') or {}).get('steps', 0)} distillation steps, "
              f"{(rep.get('distill') or {}).get('seconds', 0)} s), 6 bpw EXL3 {c.get('bytes', 0) / 2**20:.2f} MiB, "
              f"converted in {c.get('seconds', 0):.1f} s on {c.get('device')}"]
     if q:
@@ -367,8 +420,9 @@ def results_md(rep: dict) -> str:
             gg = g.get(name, {})
             if "rounds" in gg:
                 lines.append(f"- acceptance with the {name} drafter: {100 * acc[name]:.2f}% ({gg['accepted']}/"
-                             f"{gg['drafted']} drafted tokens, {gg['rounds']} drafting rounds on k256's greedy "
-                             f"continuations, {gg['mean_accepted_per_round']:.2f} accepted per round)")
+                             f"{gg['drafted']} drafted tokens, {gg['rounds']} drafting rounds on "
+                             f"{rep.get('target_label', 'k256')}'s greedy continuations, "
+                             f"{gg['mean_accepted_per_round']:.2f} accepted per round)")
                 continue
             lines.append(f"- acceptance with the {name} drafter: {100 * acc[name]:.2f}% ({gg.get('accepted')}/"
                          f"{gg.get('drafted')} drafted tokens), {gg.get('tokens_per_second')} tok/s, "
@@ -379,6 +433,16 @@ def results_md(rep: dict) -> str:
                      f"top-1 {100 * e['top1']:.2f}%")
     lines.append(f"- {verdict_line(rep)}")
     return "\n".join(lines) + "\n"
+
+
+def target_line(rep: dict) -> str:
+    """The built target's row: its KDA heads and its training."""
+    b, t = rep["target_build"], rep.get("target") or {}
+    return (f"- target: {rep.get('target_label')}, KDA {t.get('kda_heads')} x {t.get('kda_head_dim')} heads, "
+            f"{b.get('params', 0) / 1e6:.2f} M parameters, trained {b.get('steps')} steps ({b.get('seconds')} s, "
+            f"{b.get('batch')} x {b.get('seq')} tokens): train loss {b.get('train_loss_first', 0):.3f} -> "
+            f"{b.get('train_loss_last', 0):.3f}, held-out {b.get('heldout_loss_init', 0):.3f} -> "
+            f"{b.get('heldout_loss', 0):.3f} (ln vocab {b.get('uniform_loss', 0):.3f})")
 
 
 def verdict_line(rep: dict) -> str:
@@ -392,6 +456,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="directory for drafter_check.json, log.txt, drafters")
     ap.add_argument("--target", type=Path, default=SHARED / "models" / "glm5next-k256")
+    ap.add_argument("--target-build", type=Path, default=None,
+                    help="build a 128-wide-KDA target from --target's config into this directory (or reuse it) "
+                         "and check against it")
+    ap.add_argument("--target-train-seconds", type=float, default=90.0)
     ap.add_argument("--calibration", type=Path, default=SHARED / "data" / "calibration.txt")
     ap.add_argument("--heldout", type=Path, default=SHARED / "data" / "heldout.txt")
     ap.add_argument("--layers", type=int, default=2)

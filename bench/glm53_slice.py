@@ -785,16 +785,7 @@ def summarise_gguf(events: list[dict], t_end: float | None = None) -> dict:
                               "accumulate_s": round(_within(done, "hessian_add", e["t0"], e["t1"]), 2)}
         elif e["k"].startswith("convert/"):
             label = e["k"].split("/", 1)[1]
-            types: dict[str, dict] = {}
-            for x in done:
-                if x["k"].startswith("encode/") and e["t0"] <= x["t0"] <= e["t1"]:
-                    t = types.setdefault(x["k"].split("/", 1)[1], {"weights": 0, "seconds": 0.0, "calls": 0})
-                    t["weights"] += x.get("w", 0)
-                    t["seconds"] += x["t1"] - x["t0"]
-                    t["calls"] += 1
-            for t in types.values():
-                t["seconds"] = round(t["seconds"], 3)
-                t["mweights_per_s"] = round(t["weights"] / max(t["seconds"], 1e-9) / 1e6, 2)
+            types = _weights_seconds(done, "encode/", e)
             out[label] = {"seconds": round(e["t1"] - e["t0"], 2), "state": "cut" if "elapsed" in e else "done",
                           "encode": types,
                           "encode_s": round(sum(t["seconds"] for t in types.values()), 2)}

@@ -3,7 +3,6 @@ transformers' reload), and bench/drafter_check.py against the built target with 
 tests/convert/test_drafter_check.py (the Generator path is taken, and its failure is an error for such a target)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -11,24 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from module_loader import load_module
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
 
-def _load(name: str, path: Path):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def kda():
-    return _load("kda128_target", BENCH / "kda128_target.py")
+    return load_module("kda128_target", BENCH / "kda128_target.py")
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +104,8 @@ def fake_check(monkeypatch, tmp_path, texts):
     from mixq.cli import main as cli
 
     tests = REPO / "tests" / "convert"
-    layout = _load("drafter_layout_tests", tests / "test_drafter.py")
-    fakes = _load("drafter_check_fakes", tests / "test_drafter_check.py")
+    layout = load_module("drafter_layout_tests", tests / "test_drafter.py")
+    fakes = load_module("drafter_check_fakes", tests / "test_drafter_check.py")
     monkeypatch.setattr(trellis, "quantize", lambda w, bits, hessian=None, codebook="mul1", seed=0:
                         [layout._StandIn(x, bits) for x in w] if w.dim() == 3 else layout._StandIn(w, bits))
 
@@ -126,8 +116,8 @@ def fake_check(monkeypatch, tmp_path, texts):
         return json.loads(r.stdout)
 
     def run(target_args: list[str], generator_error: bool = False) -> tuple[int, dict, Path]:
-        distill = _load("drafter_distill", BENCH / "drafter_distill.py")
-        check = _load("drafter_check", BENCH / "drafter_check.py")
+        distill = load_module("drafter_distill", BENCH / "drafter_distill.py")
+        check = load_module("drafter_check", BENCH / "drafter_check.py")
         fake = fakes.FakeEngine(distill, generator_error=generator_error).module()
         monkeypatch.setitem(sys.modules, "exllamav3", fake)
         monkeypatch.setitem(sys.modules, "exllamav3.constants", fake.constants)

@@ -18,18 +18,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from module_loader import load_module
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _bench(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(name, BENCH / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

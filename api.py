@@ -18,6 +18,7 @@ from typing import Sequence
 from mixq.convert.api import convert, output_format, verify
 from mixq.convert.imatrix import make_imatrix
 from mixq.convert.measure import resolve_measure, save_curves
+from mixq.convert.exl3_family import run_exl3_family
 from mixq.convert.family import FamilyResult, run_family
 from mixq.convert.options import Exl3Options, GGUFOptions, family_options, options_for
 from mixq.convert.outputs import check_outputs, writing
@@ -100,10 +101,16 @@ def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLik
         return _evaluate_streamed(reference, list(candidates), text, **options)
 
 
-def family(model: str | os.PathLike, out_dir: str | os.PathLike, **options) -> FamilyResult:
-    """A family of GGUFs in `out_dir` from one calibration and one encode per (tensor, type): `size` ("A,B,C" or a
-    list) or `bpw` (likewise), the other options as `convert` takes them for GGUF (docs/family.md).
-    `convert(model, out_dir, "gguf", size="A,B,C")` does the same."""
+def family(model: str | os.PathLike, out_dir: str | os.PathLike, fmt: str = "gguf", **options) -> FamilyResult:
+    """A family in `out_dir` from one pass: `size` ("A,B,C" or a list) or `bpw` (likewise), the other options as
+    `convert` takes them for `fmt` (docs/family.md). GGUF: one calibration and one encode per (tensor, type);
+    EXL3 ("exl3"): one set of error curves, each member calibrated and encoded on its own.
+    `convert(model, out_dir, fmt, size="A,B,C")` does the same."""
+    fmt = str(options.pop("format", None) or fmt).lower()
+    if fmt == "exl3":
+        return run_exl3_family(model, out_dir, family_options("exl3", **options))
+    if fmt != "gguf":
+        raise InputError(f"unknown format {fmt!r}; expected gguf or exl3")
     return run_family(model, out_dir, family_options(**options))
 
 

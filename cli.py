@@ -244,8 +244,8 @@ def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
 @click.argument("model")
 @click.argument("out")
 @click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), default=None, help="Output format.  [default: gguf when OUT ends in .gguf, else exl3]")
-@click.option("--bpw", default=None, help="Target bits per weight of the budgeted tensors; GGUF: x,y,z makes a family in the directory OUT (docs/family.md).")
-@click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB); GGUF: A,B,C makes a family in the directory OUT (docs/family.md).")
+@click.option("--bpw", default=None, help="Target bits per weight of the budgeted tensors; x,y,z (with --format gguf or exl3) makes a family in the directory OUT (docs/family.md).")
+@click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB); A,B,C (with --format gguf or exl3) makes a family in the directory OUT (docs/family.md).")
 @click.option("--override", "overrides", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF mixes) per-tensor override, as `mixq plan` (repeatable).")
 @click.option("--calibration", multiple=True, type=click.Path(), help="EXL3, GGUF --rounding hessian: calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
 @click.option("--rows", type=int, default=None, help="EXL3, GGUF --rounding hessian: calibration rows.  [default: 64]")
@@ -261,7 +261,8 @@ def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
 @click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
 @click.option("--measure", type=click.Path(), default=None,
               help="Plan --bpw/--size with these error curves (`mixq plan --measure --measure-out FILE`; GGUF: "
-                   "measured with the same --rounding and --imatrix).")
+                   "measured with the same --rounding and --imatrix). An EXL3 family without it measures them once "
+                   "into OUT/<model>.exl3-curves.json (--measure proxy: the cheap proxy instead).")
 @click.option("--rounding", type=click.Choice(["exact", "hessian"]), default=None,
               help="GGUF: exact = ggml's encoder, byte-identical to llama-quantize; hessian = the same types and "
                    "bytes, codes chosen for each layer's output error from a calibration pass (--calibration, "
@@ -293,6 +294,14 @@ def convert(model, out, fmt, as_json, **params) -> None:
       mixq convert ./GLM-5.3-Flash glm-108G.gguf --size 108GB --gguf-ladder iq
       mixq convert ./GLM-5.3-Flash glm-exl3-2.7 --bpw 2.7          # EXL3 (a directory); wants a GPU
       mixq convert ./GLM-5.3-Flash glm-gguf --format gguf --size 95GB,108GB,120GB   # a family, one pass
+      mixq convert ./GLM-5.3-Flash glm-exl3 --format exl3 --bpw 2.5,3.05,4   # glm-exl3/GLM-5.3-Flash-exl3-2.5bpw/ ...
+
+    \b
+    A family (--bpw x,y,z or --size A,B,C) writes one member per target into the directory OUT, with family.json:
+    GGUF <model>-<label>.gguf sharing one imatrix and one encode per (tensor, type); EXL3 <model>-exl3-<label>/
+    sharing one set of error curves (--measure FILE, else measured once into OUT/<model>.exl3-curves.json), each
+    member calibrated and trellis-encoded on its own (its layers see its own quantized hidden states). Run the
+    same command again to keep the finished members and continue an interrupted one.
     """
     ctx = click.get_current_context()
     given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
@@ -312,7 +321,7 @@ def convert(model, out, fmt, as_json, **params) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 @_reports_errors
 def card(out_dir, base_model, overwrite, as_json) -> None:
-    """Write OUT_DIR/README.md: a Hugging Face model card of the GGUF family in OUT_DIR (sizes, the scores
+    """Write OUT_DIR/README.md: a Hugging Face model card of the GGUF or EXL3 family in OUT_DIR (sizes, the scores
     `mixq eval MODEL OUT_DIR` recorded, how the files were made). Uploading stays yours (huggingface-cli upload).
 
     \b

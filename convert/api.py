@@ -6,8 +6,8 @@
 
 Every option is checked when its options object is built, every input and output before anything is written.
 The keyword form `convert(model, out, "gguf", qtype="Q4_K_M")` builds the options the same way.
-Several targets (`size="A,B,C"` or a list, likewise `bpw`) with format "gguf" write a family into the directory
-`out` (convert/family.py, docs/family.md) and return its FamilyResult.
+Several targets (`size="A,B,C"` or a list, likewise `bpw`) with format "gguf" or "exl3" write a family into the
+directory `out` (convert/family.py, convert/exl3_family.py, docs/family.md) and return its FamilyResult.
 """
 from __future__ import annotations
 
@@ -69,13 +69,15 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
 
 
 def _family(model, out, fmt: str | None, kwargs: dict):
-    """`--size A,B,C` / `--bpw x,y,z`: a family of GGUFs in the directory `out` (convert/family.py)."""
+    """`--size A,B,C` / `--bpw x,y,z`: a family in the directory `out` (GGUF: convert/family.py; EXL3:
+    convert/exl3_family.py)."""
     if fmt is None:
         raise InputError(f"--size/--bpw with several targets writes a family into the directory {out}: give "
-                         "--format gguf")
+                         "--format gguf or --format exl3")
     if fmt == "exl3":
-        raise InputError("EXL3 families are not built yet: convert each --bpw on its own (GGUF families: "
-                         "--format gguf)")
+        from .exl3_family import run_exl3_family  # local: `import mixq` stays light (this brings torch)
+
+        return run_exl3_family(model, out, family_options("exl3", **kwargs))
     from .family import run_family  # local: `import mixq` stays light (this brings torch)
 
     return run_family(model, out, family_options(**kwargs))

@@ -51,19 +51,26 @@ class FamilyResult:
     seconds: float
     family_json: str
     files: list[str] = field(default_factory=list)
+    format: str = "gguf"
+    curves: dict | None = None  # EXL3: where the members' curves came from
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
-        lines = [f"GGUF family of {len(self.members)} written to {self.out} ({self.family_json})"]
+        lines = [f"{self.format.upper()} family of {len(self.members)} written to {self.out} ({self.family_json})"]
         for m in self.members:
             target = f"{m['target_bytes']:,} B" if m.get("target_bytes") else f"{m.get('target_bpw')} bpw"
             note = f"  ({m['note']})" if m.get("note") else ""
             lines.append(f"  {m['file']:<40} {m['bytes']:>14,} B  {m['bpw']:.3f} bpw  target {target}"
                          f"{'  kept' if m.get('kept') else ''}{note}")
-        lines.append(f"  cache      {self.cache['hits']} tensors served, {self.cache['writes']} encoded into "
-                     f"{self.cache['dir']}")
+        if self.curves is not None:
+            how = "measured now" if self.curves.get("measured") else \
+                "kept from an earlier run" if self.curves.get("method") else "given"
+            lines.append(f"  curves     {self.curves.get('file')} ({how}): every member planned from them")
+        else:
+            lines.append(f"  cache      {self.cache['hits']} tensors served, {self.cache['writes']} encoded into "
+                         f"{self.cache['dir']}")
         lines.append(f"  time       {self.seconds:.1f} s")
         lines.append(f"next: mixq eval MODEL {self.out} --text HELD_OUT.txt   |   mixq card {self.out}")
         return "\n".join(lines)

@@ -19,8 +19,9 @@ from mixq.planning.sizes import parse_size
 from mixq.planning.types import numel
 
 # options that never change a byte of the output (or are output paths / recorded elsewhere in the receipt)
-NOT_IN_RECEIPT = ("threads", "device", "progress", "overwrite", "mmproj", "imatrix", "calibration", "measure",
-                  "chat_template", "size", "bpw", "qtype")
+# (EXL3's devices and resume too: a family records its members' options with this)
+NOT_IN_RECEIPT = ("threads", "device", "devices", "resume", "progress", "overwrite", "mmproj", "imatrix",
+                  "calibration", "measure", "chat_template", "size", "bpw", "qtype")
 _SHA_MEMO: dict[tuple[str, int, int], str] = {}
 
 
@@ -96,7 +97,7 @@ def receipt_options(o) -> dict:
                                                      .encode()).hexdigest()}
         else:
             d["measure"] = _named_file(o.measure)
-    if o.chat_template is not None:
+    if getattr(o, "chat_template", None) is not None:  # GGUF only
         d["chat_template"] = _named_file(o.chat_template)
     return d
 

@@ -390,17 +390,17 @@ class FamilyTarget:
 
 @dataclass(frozen=True)
 class FamilyOptions:
-    """A GGUF family: the options every member shares (`base`, whose target is the first member's) and the
-    members' targets. `imatrix_calibration` / `imatrix_rows` / `imatrix_seq_len`: the calibration of the imatrix
-    the family computes once when no --imatrix is given (with --rounding exact; with hessian rounding the same
-    --calibration / --rows / --seq-len serve both)."""
-    base: GGUFOptions
+    """A family (GGUF or EXL3, as `base` is): the options every member shares (`base`, whose target is the first
+    member's) and the members' targets. GGUF only: `imatrix_calibration` / `imatrix_rows` / `imatrix_seq_len`, the
+    calibration of the imatrix the family computes once when no --imatrix is given (with --rounding exact; with
+    hessian rounding the same --calibration / --rows / --seq-len serve both)."""
+    base: GGUFOptions | Exl3Options
     targets: tuple[FamilyTarget, ...]
     imatrix_calibration: tuple[Union[str, Path], ...] = ()
     imatrix_rows: int = DEFAULT_ROWS
     imatrix_seq_len: int = DEFAULT_SEQ_LEN
 
-    def member(self, target: FamilyTarget, **changes) -> GGUFOptions:
+    def member(self, target: FamilyTarget, **changes) -> GGUFOptions | Exl3Options:
         """The options of one member: `base` with this target (and `changes`, e.g. the family's imatrix)."""
         size = target.value if target.kind == "size" else None
         bpw = target.value if target.kind == "bpw" else None
@@ -470,12 +470,18 @@ def family_targets(size=None, bpw=None) -> tuple[FamilyTarget, ...]:
     return tuple(out)
 
 
-def family_options(**kwargs) -> FamilyOptions:
-    """FamilyOptions from convert's keyword options (`size` / `bpw` as lists or "A,B,C"); every option is checked
-    as one conversion checks it (the first member's options are built here)."""
+def family_options(fmt: str = "gguf", **kwargs) -> FamilyOptions:
+    """FamilyOptions of format `fmt` from convert's keyword options (`size` / `bpw` as lists or "A,B,C"); every
+    option is checked as one conversion checks it (the first member's options are built here)."""
     kw = dict(kwargs)
-    kw.pop("format", None)
+    fmt = kw.pop("format", None) or fmt
     targets = family_targets(kw.pop("size", None), kw.pop("bpw", None))
+    if fmt == "exl3":
+        if kw.get("resume"):
+            raise InputError("--resume with a family: run the same command again; it keeps the finished members "
+                             "and continues an interrupted one")
+        first = targets[0]
+        return FamilyOptions(options_for("exl3", **kw, **{first.kind: first.value}), targets)
     if kw.get("qtype") is not None:
         raise InputError(f"--type {kw['qtype']}: a family is made of --size or --bpw targets")
     if kw.get("mmproj") is not None:

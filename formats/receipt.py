@@ -15,6 +15,11 @@ directory, so the bytes do not depend on where the inputs lie. The keys are writ
 before the integrity seal (formats/gguf_integrity) digests the header: the seal covers them. Figures known only
 after an evaluation (KLD, top-1, PPL) are not in the GGUF (rewriting a sealed file would change its digests):
 they go to `<file>.receipt.json` beside it (`write_receipt_json`) and to the family's family.json.
+
+An EXL3 directory's receipt has the same fields, in `<dir>.receipt.json` beside the directory (inside it every
+file is sealed by mixq_manifest.json, and an unsealed JSON file there fails `mixq verify`): its plan gives the
+trellis rates ({"tensor_bytes", "bpw", "rates": {bits: units}}), its calibration {"layers": {"files", "rows",
+"seq_len"}, "curves": {"file", "sha256", "method"}} (convert/exl3_family.py writes it for every member).
 """
 from __future__ import annotations
 
@@ -79,15 +84,31 @@ def receipt_summary(r: Mapping[str, Any]) -> str:
     if "hessian" in cal:
         h = cal["hessian"]
         parts.append(f"hessian rounding ({h.get('rows')} x {h.get('seq_len')} tokens)")
+    if "layers" in cal:
+        c = cal["layers"]
+        parts.append(f"layers calibrated on {c.get('rows')} x {c.get('seq_len')} tokens")
+    if "curves" in cal:
+        c = cal["curves"]
+        parts.append(f"planned from curves {c.get('file')} (sha256 {str(c.get('sha256', ''))[:12]})")
     if not cal:
         parts.append("no calibration")
     return "; ".join(parts)
 
 
 def receipt_json_path(gguf: str | Path) -> Path:
-    """`<file>.receipt.json` beside a GGUF (its first file for a split set)."""
+    """`<file>.receipt.json` beside a GGUF (its first file for a split set) or an EXL3 directory."""
     p = Path(gguf)
     return p.with_name(p.name + RECEIPT_SUFFIX)
+
+
+def read_receipt_json(path: str | Path) -> dict | None:
+    """The `<file>.receipt.json` beside `path` ({"file", "receipt", "scores"}), None when there is none or it
+    cannot be read as such."""
+    try:
+        doc = json.loads(receipt_json_path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("receipt"), dict) else None
 
 
 def write_receipt_json(gguf: str | Path, receipt: Mapping[str, Any], scores: Mapping[str, Any] | None) -> Path:

@@ -166,6 +166,7 @@ KEPT_LOCAL_IMPORTS = {
     ("convert/api.py", "mixq.convert.pipeline"): "`import mixq` stays light",
     ("convert/api.py", "mixq.convert.gguf_pipeline"): "`import mixq` stays light",
     ("convert/api.py", "mixq.convert.family"): "`import mixq` stays light",
+    ("convert/api.py", "mixq.convert.exl3_family"): "`import mixq` stays light",
     ("convert/api.py", "mixq.formats.gguf_reader"): "`import mixq` stays light",
     ("convert/api.py", "mixq.formats.exl3_reader"): "`import mixq` stays light",
     ("convert/api.py", "mixq.formats.exl3_seal"): "`import mixq` stays light",

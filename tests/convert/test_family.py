@@ -107,8 +107,8 @@ def test_cli_family_and_its_errors(family, mini_model, tmp_path):
     d = json.loads(r.stdout)
     assert [m["kept"] for m in d["members"]] == [True, True, True]
     assert "give --format gguf" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--size", "6MB,7MB"))
-    assert "EXL3 families" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--format", "exl3",
-                                                 "--bpw", "2.5,3"))
+    assert "--resume with a family" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--format",
+                                                          "exl3", "--bpw", "2.5,3", "--resume"))
     assert "given twice" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--format", "gguf",
                                                "--size", "6MB,6MB"))
     assert "--bpw 'x'" in error_line(run_cli("convert", mini_model, tmp_path / "f", "--format", "gguf",

@@ -1,10 +1,12 @@
-"""Families in `mixq eval`: a candidate directory holding family.json (convert/family.py) stands for its members.
+"""Families in `mixq eval`: a candidate directory holding family.json (convert/family.py, convert/exl3_family.py)
+stands for its members: GGUF files, or EXL3 directories (family.json "format": "exl3"; a member is a directory
+holding config.json).
 
-`expand_families(candidates)` replaces such a directory by its members' files (in family.json order), so the one
+`expand_families(candidates)` replaces such a directory by its members (in family.json order), so the one
 streamed forward of eval/api.py scores all of them against one reference pass (the reference's layers run once
 for every candidate, eval/streamed.py). `record_scores(report, families, text)` then writes each member's scores
-into family.json and into `<file>.receipt.json` beside it (formats/receipt.py): KLD figures are known only after
-an evaluation, and the GGUF itself is sealed, so it is not rewritten.
+into family.json and into `<member>.receipt.json` beside it (formats/receipt.py): KLD figures are known only after
+an evaluation, and a member is sealed (a GGUF's header, an EXL3 directory's every file), so it is not rewritten.
 """
 from __future__ import annotations
 
@@ -16,19 +18,25 @@ from typing import Sequence
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.gguf_reader import read_gguf
-from mixq.formats.receipt import read_receipt, write_receipt_json
+from mixq.formats.receipt import read_receipt, read_receipt_json, write_receipt_json
 from mixq.formats.safetensors_io import sha256_file
 
 FAMILY_JSON = "family.json"  # the name convert/family.py writes (eval may not import convert's family module)
+FORMATS = ("gguf", "exl3")
 SCORE_KEYS = ("kld_mean", "kld_mean_err", "kld_p99", "top1", "top1_err", "ppl", "ppl_ref", "dppl", "positions")
 
 
 @dataclass
 class Family:
-    """A family directory as eval sees it: its family.json and its members' first files."""
+    """A family directory as eval sees it: its family.json and its members (GGUF: each one's first file; EXL3:
+    each one's directory)."""
     root: Path
     doc: dict
     files: list[Path]
+
+    @property
+    def format(self) -> str:
+        return self.doc.get("format") or "gguf"  # the first GGUF families wrote no format
 
 
 def read_family(root: str | Path) -> Family:
@@ -45,10 +53,19 @@ def read_family(root: str | Path) -> Family:
     if not isinstance(members, list) or not members or not all(isinstance(m, dict) and m.get("file")
                                                                 for m in members):
         raise FormatError(f"{fj}: no members listed")
-    files = [root / Path(m["file"]).name for m in members]  # names only: a member never lies outside its family
-    missing = [f for f in files if not f.is_file()]
-    if missing:
-        raise InputError(f"{fj}: member {missing[0].name} is missing")
+    fmt = doc.get("format") or "gguf"
+    if fmt not in FORMATS:
+        raise FormatError(f"{fj}: format {fmt!r} is not one of {', '.join(FORMATS)}")
+    files = [root / Path(str(m["file"])).name for m in members]  # names only: a member never lies outside its family
+    if fmt == "exl3":
+        missing = [f for f in files if not (f / "config.json").is_file()]
+        if missing:
+            what = "has no config.json" if missing[0].is_dir() else "is missing"
+            raise InputError(f"{fj}: member directory {missing[0].name} {what}")
+    else:
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise InputError(f"{fj}: member {missing[0].name} is missing")
     return Family(root, doc, files)
 
 
@@ -94,5 +111,18 @@ def record_scores(report: dict, families: Sequence[Family]) -> None:
             scores = {k: c.get(k) for k in SCORE_KEYS}
             scores.update(engine=c.get("engine", "torch"), reference=Path(report["reference"]).name, **text)
             m["scores"] = scores
-            write_receipt_json(f, read_receipt(read_gguf(f).kv) or {}, scores)
+            write_receipt_json(f, _receipt(fam, m, f), scores)
         write_json(fam.root / FAMILY_JSON, fam.doc)
+
+
+def _receipt(fam: Family, member: dict, path: Path) -> dict:
+    """A member's receipt: a GGUF's `mixq.receipt.*` keys; an EXL3 member's `<dir>.receipt.json` (written by the
+    conversion), else what family.json records of it."""
+    if fam.format == "gguf":
+        return read_receipt(read_gguf(path).kv) or {}
+    side = read_receipt_json(path)
+    if side is not None:
+        return side["receipt"]
+    target = {"size": member["target_bytes"]} if member.get("target_bytes") else {"bpw": member.get("target_bpw")}
+    return {"source": fam.doc.get("model"), "target": target, "plan": member.get("plan") or {},
+            "options": member.get("options") or fam.doc.get("options") or {}}

@@ -13,6 +13,7 @@ from mixq.formats.exl3_reader import Exl3Dir
 from mixq.formats.gguf_inspect import inspect_gguf
 from mixq.formats.glm5next import ROLES
 from mixq.formats.model_files import check_model_dir
+from mixq.formats.receipt import read_receipt_json, receipt_summary
 
 
 def inspect_checkpoint(ckpt: Checkpoint) -> dict:
@@ -76,7 +77,8 @@ def is_exl3_dir(path: str | os.PathLike) -> bool:
 
 def inspect_exl3(path: str | os.PathLike) -> dict:
     """Summary of an EXL3 directory: who wrote it, its units by kind, the rate and codebook of every quantized
-    Linear (per budget key: bits, head_bits, mtp_bits, vision_bits; 16 = an fp16 Linear), bytes and bpw."""
+    Linear (per budget key: bits, head_bits, mtp_bits, vision_bits; 16 = an fp16 Linear), bytes and bpw; and
+    the receipt (and scores) of `<dir>.receipt.json` beside it when there is one (a family member's)."""
     d = Exl3Dir(path)
     qc = {k: v for k, v in d.config["quantization_config"].items() if k != "original_quantization_config"}
     kinds: Counter[str] = Counter(u.kind for u in d.units)
@@ -100,7 +102,7 @@ def inspect_exl3(path: str | os.PathLike) -> dict:
     version = qc.get("version")
     writer = "mixq" if d.has_manifest or qc.get("quantizer") == "mixq" else \
         f"exllamav3 {version}" if version else "unknown"
-    return {
+    out = {
         "path": str(d.path), "format": "exl3", "writer": writer, "mixq_manifest": d.has_manifest,
         "quantization_config": qc, "shards": len(d.shards), "tensors": len(d.stored), "units": len(d.units),
         "params": params, "bytes": size, "bpw": round(8.0 * size / max(params, 1), 4),
@@ -111,6 +113,11 @@ def inspect_exl3(path: str | os.PathLike) -> dict:
         "codebook_summary": ", ".join(f"{k} x{v}" for k, v in sorted(codebooks.items())) or "none",
         "unit_list": rows,
     }
+    side = read_receipt_json(d.path)  # a family member's receipt lies beside its sealed directory
+    if side is not None:
+        out["receipt"], out["scores"] = side["receipt"], side.get("scores") or {}
+        out["receipt_summary"] = receipt_summary(side["receipt"])
+    return out
 
 
 def inspect_path(path: str | os.PathLike) -> dict:

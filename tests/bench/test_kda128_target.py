@@ -98,22 +98,9 @@ def test_transformers_loads_it_back_with_the_same_logits(built):
 @pytest.fixture
 def fake_check(monkeypatch, tmp_path, texts):
     """Run drafter_check.main against a target with the fake exllamav3 and a stand-in 6 bpw encoder."""
-    from click.testing import CliRunner
-
-    import mixq.quant.trellis as trellis
-    from mixq.cli import main as cli
-
     tests = REPO / "tests" / "convert"
-    layout = load_module("drafter_layout_tests", tests / "test_drafter.py")
     fakes = load_module("drafter_check_fakes", tests / "test_drafter_check.py")
-    monkeypatch.setattr(trellis, "quantize", lambda w, bits, hessian=None, codebook="mul1", seed=0:
-                        [layout._StandIn(x, bits) for x in w] if w.dim() == 3 else layout._StandIn(w, bits))
-
-    def convert(src, out, device):
-        r = CliRunner().invoke(cli, ["convert", str(src), str(out), "--format", "exl3", "--bpw", "6", "--device",
-                                     device, "--json"])
-        assert r.exit_code == 0, r.output
-        return json.loads(r.stdout)
+    convert = fakes.stand_in_convert(monkeypatch)
 
     def run(target_args: list[str], generator_error: bool = False) -> tuple[int, dict, Path]:
         distill = load_module("drafter_distill", BENCH / "drafter_distill.py")

@@ -8,7 +8,6 @@ plumbing (phases, shapes, the comparison, the verdict, the report); the engine i
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -284,20 +283,17 @@ ARGS = ["--layers", "1", "--block-size", "4", "--train-seconds", "1e9", "--train
         "--convert-device", "cpu"]
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
-    """The shape-exact stand-in encoder of test_drafter.py, and `mixq convert` run in this process."""
+def stand_in_convert(monkeypatch):
+    """`mixq convert --bpw 6` run in this process with the shape-exact stand-in encoder of test_drafter.py (also
+    used by tests/bench/test_kda128_target.py)."""
     from click.testing import CliRunner
 
     import mixq.quant.trellis as trellis
     from mixq.cli import main
 
-    here = Path(__file__).resolve().parent
-    spec = importlib.util.spec_from_file_location("drafter_layout_tests", here / "test_drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    layout = load_module("drafter_layout_tests", Path(__file__).resolve().parent / "test_drafter.py")
     monkeypatch.setattr(trellis, "quantize", lambda w, bits, hessian=None, codebook="mul1", seed=0:
-                        [mod._StandIn(x, bits) for x in w] if w.dim() == 3 else mod._StandIn(w, bits))
+                        [layout._StandIn(x, bits) for x in w] if w.dim() == 3 else layout._StandIn(w, bits))
 
     def convert_in_process(src, out, device):
         r = CliRunner().invoke(main, ["convert", str(src), str(out), "--format", "exl3", "--bpw", "6", "--device",
@@ -305,6 +301,12 @@ def stand_in(monkeypatch):
         assert r.exit_code == 0, r.output
         return json.loads(r.stdout)
     return convert_in_process
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The shape-exact stand-in encoder of test_drafter.py, and `mixq convert` run in this process."""
+    return stand_in_convert(monkeypatch)
 
 
 def _check(monkeypatch, tmp_path, tiny_model, calibration_text, heldout_text, convert=None, lossless=False,

@@ -14,8 +14,9 @@ The members are also checked byte-identical to the single conversion of the larg
 EXL3 (--format exl3): the baseline is the measured plan of the largest member made alone, measurement included
 (`mixq plan --measure --measure-out C.json`, then `mixq convert --bpw X --measure C.json`), since the family
 measures its curves once too (into OUT/<model>.exl3-curves.json); both with the same --measure method, rows,
-seq_len and device, the single conversion first. On cuda one untimed measurement runs before both (--warmup):
-the first in a process compiles the GPU kernels, which would otherwise count against whichever runs first.
+seq_len and device, the single conversion first. On cuda an untimed warm-up runs before both (--warmup quick: a
+small trellis encode at every rate; full: one whole measurement): the first encode at a rate compiles its GPU
+kernels, which would otherwise count against whichever runs first.
 Every member is still calibrated and encoded on its own (its layers see its own quantized hidden states), so the
 ratio is about (curves + every member) / (curves + the largest). Writes bench/results/family_cost_exl3.json by
 default; the largest member is checked byte-identical to the single conversion (both curve files are compared
@@ -36,8 +37,10 @@ import torch
 
 from mixq.api import convert, imatrix, measure
 from mixq.convert.measure import load_curves
+from mixq.formats.exl3_layout import RATES
 from mixq.formats.safetensors_io import sha256_file
 from mixq.planning.planner import plan_model
+from mixq.quant import trellis
 
 MIXES = ("Q3_K_M", "Q4_K_M", "Q5_K_M")
 # a --size plan keeps token_embd in BF16 and output at 6 bits: on the fixtures that is more than the Q3_K_M mix's
@@ -62,9 +65,10 @@ def main() -> None:
                     help="EXL3: where both run [default: cuda when present]")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="EXL3: torch intra-op threads (1 on a CPU shared with other work) [default: torch's]")
-    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                    help="EXL3: one untimed measurement first, so neither timed run carries the kernels' first "
-                         "compiles [default: on for cuda]")
+    ap.add_argument("--warmup", choices=("quick", "full", "none"), default=None,
+                    help="EXL3, untimed, so neither timed run carries the GPU kernels' first compiles: quick = one "
+                         "small trellis encode at every rate, alone and stacked; full = one whole measurement "
+                         "[default: quick on cuda, none on cpu]")
     ap.add_argument("--out", default=None, help="[default: bench/results/family_cost.json, "
                                                 "family_cost_exl3.json for EXL3]")
     a = ap.parse_args()
@@ -120,6 +124,20 @@ def _figures(t_single: float, t_family: float, identical: bool, members: list[di
             "members": [{k: m[k] for k in keys} for m in members]}
 
 
+def warm_trellis(device: str) -> None:
+    """One small trellis encode at every EXL3 rate, a single Linear and a stacked pair with Hessians: compiles the
+    encoder's kernels for every rate before anything is timed."""
+    g = torch.Generator().manual_seed(0)
+    for bits in RATES:
+        w = torch.randn(2, 128, 256, generator=g).to(device)
+        x = torch.randn(2, 512, 256, generator=g).to(device)
+        h = x.transpose(1, 2) @ x
+        trellis.quantize(w[0], bits, h[0])
+        trellis.quantize(w, bits, h)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _digests(d: Path) -> dict[str, str]:
     return {str(f.relative_to(d)): sha256_file(f) for f in sorted(d.rglob("*")) if f.is_file()}
 
@@ -135,19 +153,21 @@ def exl3_cost(model: Path, a) -> dict:
                   **({"seq_len": a.seq_len} if a.seq_len else {}))
     work = Path(tempfile.mkdtemp(prefix="mixq-family-cost-exl3-"))
     try:
-        t_warm = None
-        if a.warmup if a.warmup is not None else device == "cuda":
-            # untimed: the first measurement in a process pays the GPU kernels' compiles, and whichever of the
-            # two runs first would carry them
-            t = time.perf_counter()
+        warmup = a.warmup or ("quick" if device == "cuda" else "none")
+        t = time.perf_counter()
+        if warmup == "quick":
+            warm_trellis(device)
+        elif warmup == "full":
             measure(model, "exl3", method=a.measure, out=work / "warmup.curves.json", device=device, progress=False)
-            t_warm = round(time.perf_counter() - t, 2)
+        t_warm = round(time.perf_counter() - t, 2) if warmup != "none" else None
+        print(f"warm-up ({warmup}): {t_warm} s", flush=True)
         t = time.perf_counter()
         curves = work / "single.curves.json"
         measure(model, "exl3", method=a.measure, out=curves, device=device, progress=False)
         t_measure = time.perf_counter() - t
         single = convert(model, work / "single", "exl3", bpw=largest, measure=curves, **common)
         t_single = time.perf_counter() - t
+        print(f"single: {t_single:.1f} s (curves {t_measure:.1f} s)", flush=True)
         t = time.perf_counter()
         fam = convert(model, work / "family", "exl3", bpw=bpws,
                       **({"measure": a.measure} if a.measure != "trellis" else {}), **common)
@@ -159,7 +179,7 @@ def exl3_cost(model: Path, a) -> dict:
         res = {"model": repo_relative(str(model)), "format": "exl3", "bpw": bpws, "device": device,
                "torch_threads": torch.get_num_threads(), "measure": a.measure,
                "rows": common.get("rows"), "seq_len": common.get("seq_len"),
-               "warmup_seconds": t_warm, "single_measure_seconds": round(t_measure, 2),
+               "warmup": warmup, "warmup_seconds": t_warm, "single_measure_seconds": round(t_measure, 2),
                "single_target_bpw": largest, "curves_identical": same_curves,
                **_figures(t_single, t_family, identical, fam.members,
                           ("file", "target_bpw", "bytes", "bpw", "seconds"))}

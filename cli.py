@@ -361,6 +361,9 @@ def verify(path, no_decode, as_json) -> None:
         click.echo(f"{path}: {status} ({rep.get('tensors', '?')} tensors, {rep.get('quantized', '?')} decoded)")
         if rep.get("integrity"):  # what could be checked: mixq's seal, or (written by anyone) structure and decode
             click.echo(f"{path}: {rep['integrity']}")
+        if rep.get("receipt") == "checked":  # a family member's receipt, beside its sealed directory
+            click.echo(f"{path}: its receipt ({os.path.basename(str(path).rstrip('/'))}.receipt.json) checked against "
+                       "the units it holds")
     if rep["problems"]:
         sys.exit(1)
 

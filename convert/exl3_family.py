@@ -34,8 +34,8 @@ from mixq.convert.pipeline import run_exl3
 from mixq.errors import InputError, MixqError
 from mixq.formats.atomic import write_json
 from mixq.formats.checkpoint import open_checkpoint
-from mixq.formats.exl3_reader import verify_exl3
-from mixq.formats.exl3_seal import CONFIG, MANIFEST
+from mixq.formats.exl3_reader import Exl3Dir, verify_exl3
+from mixq.formats.exl3_seal import CONFIG, MANIFEST, units_per_rate
 from mixq.formats.receipt import read_receipt_json, receipt_json_path, write_receipt_json
 from mixq.planning.planner import plan_model
 
@@ -214,13 +214,9 @@ def _row(res: dict, path: Path, t: FamilyTarget, options: dict, calibration: dic
 
 
 def _rates(path: Path) -> dict[str, int]:
-    """Trellis units per rate, from the member's manifest (each unit's bits are there, sealed)."""
-    counts: dict[str, int] = {}
-    for u in json.loads((path / MANIFEST).read_text()).get("units", []):
-        if u.get("kind") == "trellis" and u.get("bits") is not None:
-            k = f"{float(u['bits']):g}"
-            counts[k] = counts.get(k, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: float(kv[0])))
+    """Trellis units per rate of the member directory (what its receipt records and `mixq verify` checks)."""
+    d = Exl3Dir(path)
+    return units_per_rate(d.units, d.stored)
 
 
 def _write_receipt(path: Path, name: str, t: FamilyTarget, row: dict, calibration: dict, curves: dict,

@@ -22,9 +22,10 @@ from mixq.formats.exl3_foreign import codebook_marker, derive_units
 from mixq.formats.exl3_layout import RATES
 from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_seal import (CONFIG, INDEX, MANIFEST, consistency_problems, file_problems, integrity_note,
-                                    is_sealed, manifest_problems)
+                                    is_sealed, manifest_problems, units_per_rate)
 from mixq.formats.exl3_writer import torch_dtype
 from mixq.formats.model_files import check_model_dir, model_file
+from mixq.formats.receipt import read_receipt_json, receipt_json_path
 from mixq.formats.safetensors_io import dtype_tag, load_tensor, tensor_entries
 
 
@@ -156,10 +157,12 @@ def _derived_expected(d: Exl3Dir) -> tuple[dict[str, dict], list[str]]:
 
 def verify_exl3(path: str | Path) -> dict:
     """Re-read an EXL3 directory (shards, index, every planned tensor's dtype and shape, the JSON files against
-    the tensors; with mixq's manifest also its seal); returns {"ok", "problems": [...], "tensors", "shards",
-    "quantized", "bytes", "bits", "sealed_files", "manifest", "integrity"}. Each problem is one line naming the
-    file (and key or tensor). "quantized" counts decoded units: 0 here, the trellis decode is the runtime's
-    (runtime/dequant.exl3_decode_check, run by `mixq verify`); "integrity" says what could be checked."""
+    the tensors; with mixq's manifest also its seal; a family member's `<dir>.receipt.json` against the units
+    the directory holds); returns {"ok", "problems": [...], "tensors", "shards", "quantized", "bytes", "bits",
+    "sealed_files", "manifest", "integrity", "receipt"}. Each problem is one line naming the file (and key or
+    tensor). "quantized" counts decoded units: 0 here, the trellis decode is the runtime's
+    (runtime/dequant.exl3_decode_check, run by `mixq verify`); "integrity" says what could be checked; "receipt"
+    is "checked" when a receipt lies beside the directory, else None."""
     d = Exl3Dir(path)
     problems = list(d.duplicates)
     sealed = 0
@@ -180,7 +183,30 @@ def verify_exl3(path: str | Path) -> dict:
         problems += _index_problems(d)
     problems += _tensor_problems(d, expected)
     problems += consistency_problems(d.path, d.config, d.units, d.bits, d.stored, manifest=d.has_manifest)
+    receipt, bad = _receipt_check(d)
+    problems += bad
     return {"ok": not problems, "problems": problems, "path": str(d.path), "tensors": len(d.where),
             "shards": len(d.shards), "quantized": 0, "bytes": size,
             "bits": d.config["quantization_config"].get("bits"), "sealed_files": sealed,
-            "manifest": d.has_manifest, "integrity": integrity_note(d.has_manifest, sealed, decoded=False)}
+            "manifest": d.has_manifest, "integrity": integrity_note(d.has_manifest, sealed, decoded=False),
+            "receipt": receipt}
+
+
+def _receipt_check(d: Exl3Dir) -> tuple[str | None, list[str]]:
+    """The receipt beside the directory (`<dir>.receipt.json`, a family member's) against what the directory
+    holds: its plan's units per rate and its bpw. ("checked" | None when there is none, problems)."""
+    side = receipt_json_path(d.path)
+    if not side.exists():
+        return None, []
+    doc = read_receipt_json(d.path)
+    if doc is None:
+        return None, [f"{side.name}: not a receipt (unreadable, or no \"receipt\" object)"]
+    plan = doc["receipt"].get("plan") if isinstance(doc["receipt"].get("plan"), dict) else {}
+    problems = []
+    rates, held = plan.get("rates"), units_per_rate(d.units, d.stored)
+    if rates is not None and rates != held:
+        problems.append(f"{side.name}: plan has trellis units per rate {rates}, the directory holds {held}")
+    bpw, bits = plan.get("bpw"), d.config["quantization_config"].get("bits")
+    if isinstance(bpw, (int, float)) and isinstance(bits, (int, float)) and abs(bpw - bits) > 0.005:
+        problems.append(f"{side.name}: plan bpw {bpw:g}, the directory's quantization_config bits {bits:g}")
+    return "checked", problems

@@ -213,6 +213,17 @@ def _config_problems(config: dict, units: list[Exl3Unit], stored: dict) -> list[
     return problems
 
 
+def units_per_rate(units: list[Exl3Unit], stored: dict) -> dict[str, int]:
+    """Trellis units per rate ({"2.5": 40, "4": 3, ...}, ascending), K read from the stored trellis shapes: what a
+    receipt's plan records as "rates"."""
+    counts: dict[float, int] = {}
+    for u in units:
+        k_bits = _stored_bits(u, stored) if u.kind == "trellis" else None
+        if k_bits is not None:
+            counts[k_bits] = counts.get(k_bits, 0) + 1
+    return {f"{k:g}": counts[k] for k in sorted(counts)}
+
+
 def _rates(units: list[Exl3Unit], stored: dict) -> dict[str, float]:
     """Per budget key, Σ K·k·n / Σ k·n over the trellis units with K read from the stored trellis shapes,
     rounded to 2 decimals as quantization_config records it."""

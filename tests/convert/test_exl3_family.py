@@ -10,6 +10,7 @@ curves are measured for real, with `--measure proxy` (one calibration pass, seco
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -99,11 +100,35 @@ def test_members_named_sized_verified_with_receipts(family):
         assert m["curves_sha256"] == doc["curves"]["sha256"] and not m["kept"]
         rep = verify_exl3(d)
         assert rep["ok"] and rep["problems"] == [], rep["problems"]
+        assert rep["receipt"] == "checked"
         r = read_receipt_json(d)["receipt"]
         assert r["target"] == {"bpw": b} and r["source"] == MODEL
         assert r["calibration"]["curves"]["sha256"] == doc["curves"]["sha256"]
         assert r["calibration"]["layers"]["rows"] == SETTINGS["rows"]
     assert doc["members"][0]["bytes"] < doc["members"][1]["bytes"] < doc["members"][2]["bytes"]
+
+
+def test_verify_names_a_receipt_that_disagrees_with_its_member(family, tmp_path):
+    out, _ = family
+    name = f"{MODEL}-exl3-2.5bpw"
+    member = tmp_path / name
+    shutil.copytree(out / name, member)
+    side = receipt_json_path(member)
+    doc = json.loads(receipt_json_path(out / name).read_text())
+    side.write_text(json.dumps(doc))
+    r = run_cli("verify", member, "--no-decode")
+    assert r.exit_code == 0 and "receipt" in r.output and "checked" in r.output, r.output
+    rates = doc["receipt"]["plan"]["rates"]
+    first = next(iter(rates))
+    doc["receipt"]["plan"]["rates"] = dict(rates, **{first: rates[first] + 1})
+    side.write_text(json.dumps(doc))
+    r = run_cli("verify", member, "--no-decode")
+    assert r.exit_code == 1 and f"{name}.receipt.json: plan has trellis units per rate" in r.output, r.output
+    side.write_text("{not json")
+    assert f"{name}.receipt.json: not a receipt" in " ".join(verify_exl3(member)["problems"])
+    side.unlink()
+    rep = verify_exl3(member)
+    assert rep["ok"] and rep["receipt"] is None  # a directory without a receipt is not a problem
 
 
 def test_member_identical_to_its_single_conversion(family, mini_model, tmp_path):

@@ -2,6 +2,8 @@
 
     python bench/family_cost.py                       # glm5next-mini, sizes of the Q3_K_M / Q4_K_M / Q5_K_M mixes
     python bench/family_cost.py --model glm5next-k256 --out bench/results/family_cost_k256.json
+    python bench/family_cost.py --model glm5next-k256 --rounding hessian \
+        --out bench/results/family_cost_k256_hessian.json
     python bench/family_cost.py --format exl3 --model glm5next-k256 --device cuda \
         --out bench/results/family_cost_exl3_k256.json   # members 2.5, 3.05, 4.0 bpw
 
@@ -9,7 +11,9 @@ GGUF: both get the same imatrix, computed once before either is timed (its time 
 compute it itself when no --imatrix is given, the single conversion never does), the same threads and
 options; the single conversion runs first, so the operating system's file cache favours the family no more than
 the conversion. Prints the ratio (target <= 1.5) and writes bench/results/family_cost.json (paths repo-relative).
-The members are also checked byte-identical to the single conversion of the largest.
+The members are also checked byte-identical to the single conversion of the largest. `--rounding hessian`: both
+runs round with Hessians (calibration.txt, --hessian-rows x 128 tokens, --tune-iters); the family rounds a
+(tensor, type) its members share once, and tunes every member on its own.
 
 EXL3 (--format exl3): the baseline is the measured plan of the largest member made alone, measurement included
 (`mixq plan --measure --measure-out C.json`, then `mixq convert --bpw X --measure C.json`), since the family
@@ -56,6 +60,9 @@ def main() -> None:
     ap.add_argument("--sizes", default=None, help="GGUF: A,B,C [default: the Q3_K_M/Q4_K_M/Q5_K_M mixes' bytes]")
     ap.add_argument("--bpw", default=None, help="EXL3: x,y,z [default: 2.5,3.05,4.0]")
     ap.add_argument("--threads", type=int, default=2, help="GGUF: encoder threads")
+    ap.add_argument("--rounding", choices=("exact", "hessian"), default="exact", help="GGUF: both runs' rounding")
+    ap.add_argument("--hessian-rows", type=int, default=8, help="GGUF --rounding hessian: calibration rows of 128")
+    ap.add_argument("--tune-iters", type=int, default=20, help="GGUF --rounding hessian: tuning steps per stage")
     ap.add_argument("--rows", type=int, default=None, help="GGUF: imatrix calibration rows [default: 8]; EXL3: "
                                                            "calibration rows of every conversion [default: 64]")
     ap.add_argument("--seq-len", type=int, default=None, help="EXL3: tokens per calibration row [default: 512]")
@@ -93,7 +100,9 @@ def gguf_cost(model: Path, a) -> dict:
         im = work / "calib.imatrix.gguf"
         imatrix(model, im, rows=rows, seq_len=128, device="cpu", progress=False)
         t_imatrix = time.perf_counter() - t
-        common = dict(imatrix=im, threads=a.threads, progress=False, **steer)
+        hess = dict(rounding="hessian", calibration=[SHARED / "data" / "calibration.txt"], rows=a.hessian_rows,
+                    seq_len=128, tune_iters=a.tune_iters) if a.rounding == "hessian" else {}
+        common = dict(imatrix=im, threads=a.threads, progress=False, **steer, **hess)
         largest = max(sizes, key=lambda s: plan_model(model, "gguf", size=s, **steer).total_bytes)
         t = time.perf_counter()
         single = convert(model, work / "single.gguf", "gguf", size=largest, **common)
@@ -103,7 +112,8 @@ def gguf_cost(model: Path, a) -> dict:
         t_family = time.perf_counter() - t
         member = fam.members[sizes.index(largest)]
         identical = (work / "family" / member["file"]).read_bytes() == Path(single.out).read_bytes()
-        res = {"model": repo_relative(str(model)), "sizes": sizes, "threads": a.threads,
+        res = {"model": repo_relative(str(model)), "sizes": sizes, "threads": a.threads, "rounding": a.rounding,
+               **({"hessian_rows": a.hessian_rows, "tune_iters": a.tune_iters} if hess else {}),
                "imatrix_seconds": round(t_imatrix, 2), "single_target": largest,
                "cache": {k: fam.cache[k] for k in ("hits", "writes")},
                **_figures(t_single, t_family, identical, fam.members,

@@ -3,8 +3,10 @@
 An entry is the ggml bytes (or float array) that `convert/gguf_workers.encode` made of one source tensor in one
 type, under `ROOT/<key>.npy`; the key is the sha256 of everything the bytes depend on: the cache layout, the
 mixq version (the encoders), the GGUF tensor name and shape, the ggml type, the sha256 of the float32 source
-tensor and of its importance vector(s). Neither the thread count nor the device enters it: the encoders give the
-same bytes on any of them. Entries are written under a temporary name and renamed (formats/atomic), so a killed
+tensor and of its importance vector(s), and the rounding ("exact"; or the Hessian rounding's tag: its
+calibration tokens, damping, passes and device, for the codes `--rounding hessian` makes before tuning, which
+depend on the source weights and the source model's calibration forward only). The thread count does not enter
+it, nor, for ggml's encoders, the device: they give the same bytes on any of them. Entries are written under a temporary name and renamed (formats/atomic), so a killed
 run leaves whole entries only and a rerun serves them; a second run on the same cache writes the same bytes.
 Source digests are kept in memory per (checkpoint, tensor) for the life of the object, so the members of one
 family after the first do not read the checkpoint again to find their keys.
@@ -49,9 +51,10 @@ class EncodeCache:
         self.root = Path(self.root)
 
     def key(self, source: str, name: str, qtype: str, shape: tuple[int, ...],
-            load: Callable[[], tuple[np.ndarray, np.ndarray | None]]) -> str:
+            load: Callable[[], tuple[np.ndarray, np.ndarray | None]], rounding: str = "exact") -> str:
         """The key of tensor `name` of checkpoint `source` in `qtype`; `load()` gives (x, imatrix) when the source
-        digests are not known yet."""
+        digests are not known yet. `rounding` names anything else the bytes depend on ("exact": ggml's encoders;
+        Hessian rounding: its calibration, damping and device, `hessian_rounding_tag`)."""
         digests = self._sources.get((source, name))
         if digests is None:
             x, w = load()
@@ -59,7 +62,7 @@ class EncodeCache:
                                                        array_sha256(None if w is None
                                                                     else np.asarray(w, dtype=np.float32)))
         text = "\n".join([f"layout {CACHE_LAYOUT}", f"mixq {mixq_version()}", f"tensor {name}",
-                          f"shape {tuple(int(d) for d in shape)}", f"type {qtype.upper()}", "rounding exact",
+                          f"shape {tuple(int(d) for d in shape)}", f"type {qtype.upper()}", f"rounding {rounding}",
                           f"source {digests[0]}", f"imatrix {digests[1]}"])
         return hashlib.sha256(text.encode()).hexdigest()
 

@@ -396,7 +396,7 @@ def _write(run: _GGUFRun) -> list[Path]:
 
     outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(run.specs, run.types)]
     items = [(t.name, t.qtype, f"{by_name[t.name].hf_names[0]} -> {t.name} ({t.qtype})") for t in outs]
-    with _rounded(run) as pre:
+    with _rounded(run, load) as pre:
         keys, cached = _cache_keys(run, outs, pre, load)
         with TensorEncoder([i for i in items if i[0] not in pre and i[0] not in cached], load,
                            threads=run.threads, device=run.device) as enc:
@@ -449,15 +449,16 @@ def _metadata(run: _GGUFRun):
     return kv, (lambda w: add_tokenizer(w, tmeta, tmpl)), outs
 
 
-def _rounded(run: _GGUFRun):
+def _rounded(run: _GGUFRun, load):
     """--rounding hessian: a context holding loaders of the tensors Hessian rounding encodes (its calibration pass
-    runs on entry, convert/gguf_rounding.py); exact: an empty mapping, every tensor goes to ggml's encoders."""
+    runs on entry, convert/gguf_rounding.py; a family's cache serves the codes another member rounded, `load`
+    giving their keys); exact: an empty mapping, every tensor goes to ggml's encoders."""
     o = run.opts
     if o.rounding != "hessian":
         return contextlib.nullcontext({})
     return hessian_rounded(run.ckpt, run.specs, run.types, run.out, imatrix=run.imx,
                            calibration=list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
-                           tune_iters=o.tune_iters, device=o.device, progress=o.progress)
+                           tune_iters=o.tune_iters, device=o.device, progress=o.progress, cache=run.cache, load=load)
 
 
 def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> ConvertResult:

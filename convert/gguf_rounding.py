@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from mixq.convert.encode_cache import EncodeCache, array_sha256
 from mixq.convert.gguf_hessians import embedding_hessian, layer_hessians, token_frequency
 from mixq.convert.gguf_tuning import LayerTuner
 from mixq.convert.options import DEFAULT_TUNE_ITERS
@@ -87,12 +88,18 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
 def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir: str | Path, *,
                            imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
                            seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, device: str | None = None,
-                           progress: bool = True) -> dict[str, Path]:
+                           progress: bool = True, cache: EncodeCache | None = None,
+                           load: Callable[[str], tuple] | None = None) -> dict[str, Path]:
     """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
     in `work_dir`: {GGUF name: path}. `imatrix` (GGUF name -> importance) feeds ggml's scale search, as in the
     exact path; without it the Hessian's diagonal does. Tensors whose input the forward never forms are left out.
     `tune_iters` > 0: each stage's codes are then tuned for the layer's output on the quantized model's streams
-    (convert/gguf_tuning.py), with that many descent steps per stage."""
+    (convert/gguf_tuning.py), with that many descent steps per stage.
+
+    `cache` (a family's, with `load(name) -> (GGUF tensor, imatrix)` for its keys): the codes before tuning depend
+    only on the source weights, the imatrix and the source model's calibration forward, not on the member, so a
+    (tensor, type) another member already rounded is served from the cache (the same bytes); tuning, which runs
+    on this member's own quantized streams, is always this member's."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     todo = [(s, t) for s, t in zip(specs, types) if covered(s, t)]
@@ -107,6 +114,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
         (embed if s.role == "embed" else by_layer.setdefault(s.layer, [])).append((s, t))
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     done: dict[str, Path] = {}
+    rounded = _CachedRounding(cache, load, str(ckpt.path), rounding_tag(ids, dev))
     tuner = None
     if tune_iters > 0:
         tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, device=dev)
@@ -115,18 +123,17 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     for stage in layer_hessians(ckpt, ids, device=dev):
         before = set(done)
         for s, t in embed:  # the first stage: its Linears read the embedding
-            w = fetch(s.hf_names[0])
-            h = embedding_hessian(stage, ckpt, w, token_frequency(ids, w.shape[0]))
-            if h is not None:
-                path = work / f"{len(done):05d}.npy"
-                np.save(path, kh.quantize_hessian(w, h, t, None, damp=DAMP, refine=REFINE_PASSES, device=dev))
+            path = work / f"{len(done):05d}.npy"
+            if rounded.serve(s, t, path) or rounded.store(s, t, path, _encode_embedding(s, t, stage, ckpt, ids, fetch,
+                                                                                        path, dev)):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         embed = []
         for s, t in by_layer.get(stage.layer, []):
             path = work / f"{len(done):05d}.npy"
             im = None if imatrix is None else imatrix.get(s.name)
-            if _encode_spec(s, t, stage, fetch, None if im is None else np.asarray(im, np.float32), path, dev):
+            if rounded.serve(s, t, path) or rounded.store(s, t, path, _encode_spec(
+                    s, t, stage, fetch, None if im is None else np.asarray(im, np.float32), path, dev)):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         if tuner is not None:
@@ -135,6 +142,52 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
                 bar.write(tuner.reports[-1].describe())
     bar.close()
     return done
+
+
+def rounding_tag(ids: torch.Tensor, dev: torch.device) -> str:
+    """What Hessian-rounded codes depend on besides the tensor, its type and its imatrix (an encode-cache key's
+    "rounding"): the calibration tokens, the damping, the refinement passes, the expert slicing and the device
+    type (the float arithmetic differs between devices)."""
+    return (f"hessian damp {DAMP} refine {REFINE_PASSES} slice {EXPERT_SLICE_BYTES} device {dev.type} "
+            f"calibration {array_sha256(ids.cpu().numpy())}")
+
+
+class _CachedRounding:
+    """The family's encode cache for Hessian-rounded codes before tuning (a no-op without a cache)."""
+
+    def __init__(self, cache: EncodeCache | None, load, source: str, tag: str) -> None:
+        self.cache, self.load, self.source, self.tag = cache, load, source, tag
+
+    def _key(self, spec, qtype: str) -> str | None:
+        if self.cache is None or self.load is None:
+            return None
+        return self.cache.key(self.source, spec.name, qtype, tuple(spec.shape), lambda: self.load(spec.name),
+                              rounding=self.tag)
+
+    def serve(self, spec, qtype: str, path: Path) -> bool:
+        """Copy the cached codes of (spec, qtype) to `path`; False when there are none."""
+        key = self._key(spec, qtype)
+        if key is None or not self.cache.has(key):
+            return False
+        np.save(path, self.cache.get(key), allow_pickle=False)
+        return True
+
+    def store(self, spec, qtype: str, path: Path, encoded: bool) -> bool:
+        """After an encode into `path` (`encoded`: whether there was one), keep its codes in the cache."""
+        key = self._key(spec, qtype) if encoded else None
+        if key is not None:
+            self.cache.put(key, np.load(path, mmap_mode="r"))
+        return encoded
+
+
+def _encode_embedding(spec, qtype: str, stage, ckpt, ids: torch.Tensor, fetch, out: Path, dev) -> bool:
+    """Encode token_embd with the metric of `gguf_hessians.embedding_hessian` into `out`; False without one."""
+    w = fetch(spec.hf_names[0])
+    h = embedding_hessian(stage, ckpt, w, token_frequency(ids, w.shape[0]))
+    if h is None:
+        return False
+    np.save(out, kh.quantize_hessian(w, h, qtype, None, damp=DAMP, refine=REFINE_PASSES, device=dev))
+    return True
 
 
 def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path]) -> None:
@@ -149,7 +202,8 @@ def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path]) -> None:
 def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path, *,
                     imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
                     seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, device: str | None = None,
-                    progress: bool = True) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
+                    progress: bool = True, cache: EncodeCache | None = None,
+                    load: Callable[[str], tuple] | None = None) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
     """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
 
     The encoded tensors are spilled into a `.NAME.partial-hessian-*` directory next to `out` (the converter's
@@ -159,7 +213,7 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
     try:
         paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
                                        rows=rows, seq_len=seq_len, tune_iters=tune_iters, device=device,
-                                       progress=progress)
+                                       progress=progress, cache=cache, load=load)
         yield {n: (lambda p=p: np.load(p)) for n, p in paths.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)

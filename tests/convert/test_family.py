@@ -149,3 +149,38 @@ def test_members_load_in_llama_cpp(family, mini_model, heldout_text):
     top = [lg.argmax(-1) for lg in logits]
     for t in top[:-1]:
         assert (t == top[-1]).float().mean() > 0.8
+
+
+def test_hessian_family_rounds_each_tensor_type_once_and_matches_single_conversions(mini_model, calibration_text,
+                                                                                     tmp_path, monkeypatch):
+    """`--rounding hessian`: a (tensor, type) two members share is Hessian-rounded once (its codes before tuning
+    come from the cache), each member is still tuned on its own streams, and every member is byte-identical to
+    the same member converted alone with the same imatrix and calibration."""
+    from mixq.quant.ggml import hessian_rounding as kh
+
+    calls: list[tuple] = []
+    real = kh.quantize_hessian
+
+    def counted(w, h, qtype, *a, **k):
+        calls.append((tuple(w.shape), qtype))
+        return real(w, h, qtype, *a, **k)
+
+    sizes = mix_bytes(mini_model)[1:]  # the Q4_K_M- and Q5_K_M-sized members
+    hess = dict(rounding="hessian", calibration=[calibration_text], rows=2, seq_len=64, tune_iters=2, threads=1,
+                progress=False, **STEER)
+    out = tmp_path / "fam"
+    monkeypatch.setattr(kh, "quantize_hessian", counted)
+    res = convert(mini_model, out, "gguf", size=sizes, **hess)
+    in_family = len(calls)
+    imatrix = out / "glm5next-mini.imatrix.gguf"
+    alone = []
+    for m, size in zip(res.members, sizes):
+        calls.clear()
+        single = tmp_path / f"single-{size}.gguf"
+        convert(mini_model, single, "gguf", size=size, imatrix=imatrix, **hess)
+        alone.append(len(calls))
+        assert single.read_bytes() == (out / m["file"]).read_bytes(), m["file"]
+    types = [m["plan"]["types"] for m in res.members]
+    assert types[0] != types[1]  # the members differ ...
+    assert 0 < in_family < sum(alone)  # ... and the tensors they share in one type were rounded once
+    assert res.cache["hits"] >= sum(alone) - in_family

@@ -114,7 +114,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
         (embed if s.role == "embed" else by_layer.setdefault(s.layer, [])).append((s, t))
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     done: dict[str, Path] = {}
-    rounded = _CachedRounding(cache, load, str(ckpt.path), rounding_tag(ids, dev))
+    rounded = _CachedRounding(cache, load, str(ckpt.path), rounding_tag(ids, dev) if cache is not None else "")
     tuner = None
     if tune_iters > 0:
         tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, device=dev)
@@ -124,16 +124,15 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
         before = set(done)
         for s, t in embed:  # the first stage: its Linears read the embedding
             path = work / f"{len(done):05d}.npy"
-            if rounded.serve(s, t, path) or rounded.store(s, t, path, _encode_embedding(s, t, stage, ckpt, ids, fetch,
-                                                                                        path, dev)):
+            if rounded.encode(s, t, path, lambda: _encode_embedding(s, t, stage, ckpt, ids, fetch, path, dev)):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         embed = []
         for s, t in by_layer.get(stage.layer, []):
             path = work / f"{len(done):05d}.npy"
             im = None if imatrix is None else imatrix.get(s.name)
-            if rounded.serve(s, t, path) or rounded.store(s, t, path, _encode_spec(
-                    s, t, stage, fetch, None if im is None else np.asarray(im, np.float32), path, dev)):
+            im = None if im is None else np.asarray(im, np.float32)
+            if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, fetch, im, path, dev)):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         if tuner is not None:
@@ -158,26 +157,19 @@ class _CachedRounding:
     def __init__(self, cache: EncodeCache | None, load, source: str, tag: str) -> None:
         self.cache, self.load, self.source, self.tag = cache, load, source, tag
 
-    def _key(self, spec, qtype: str) -> str | None:
-        if self.cache is None or self.load is None:
-            return None
-        return self.cache.key(self.source, spec.name, qtype, tuple(spec.shape), lambda: self.load(spec.name),
-                              rounding=self.tag)
-
-    def serve(self, spec, qtype: str, path: Path) -> bool:
-        """Copy the cached codes of (spec, qtype) to `path`; False when there are none."""
-        key = self._key(spec, qtype)
-        if key is None or not self.cache.has(key):
+    def encode(self, spec, qtype: str, path: Path, encode: Callable[[], bool]) -> bool:
+        """The codes of (spec, qtype) into `path`: copied from the cache when another member rounded them, else
+        `encode()` (False: this stage has no Hessian for it) and kept in the cache."""
+        key = None if self.cache is None or self.load is None else self.cache.key(
+            self.source, spec.name, qtype, tuple(spec.shape), lambda: self.load(spec.name), rounding=self.tag)
+        if key is not None and self.cache.has(key):
+            np.save(path, self.cache.get(key), allow_pickle=False)
+            return True
+        if not encode():
             return False
-        np.save(path, self.cache.get(key), allow_pickle=False)
-        return True
-
-    def store(self, spec, qtype: str, path: Path, encoded: bool) -> bool:
-        """After an encode into `path` (`encoded`: whether there was one), keep its codes in the cache."""
-        key = self._key(spec, qtype) if encoded else None
         if key is not None:
             self.cache.put(key, np.load(path, mmap_mode="r"))
-        return encoded
+        return True
 
 
 def _encode_embedding(spec, qtype: str, stage, ckpt, ids: torch.Tensor, fetch, out: Path, dev) -> bool:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from mixq.convert.family import FAMILY_JSON, FAMILY_VERSION, CLOSE, FamilyResult
 from mixq.convert.gguf_receipt import cached_file_sha256, mixq_version, receipt_options
 from mixq.convert.job import JOB_DIR
-from mixq.convert.measure import load_curves, resolve_measure
+from mixq.convert.measure import curves_meta, load_curves, resolve_measure
 from mixq.convert.options import FamilyOptions, FamilyTarget
 from mixq.convert.outputs import check_output_dir
 from mixq.convert.pipeline import run_exl3
@@ -137,12 +137,9 @@ def _curves_source(out: Path, name: str, base) -> tuple[Path | None, dict]:
 
 
 def _measured_with(path: Path) -> str | None:
-    """The method a curves file records in its "_meta" (save_curves writes it), None when it records none."""
-    try:
-        meta = json.loads(path.read_text()).get("_meta") or {}
-        return str(meta["method"]) if isinstance(meta, dict) and meta.get("method") else None
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return None
+    """The method a curves file records (save_curves writes it), None when it records none."""
+    method = curves_meta(path).get("method")
+    return str(method) if method else None
 
 
 def _curves(ckpt, base, path: Path | None, info: dict) -> dict:

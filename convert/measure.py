@@ -208,6 +208,15 @@ def save_curves(curves: Mapping[str, Mapping[float, float]], path: str | Path, m
         raise InputError(f"--measure-out {path}: cannot write ({e})") from None
 
 
+def curves_meta(path: str | Path) -> dict:
+    """The "_meta" record `save_curves` wrote into a curves JSON ({} when there is none or it cannot be read)."""
+    try:
+        meta = json.loads(Path(path).read_text()).get("_meta")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def load_curves(path: str | Path) -> dict[str, dict[float, float]]:
     """Read a curves JSON {unit: {bits: error}} (a "_meta" entry is skipped)."""
     try:

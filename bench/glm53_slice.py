@@ -1551,7 +1551,7 @@ def round_probe(stacks: list, stream, fetch, dev, probe: Probe) -> dict[str, dic
         if key in out:
             continue
         n = int(spec.shape[-1])
-        e = min(len(spec.hf_names), gr._expert_slice(n))
+        e = min(len(spec.hf_names), gr.expert_slice(int(spec.shape[-2]), n, torch.device(dev)))
         h = (x[:, :n].T @ x[:, :n] / x.shape[0]).expand(e, n, n).contiguous()
         w = torch.stack([fetch(name) for name in spec.hf_names[:e]])
         with probe.span(f"round_probe/{key}", w=int(w.numel()), experts=e):

@@ -42,8 +42,12 @@ from mixq.runtime.calibration import calibration_rows, load_tokenizer
 # k256 with held-out Hessians (bench/gguf_quality.py), 0.1 and 3 generalise better than GPTQ's usual 0.01 and none
 DAMP = 0.1
 REFINE_PASSES = 3
-# per-expert Hessians formed and factorised at once: bounds memory for wide experts (GLM-5.3: 288 x 6144^2)
-EXPERT_SLICE_BYTES = 1 << 30
+# routed experts rounded per call: their float64 Hessians within SLICE_HESSIAN_BYTES and their weights within
+# SLICE_WEIGHTS, per device type (GLM-5.3's 288 x 4096^2 Hessians are 39 GB). The per-column sweeps cost launches,
+# not arithmetic, so an accelerator rounds as many experts per call as its memory allows (four each at 2048 x 4096
+# on a CPU, 32 on a GPU)
+SLICE_HESSIAN_BYTES = {"cpu": 1 << 30, "accelerator": 1 << 32}
+SLICE_WEIGHTS = {"cpu": None, "accelerator": 1 << 28}
 
 
 def covered(spec, qtype: str) -> bool:
@@ -53,15 +57,20 @@ def covered(spec, qtype: str) -> bool:
             and spec.transform in ("none", "stack"))
 
 
-def _expert_slice(n: int) -> int:
-    return max(1, EXPERT_SLICE_BYTES // (8 * n * n))
+def expert_slice(rows: int, n: int, dev: torch.device) -> int:
+    """Routed experts (rows x n each) rounded per call on `dev` (SLICE_HESSIAN_BYTES, SLICE_WEIGHTS)."""
+    kind = "cpu" if dev.type == "cpu" else "accelerator"
+    per = SLICE_HESSIAN_BYTES[kind] // (8 * n * n)
+    if SLICE_WEIGHTS[kind] is not None:
+        per = min(per, SLICE_WEIGHTS[kind] // (rows * n))
+    return max(1, per)
 
 
 def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out: Path, dev) -> bool:
     """Encode one covered tensor of this stage into `out` (.npy); False when the stage has no Hessian for it."""
     if spec.transform == "stack":
         E, n = len(spec.hf_names), spec.shape[-1]
-        step = _expert_slice(n)
+        step = expert_slice(spec.shape[-2], n, dev)
         arr = None
         for e0 in range(0, E, step):
             e1 = min(E, e0 + step)
@@ -147,7 +156,9 @@ def rounding_tag(ids: torch.Tensor, dev: torch.device) -> str:
     """What Hessian-rounded codes depend on besides the tensor, its type and its imatrix (an encode-cache key's
     "rounding"): the calibration tokens, the damping, the refinement passes, the expert slicing and the device
     type (the float arithmetic differs between devices)."""
-    return (f"hessian damp {DAMP} refine {REFINE_PASSES} slice {EXPERT_SLICE_BYTES} device {dev.type} "
+    kind = "cpu" if dev.type == "cpu" else "accelerator"
+    slicing = f"{SLICE_HESSIAN_BYTES[kind]}" + (f"/{SLICE_WEIGHTS[kind]}" if SLICE_WEIGHTS[kind] else "")
+    return (f"hessian damp {DAMP} refine {REFINE_PASSES} slice {slicing} device {dev.type} "
             f"calibration {array_sha256(ids.cpu().numpy())}")
 
 

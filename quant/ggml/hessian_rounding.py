@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
 
 from ...errors import InputError
 from . import levels as gl
@@ -79,8 +78,14 @@ def layer_error(w: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> tor
 
 
 def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray:
-    """float32 weights of ggml blocks (..., bytes per row), through gguf-py's decoder."""
-    return quants.dequantize(np.ascontiguousarray(blocks), GGMLQuantizationType[qtype])
+    """float32 weights of ggml blocks (..., bytes per row), decoded on the host (gguf-py's values bit for bit)."""
+    return gl.decode_blocks(blocks, qtype).numpy()
+
+
+def _any(mask: torch.Tensor) -> bool:
+    """Whether a sweep step moves anything. Only asked on the CPU: on an accelerator the answer would stall the
+    queue of kernels once per column, and applying a step that moves nothing leaves every value as it was."""
+    return mask.device.type != "cpu" or bool(mask.any())
 
 
 def _encode_block(x: torch.Tensor, qtype: str, importance: np.ndarray) -> np.ndarray:
@@ -105,9 +110,7 @@ class _ScalarRounder:
         self.lo, self.hi = gl.CODE_RANGE[qtype]
 
     def start(self, blocks: np.ndarray) -> None:
-        step, base = gl.level_grid(blocks, self.qtype)
-        self.step = torch.from_numpy(step).to(self.device)
-        self.base = torch.from_numpy(base).to(self.device)
+        self.step, self.base = gl.level_grid_on(blocks, self.qtype, self.device)
         self.codes = torch.zeros(self.step.shape, dtype=torch.int64, device=self.device)
 
     def round(self, t: torch.Tensor, j: int, metric: torch.Tensor) -> torch.Tensor:
@@ -195,28 +198,30 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
     H (E|1, n, n) float32."""
     lo, hi = gl.CODE_RANGE[qtype]
     dev = w.device
-    step, base = (torch.from_numpy(a).to(dev) for a in gl.level_grid(blocks, qtype))
-    deq = torch.from_numpy(dequantize_blocks(blocks, qtype)).to(dev).reshape(w.shape)
+    step, base = gl.level_grid_on(blocks, qtype, dev)
+    deq = gl.decode_blocks(blocks, qtype, dev).reshape(w.shape)
     safe = torch.where(step != 0, step, torch.ones_like(step))
     codes = torch.where(step != 0, gl.nearest_codes((deq - base) / safe, qtype), torch.full_like(step, lo))
     err = w - deq
     grad = err @ hessian                                                   # (E, rows, n): (ΔW·H)
-    hdiag = torch.diagonal(hessian, dim1=-2, dim2=-1)                       # (E|1, n)
+    hdiag = torch.diagonal(hessian, dim1=-2, dim2=-1).unsqueeze(-2)         # (E|1, 1, n)
+    live = step != 0
     for _ in range(passes):
+        # what a column's move depends on besides the gradient: fixed for the pass, since a column's code changes
+        # only at its own turn (computed for all columns at once; per column the same values as one at a time)
+        val = gl.code_values(codes, qtype)
+        up = step * (gl.code_values((codes + 1).clamp(max=hi), qtype) - val)   # decoded change of code + 1
+        dn = step * (gl.code_values((codes - 1).clamp(min=lo), qtype) - val)   # ... of code - 1
+        up_h, dn_h = up * hdiag, dn * hdiag
+        ok_up, ok_dn = (codes < hi) & live, (codes > lo) & live
         for j in range(w.shape[-1]):
-            s, g, c = step[..., j], grad[..., j], codes[..., j]
-            h = hdiag[:, j:j + 1]
-            val = gl.code_values(c, qtype)
-            up = s * (gl.code_values((c + 1).clamp(max=hi), qtype) - val)   # decoded change of code + 1
-            dn = s * (gl.code_values((c - 1).clamp(min=lo), qtype) - val)   # ... of code - 1
-            d_up = up * (up * h - 2 * g)
-            d_dn = dn * (dn * h - 2 * g)
-            d_up = torch.where((c < hi) & (s != 0), d_up, torch.zeros_like(d_up))
-            d_dn = torch.where((c > lo) & (s != 0), d_dn, torch.zeros_like(d_dn))
+            g2 = 2 * grad[..., j]
+            d_up = torch.where(ok_up[..., j], up[..., j] * (up_h[..., j] - g2), 0.0)
+            d_dn = torch.where(ok_dn[..., j], dn[..., j] * (dn_h[..., j] - g2), 0.0)
             move = torch.where((d_up < d_dn) & (d_up < 0), 1.0, torch.where(d_dn < 0, -1.0, 0.0))
-            if not bool(move.any()):
+            if not _any(move != 0):
                 continue
-            delta = -torch.where(move > 0, up, torch.where(move < 0, dn, torch.zeros_like(up)))  # error change
+            delta = -torch.where(move > 0, up[..., j], torch.where(move < 0, dn[..., j], 0.0))  # error change
             codes[..., j] += move
             grad += delta.unsqueeze(-1) * hessian[:, j, :].unsqueeze(1)
     return gl.set_levels(blocks, qtype, codes.long().cpu().numpy())
@@ -230,11 +235,12 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
     dev = w.device
     sub, (slo, shi), mrange = gl.SUB_SCALES[qtype]
     sc, mn = gl.sub_scales(blocks, qtype)
-    deq_np = dequantize_blocks(blocks, qtype)
+    deq = gl.decode_blocks(blocks, qtype, dev)
 
     def slope(moved_sc, moved_mn, delta):  # per weight: change of the decoded weight per unit of the field
-        diff = dequantize_blocks(gl.set_sub_scales(blocks, qtype, moved_sc, moved_mn), qtype) - deq_np
-        return torch.from_numpy(diff / np.repeat(delta, sub, axis=-1)).to(dev, torch.float32).reshape(w.shape)
+        diff = gl.decode_blocks(gl.set_sub_scales(blocks, qtype, moved_sc, moved_mn), qtype, dev) - deq
+        per = torch.from_numpy(np.repeat(delta, sub, axis=-1)).to(dev, torch.float64)
+        return (diff.double() / per).float().reshape(w.shape)
 
     fields = []  # (values, range, slope per weight)
     up = np.where(sc < shi, sc + 1, sc - 1)
@@ -242,7 +248,7 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
     if mrange is not None:
         upm = np.where(mn < mrange[1], mn + 1, mn - 1)
         fields.append([torch.from_numpy(mn).to(dev).reshape(*w.shape[:-1], -1), mrange, slope(sc, upm, upm - mn)])
-    deq = torch.from_numpy(deq_np).to(dev, torch.float32).reshape(w.shape)
+    deq = deq.reshape(w.shape)
     grad = (w - deq) @ hessian                                                      # (E, rows, n)
     for j in range(w.shape[-1] // sub):
         cols = slice(j * sub, (j + 1) * sub)
@@ -260,7 +266,7 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
                 better = dl < best
                 best = torch.where(better, dl, best)
                 choice = torch.where(better, 2 * f + k, choice)
-        if not bool((choice >= 0).any()):
+        if not _any(choice >= 0):
             continue
         step = torch.zeros_like(g)
         for f, (vals, _, sl) in enumerate(fields):
@@ -284,7 +290,7 @@ def refit_super_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian:
     dev = w.device
     bs = gl.block_shape(qtype)[0]
     scales = torch.from_numpy(gl.super_scales(blocks, qtype)).to(dev)               # (E, rows, nb, k)
-    basis = torch.from_numpy(gl.super_scale_basis(blocks, qtype)).to(dev)           # (k, E, rows, n)
+    basis = gl.super_scale_basis_on(blocks, qtype, dev)                             # (k, E, rows, n)
     deq = torch.einsum("erbk,kerbc->erbc", scales, basis.unflatten(-1, (-1, bs))).flatten(-2)
     grad = (w - deq) @ hessian                                                      # (E, rows, n)
     k = scales.shape[-1]
@@ -302,7 +308,7 @@ def refit_super_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian:
         d = new - old
         dl = -2 * (d * r).sum(-1) + torch.einsum("erk,erkl,erl->er", d, m, d)       # change of the quadratic
         take = torch.isfinite(dl) & (dl < 0)
-        if not bool(take.any()):
+        if not _any(take):
             continue
         d = torch.where(take.unsqueeze(-1), d, torch.zeros_like(d))
         scales[..., b, :] = old + d
@@ -325,7 +331,7 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
     db = torch.from_numpy(gl.iq2s_group_scales(blocks)).to(dev)                    # (E, rows, G)
     index, signs = (torch.from_numpy(a).to(dev) for a in gl.iq2s_groups(blocks))
     bits = 2 ** torch.arange(8, device=dev)
-    val = torch.from_numpy(dequantize_blocks(blocks, "IQ2_S")).to(dev).reshape(w.shape)
+    val = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape)
     grad = (w - val) @ hessian                                                     # (E, rows, n)
     for _ in range(passes):
         for g in range(w.shape[-1] // 8):
@@ -344,7 +350,7 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
                 + torch.einsum("erki,eij,erkj->erk", delta, hbb.expand(w.shape[0], 8, 8), delta)
             best = dl.argmin(-1, keepdim=True)                                     # (E, rows, 1)
             take = dl.gather(-1, best).squeeze(-1) < 0
-            if not bool(take.any()):
+            if not _any(take):
                 continue
             new_v = cand.gather(-2, best.unsqueeze(-1).expand(*best.shape, 8)).squeeze(-2)
             step = torch.where(take.unsqueeze(-1), v - new_v, torch.zeros_like(v))

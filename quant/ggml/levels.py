@@ -8,8 +8,10 @@ encoder chose but picks its own codes needs exactly two things, given here per t
 - ``level_grid(blocks, qtype)``: per weight, ``(step, base)`` such that code c decodes to ``step*value(c) + base``,
   where ``value(c) = c`` for the affine types and IQ4_NL's fixed 16-level table (:func:`level_values`) for it.
 
-For the scalar types every decoded weight is affine in its own level value, so the grid is read through gguf-py's
-decoder (codes all at the low end, then all at the high end) instead of a second copy of each decoding rule.
+For the scalar types every decoded weight is affine in its own level value, so the grid is read through the torch
+decoder (:mod:`torch_decode`, gguf-py's values bit for bit on the CPU; codes all at the low end, then all at the
+high end) instead of a second copy of each decoding rule. The ``*_on`` forms decode and return on a given device, so
+a rounding that runs on the GPU makes no host decode.
 :func:`nearest_codes` and :func:`interpolated_values` give the rounding and a piecewise-linear relaxation on the
 level values, the same for every scalar type.
 Bit layouts follow ggml's block definitions (docstrings of :mod:`numpy_kquants` name the byte ranges).
@@ -25,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from ...errors import InputError
+from . import torch_decode
 from .numpy_kquants import pack_scales_k4, pack_scales_q3_k
 from .numpy_iq4 import IQ4_LEVELS
 
@@ -180,21 +183,35 @@ def set_levels(blocks: np.ndarray, qtype: str, codes: np.ndarray) -> np.ndarray:
     return out
 
 
-def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per weight, (step, base) float32 (..., weights per row) with decode(code c) = step*value(c) + base
-    (``value`` = :func:`level_values`; the code itself for the affine types).
+def decode_blocks(blocks: np.ndarray, qtype: str, device: str | torch.device = "cpu") -> torch.Tensor:
+    """float32 weights (..., weights per row) of ggml blocks (..., bytes per row), decoded on `device` by the torch
+    decoder (on the CPU gguf-py's values bit for bit)."""
+    b = np.ascontiguousarray(blocks, dtype=np.uint8)
+    bs, ts = block_shape(qtype)
+    raw = torch.from_numpy(b).to(device)
+    return torch_decode.dequantize(raw, qtype, b.shape[:-1] + (b.shape[-1] // ts * bs,))
 
-    Read through gguf-py's decoder with every code at the low and at the high end of the range."""
+
+def level_grid_on(blocks: np.ndarray, qtype: str, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`level_grid` computed and returned on `device` (float32 tensors)."""
     lo, hi = CODE_RANGE[qtype]
     values = level_values(qtype).astype(np.float64)
     bs, ts = block_shape(qtype)
     shape = blocks.shape[:-1] + (blocks.shape[-1] // ts * bs,)
-    gt = GGMLQuantizationType[qtype]
-    v_lo = gguf_quants.dequantize(set_levels(blocks, qtype, np.full(shape, lo)), gt).astype(np.float64)
-    v_hi = gguf_quants.dequantize(set_levels(blocks, qtype, np.full(shape, hi)), gt).astype(np.float64)
-    step = (v_hi - v_lo) / (values[-1] - values[0])
-    base = v_lo - step * values[0]
-    return step.astype(np.float32), base.astype(np.float32)
+    v_lo = decode_blocks(set_levels(blocks, qtype, np.full(shape, lo)), qtype, device).double()
+    v_hi = decode_blocks(set_levels(blocks, qtype, np.full(shape, hi)), qtype, device).double()
+    step = (v_hi - v_lo) / float(values[-1] - values[0])
+    base = v_lo - step * float(values[0])
+    return step.float(), base.float()
+
+
+def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per weight, (step, base) float32 (..., weights per row) with decode(code c) = step*value(c) + base
+    (``value`` = :func:`level_values`; the code itself for the affine types).
+
+    Read through the decoder with every code at the low and at the high end of the range."""
+    step, base = level_grid_on(blocks, qtype, "cpu")
+    return step.numpy(), base.numpy()
 
 
 # ---------------------------------------------------------------------------------------------- super-scales
@@ -231,17 +248,21 @@ def set_super_scales(blocks: np.ndarray, qtype: str, values: np.ndarray) -> np.n
     return out
 
 
-def super_scale_basis(blocks: np.ndarray, qtype: str) -> np.ndarray:
-    """float32 (k, ..., weights per row): the decoded weights with super-scale i set to 1 and the others to 0, so
-    that decode = Σ_i scale_i · basis_i (read through gguf-py's decoder, like :func:`level_grid`)."""
+def super_scale_basis_on(blocks: np.ndarray, qtype: str, device: str | torch.device) -> torch.Tensor:
+    """float32 (k, ..., weights per row) on `device`: the decoded weights with super-scale i set to 1 and the others
+    to 0, so that decode = Σ_i scale_i · basis_i (read through the decoder, like :func:`level_grid`)."""
     shape = super_scales(blocks, qtype).shape
-    gt = GGMLQuantizationType[qtype]
     out = []
     for i in range(shape[-1]):
         unit = np.zeros(shape, dtype=np.float32)
         unit[..., i] = 1.0
-        out.append(gguf_quants.dequantize(set_super_scales(blocks, qtype, unit), gt).astype(np.float32))
-    return np.stack(out)
+        out.append(decode_blocks(set_super_scales(blocks, qtype, unit), qtype, device))
+    return torch.stack(out)
+
+
+def super_scale_basis(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """:func:`super_scale_basis_on` on the CPU, as numpy."""
+    return super_scale_basis_on(blocks, qtype, "cpu").numpy()
 
 
 # ---------------------------------------------------------------------------------------------- sub-block scales

@@ -1,0 +1,154 @@
+"""Hessian rounding (`quantize_hessian`, what `convert --rounding hessian` runs per tensor) at GLM-5.3-Flash widths.
+
+One call per (type, shape kind) as the converter makes it: a routed-expert slice (E experts of 2048 x 4096 with
+one 4096 x 4096 Hessian each, E = `convert.gguf_rounding.expert_slice` on the device unless --experts says) and a
+4096 x 4096 Linear, with the
+converter's damping and refinement passes. Each call runs once to warm up (kernel compiles, tables) and is then
+timed, synchronised, with the seconds split by phase (exclusive: a phase's time excludes the phases it calls):
+the factorisation, ggml's encoder per block, the level grid and code write-back, the host decodes, the walk,
+and each refinement. Prints M weights/s per call and the JSON.
+
+    python bench/hessian_rounding_speed.py --json OUT.json [--types IQ2_S,Q4_K] [--experts 8,32] [--device cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mixq.convert import gguf_rounding as gr
+from mixq.quant.ggml import hessian_rounding as kh
+from mixq.quant.ggml import levels as gl
+
+EXPERT_SHAPE = (2048, 4096)   # a routed expert's gate/up (out, in)
+MATRIX_SHAPE = (4096, 4096)   # an attention / shared-expert Linear
+TOKENS = 1024                 # calibration tokens behind each Hessian (a routed expert sees ~1/36 of 64 x 512)
+
+# (module, attribute, phase): the calls timed; the walk is what quantize_hessian spends outside them
+PHASES = [(kh, "upper_inverse_factor", "factorise"), (kh, "_encode_block", "ggml_encode"),
+          (kh, "dequantize_blocks", "host_decode"), (gl, "level_grid", "level_grid"),
+          (gl, "set_levels", "write_codes"), (gl, "set_iq2s_groups", "write_codes"),
+          (gl, "iq2s_group_scales", "level_grid"), (kh, "refine_codes", "refine_codes"),
+          (kh, "refine_iq2s", "refine_codes"), (kh, "refine_sub_scales", "refine_sub_scales"),
+          (kh, "refit_super_scales", "refit_super_scales")]
+
+
+class PhaseTimer:
+    """Exclusive seconds per phase of wrapped module functions (synchronised on `dev`)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev, self.seconds, self.stack, self.saved = dev, {}, [], []
+
+    def _sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+    def install(self) -> None:
+        for mod, attr, phase in PHASES:
+            fn = getattr(mod, attr)
+            self.saved.append((mod, attr, fn))
+            setattr(mod, attr, self._wrap(fn, phase))
+
+    def remove(self) -> None:
+        for mod, attr, fn in reversed(self.saved):
+            setattr(mod, attr, fn)
+        self.saved = []
+
+    def _wrap(self, fn, phase: str):
+        def timed(*a, **k):
+            self._sync()
+            t0 = time.perf_counter()
+            self.stack.append(0.0)
+            try:
+                return fn(*a, **k)
+            finally:
+                self._sync()
+                total = time.perf_counter() - t0
+                inner = self.stack.pop()
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + total - inner
+                if self.stack:
+                    self.stack[-1] += total
+        return timed
+
+
+def inputs(e: int, shape: tuple[int, int], dev: torch.device, seed: int = 0):
+    """E weights N(0, 0.02) with a few loud input channels, and Hessians X^T X / T of outlier-scaled inputs."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    out_f, in_f = shape
+    w = torch.randn(e, out_f, in_f, generator=g, device=dev) * 0.02
+    scale = torch.ones(in_f, device=dev)
+    scale[: max(1, in_f // 200)] = 8.0
+    x = torch.randn(e, TOKENS, in_f, generator=g, device=dev) * scale
+    h = torch.bmm(x.transpose(1, 2), x) / TOKENS
+    return w, h
+
+
+def measure(qtype: str, e: int, shape: tuple[int, int], dev: torch.device, stack: bool) -> dict:
+    """One warm-up, then one timed `quantize_hessian` call split by phase (`stack`: an (E, rows, n) call)."""
+    w, h = inputs(e, shape, dev)
+    im = torch.diagonal(h, dim1=-2, dim2=-1).cpu().numpy()
+    args = dict(damp=gr.DAMP, refine=gr.REFINE_PASSES, device=dev)
+    ww, hh, ii = (w, h, im) if stack else (w[0], h[0], im[0])
+    kh.quantize_hessian(ww[:1] if stack else ww[:256], hh[:1] if stack else hh, qtype,
+                        ii[:1] if stack else ii, **args)
+    timer = PhaseTimer(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    timer.install()
+    try:
+        timer._sync()
+        t0 = time.perf_counter()
+        kh.quantize_hessian(ww, hh, qtype, ii, **args)
+        timer._sync()
+        sec = time.perf_counter() - t0
+    finally:
+        timer.remove()
+    phases = {k: round(v, 3) for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])}
+    phases["walk (the rest)"] = round(sec - sum(timer.seconds.values()), 3)
+    n = w.numel() if stack else w[0].numel()
+    return {"type": qtype, "kind": "stack" if stack else "matrix", "experts": e, "shape": list(shape),
+            "weights": n, "seconds": round(sec, 3), "mweights_per_s": round(n / sec / 1e6, 3), "phases": phases,
+            "peak_gpu_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--types", default="IQ2_S,Q4_K")
+    ap.add_argument("--experts", default="",
+                    help="experts per stacked call, comma-separated for several (default: the converter's slice on "
+                         "this device)")
+    ap.add_argument("--kinds", default="stack,matrix")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="quarter widths (a CPU smoke run)")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    div = 4 if a.small else 1
+    stacks = [int(x) for x in a.experts.split(",")] if a.experts else [gr.expert_slice(*EXPERT_SHAPE, dev)]
+    runs = [(kind, e) for kind in a.kinds.split(",") for e in (stacks if kind == "stack" else [1])]
+    rows = []
+    for q in a.types.split(","):
+        for kind, e in runs:
+            shape = EXPERT_SHAPE if kind == "stack" else MATRIX_SHAPE
+            shape = (shape[0] // div, shape[1] // div)
+            r = measure(q, e, shape, dev, kind == "stack")
+            rows.append(r)
+            print(f"{q:6s} {kind:6s} E={e:3d} {shape[0]}x{shape[1]}: {r['seconds']:8.2f} s "
+                  f"{r['mweights_per_s']:8.3f} M w/s  {r['phases']}", flush=True)
+            write(a.json, dev, rows)  # after every row: a run cut by its time limit keeps what it measured
+    return 0
+
+
+def write(path: Path, dev: torch.device, rows: list[dict]) -> None:
+    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "damp": gr.DAMP,
+           "refine": gr.REFINE_PASSES, "tokens_per_hessian": TOKENS, "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

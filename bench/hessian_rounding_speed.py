@@ -25,12 +25,14 @@ from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.ggml import levels as gl
 
 EXPERT_SHAPE = (2048, 4096)   # a routed expert's gate/up (out, in)
+EXPERT_DOWN = (4096, 2048)    # its down
 MATRIX_SHAPE = (4096, 4096)   # an attention / shared-expert Linear
 TOKENS = 1024                 # calibration tokens behind each Hessian (a routed expert sees ~1/36 of 64 x 512)
 
 # (module, attribute, phase): the calls timed; the walk is what quantize_hessian spends outside them
 PHASES = [(kh, "upper_inverse_factor", "factorise"), (kh, "_encode_block", "ggml_encode"),
-          (kh, "dequantize_blocks", "host_decode"), (gl, "level_grid", "level_grid"),
+          (gl, "decode_blocks", "decode"), (gl, "level_grid_on", "level_grid"),
+          (gl, "super_scale_basis_on", "level_grid"),
           (gl, "set_levels", "write_codes"), (gl, "set_iq2s_groups", "write_codes"),
           (gl, "iq2s_group_scales", "level_grid"), (kh, "refine_codes", "refine_codes"),
           (kh, "refine_iq2s", "refine_codes"), (kh, "refine_sub_scales", "refine_sub_scales"),
@@ -87,6 +89,21 @@ def inputs(e: int, shape: tuple[int, int], dev: torch.device, seed: int = 0):
     return w, h
 
 
+PROFILE = False  # --profile: also one call under torch.profiler (its top operators by device time)
+
+
+def profile_top(call, dev: torch.device, rows: int = 15) -> list[dict]:
+    """The operators of one `call` with the most device (else host) time, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        call()
+    key = "device_time_total" if dev.type == "cuda" else "cpu_time_total"
+    ev = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0.0))[:rows]
+    return [{"op": e.key, "calls": e.count, "ms": round(getattr(e, key, 0.0) / 1e3, 1)} for e in ev]
+
+
 def measure(qtype: str, e: int, shape: tuple[int, int], dev: torch.device, stack: bool) -> dict:
     """One warm-up, then one timed `quantize_hessian` call split by phase (`stack`: an (E, rows, n) call)."""
     w, h = inputs(e, shape, dev)
@@ -107,12 +124,13 @@ def measure(qtype: str, e: int, shape: tuple[int, int], dev: torch.device, stack
         sec = time.perf_counter() - t0
     finally:
         timer.remove()
+    top = profile_top(lambda: kh.quantize_hessian(ww, hh, qtype, ii, **args), dev) if PROFILE else None
     phases = {k: round(v, 3) for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])}
     phases["walk (the rest)"] = round(sec - sum(timer.seconds.values()), 3)
     n = w.numel() if stack else w[0].numel()
     return {"type": qtype, "kind": "stack" if stack else "matrix", "experts": e, "shape": list(shape),
             "weights": n, "seconds": round(sec, 3), "mweights_per_s": round(n / sec / 1e6, 3), "phases": phases,
-            "peak_gpu_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None}
+            "profile_top": top, "peak_gpu_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None}
 
 
 def main(argv=None) -> int:
@@ -122,20 +140,26 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", default="",
                     help="experts per stacked call, comma-separated for several (default: the converter's slice on "
                          "this device)")
-    ap.add_argument("--kinds", default="stack,matrix")
+    ap.add_argument("--kinds", default="stack,stack_down,matrix",
+                    help="stack: experts' gate/up (2048 x 4096), stack_down: their down (4096 x 2048), matrix: 4096^2")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="quarter widths (a CPU smoke run)")
+    ap.add_argument("--profile", action="store_true", help="also profile each call (torch.profiler, top operators)")
     a = ap.parse_args(argv)
+    global PROFILE
+    PROFILE = a.profile
     dev = torch.device(a.device)
     div = 4 if a.small else 1
     stacks = [int(x) for x in a.experts.split(",")] if a.experts else [gr.expert_slice(*EXPERT_SHAPE, dev)]
-    runs = [(kind, e) for kind in a.kinds.split(",") for e in (stacks if kind == "stack" else [1])]
+    down = [gr.expert_slice(*EXPERT_DOWN, dev)] if not a.experts else stacks
+    runs = [(kind, e) for kind in a.kinds.split(",")
+            for e in {"stack": stacks, "stack_down": down}.get(kind, [1])]
     rows = []
     for q in a.types.split(","):
         for kind, e in runs:
-            shape = EXPERT_SHAPE if kind == "stack" else MATRIX_SHAPE
+            shape = {"stack": EXPERT_SHAPE, "stack_down": EXPERT_DOWN}.get(kind, MATRIX_SHAPE)
             shape = (shape[0] // div, shape[1] // div)
-            r = measure(q, e, shape, dev, kind == "stack")
+            r = measure(q, e, shape, dev, kind != "matrix")
             rows.append(r)
             print(f"{q:6s} {kind:6s} E={e:3d} {shape[0]}x{shape[1]}: {r['seconds']:8.2f} s "
                   f"{r['mweights_per_s']:8.3f} M w/s  {r['phases']}", flush=True)

@@ -24,7 +24,8 @@ held-out Hessians), 3 passes of the codes alone take the layer error from 0.76-0
 scale moves take off another 1-4% (most at Q2_K).
 
 Numerics in torch (float64 factorisation, float32 walk), on CUDA when present; routed-expert stacks
-(E, rows, n) with one Hessian per expert run batched.
+(E, rows, n) with one Hessian per expert run batched. On an accelerator nothing in the sweeps waits on the device
+(no early exits, the small solves unchecked: H is damped positive definite), and the blocks are decoded there.
 """
 from __future__ import annotations
 
@@ -86,6 +87,62 @@ def _any(mask: torch.Tensor) -> bool:
     """Whether a sweep step moves anything. Only asked on the CPU: on an accelerator the answer would stall the
     queue of kernels once per column, and applying a step that moves nothing leaves every value as it was."""
     return mask.device.type != "cpu" or bool(mask.any())
+
+
+# columns whose gradient a sweep keeps current, per device type; the others receive the window's changes in one
+# matmul when the sweep leaves it (the same sums in another order: on a GPU the full-width update of every step
+# was most of the sweeps' time). None: every column at every step (the CPU, whose bytes this leaves as they were)
+FEEDBACK_WINDOW = {"cpu": None, "accelerator": 256}
+
+
+class _Feedback:
+    """The gradient (W − Ŵ)·H of a coordinate-descent sweep in column order, kept current where the sweep reads it.
+
+    A step that changes Ŵ's columns `cols` by −c (c: the change of W − Ŵ) adds c·H[cols, :] to the gradient: to the
+    current window's columns at once, to the others once the sweep leaves the window (`window` >= n: to every column
+    at once, the CPU's order)."""
+
+    def __init__(self, grad: torch.Tensor, hessian: torch.Tensor, window: int) -> None:
+        self.grad, self.h, self.n = grad, hessian, grad.shape[-1]
+        self.size = min(window, self.n)
+        self.w0, self.w1 = 0, self.size
+        self.pending = None if self.size >= self.n else torch.zeros(
+            *grad.shape[:-1], self.size, dtype=grad.dtype, device=grad.device)
+
+    def at(self, cols: slice) -> torch.Tensor:
+        """The current gradient of columns `cols` (inside one window), moving the window there first."""
+        if not self.w0 <= cols.start < self.w1:
+            self.flush()
+            self.w0 = cols.start // self.size * self.size
+            self.w1 = min(self.n, self.w0 + self.size)
+        return self.grad[..., cols]
+
+    def add(self, cols: slice, change: torch.Tensor) -> None:
+        """Ŵ's columns `cols` (the window's, after `at`) changed so that W − Ŵ changed by `change` (E, rows, k)."""
+        w0, w1 = self.w0, self.w1
+        if cols.stop - cols.start == 1:  # one column: an outer product
+            self.grad[..., w0:w1] += change * self.h[:, cols.start, w0:w1].unsqueeze(1)
+        else:
+            self.grad[..., w0:w1] += change @ self.h[:, cols, w0:w1]
+        if self.pending is not None:
+            self.pending[..., cols.start - w0:cols.stop - w0] += change
+
+    def flush(self) -> None:
+        """Bring every column's gradient up to date (the end of a sweep)."""
+        if self.pending is None:
+            return
+        w0, w1 = self.w0, self.w1
+        d = self.pending[..., :w1 - w0]
+        if w0 > 0:
+            self.grad[..., :w0] += d @ self.h[:, w0:w1, :w0]
+        if w1 < self.n:
+            self.grad[..., w1:] += d @ self.h[:, w0:w1, w1:]
+        self.pending.zero_()
+
+
+def _window(dev: torch.device, n: int) -> int:
+    size = FEEDBACK_WINDOW["cpu" if dev.type == "cpu" else "accelerator"]
+    return n if size is None else size
 
 
 def _encode_block(x: torch.Tensor, qtype: str, importance: np.ndarray) -> np.ndarray:
@@ -206,6 +263,7 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
     grad = err @ hessian                                                   # (E, rows, n): (ΔW·H)
     hdiag = torch.diagonal(hessian, dim1=-2, dim2=-1).unsqueeze(-2)         # (E|1, 1, n)
     live = step != 0
+    fb = _Feedback(grad, hessian, _window(dev, w.shape[-1]))
     for _ in range(passes):
         # what a column's move depends on besides the gradient: fixed for the pass, since a column's code changes
         # only at its own turn (computed for all columns at once; per column the same values as one at a time)
@@ -215,7 +273,7 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
         up_h, dn_h = up * hdiag, dn * hdiag
         ok_up, ok_dn = (codes < hi) & live, (codes > lo) & live
         for j in range(w.shape[-1]):
-            g2 = 2 * grad[..., j]
+            g2 = 2 * fb.at(slice(j, j + 1))[..., 0]
             d_up = torch.where(ok_up[..., j], up[..., j] * (up_h[..., j] - g2), 0.0)
             d_dn = torch.where(ok_dn[..., j], dn[..., j] * (dn_h[..., j] - g2), 0.0)
             move = torch.where((d_up < d_dn) & (d_up < 0), 1.0, torch.where(d_dn < 0, -1.0, 0.0))
@@ -223,7 +281,8 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
                 continue
             delta = -torch.where(move > 0, up[..., j], torch.where(move < 0, dn[..., j], 0.0))  # error change
             codes[..., j] += move
-            grad += delta.unsqueeze(-1) * hessian[:, j, :].unsqueeze(1)
+            fb.add(slice(j, j + 1), delta.unsqueeze(-1))
+        fb.flush()
     return gl.set_levels(blocks, qtype, codes.long().cpu().numpy())
 
 
@@ -249,11 +308,11 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
         upm = np.where(mn < mrange[1], mn + 1, mn - 1)
         fields.append([torch.from_numpy(mn).to(dev).reshape(*w.shape[:-1], -1), mrange, slope(sc, upm, upm - mn)])
     deq = deq.reshape(w.shape)
-    grad = (w - deq) @ hessian                                                      # (E, rows, n)
+    fb = _Feedback((w - deq) @ hessian, hessian, _window(dev, w.shape[-1]))        # (E, rows, n)
     for j in range(w.shape[-1] // sub):
         cols = slice(j * sub, (j + 1) * sub)
         hss = hessian[:, cols, cols]                                                # (E|1, sub, sub)
-        g = grad[..., cols]
+        g = fb.at(cols)
         best = torch.zeros(w.shape[:-1], device=dev)
         choice = torch.full(w.shape[:-1], -1, dtype=torch.long, device=dev)
         for f, (vals, (lo, hi), sl) in enumerate(fields):
@@ -274,7 +333,7 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
                 pick = choice == 2 * f + k
                 vals[..., j] += sign * pick.long()
                 step += sign * pick.unsqueeze(-1) * sl[..., cols]
-        grad -= step @ hessian[:, cols, :]
+        fb.add(cols, -step)
     out_sc = fields[0][0].cpu().numpy().reshape(sc.shape)
     out_mn = fields[1][0].cpu().numpy().reshape(mn.shape) if mrange is not None else None
     return gl.set_sub_scales(blocks, qtype, out_sc, out_mn)
@@ -302,7 +361,7 @@ def refit_super_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian:
         m = torch.einsum("kerd,lerd->erkl", ha, a)                                  # (E, rows, k, k)
         r = torch.einsum("kerc,erc->erk", a, grad[..., cols])                       # (E, rows, k)
         tr = torch.diagonal(m, dim1=-2, dim2=-1).sum(-1).clamp_min(1e-30)
-        delta = torch.linalg.solve(m + 1e-9 * tr[..., None, None] * eye, r.unsqueeze(-1)).squeeze(-1)
+        delta = torch.linalg.solve_ex(m + 1e-9 * tr[..., None, None] * eye, r.unsqueeze(-1))[0].squeeze(-1)
         old = scales[..., b, :]
         new = (old + delta).clamp(-65504.0, 65504.0).to(torch.float16).to(torch.float32)
         d = new - old
@@ -332,13 +391,13 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
     index, signs = (torch.from_numpy(a).to(dev) for a in gl.iq2s_groups(blocks))
     bits = 2 ** torch.arange(8, device=dev)
     val = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape)
-    grad = (w - val) @ hessian                                                     # (E, rows, n)
+    fb = _Feedback((w - val) @ hessian, hessian, _window(dev, w.shape[-1]))       # (E, rows, n)
     for _ in range(passes):
         for g in range(w.shape[-1] // 8):
             cols = slice(8 * g, 8 * g + 8)
             hbb = hessian[:, cols, cols]                                           # (E|1, 8, 8)
-            v, gb, d = val[..., cols], grad[..., cols], db[..., g:g + 1]
-            ideal = v + torch.linalg.solve(hbb, gb.transpose(-1, -2)).transpose(-1, -2)
+            v, gb, d = val[..., cols], fb.at(cols), db[..., g:g + 1]
+            ideal = v + torch.linalg.solve_ex(hbb, gb.transpose(-1, -2))[0].transpose(-1, -2)
             sign = torch.where(ideal < 0, -1.0, 1.0)
             hd = torch.diagonal(hbb, dim1=-2, dim2=-1).unsqueeze(-2)               # (E|1, 1, 8)
             near = d * d * ((grid * grid) @ hd.transpose(-1, -2)).transpose(-1, -2) \
@@ -354,7 +413,7 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
                 continue
             new_v = cand.gather(-2, best.unsqueeze(-1).expand(*best.shape, 8)).squeeze(-2)
             step = torch.where(take.unsqueeze(-1), v - new_v, torch.zeros_like(v))
-            grad += step @ hessian[:, cols, :]
+            fb.add(cols, step)
             val[..., cols] = torch.where(take.unsqueeze(-1), new_v, v)
             index[..., g] = torch.where(take, k.gather(-1, best).squeeze(-1), index[..., g])
             signs[..., g] = torch.where(take, ((sign < 0).long() * bits).sum(-1), signs[..., g])
@@ -395,7 +454,7 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
             blocks = _encode_block(targets[..., b0:b0 + bs], qtype, importance[:, b0:b0 + bs])
             rounder.start(blocks)
             for j in range(b0, b0 + bs, g):
-                ub_inv = inv_diag[j] if g == 1 else torch.linalg.inv(u[:, j:j + g, j:j + g])  # (E|1, g, g)
+                ub_inv = inv_diag[j] if g == 1 else torch.linalg.inv_ex(u[:, j:j + g, j:j + g])[0]  # (E|1, g, g)
                 metric = (ub_inv * ub_inv).sum(-1)                          # diag of U⁻¹U⁻ᵀ: (E|1, g)
                 t = targets[..., j:j + g]
                 e = (t - rounder.round(t, j - b0, metric)) @ ub_inv         # (E, rows, g)

@@ -183,23 +183,44 @@ def set_levels(blocks: np.ndarray, qtype: str, codes: np.ndarray) -> np.ndarray:
     return out
 
 
-def decode_blocks(blocks: np.ndarray, qtype: str, device: str | torch.device = "cpu") -> torch.Tensor:
-    """float32 weights (..., weights per row) of ggml blocks (..., bytes per row), decoded on `device` by the torch
-    decoder (on the CPU gguf-py's values bit for bit)."""
-    b = np.ascontiguousarray(blocks, dtype=np.uint8)
+def decode_blocks(blocks: np.ndarray | torch.Tensor, qtype: str,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """float32 weights (..., weights per row) of ggml blocks (..., bytes per row; numpy, or a uint8 tensor), decoded
+    on `device` by the torch decoder (on the CPU gguf-py's values bit for bit)."""
+    if isinstance(blocks, np.ndarray):
+        blocks = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8))
+    raw = blocks.to(device)
     bs, ts = block_shape(qtype)
-    raw = torch.from_numpy(b).to(device)
-    return torch_decode.dequantize(raw, qtype, b.shape[:-1] + (b.shape[-1] // ts * bs,))
+    return torch_decode.dequantize(raw, qtype, tuple(raw.shape[:-1]) + (raw.shape[-1] // ts * bs,))
+
+
+@lru_cache(maxsize=None)
+def _constant_codes(qtype: str, code: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keep, fill) uint8 (block bytes,): a block with every code set to `code` is (block & keep) | fill. Read off
+    :func:`set_levels` on an all-zero and an all-one block: the bits it writes are the ones equal in both."""
+    bs, ts = block_shape(qtype)
+    codes = np.full((1, bs), code)
+    zero = set_levels(np.zeros((1, ts), np.uint8), qtype, codes)[0]
+    one = set_levels(np.full((1, ts), 255, np.uint8), qtype, codes)[0]
+    written = ~(zero ^ one)
+    return ~written, zero & written
+
+
+def _with_constant_codes(raw: torch.Tensor, qtype: str, code: int) -> torch.Tensor:
+    """uint8 blocks (..., bytes per row) on any device -> the same blocks with every code set to `code`."""
+    ts = block_shape(qtype)[1]
+    keep, fill = (torch.from_numpy(a).to(raw.device) for a in _constant_codes(qtype, code))
+    flat = raw.reshape(-1, raw.shape[-1] // ts, ts)
+    return ((flat & keep) | fill).reshape(raw.shape)
 
 
 def level_grid_on(blocks: np.ndarray, qtype: str, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`level_grid` computed and returned on `device` (float32 tensors)."""
     lo, hi = CODE_RANGE[qtype]
     values = level_values(qtype).astype(np.float64)
-    bs, ts = block_shape(qtype)
-    shape = blocks.shape[:-1] + (blocks.shape[-1] // ts * bs,)
-    v_lo = decode_blocks(set_levels(blocks, qtype, np.full(shape, lo)), qtype, device).double()
-    v_hi = decode_blocks(set_levels(blocks, qtype, np.full(shape, hi)), qtype, device).double()
+    raw = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8)).to(device)
+    v_lo = decode_blocks(_with_constant_codes(raw, qtype, lo), qtype, device).double()
+    v_hi = decode_blocks(_with_constant_codes(raw, qtype, hi), qtype, device).double()
     step = (v_hi - v_lo) / float(values[-1] - values[0])
     base = v_lo - step * float(values[0])
     return step.float(), base.float()
@@ -251,12 +272,15 @@ def set_super_scales(blocks: np.ndarray, qtype: str, values: np.ndarray) -> np.n
 def super_scale_basis_on(blocks: np.ndarray, qtype: str, device: str | torch.device) -> torch.Tensor:
     """float32 (k, ..., weights per row) on `device`: the decoded weights with super-scale i set to 1 and the others
     to 0, so that decode = Σ_i scale_i · basis_i (read through the decoder, like :func:`level_grid`)."""
-    shape = super_scales(blocks, qtype).shape
+    flat = torch.from_numpy(_flat_blocks(blocks, qtype)).to(device)
+    offsets = SUPER_SCALES[qtype]
+    one, zero = (torch.from_numpy(np.array([v], "<f2").view(np.uint8)).to(device) for v in (1.0, 0.0))
     out = []
-    for i in range(shape[-1]):
-        unit = np.zeros(shape, dtype=np.float32)
-        unit[..., i] = 1.0
-        out.append(decode_blocks(set_super_scales(blocks, qtype, unit), qtype, device))
+    for i in range(len(offsets)):
+        unit = flat.clone()
+        for j, o in enumerate(offsets):
+            unit[:, o:o + 2] = one if i == j else zero
+        out.append(decode_blocks(unit.reshape(blocks.shape), qtype, device))
     return torch.stack(out)
 
 

@@ -168,3 +168,10 @@ def test_windowed_feedback_is_the_same_descent(qtype, k256_real, monkeypatch):
         e0, e1 = _err(ww, eager, qtype, hh), _err(ww, windowed, qtype, hh)
         assert abs(e1 - e0) <= 1e-4 * e0
         assert (eager == windowed).mean() >= 0.999
+
+
+def test_argmin_shortlist_is_topk():
+    """The accelerator's shortlist of IQ2_S codebook entries (k passes of argmin) is topk's, in its order."""
+    x = torch.randn(500, 1024, generator=torch.Generator().manual_seed(3))
+    want = x.topk(kh.IQ2S_SHORTLIST, dim=-1, largest=False).indices
+    assert torch.equal(kh.smallest_by_argmin(x.clone(), kh.IQ2S_SHORTLIST), want)

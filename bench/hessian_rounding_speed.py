@@ -9,16 +9,25 @@ the factorisation, ggml's encoder per block, the level grid and code write-back,
 and each refinement. Prints M weights/s per call and the JSON.
 
     python bench/hessian_rounding_speed.py --json OUT.json [--types IQ2_S,Q4_K] [--experts 8,32] [--device cuda]
+    python bench/hessian_rounding_speed.py --project R1.json [R2.json ...]   # hours of the release's rounding
+
+`--project` prices the rounding of the release's 108 GB `--gguf-ladder iq` plan (the glm-5.3-flash shape config,
+every tensor `convert --rounding hessian` covers): each (type, kind) at its measured rate, in the given files'
+order of preference; a pair not measured takes its type's rate on the other kind, else the mean rate of the
+measured K-quant matrices, and says so. The down stacks (4096 x 2048) take the gate/up rate unless measured.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from paths import SHARED
 
 from mixq.convert import gguf_rounding as gr
 from mixq.quant.ggml import hessian_rounding as kh
@@ -133,9 +142,56 @@ def measure(qtype: str, e: int, shape: tuple[int, int], dev: torch.device, stack
             "profile_top": top, "peak_gpu_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None}
 
 
+SHAPE_CONFIG = SHARED / "models" / "glm-5.3-flash-shape" / "config.json"
+
+
+def release_covered() -> dict[tuple[str, str, int], int]:
+    """Weights per (type, kind, row length) that Hessian rounding covers in the release's 108 GB i-quant plan."""
+    from mixq.formats.checkpoint import checkpoint_from_config
+    from mixq.formats.gguf_names import gguf_tensors
+    from mixq.planning.planner import plan_model
+
+    ck = checkpoint_from_config(SHAPE_CONFIG)
+    by = {t.name: t.type for t in plan_model(ck, "gguf", size=108 * 10**9, gguf_ladder="iq").tensors}
+    out: dict[tuple[str, str, int], int] = {}
+    for spec in gguf_tensors(ck):
+        t = by.get(spec.name)
+        if t is not None and gr.covered(spec, t):
+            key = (t, "stack" if spec.transform == "stack" else "matrix", int(spec.shape[-1]))
+            out[key] = out.get(key, 0) + math.prod(spec.shape)
+    return out
+
+
+def project(paths: list[Path]) -> dict:
+    """Hours of Hessian rounding for the release plan at the rates measured in `paths` (first file wins)."""
+    rates: dict[tuple[str, str, int], float] = {}
+    for path in paths:
+        for r in json.loads(path.read_text())["rows"]:
+            rates.setdefault((r["type"], r["kind"], r["shape"][1]), r["mweights_per_s"])
+    kmat = [v for (t, k, _), v in rates.items() if k == "matrix" and t.startswith("Q")]
+    rows, total = [], 0.0
+    for (t, kind, n), weights in sorted(release_covered().items(), key=lambda kv: -kv[1]):
+        same = [v for (tt, kk, nn), v in rates.items() if tt == t and kk == kind]
+        if (t, kind, n) in rates:
+            rate, src = rates[(t, kind, n)], "measured"
+        elif same:
+            rate, src = same[0], f"{t} {kind} at another row length"
+        elif [v for (tt, _, _), v in rates.items() if tt == t]:
+            rate = next(v for (tt, _, _), v in rates.items() if tt == t)
+            src = f"{t} on the other kind"
+        else:
+            rate, src = sum(kmat) / len(kmat), "mean of the measured K-quant matrices"
+        sec = weights / (rate * 1e6)
+        total += sec
+        rows.append({"type": t, "kind": kind, "row": n, "gweights": round(weights / 1e9, 3),
+                     "mweights_per_s": rate, "rate_from": src, "hours": round(sec / 3600, 3)})
+    return {"files": [p.name for p in paths], "rounding_hours": round(total / 3600, 2), "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--project", type=Path, nargs="+", help="result files to price the release's rounding with")
     ap.add_argument("--types", default="IQ2_S,Q4_K")
     ap.add_argument("--experts", default="",
                     help="experts per stacked call, comma-separated for several (default: the converter's slice on "
@@ -146,6 +202,17 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="quarter widths (a CPU smoke run)")
     ap.add_argument("--profile", action="store_true", help="also profile each call (torch.profiler, top operators)")
     a = ap.parse_args(argv)
+    if a.project:
+        out = project(a.project)
+        for r in out["rows"]:
+            print(f"{r['type']:6s} {r['kind']:6s} row {r['row']:5d}: {r['gweights']:8.3f} G weights at "
+                  f"{r['mweights_per_s']:7.3f} M w/s = {r['hours']:6.3f} h  ({r['rate_from']})")
+        print(f"Hessian rounding of the release's 108 GB plan: {out['rounding_hours']} h")
+        if a.json:
+            a.json.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
+    if a.json is None:
+        ap.error("--json is required to measure")
     global PROFILE
     PROFILE = a.profile
     dev = torch.device(a.device)

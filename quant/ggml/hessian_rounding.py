@@ -298,7 +298,7 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
 
     def slope(moved_sc, moved_mn, delta):  # per weight: change of the decoded weight per unit of the field
         diff = gl.decode_blocks(gl.set_sub_scales(blocks, qtype, moved_sc, moved_mn), qtype, dev) - deq
-        per = torch.from_numpy(np.repeat(delta, sub, axis=-1)).to(dev, torch.float64)
+        per = torch.from_numpy(delta).to(dev, torch.float64).repeat_interleave(sub, dim=-1)  # widened there
         return (diff.double() / per).float().reshape(w.shape)
 
     fields = []  # (values, range, slope per weight)

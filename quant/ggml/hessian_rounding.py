@@ -194,7 +194,7 @@ class _IQ2SRounder:
         self.grid2 = self.grid * self.grid
 
     def start(self, blocks: np.ndarray) -> None:
-        self.db = torch.from_numpy(gl.iq2s_group_scales(blocks)).to(self.device)  # (E, rows, 32)
+        self.db = gl.iq2s_group_scales_on(blocks, self.device)  # (E, rows, 32)
         self.index = torch.zeros(self.db.shape, dtype=torch.int64, device=self.device)
         self.signs = torch.zeros(self.db.shape, dtype=torch.int64, device=self.device)
         self.bits = (2 ** torch.arange(8, device=self.device)).view(1, 1, 8)
@@ -212,7 +212,7 @@ class _IQ2SRounder:
         return db * self.grid[k] * torch.where(neg, -1.0, 1.0)
 
     def finish(self, blocks: np.ndarray) -> np.ndarray:
-        return gl.set_iq2s_groups(blocks, self.index.cpu().numpy(), self.signs.cpu().numpy())
+        return gl.set_iq2s_groups_on(blocks, self.index, self.signs)
 
 
 def _check(w: torch.Tensor, hessian: torch.Tensor, qtype: str, imatrix) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,8 +404,8 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
     change of the quadratic (2δ·g_B + δ·H_BB·δᵀ); the best replaces the group's entry when it lowers it."""
     dev = w.device
     grid = torch.from_numpy(gl.iq2s_grid()).to(dev)                                # (1024, 8)
-    db = torch.from_numpy(gl.iq2s_group_scales(blocks)).to(dev)                    # (E, rows, G)
-    index, signs = (torch.from_numpy(a).to(dev) for a in gl.iq2s_groups(blocks))
+    db = gl.iq2s_group_scales_on(blocks, dev)                                      # (E, rows, G)
+    index, signs = gl.iq2s_groups_on(blocks, dev)
     bits = 2 ** torch.arange(8, device=dev)
     val = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape)
     fb = _Feedback((w - val) @ hessian, hessian, _window(dev, w.shape[-1]))       # (E, rows, n)
@@ -434,7 +434,7 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
             val[..., cols] = torch.where(take.unsqueeze(-1), new_v, v)
             index[..., g] = torch.where(take, k.gather(-1, best).squeeze(-1), index[..., g])
             signs[..., g] = torch.where(take, ((sign < 0).long() * bits).sum(-1), signs[..., g])
-    return gl.set_iq2s_groups(blocks, index.cpu().numpy(), signs.cpu().numpy())
+    return gl.set_iq2s_groups_on(blocks, index, signs)
 
 
 def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFAULT_DAMP, refine: int = 0,

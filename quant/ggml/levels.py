@@ -372,35 +372,59 @@ def iq2s_grid() -> np.ndarray:
     return np.asarray(gguf_quants.IQ2_S.grid, dtype=np.float32).reshape(1024, 8)
 
 
+def _iq2s_flat(blocks: np.ndarray, device: str | torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, 82)).to(device)
+
+
+def iq2s_group_scales_on(blocks: np.ndarray, device: str | torch.device) -> torch.Tensor:
+    """(..., bytes per row) IQ2_S blocks -> (..., groups per row) float32 scale db of each 8-weight group, on
+    `device`."""
+    flat = _iq2s_flat(blocks, device)
+    d = flat[:, 0:2].contiguous().view(torch.float16).to(torch.float32)           # (blocks, 1)
+    q = flat[:, 74:82]
+    sub = torch.stack([q & 15, q >> 4], dim=2).reshape(-1, 16).to(torch.float32)  # one per 16 weights
+    db = d.expand(-1, 16) * (0.5 + sub) * 0.25
+    return db.repeat_interleave(2, dim=-1).reshape(blocks.shape[:-1] + (blocks.shape[-1] // 82 * 32,))
+
+
 def iq2s_group_scales(blocks: np.ndarray) -> np.ndarray:
     """(..., bytes per row) IQ2_S blocks -> (..., groups per row) float32 scale db of each 8-weight group."""
-    d = super_scales(blocks, "IQ2_S")[..., 0]                                    # (..., blocks)
-    sub = sub_scales(blocks, "IQ2_S")[0].astype(np.float32)                     # one per 16 weights
-    db = np.repeat(d, 16, axis=-1) * (np.float32(0.5) + sub) * np.float32(0.25)
-    return np.repeat(db, 2, axis=-1)
+    return iq2s_group_scales_on(blocks, "cpu").numpy()
+
+
+def iq2s_groups_on(blocks: np.ndarray, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codebook index (..., groups), sign byte (..., groups)) of every 8-weight group of IQ2_S blocks, int64 on
+    `device`."""
+    flat = _iq2s_flat(blocks, device)
+    qh = flat[:, 66:74].long()
+    high = torch.stack([(qh >> (2 * j)) & 3 for j in range(4)], dim=2).reshape(-1, 32)
+    index = flat[:, 2:34].long() | (high << 8)
+    shape = blocks.shape[:-1] + (blocks.shape[-1] // 82 * 32,)
+    return index.reshape(shape), flat[:, 34:66].long().reshape(shape)
 
 
 def iq2s_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(codebook index (..., groups), sign byte (..., groups)) of every 8-weight group of IQ2_S blocks."""
-    b = np.asarray(blocks, dtype=np.uint8)
-    flat = b.reshape(-1, 82)
-    qh = flat[:, 66:74]
-    high = np.stack([(qh >> (2 * j)) & 3 for j in range(4)], axis=2).reshape(-1, 32).astype(np.int64)
-    index = flat[:, 2:34].astype(np.int64) | (high << 8)
-    shape = b.shape[:-1] + (b.shape[-1] // 82 * 32,)
-    return index.reshape(shape), flat[:, 34:66].reshape(shape).copy()
+    index, signs = iq2s_groups_on(blocks, "cpu")
+    return index.numpy(), signs.numpy().astype(np.uint8)
+
+
+def set_iq2s_groups_on(blocks: np.ndarray, index: torch.Tensor, signs: torch.Tensor) -> np.ndarray:
+    """:func:`set_iq2s_groups` computed on the device of `index` (tensors); the blocks come back as numpy."""
+    dev = index.device
+    flat = _iq2s_flat(blocks, dev).clone()
+    idx = index.long().reshape(-1, 32)
+    if bool(((idx < 0) | (idx > 1023)).any()):
+        raise InputError("IQ2_S codebook indices must lie in [0, 1023]")
+    flat[:, 2:34] = (idx & 255).to(torch.uint8)
+    flat[:, 34:66] = signs.reshape(-1, 32).to(dev).to(torch.uint8)
+    h = (idx >> 8).reshape(-1, 8, 4)  # group 4k+j: bits 2j of qh byte k
+    flat[:, 66:74] = (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)).to(torch.uint8)
+    return flat.cpu().numpy().reshape(np.shape(blocks))
 
 
 def set_iq2s_groups(blocks: np.ndarray, index: np.ndarray, signs: np.ndarray) -> np.ndarray:
     """Copy of IQ2_S `blocks` with each 8-weight group's codebook index (0..1023) and sign byte (bit i set:
     weight i negative) replaced; shapes (..., groups per row). Super-scale and 4-bit scales are kept."""
-    out = np.array(blocks, dtype=np.uint8, copy=True)
-    flat = out.reshape(-1, 82)
-    idx = np.asarray(index, dtype=np.int64).reshape(-1, 32)
-    if idx.min(initial=0) < 0 or idx.max(initial=0) > 1023:
-        raise InputError("IQ2_S codebook indices must lie in [0, 1023]")
-    flat[:, 2:34] = (idx & 255).astype(np.uint8)
-    flat[:, 34:66] = np.asarray(signs, dtype=np.uint8).reshape(-1, 32)
-    h = (idx >> 8).reshape(-1, 8, 4).astype(np.uint8)  # group 4k+j: bits 2j of qh byte k
-    flat[:, 66:74] = h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)
-    return out
+    return set_iq2s_groups_on(blocks, torch.as_tensor(np.asarray(index, dtype=np.int64)),
+                              torch.as_tensor(np.asarray(signs).astype(np.uint8)))

@@ -54,7 +54,7 @@ class PhaseTimer:
     def __init__(self, dev: torch.device) -> None:
         self.dev, self.seconds, self.stack, self.saved = dev, {}, [], []
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
 
@@ -71,13 +71,13 @@ class PhaseTimer:
 
     def _wrap(self, fn, phase: str):
         def timed(*a, **k):
-            self._sync()
+            self.sync()
             t0 = time.perf_counter()
             self.stack.append(0.0)
             try:
                 return fn(*a, **k)
             finally:
-                self._sync()
+                self.sync()
                 total = time.perf_counter() - t0
                 inner = self.stack.pop()
                 self.seconds[phase] = self.seconds.get(phase, 0.0) + total - inner
@@ -126,10 +126,10 @@ def measure(qtype: str, e: int, shape: tuple[int, int], dev: torch.device, stack
         torch.cuda.reset_peak_memory_stats(dev)
     timer.install()
     try:
-        timer._sync()
+        timer.sync()
         t0 = time.perf_counter()
         kh.quantize_hessian(ww, hh, qtype, ii, **args)
-        timer._sync()
+        timer.sync()
         sec = time.perf_counter() - t0
     finally:
         timer.remove()

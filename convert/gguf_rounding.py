@@ -35,7 +35,7 @@ from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.errors import InputError
 from mixq.formats.partials import make_partial_dir
 from mixq.quant.ggml import hessian_rounding as kh
-from mixq.quant.device import pick_device
+from mixq.quant.device import device_kind, pick_device
 from mixq.runtime.calibration import calibration_rows, load_tokenizer
 
 # damping of H (relative to its mean diagonal) and coordinate-descent passes after the feedback walk: measured on
@@ -43,9 +43,8 @@ from mixq.runtime.calibration import calibration_rows, load_tokenizer
 DAMP = 0.1
 REFINE_PASSES = 3
 # routed experts rounded per call: their float64 Hessians within SLICE_HESSIAN_BYTES and their weights within
-# SLICE_WEIGHTS, per device type (GLM-5.3's 288 x 4096^2 Hessians are 39 GB). The per-column sweeps cost launches,
-# not arithmetic, so an accelerator rounds as many experts per call as its memory allows (four each at 2048 x 4096
-# on a CPU, 32 on a GPU)
+# SLICE_WEIGHTS, per device type (GLM-5.3's 288 x 4096^2 Hessians are 39 GB): at 2048 x 4096, 4 per call on a CPU
+# and 32 on a GPU (measured as fast per weight as 8 there: bench/hessian_rounding_speed.py)
 SLICE_HESSIAN_BYTES = {"cpu": 1 << 30, "accelerator": 1 << 32}
 SLICE_WEIGHTS = {"cpu": None, "accelerator": 1 << 28}
 
@@ -59,7 +58,7 @@ def covered(spec, qtype: str) -> bool:
 
 def expert_slice(rows: int, n: int, dev: torch.device) -> int:
     """Routed experts (rows x n each) rounded per call on `dev` (SLICE_HESSIAN_BYTES, SLICE_WEIGHTS)."""
-    kind = "cpu" if dev.type == "cpu" else "accelerator"
+    kind = device_kind(dev)
     per = SLICE_HESSIAN_BYTES[kind] // (8 * n * n)
     if SLICE_WEIGHTS[kind] is not None:
         per = min(per, SLICE_WEIGHTS[kind] // (rows * n))
@@ -156,7 +155,7 @@ def rounding_tag(ids: torch.Tensor, dev: torch.device) -> str:
     """What Hessian-rounded codes depend on besides the tensor, its type and its imatrix (an encode-cache key's
     "rounding"): the calibration tokens, the damping, the refinement passes, the expert slicing and the device
     type (the float arithmetic differs between devices)."""
-    kind = "cpu" if dev.type == "cpu" else "accelerator"
+    kind = device_kind(dev)
     slicing = f"{SLICE_HESSIAN_BYTES[kind]}" + (f"/{SLICE_WEIGHTS[kind]}" if SLICE_WEIGHTS[kind] else "")
     return (f"hessian damp {DAMP} refine {REFINE_PASSES} slice {slicing} device {dev.type} "
             f"calibration {array_sha256(ids.cpu().numpy())}")

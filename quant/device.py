@@ -13,6 +13,11 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def device_kind(dev: torch.device) -> str:
+    """"cpu" or "accelerator": the key of the per-device-type tables of the numerics (batch sizes, sweep order)."""
+    return "cpu" if dev.type == "cpu" else "accelerator"
+
+
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 

@@ -35,7 +35,7 @@ import torch
 from ...errors import InputError
 from . import levels as gl
 from . import encoders as kquants
-from ..device import pick_device
+from ..device import device_kind, pick_device
 
 SUPPORTED = gl.SCALAR_TYPES + ("IQ2_S",)
 DEFAULT_DAMP = 0.01      # relative diagonal damping of H (GPTQ's default): keeps U finite for rank-deficient H
@@ -141,7 +141,7 @@ class _Feedback:
 
 
 def _window(dev: torch.device, n: int) -> int:
-    size = FEEDBACK_WINDOW["cpu" if dev.type == "cpu" else "accelerator"]
+    size = FEEDBACK_WINDOW[device_kind(dev)]
     return n if size is None else size
 
 

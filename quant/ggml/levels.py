@@ -300,6 +300,9 @@ SUB_SCALES: dict[str, tuple[int, tuple[int, int], tuple[int, int] | None]] = {
 }
 
 
+IQ2S_SUB_SCALE_BYTES = slice(74, 82)  # the 4-bit scales of an IQ2_S block, two per byte (one per 16 weights)
+
+
 def _sub_layout(qtype: str) -> tuple[int, int]:
     if qtype not in SUB_SCALES:
         raise InputError(f"no sub-block scale layout for ggml type {qtype!r}; supported: {', '.join(SUB_SCALES)}")
@@ -325,7 +328,7 @@ def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray |
         sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)], axis=1)
         mins = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
     elif qtype == "IQ2_S":
-        q = flat[:, 74:82]
+        q = flat[:, IQ2S_SUB_SCALE_BYTES]
         sc = np.stack([q & 15, q >> 4], axis=2).reshape(-1, 16)
     else:  # Q6_K
         sc = flat[:, 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
@@ -357,7 +360,7 @@ def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.
     elif qtype in ("Q4_K", "Q5_K"):
         flat[:, 4:16] = pack_scales_k4(sc.T, m.T)
     elif qtype == "IQ2_S":
-        flat[:, 74:82] = (sc[:, 0::2] | (sc[:, 1::2] << 4)).astype(np.uint8)
+        flat[:, IQ2S_SUB_SCALE_BYTES] = (sc[:, 0::2] | (sc[:, 1::2] << 4)).astype(np.uint8)
     else:  # Q6_K
         flat[:, 192:208] = sc.astype(np.int8).view(np.uint8)
     return out
@@ -380,8 +383,9 @@ def iq2s_group_scales_on(blocks: np.ndarray, device: str | torch.device) -> torc
     """(..., bytes per row) IQ2_S blocks -> (..., groups per row) float32 scale db of each 8-weight group, on
     `device`."""
     flat = _iq2s_flat(blocks, device)
-    d = flat[:, 0:2].contiguous().view(torch.float16).to(torch.float32)           # (blocks, 1)
-    q = flat[:, 74:82]
+    o = SUPER_SCALES["IQ2_S"][0]
+    d = flat[:, o:o + 2].contiguous().view(torch.float16).to(torch.float32)       # (blocks, 1)
+    q = flat[:, IQ2S_SUB_SCALE_BYTES]
     sub = torch.stack([q & 15, q >> 4], dim=2).reshape(-1, 16).to(torch.float32)  # one per 16 weights
     db = d.expand(-1, 16) * (0.5 + sub) * 0.25
     return db.repeat_interleave(2, dim=-1).reshape(blocks.shape[:-1] + (blocks.shape[-1] // 82 * 32,))

@@ -313,25 +313,27 @@ def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray |
     """(scales, mins) int64 (..., sub-blocks per row) of K-quant or IQ2_S blocks; mins None for Q3_K, Q6_K, IQ2_S."""
     bs, ts = _sub_layout(qtype)
     b = np.asarray(blocks, dtype=np.uint8)
-    flat = b.reshape(-1, ts).astype(np.int64)
+    flat = b.reshape(-1, ts)
+    i64 = lambda a: a.astype(np.int64)  # widen only the scale bytes: the whole buffer in int64 took seconds
     mins = None
     if qtype == "Q2_K":
-        sc, mins = flat[:, 0:16] & 15, flat[:, 0:16] >> 4
+        q = i64(flat[:, 0:16])
+        sc, mins = q & 15, q >> 4
     elif qtype == "Q3_K":
-        q = flat[:, 96:108]
+        q = i64(flat[:, 96:108])
         j = np.arange(16)
         low = np.where(j < 8, q[:, j % 8] & 15, q[:, j % 8] >> 4)
         high = (q[:, 8 + j % 4] >> (2 * (j // 4))) & 3
         sc = (low | (high << 4)) - 32
     elif qtype in ("Q4_K", "Q5_K"):
-        q = flat[:, 4:16]
+        q = i64(flat[:, 4:16])
         sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)], axis=1)
         mins = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
     elif qtype == "IQ2_S":
-        q = flat[:, IQ2S_SUB_SCALE_BYTES]
+        q = i64(flat[:, IQ2S_SUB_SCALE_BYTES])
         sc = np.stack([q & 15, q >> 4], axis=2).reshape(-1, 16)
     else:  # Q6_K
-        sc = flat[:, 192:208].astype(np.uint8).view(np.int8).astype(np.int64)
+        sc = i64(np.ascontiguousarray(flat[:, 192:208]).view(np.int8))
     shape = b.shape[:-1] + (b.shape[-1] // ts * (bs // SUB_SCALES[qtype][0]),)
     return sc.reshape(shape), None if mins is None else mins.reshape(shape)
 

@@ -114,7 +114,7 @@ class LevelCodes:
         src = self.source
         if self.scale is not None:
             src = gl.set_super_scales(src, self.qtype, self.super_scales().cpu().numpy())
-        return gl.set_levels(src, self.qtype, self.codes().to("cpu", torch.int64).numpy())
+        return gl.set_levels_on(src, self.qtype, self.codes())
 
 
 def sign_descent(params: Sequence[torch.Tensor], loss: Callable[[object], torch.Tensor], batches: Sequence,

@@ -180,7 +180,7 @@ class _ScalarRounder:
         return step * gl.code_values(c, self.qtype) + base
 
     def finish(self, blocks: np.ndarray) -> np.ndarray:
-        return gl.set_levels(blocks, self.qtype, self.codes.cpu().numpy())
+        return gl.set_levels_on(blocks, self.qtype, self.codes)
 
 
 class _IQ2SRounder:
@@ -283,7 +283,7 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
             codes[..., j] += move
             fb.add(slice(j, j + 1), delta.unsqueeze(-1))
         fb.flush()
-    return gl.set_levels(blocks, qtype, codes.long().cpu().numpy())
+    return gl.set_levels_on(blocks, qtype, codes.long())
 
 
 def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor) -> np.ndarray:

@@ -104,83 +104,92 @@ def block_shape(qtype: str) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
 
 
-def _pack2(c: np.ndarray) -> np.ndarray:
+def _pack2(c: torch.Tensor) -> torch.Tensor:
     """(B, 256) 2-bit codes -> (B, 64): byte 32h+l holds element 128h+32k+l at bits 2k."""
     q = c.reshape(-1, 2, 4, 32)
     return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
 
 
-def _nibbles_k(c: np.ndarray) -> np.ndarray:
+def _nibbles_k(c: torch.Tensor) -> torch.Tensor:
     """(B, 256) 4-bit codes -> (B, 128): byte 32j+l = element 64j+l (low nibble) | 64j+32+l (high)."""
     q = c.reshape(-1, 4, 2, 32)
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
 
 
-def _nibbles_32(c: np.ndarray) -> np.ndarray:
+def _nibbles_32(c: torch.Tensor) -> torch.Tensor:
     """(B, 32) 4-bit codes -> (B, 16): byte l = element l (low nibble) | element 16+l (high)."""
     return c[:, :16] | (c[:, 16:] << 4)
 
 
-def _fifth_bits_32(c: np.ndarray) -> np.ndarray:
+def _bit_planes(bits: torch.Tensor) -> torch.Tensor:
+    """(B, 8, 32) bits -> (B, 32): bit i of byte l is bits[:, i, l] (the planes are disjoint: a sum is their OR)."""
+    return (bits << torch.arange(8, device=bits.device).view(1, 8, 1)).sum(1)
+
+
+def _fifth_bits_32(c: torch.Tensor) -> torch.Tensor:
     """(B, 32) 5-bit codes -> (B, 4): the little-endian uint32 whose bit e is bit 4 of element e's code."""
-    bits = ((c.astype(np.uint32) >> 4) & 1) << np.arange(32, dtype=np.uint32)[None]
-    return np.bitwise_or.reduce(bits, axis=1).astype("<u4").view(np.uint8).reshape(-1, 4)
+    bits = ((c >> 4) & 1).reshape(-1, 4, 8)
+    return (bits << torch.arange(8, device=c.device).view(1, 1, 8)).sum(2)
 
 
-def _write(out: np.ndarray, qtype: str, c: np.ndarray) -> None:
-    """Write codes c (B, block weights) into the level bits of blocks `out` (B, block bytes), in place."""
+def _write(out: torch.Tensor, qtype: str, c: torch.Tensor) -> None:
+    """Write codes c (B, block weights; int32, each in 0..255) into the level bits of uint8 blocks `out`
+    (B, block bytes), in place."""
+    u8 = lambda v: v.to(torch.uint8)  # noqa: E731 - every packed value below is in 0..255
     if qtype == "Q2_K":
-        out[:, 16:80] = _pack2(c)
+        out[:, 16:80] = u8(_pack2(c))
     elif qtype == "Q3_K":
-        hi = (c >> 2).reshape(-1, 8, 32)  # element 32i+l: bit i of hmask byte l
-        out[:, 0:32] = np.bitwise_or.reduce(hi << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
-        out[:, 32:96] = _pack2(c & 3)
+        out[:, 0:32] = u8(_bit_planes((c >> 2).reshape(-1, 8, 32)))  # element 32i+l: bit i of hmask byte l
+        out[:, 32:96] = u8(_pack2(c & 3))
     elif qtype == "Q4_K":
-        out[:, 16:144] = _nibbles_k(c)
+        out[:, 16:144] = u8(_nibbles_k(c))
     elif qtype == "Q5_K":
-        hi = (c >> 4).reshape(-1, 8, 32)  # element 32i+l: bit i of qh byte l
-        out[:, 16:48] = np.bitwise_or.reduce(hi << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
-        out[:, 48:176] = _nibbles_k(c & 15)
+        out[:, 16:48] = u8(_bit_planes((c >> 4).reshape(-1, 8, 32)))  # element 32i+l: bit i of qh byte l
+        out[:, 48:176] = u8(_nibbles_k(c & 15))
     elif qtype == "Q6_K":
         lo = (c & 15).reshape(-1, 2, 2, 64)  # element 128h+64s+p: nibble s of ql byte 64h+p
-        out[:, 0:128] = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(-1, 128)
+        out[:, 0:128] = u8((lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(-1, 128))
         hi = (c >> 4).reshape(-1, 2, 4, 32)  # element 128h+32k+l: bits 2k of qh byte 32h+l
-        out[:, 128:192] = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(-1, 64)
+        out[:, 128:192] = u8((hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6))
+                             .reshape(-1, 64))
     elif qtype == "Q4_0":
-        out[:, 2:18] = _nibbles_32(c)
+        out[:, 2:18] = u8(_nibbles_32(c))
     elif qtype == "Q4_1":
-        out[:, 4:20] = _nibbles_32(c)
+        out[:, 4:20] = u8(_nibbles_32(c))
     elif qtype == "Q5_0":
-        out[:, 2:6] = _fifth_bits_32(c)
-        out[:, 6:22] = _nibbles_32(c & 15)
+        out[:, 2:6] = u8(_fifth_bits_32(c))
+        out[:, 6:22] = u8(_nibbles_32(c & 15))
     elif qtype == "Q5_1":
-        out[:, 4:8] = _fifth_bits_32(c)
-        out[:, 8:24] = _nibbles_32(c & 15)
+        out[:, 4:8] = u8(_fifth_bits_32(c))
+        out[:, 8:24] = u8(_nibbles_32(c & 15))
     elif qtype == "Q8_0":
-        out[:, 2:34] = c
+        out[:, 2:34] = u8(c)
     elif qtype == "IQ4_NL":
-        out[:, 2:18] = _nibbles_32(c)
+        out[:, 2:18] = u8(_nibbles_32(c))
     else:
         raise InputError(f"no level layout for ggml type {qtype!r}; supported: {', '.join(SCALAR_TYPES)}")
+
+
+def set_levels_on(blocks: np.ndarray, qtype: str, codes: torch.Tensor) -> np.ndarray:
+    """:func:`set_levels` computed on the device of `codes` (a tensor); the blocks come back as numpy."""
+    if qtype not in CODE_RANGE:
+        raise InputError(f"no level layout for ggml type {qtype!r}; supported: {', '.join(SCALAR_TYPES)}")
+    bs, ts = block_shape(qtype)
+    lo, hi = CODE_RANGE[qtype]
+    dev = codes.device
+    c = codes.reshape(-1, bs)
+    if c.numel() and bool(((c < lo) | (c > hi)).any()):
+        raise InputError(f"{qtype} level codes must lie in [{lo}, {hi}]")
+    flat = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8)).to(dev).reshape(-1, ts).clone()
+    _write(flat, qtype, c.to(torch.int32) & 0xFF)  # a negative code's byte is its two's complement (int8)
+    return flat.cpu().numpy().reshape(np.shape(blocks))
 
 
 def set_levels(blocks: np.ndarray, qtype: str, codes: np.ndarray) -> np.ndarray:
     """Copy of `blocks` (..., bytes per row) with the level codes replaced by `codes` (..., weights per row).
 
     Codes must lie in ``CODE_RANGE[qtype]``; scales, mins and super-scales are kept byte for byte."""
-    if qtype not in CODE_RANGE:
-        raise InputError(f"no level layout for ggml type {qtype!r}; supported: {', '.join(SCALAR_TYPES)}")
-    bs, ts = block_shape(qtype)
-    lo, hi = CODE_RANGE[qtype]
-    codes = np.asarray(codes)
-    if codes.min(initial=lo) < lo or codes.max(initial=hi) > hi:
-        raise InputError(f"{qtype} level codes must lie in [{lo}, {hi}]")
-    out = np.array(blocks, dtype=np.uint8, copy=True)
-    flat = out.reshape(-1, ts)
-    c = codes.astype(np.int64).reshape(-1, bs)
-    c = (c.astype(np.int8).view(np.uint8) if lo < 0 else c.astype(np.uint8))
-    _write(flat, qtype, c)
-    return out
+    return set_levels_on(blocks, qtype, torch.as_tensor(np.asarray(codes)))
 
 
 def decode_blocks(blocks: np.ndarray | torch.Tensor, qtype: str,

@@ -35,6 +35,8 @@ import torch
 from ...errors import InputError
 from . import levels as gl
 from . import encoders as kquants
+from . import triton_refine
+from .triton_search import use_fused
 from ..device import device_kind, pick_device
 
 SUPPORTED = gl.SCALAR_TYPES + ("IQ2_S",)
@@ -264,6 +266,7 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
     hdiag = torch.diagonal(hessian, dim1=-2, dim2=-1).unsqueeze(-2)         # (E|1, 1, n)
     live = step != 0
     fb = _Feedback(grad, hessian, _window(dev, w.shape[-1]))
+    fused = use_fused(w)
     for _ in range(passes):
         # what a column's move depends on besides the gradient: fixed for the pass, since a column's code changes
         # only at its own turn (computed for all columns at once; per column the same values as one at a time)
@@ -272,7 +275,7 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
         dn = step * (gl.code_values((codes - 1).clamp(min=lo), qtype) - val)   # ... of code - 1
         up_h, dn_h = up * hdiag, dn * hdiag
         ok_up, ok_dn = (codes < hi) & live, (codes > lo) & live
-        for j in range(w.shape[-1]):
+        for j in range(0 if fused else w.shape[-1]):
             g2 = 2 * fb.at(slice(j, j + 1))[..., 0]
             d_up = torch.where(ok_up[..., j], up[..., j] * (up_h[..., j] - g2), 0.0)
             d_dn = torch.where(ok_dn[..., j], dn[..., j] * (dn_h[..., j] - g2), 0.0)
@@ -282,8 +285,24 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
             delta = -torch.where(move > 0, up[..., j], torch.where(move < 0, dn[..., j], 0.0))  # error change
             codes[..., j] += move
             fb.add(slice(j, j + 1), delta.unsqueeze(-1))
+        if fused:
+            _fused_code_pass(fb, codes, up, dn, up_h, dn_h, ok_up, ok_dn)
         fb.flush()
     return gl.set_levels_on(blocks, qtype, codes.long())
+
+
+def _fused_code_pass(fb: _Feedback, codes, up, dn, up_h, dn_h, ok_up, ok_dn) -> None:
+    """One pass of :func:`refine_codes`' sweep through the fused kernel, one launch per feedback window (the same
+    codes and gradient as the column loop: triton_refine)."""
+    E, R, n = fb.grad.shape
+    pending = fb.pending if fb.pending is not None else \
+        torch.zeros(E, R, fb.size, dtype=fb.grad.dtype, device=fb.grad.device)
+    fb.h = fb.h.contiguous()
+    args = [t.contiguous() for t in (up, dn, up_h, dn_h)] + \
+        [ok_up.to(torch.int8).contiguous(), ok_dn.to(torch.int8).contiguous()]
+    for w0 in range(0, n, fb.size):
+        fb.at(slice(w0, w0 + 1))
+        triton_refine.code_window(fb.grad, fb.h, codes, *args, pending, w0, fb.w1 - w0)
 
 
 def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor) -> np.ndarray:

@@ -35,7 +35,7 @@ import torch
 from ...errors import InputError
 from . import levels as gl
 from . import encoders as kquants
-from . import triton_refine
+from . import triton_iq2s, triton_refine
 from .triton_search import use_fused
 from ..device import device_kind, pick_device
 
@@ -193,7 +193,6 @@ class _IQ2SRounder:
     def __init__(self, qtype: str, device: torch.device) -> None:
         self.device = device
         self.grid = torch.from_numpy(gl.iq2s_grid()).to(device)  # (1024, 8)
-        self.grid2 = self.grid * self.grid
 
     def start(self, blocks: np.ndarray) -> None:
         self.db = gl.iq2s_group_scales_on(blocks, self.device)  # (E, rows, 32)
@@ -205,10 +204,7 @@ class _IQ2SRounder:
         g = j // 8
         db = self.db[..., g:g + 1]                                   # (E, rows, 1)
         neg = t < 0
-        m = metric.unsqueeze(-2)                                     # (E, 1, 8)
-        score = db * db * (self.grid2 @ metric.unsqueeze(-1)).transpose(-1, -2) \
-            - 2 * db * ((m * t.abs()) @ self.grid.T)                 # (E, rows, 1024)
-        k = score.argmin(-1)
+        k = nearest_iq2s_entries(db, metric, t, self.grid, 1)[..., 0]   # (E, rows)
         self.index[..., g] = k
         self.signs[..., g] = (neg.long() * self.bits).sum(-1)
         return db * self.grid[k] * torch.where(neg, -1.0, 1.0)
@@ -409,10 +405,20 @@ def smallest_by_argmin(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(out, -1)
 
 
-def _smallest(x: torch.Tensor, k: int) -> torch.Tensor:
-    if x.device.type == "cpu":
-        return x.topk(k, dim=-1, largest=False).indices
-    return smallest_by_argmin(x, k)
+def nearest_iq2s_entries(scale: torch.Tensor, metric: torch.Tensor, target: torch.Tensor, grid: torch.Tensor,
+                         k: int) -> torch.Tensor:
+    """Indices (E, rows, k), ascending, of the IQ2_S codebook entries (grid (1024, 8)) nearest to the groups' |target|
+    (E, rows, 8) at scale (E, rows, 1) in the diagonal metric (E|1, 8): smallest s²·Σm·c² − 2s·Σm·|t|·c. Fused where
+    the Triton kernels run (triton_iq2s), else one score table: topk on the CPU, k passes of argmin elsewhere."""
+    if use_fused(target):
+        return triton_iq2s.nearest_entries(scale, metric, target, grid, k)
+    score = scale * scale * ((grid * grid) @ metric.unsqueeze(-1)).transpose(-1, -2) \
+        - 2 * scale * ((metric.unsqueeze(-2) * target.abs()) @ grid.T)     # (E, rows, 1024)
+    if k == 1:
+        return score.argmin(-1, keepdim=True)
+    if score.device.type == "cpu":
+        return score.topk(k, dim=-1, largest=False).indices
+    return smallest_by_argmin(score, k)
 
 
 def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, passes: int = 1) -> np.ndarray:
@@ -435,10 +441,7 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
             v, gb, d = val[..., cols], fb.at(cols), db[..., g:g + 1]
             ideal = v + torch.linalg.solve_ex(hbb, gb.transpose(-1, -2))[0].transpose(-1, -2)
             sign = torch.where(ideal < 0, -1.0, 1.0)
-            hd = torch.diagonal(hbb, dim1=-2, dim2=-1).unsqueeze(-2)               # (E|1, 1, 8)
-            near = d * d * ((grid * grid) @ hd.transpose(-1, -2)).transpose(-1, -2) \
-                - 2 * d * ((hd * ideal.abs()) @ grid.T)                             # (E, rows, 1024)
-            k = _smallest(near, IQ2S_SHORTLIST)                                    # (E, rows, K)
+            k = nearest_iq2s_entries(d, torch.diagonal(hbb, dim1=-2, dim2=-1), ideal, grid, IQ2S_SHORTLIST)
             cand = d.unsqueeze(-1) * grid[k] * sign.unsqueeze(-2)                  # (E, rows, K, 8)
             delta = v.unsqueeze(-2) - cand                                         # error change per candidate
             dl = 2 * (delta * gb.unsqueeze(-2)).sum(-1) \

@@ -309,19 +309,22 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
     dev = w.device
     sub, (slo, shi), mrange = gl.SUB_SCALES[qtype]
     sc, mn = gl.sub_scales(blocks, qtype)
-    deq = gl.decode_blocks(blocks, qtype, dev)
+    raw = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8)).to(dev)
+    deq = gl.decode_blocks(raw, qtype, dev)
+    sc_t = torch.from_numpy(sc).to(dev)
+    mn_t = None if mn is None else torch.from_numpy(mn).to(dev)
 
     def slope(moved_sc, moved_mn, delta):  # per weight: change of the decoded weight per unit of the field
-        diff = gl.decode_blocks(gl.set_sub_scales(blocks, qtype, moved_sc, moved_mn), qtype, dev) - deq
-        per = torch.from_numpy(delta).to(dev, torch.float64).repeat_interleave(sub, dim=-1)  # widened there
+        diff = gl.decode_blocks(gl.set_sub_scales_on(raw, qtype, moved_sc, moved_mn), qtype, dev) - deq
+        per = delta.to(torch.float64).repeat_interleave(sub, dim=-1)                 # widened there
         return (diff.double() / per).float().reshape(w.shape)
 
     fields = []  # (values, range, slope per weight)
-    up = np.where(sc < shi, sc + 1, sc - 1)
-    fields.append([torch.from_numpy(sc).to(dev).reshape(*w.shape[:-1], -1), (slo, shi), slope(up, mn, up - sc)])
+    up = torch.where(sc_t < shi, sc_t + 1, sc_t - 1)
+    fields.append([sc_t.reshape(*w.shape[:-1], -1), (slo, shi), slope(up, mn_t, up - sc_t)])
     if mrange is not None:
-        upm = np.where(mn < mrange[1], mn + 1, mn - 1)
-        fields.append([torch.from_numpy(mn).to(dev).reshape(*w.shape[:-1], -1), mrange, slope(sc, upm, upm - mn)])
+        upm = torch.where(mn_t < mrange[1], mn_t + 1, mn_t - 1)
+        fields.append([mn_t.reshape(*w.shape[:-1], -1), mrange, slope(sc_t, upm, upm - mn_t)])
     deq = deq.reshape(w.shape)
     fb = _Feedback((w - deq) @ hessian, hessian, _window(dev, w.shape[-1]))        # (E, rows, n)
     for j in range(w.shape[-1] // sub):
@@ -349,9 +352,8 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
                 vals[..., j] += sign * pick.long()
                 step += sign * pick.unsqueeze(-1) * sl[..., cols]
         fb.add(cols, -step)
-    out_sc = fields[0][0].cpu().numpy().reshape(sc.shape)
-    out_mn = fields[1][0].cpu().numpy().reshape(mn.shape) if mrange is not None else None
-    return gl.set_sub_scales(blocks, qtype, out_sc, out_mn)
+    out_mn = fields[1][0] if mrange is not None else None
+    return gl.set_sub_scales_on(raw, qtype, fields[0][0], out_mn).cpu().numpy()
 
 
 def refit_super_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor) -> np.ndarray:

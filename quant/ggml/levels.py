@@ -28,7 +28,7 @@ from gguf import quants as gguf_quants
 
 from ...errors import InputError
 from . import torch_decode
-from .numpy_kquants import pack_scales_k4, pack_scales_q3_k
+from . import torch_kquants
 from .numpy_iq4 import IQ4_LEVELS
 
 # code range (lo, hi) per scalar type; Q8_0 stays off -128, whose magnitude some SIMD dot products cannot take
@@ -347,34 +347,45 @@ def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray |
     return sc.reshape(shape), None if mins is None else mins.reshape(shape)
 
 
-def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.ndarray | None = None) -> np.ndarray:
-    """Copy of K-quant or IQ2_S `blocks` with the sub-block scales (and mins, for the types with mins) replaced;
-    codes and super-scales kept. Values must lie in the type's ranges (``SUB_SCALES``)."""
+def set_sub_scales_on(blocks: np.ndarray | torch.Tensor, qtype: str, scales: torch.Tensor,
+                     mins: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`set_sub_scales` computed on the device of `scales` (a tensor): uint8 blocks (..., bytes per row) there.
+    `blocks` may be numpy or a uint8 tensor."""
     bs, ts = _sub_layout(qtype)
     _, (slo, shi), mrange = SUB_SCALES[qtype]
     nsub = bs // SUB_SCALES[qtype][0]
-    sc = np.asarray(scales, dtype=np.int64).reshape(-1, nsub)
-    if sc.min(initial=slo) < slo or sc.max(initial=shi) > shi:
+    dev = scales.device
+    sc = scales.reshape(-1, nsub).long()
+    if sc.numel() and bool(((sc < slo) | (sc > shi)).any()):
         raise InputError(f"{qtype} sub-block scales must lie in [{slo}, {shi}]")
     if mrange is not None:
         if mins is None:
             raise InputError(f"{qtype} needs the sub-block mins too")
-        m = np.asarray(mins, dtype=np.int64).reshape(-1, nsub)
-        if m.min(initial=mrange[0]) < mrange[0] or m.max(initial=mrange[1]) > mrange[1]:
+        m = mins.reshape(-1, nsub).long().to(dev)
+        if m.numel() and bool(((m < mrange[0]) | (m > mrange[1])).any()):
             raise InputError(f"{qtype} sub-block mins must lie in [{mrange[0]}, {mrange[1]}]")
-    out = np.array(blocks, dtype=np.uint8, copy=True)
-    flat = out.reshape(-1, ts)
+    raw = blocks if isinstance(blocks, torch.Tensor) else \
+        torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8))
+    flat = raw.to(dev).reshape(-1, ts).clone()
+    u8 = lambda v: v.to(torch.uint8)  # noqa: E731
     if qtype == "Q2_K":
-        flat[:, 0:16] = (sc | (m << 4)).astype(np.uint8)
+        flat[:, 0:16] = u8(sc | (m << 4))
     elif qtype == "Q3_K":
-        flat[:, 96:108] = pack_scales_q3_k(sc + 32)
+        flat[:, 96:108] = torch_kquants.pack_scales_q3_k(sc + 32)
     elif qtype in ("Q4_K", "Q5_K"):
-        flat[:, 4:16] = pack_scales_k4(sc.T, m.T)
+        flat[:, 4:16] = torch_kquants.pack_scales_k4(sc.T, m.T)
     elif qtype == "IQ2_S":
-        flat[:, IQ2S_SUB_SCALE_BYTES] = (sc[:, 0::2] | (sc[:, 1::2] << 4)).astype(np.uint8)
-    else:  # Q6_K
-        flat[:, 192:208] = sc.astype(np.int8).view(np.uint8)
-    return out
+        flat[:, IQ2S_SUB_SCALE_BYTES] = u8(sc[:, 0::2] | (sc[:, 1::2] << 4))
+    else:  # Q6_K: int8 scales, stored as their two's complement
+        flat[:, 192:208] = u8(sc & 0xFF)
+    return flat.reshape(raw.shape)
+
+
+def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.ndarray | None = None) -> np.ndarray:
+    """Copy of K-quant or IQ2_S `blocks` with the sub-block scales (and mins, for the types with mins) replaced;
+    codes and super-scales kept. Values must lie in the type's ranges (``SUB_SCALES``)."""
+    return set_sub_scales_on(blocks, qtype, torch.as_tensor(np.asarray(scales, dtype=np.int64)),
+                             None if mins is None else torch.as_tensor(np.asarray(mins, dtype=np.int64))).numpy()
 
 
 # ---------------------------------------------------------------------------------------------- IQ2_S

@@ -103,11 +103,15 @@ def pack_q3_k(L: torch.Tensor, l6: torch.Tensor, d_h: torch.Tensor) -> torch.Ten
     # element j: bit j//32 of hmask[j%32]
     shifts = torch.arange(8, device=L.device, dtype=torch.int32)[None, :, None]
     hmask = (high.reshape(S, 8, 32).to(torch.int32) << shifts).sum(1)
-    s = l6.T
-    low = (s[:, 0:8] & 0xF) | ((s[:, 8:16] & 0xF) << 4)
-    hi2 = s >> 4
-    high_sc = hi2[:, 0:4] | (hi2[:, 4:8] << 2) | (hi2[:, 8:12] << 4) | (hi2[:, 12:16] << 6)
-    return torch.cat([_u8(hmask), pack_2bit(L), _u8(low), _u8(high_sc), half_bytes(d_h)], dim=1)
+    return torch.cat([_u8(hmask), pack_2bit(L), pack_scales_q3_k(l6.T), half_bytes(d_h)], dim=1)
+
+
+def pack_scales_q3_k(l6: torch.Tensor) -> torch.Tensor:
+    """16 six-bit scales per block, stored +32 ((S, 16), 0..63) -> (S, 12): low nibbles two per byte, then the
+    high 2-bit pairs four per byte."""
+    low = (l6[:, 0:8] & 0xF) | ((l6[:, 8:16] & 0xF) << 4)
+    hi2 = l6 >> 4
+    return _u8(torch.cat([low, hi2[:, 0:4] | (hi2[:, 4:8] << 2) | (hi2[:, 8:12] << 4) | (hi2[:, 12:16] << 6)], 1))
 
 
 def encode_q3_k(xs: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:

@@ -42,7 +42,7 @@ TOKENS = 1024                 # calibration tokens behind each Hessian (a routed
 PHASES = [(kh, "upper_inverse_factor", "factorise"), (kh, "_encode_block", "ggml_encode"),
           (gl, "decode_blocks", "decode"), (gl, "level_grid_on", "level_grid"),
           (gl, "super_scale_basis_on", "level_grid"),
-          (gl, "set_levels", "write_codes"), (gl, "set_iq2s_groups_on", "write_codes"),
+          (gl, "set_levels_on", "write_codes"), (gl, "set_iq2s_groups_on", "write_codes"),
           (gl, "iq2s_group_scales_on", "level_grid"), (gl, "iq2s_groups_on", "level_grid"), (kh, "refine_codes", "refine_codes"),
           (kh, "refine_iq2s", "refine_codes"), (kh, "refine_sub_scales", "refine_sub_scales"),
           (kh, "refit_super_scales", "refit_super_scales")]
@@ -168,7 +168,14 @@ def project(paths: list[Path]) -> dict:
     for path in paths:
         for r in json.loads(path.read_text())["rows"]:
             rates.setdefault((r["type"], r["kind"], r["shape"][1]), r["mweights_per_s"])
-    kmat = [v for (t, k, _), v in rates.items() if k == "matrix" and t.startswith("Q")]
+    def kquant_mean(stacked: bool) -> tuple[float, str]:
+        """The mean measured K-quant rate of the same kind (stacks or matrices), else of the matrices."""
+        got = [v for (t, k, _), v in rates.items() if t.startswith("Q") and k.startswith("stack") == stacked]
+        if stacked and got:
+            return sum(got) / len(got), "mean of the measured K-quant stacks"
+        got = [v for (t, k, _), v in rates.items() if t.startswith("Q") and k == "matrix"]
+        return sum(got) / len(got), "mean of the measured K-quant matrices"
+
     rows, total = [], 0.0
     for (t, kind, n), weights in sorted(release_covered().items(), key=lambda kv: -kv[1]):
         same = [v for (tt, kk, nn), v in rates.items() if tt == t and kk == kind]
@@ -180,7 +187,7 @@ def project(paths: list[Path]) -> dict:
             rate = next(v for (tt, _, _), v in rates.items() if tt == t)
             src = f"{t} on the other kind"
         else:
-            rate, src = sum(kmat) / len(kmat), "mean of the measured K-quant matrices"
+            rate, src = kquant_mean(kind.startswith("stack"))
         sec = weights / (rate * 1e6)
         total += sec
         rows.append({"type": t, "kind": kind, "row": n, "gweights": round(weights / 1e9, 3),

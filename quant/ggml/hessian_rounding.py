@@ -25,7 +25,9 @@ scale moves take off another 1-4% (most at Q2_K).
 
 Numerics in torch (float64 factorisation, float32 walk), on CUDA when present; routed-expert stacks
 (E, rows, n) with one Hessian per expert run batched. On an accelerator nothing in the sweeps waits on the device
-(no early exits, the small solves unchecked: H is damped positive definite), and the blocks are decoded there.
+(no early exits, the small solves unchecked: H is damped positive definite), and the blocks are decoded there;
+where the Triton kernels run, the code descent (:mod:`triton_refine`, the same codes) and the IQ2_S codebook search
+(:mod:`triton_iq2s`) are fused.
 """
 from __future__ import annotations
 

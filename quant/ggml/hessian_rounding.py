@@ -263,8 +263,9 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
     grad = err @ hessian                                                   # (E, rows, n): (ΔW·H)
     hdiag = torch.diagonal(hessian, dim1=-2, dim2=-1).unsqueeze(-2)         # (E|1, 1, n)
     live = step != 0
-    fb = _Feedback(grad, hessian, _window(dev, w.shape[-1]))
     fused = use_fused(w)
+    fb = _Feedback(grad, hessian.contiguous() if fused else hessian, _window(dev, w.shape[-1]))
+    sweep = _fused_code_pass if fused else _code_pass
     for _ in range(passes):
         # what a column's move depends on besides the gradient: fixed for the pass, since a column's code changes
         # only at its own turn (computed for all columns at once; per column the same values as one at a time)
@@ -273,29 +274,31 @@ def refine_codes(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch
         dn = step * (gl.code_values((codes - 1).clamp(min=lo), qtype) - val)   # ... of code - 1
         up_h, dn_h = up * hdiag, dn * hdiag
         ok_up, ok_dn = (codes < hi) & live, (codes > lo) & live
-        for j in range(0 if fused else w.shape[-1]):
-            g2 = 2 * fb.at(slice(j, j + 1))[..., 0]
-            d_up = torch.where(ok_up[..., j], up[..., j] * (up_h[..., j] - g2), 0.0)
-            d_dn = torch.where(ok_dn[..., j], dn[..., j] * (dn_h[..., j] - g2), 0.0)
-            move = torch.where((d_up < d_dn) & (d_up < 0), 1.0, torch.where(d_dn < 0, -1.0, 0.0))
-            if not _any(move != 0):
-                continue
-            delta = -torch.where(move > 0, up[..., j], torch.where(move < 0, dn[..., j], 0.0))  # error change
-            codes[..., j] += move
-            fb.add(slice(j, j + 1), delta.unsqueeze(-1))
-        if fused:
-            _fused_code_pass(fb, codes, up, dn, up_h, dn_h, ok_up, ok_dn)
+        sweep(fb, codes, up, dn, up_h, dn_h, ok_up, ok_dn)
         fb.flush()
     return gl.set_levels_on(blocks, qtype, codes.long())
 
 
+def _code_pass(fb: _Feedback, codes, up, dn, up_h, dn_h, ok_up, ok_dn) -> None:
+    """One pass of :func:`refine_codes`' sweep, column by column (codes and gradient updated in place)."""
+    for j in range(codes.shape[-1]):
+        g2 = 2 * fb.at(slice(j, j + 1))[..., 0]
+        d_up = torch.where(ok_up[..., j], up[..., j] * (up_h[..., j] - g2), 0.0)
+        d_dn = torch.where(ok_dn[..., j], dn[..., j] * (dn_h[..., j] - g2), 0.0)
+        move = torch.where((d_up < d_dn) & (d_up < 0), 1.0, torch.where(d_dn < 0, -1.0, 0.0))
+        if not _any(move != 0):
+            continue
+        delta = -torch.where(move > 0, up[..., j], torch.where(move < 0, dn[..., j], 0.0))  # error change
+        codes[..., j] += move
+        fb.add(slice(j, j + 1), delta.unsqueeze(-1))
+
+
 def _fused_code_pass(fb: _Feedback, codes, up, dn, up_h, dn_h, ok_up, ok_dn) -> None:
     """One pass of :func:`refine_codes`' sweep through the fused kernel, one launch per feedback window (the same
-    codes and gradient as the column loop: triton_refine)."""
+    codes and gradient as :func:`_code_pass`: triton_refine; the Hessian contiguous)."""
     E, R, n = fb.grad.shape
     pending = fb.pending if fb.pending is not None else \
         torch.zeros(E, R, fb.size, dtype=fb.grad.dtype, device=fb.grad.device)
-    fb.h = fb.h.contiguous()
     args = [t.contiguous() for t in (up, dn, up_h, dn_h)] + \
         [ok_up.to(torch.int8).contiguous(), ok_dn.to(torch.int8).contiguous()]
     for w0 in range(0, n, fb.size):

@@ -104,12 +104,6 @@ def block_shape(qtype: str) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
 
 
-def _pack2(c: torch.Tensor) -> torch.Tensor:
-    """(B, 256) 2-bit codes -> (B, 64): byte 32h+l holds element 128h+32k+l at bits 2k."""
-    q = c.reshape(-1, 2, 4, 32)
-    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
-
-
 def _nibbles_k(c: torch.Tensor) -> torch.Tensor:
     """(B, 256) 4-bit codes -> (B, 128): byte 32j+l = element 64j+l (low nibble) | 64j+32+l (high)."""
     q = c.reshape(-1, 4, 2, 32)
@@ -137,10 +131,10 @@ def _write(out: torch.Tensor, qtype: str, c: torch.Tensor) -> None:
     (B, block bytes), in place."""
     u8 = lambda v: v.to(torch.uint8)  # noqa: E731 - every packed value below is in 0..255
     if qtype == "Q2_K":
-        out[:, 16:80] = u8(_pack2(c))
+        out[:, 16:80] = u8(torch_kquants.pack_2bit(c))
     elif qtype == "Q3_K":
         out[:, 0:32] = u8(_bit_planes((c >> 2).reshape(-1, 8, 32)))  # element 32i+l: bit i of hmask byte l
-        out[:, 32:96] = u8(_pack2(c & 3))
+        out[:, 32:96] = u8(torch_kquants.pack_2bit(c & 3))
     elif qtype == "Q4_K":
         out[:, 16:144] = u8(_nibbles_k(c))
     elif qtype == "Q5_K":

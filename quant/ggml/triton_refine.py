@@ -50,11 +50,6 @@ if triton is not None:
         tl.store(grad_ptr + at[:, None] + cols[None, :], g_tile, mask=tile)
 
 
-def window_width(size: int) -> int:
-    """The kernel's tile width for a window of `size` columns (a power of two)."""
-    return triton.next_power_of_2(size)
-
-
 def code_window(grad: torch.Tensor, hessian: torch.Tensor, codes: torch.Tensor, up: torch.Tensor,
                 dn: torch.Tensor, up_h: torch.Tensor, dn_h: torch.Tensor, ok_up: torch.Tensor, ok_dn: torch.Tensor,
                 pending: torch.Tensor, w0: int, width: int) -> None:
@@ -63,7 +58,7 @@ def code_window(grad: torch.Tensor, hessian: torch.Tensor, codes: torch.Tensor, 
     `hessian` (E|1, n, n); columns w0 .. w0 + width; `pending` (E, rows, >= width), contiguous, receives each
     column's change of W − Ŵ."""
     E, R, n = grad.shape
-    W = window_width(width)
+    W = triton.next_power_of_2(width)  # the tile's width
     stride = 0 if hessian.shape[0] == 1 else n * n
     _window_kernel[(E, triton.cdiv(R, ROWS))](grad, hessian, codes, up, dn, up_h, dn_h, ok_up, ok_dn, pending,
                                               R, n, w0, width, stride, pending.shape[-1], ROWS=ROWS, W=W, **launch_opts(grad.device))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from mixq.convert.api import convert, output_format, verify
+from mixq.convert import api as convert_api
+from mixq.convert.api import output_format, verify
 from mixq.convert.imatrix import make_imatrix
 from mixq.convert.measure import resolve_measure, save_curves
 from mixq.convert.exl3_family import run_exl3_family
@@ -80,8 +81,28 @@ def measure(model: str | os.PathLike, fmt: str = "exl3", *, method: str = "kld",
         curves = resolve_measure(ckpt, method, fmt, calibration=calibration, device=device, sample=sample,
                                  progress=progress)
     if out is not None:
-        save_curves(curves, out, meta={"model": str(ckpt.path), "method": method})
+        save_curves(curves, out, meta=_curves_meta(ckpt, method))
     return curves
+
+
+def _curves_meta(ckpt, method: str) -> dict:
+    """What a curves file records of its measurement (the same for `measure` and a family's)."""
+    return {"model": str(ckpt.path), "method": method}
+
+
+def _gguf_family_curves(ckpt, out, *, calibration, imatrix, ladder: str, rounding: str, device, cache,
+                        progress: bool) -> None:
+    """A GGUF family's `measure="kld"` (convert/family.CurveMeasurer): the curves `measure(..., method="kld")`
+    makes, saved at `out`, the exact encodes kept in the family's `cache`."""
+    curves = measure_kld(ckpt, "gguf", calibration or (), device=device, rounding=rounding, imatrix=imatrix,
+                         gguf_ladder=ladder, cache=cache, progress=progress)
+    save_curves(curves, out, meta=_curves_meta(ckpt, "kld"))
+
+
+def convert(model: str | os.PathLike, out: str | os.PathLike, options=None, **kwargs):
+    """Convert `model` to `out` (mixq.convert.api.convert: the options, result and errors there); a GGUF family
+    given `measure="kld"` measures its curves end to end here, once."""
+    return convert_api.convert(model, out, options, measure_curves=_gguf_family_curves, **kwargs)
 
 
 def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLike] = (),
@@ -111,7 +132,7 @@ def family(model: str | os.PathLike, out_dir: str | os.PathLike, fmt: str = "ggu
         return run_exl3_family(model, out_dir, family_options("exl3", **options))
     if fmt != "gguf":
         raise InputError(f"unknown format {fmt!r}; expected gguf or exl3")
-    return run_family(model, out_dir, family_options(**options))
+    return run_family(model, out_dir, family_options(**options), _gguf_family_curves)
 
 
 def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite: bool = False) -> dict:

@@ -262,7 +262,9 @@ def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
 @click.option("--measure", type=click.Path(), default=None,
               help="Plan --bpw/--size with these error curves (`mixq plan --measure --measure-out FILE`; GGUF: "
                    "measured with the same --rounding and --imatrix). An EXL3 family without it measures them once "
-                   "into OUT/<model>.exl3-curves.json (--measure proxy: the cheap proxy instead).")
+                   "into OUT/<model>.exl3-curves.json (--measure proxy: the cheap proxy instead); a GGUF family "
+                   "with --measure kld measures them once into OUT/<model>.gguf-curves.json, every member's encodes "
+                   "then served from that measurement's.")
 @click.option("--rounding", type=click.Choice(["exact", "hessian"]), default=None,
               help="GGUF: exact = ggml's encoder, byte-identical to llama-quantize; hessian = the same types and "
                    "bytes, codes chosen for each layer's output error from a calibration pass (--calibration, "

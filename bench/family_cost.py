@@ -4,13 +4,18 @@
     python bench/family_cost.py --model glm5next-k256 --out bench/results/family_cost_k256.json
     python bench/family_cost.py --model glm5next-k256 --rounding hessian \
         --out bench/results/family_cost_k256_hessian.json
+    python bench/family_cost.py --model glm5next-k256 --plan measured \
+        --out bench/results/family_cost_k256_measured.json   # members planned from measured curves
     python bench/family_cost.py --format exl3 --model glm5next-k256 --device cuda \
         --out bench/results/family_cost_exl3_k256.json   # members 2.5, 3.05, 4.0 bpw
 
 GGUF: both get the same imatrix, computed once before either is timed (its time is printed apart: the family would
 compute it itself when no --imatrix is given, the single conversion never does), the same threads and
 options; the single conversion runs first, so the operating system's file cache favours the family no more than
-the conversion. Prints the ratio (target <= 1.5) and writes bench/results/family_cost.json (paths repo-relative).
+the conversion. `--plan measured`: the members are planned from measured curves (the family's `--measure kld`, which
+measures them once and keeps every exact encode in its cache); the baseline is the largest member's measured plan
+made alone, measurement included (`mixq.measure(..., method="kld")` into a file named as the family names its own,
+then `convert --size X --measure FILE`), as for EXL3 below. Prints the ratio (target <= 1.5) and writes bench/results/family_cost.json (paths repo-relative).
 The members are also checked byte-identical to the single conversion of the largest. `--rounding hessian`: both
 runs round with Hessians (calibration.txt, --hessian-rows x 128 tokens, --tune-iters); the family rounds a
 (tensor, type) its members share once, and tunes every member on its own.
@@ -40,6 +45,8 @@ from paths import REPO, SHARED, repo_relative
 import torch
 
 from mixq.api import convert, imatrix, measure
+from mixq.convert.family import CURVES_SUFFIX as GGUF_CURVES_SUFFIX
+from mixq.planning.sizes import parse_size
 from mixq.convert.measure import load_curves
 from mixq.formats.exl3_layout import RATES
 from mixq.formats.safetensors_io import sha256_file
@@ -61,6 +68,8 @@ def main() -> None:
     ap.add_argument("--bpw", default=None, help="EXL3: x,y,z [default: 2.5,3.05,4.0]")
     ap.add_argument("--threads", type=int, default=2, help="GGUF: encoder threads")
     ap.add_argument("--rounding", choices=("exact", "hessian"), default="exact", help="GGUF: both runs' rounding")
+    ap.add_argument("--plan", choices=("roles", "measured"), default="roles",
+                    help="GGUF: members planned by roles, or from measured curves (--measure kld)")
     ap.add_argument("--hessian-rows", type=int, default=8, help="GGUF --rounding hessian: calibration rows of 128")
     ap.add_argument("--tune-iters", type=int, default=20, help="GGUF --rounding hessian: tuning steps per stage")
     ap.add_argument("--rows", type=int, default=None, help="GGUF: imatrix calibration rows [default: 8]; EXL3: "
@@ -91,7 +100,9 @@ def main() -> None:
 def gguf_cost(model: Path, a) -> dict:
     """The GGUF family against its largest member alone (the imatrix computed once, apart)."""
     rows = 8 if a.rows is None else a.rows
-    steer = STEER if a.sizes is None else {}
+    measured = a.plan == "measured"
+    # a measured plan measures token_embd and output like the rest (no steering, which it refuses)
+    steer = STEER if a.sizes is None and not measured else {}
     sizes = ([int(s) if s.isdigit() else s for s in a.sizes.split(",")] if a.sizes
              else [plan_model(model, "gguf", qtype=q).total_bytes for q in MIXES])
     work = Path(tempfile.mkdtemp(prefix="mixq-family-cost-"))
@@ -103,24 +114,36 @@ def gguf_cost(model: Path, a) -> dict:
         hess = dict(rounding="hessian", calibration=[SHARED / "data" / "calibration.txt"], rows=a.hessian_rows,
                     seq_len=128, tune_iters=a.tune_iters) if a.rounding == "hessian" else {}
         common = dict(imatrix=im, threads=a.threads, progress=False, **steer, **hess)
-        largest = max(sizes, key=lambda s: plan_model(model, "gguf", size=s, **steer).total_bytes)
+        largest = max(sizes, key=lambda s: parse_size(s))
         t = time.perf_counter()
-        single = convert(model, work / "single.gguf", "gguf", size=largest, **common)
+        t_measure = None
+        if measured:
+            curves = work / "single" / f"{model.name}{GGUF_CURVES_SUFFIX}"  # the name the receipt records
+            curves.parent.mkdir()
+            measure(model, "gguf", method="kld", imatrix=im, out=curves, rounding=a.rounding,
+                    calibration=hess.get("calibration", ()), progress=False)
+            t_measure = time.perf_counter() - t
+            common_single = dict(common, measure=curves)
+        else:
+            common_single = common
+        single = convert(model, work / "single.gguf", "gguf", size=largest, **common_single)
         t_single = time.perf_counter() - t
         t = time.perf_counter()
-        fam = convert(model, work / "family", "gguf", size=sizes, **common)
+        fam = convert(model, work / "family", "gguf", size=sizes, **common, **({"measure": "kld"} if measured else {}))
         t_family = time.perf_counter() - t
         member = fam.members[sizes.index(largest)]
         identical = (work / "family" / member["file"]).read_bytes() == Path(single.out).read_bytes()
         res = {"model": repo_relative(str(model)), "sizes": sizes, "threads": a.threads, "rounding": a.rounding,
                **({"hessian_rows": a.hessian_rows, "tune_iters": a.tune_iters} if hess else {}),
+               "plan": a.plan, **({"single_measure_seconds": round(t_measure, 2)} if measured else {}),
                "imatrix_seconds": round(t_imatrix, 2), "single_target": largest,
                "cache": {k: fam.cache[k] for k in ("hits", "writes")},
                **_figures(t_single, t_family, identical, fam.members,
                           ("file", "target_bytes", "bytes", "bpw", "within_0.1%", "note"))}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"family of {len(sizes)}: {t_family:.1f} s; single conversion of the largest: {t_single:.1f} s; "
+    print(f"family of {len(sizes)} ({a.plan} plans): {t_family:.1f} s; single conversion of the largest: "
+          f"{t_single:.1f} s{f' (its curves {t_measure:.1f} s)' if measured else ''}; "
           f"ratio {res['ratio']:.2f} (target <= 1.5); largest member identical: {identical}; "
           f"imatrix {t_imatrix:.1f} s (not in either)")
     return res

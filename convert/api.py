@@ -28,20 +28,22 @@ def output_format(out) -> str:
     return "gguf" if Path(out).suffix.lower() == ".gguf" else "exl3"
 
 
-def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, **kwargs) -> ConvertResult:
+def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, *, measure_curves=None,
+            **kwargs) -> ConvertResult:
     """Convert `model` (a glm5_next directory or hub id, or a DFlash2 drafter directory for EXL3) to `out`: an
     EXL3 directory or a .gguf file, as `options` says (`Exl3Options` / `GGUFOptions`, or a format name whose
     options are then built from `kwargs`; with an options object, `kwargs` replace fields of it; None: the
     format `out` names, `output_format(out)`).
 
     Returns a ConvertResult for either format. Raises InputError / PlanError / FormatError (one line naming the
-    option, file or tensor) for bad input, before any output is written."""
+    option, file or tensor) for bad input, before any output is written. `measure_curves`: what measures a GGUF
+    family's `measure="kld"` curves end to end (convert/family.CurveMeasurer; mixq.api.convert gives it)."""
     if "format" in kwargs:  # the keyword spelling of the old signature
         if options not in (None, kwargs["format"]):
             raise InputError("give the format once: as the options or as format=")
         options = kwargs.pop("format")
     if options in (None, "gguf", "exl3") and is_family(kwargs.get("size"), kwargs.get("bpw")):
-        return _family(model, out, options, kwargs)
+        return _family(model, out, options, kwargs, measure_curves)
     if options is None:
         options = output_format(out)
         if options == "exl3":
@@ -68,7 +70,7 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
     return run_gguf(model, out, opts)
 
 
-def _family(model, out, fmt: str | None, kwargs: dict):
+def _family(model, out, fmt: str | None, kwargs: dict, measure_curves=None):
     """`--size A,B,C` / `--bpw x,y,z`: a family in the directory `out` (GGUF: convert/family.py; EXL3:
     convert/exl3_family.py)."""
     if fmt is None:
@@ -80,7 +82,7 @@ def _family(model, out, fmt: str | None, kwargs: dict):
         return run_exl3_family(model, out, family_options("exl3", **kwargs))
     from .family import run_family  # local: `import mixq` stays light (this brings torch)
 
-    return run_family(model, out, family_options(**kwargs))
+    return run_family(model, out, family_options(**kwargs), measure_curves)
 
 
 def _check_exl3_out(out, kwargs: dict) -> None:

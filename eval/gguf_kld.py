@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from mixq.convert.encode_cache import EncodeCache
 from mixq.convert.gguf_measure import GGUFMeasurement, measure_gguf_errors
 from mixq.planning.gguf_measured import measured_units
 from mixq.errors import InputError
@@ -73,8 +74,9 @@ def kld_scaled(measurement: GGUFMeasurement, klds: Mapping[str, float]) -> dict[
 
 def gguf_kld_curves(ckpt, calibration: Sequence[str] | None = None, *, ladder: str = "k", rounding: str = "exact",
                     imatrix: Mapping[str, np.ndarray] | None = None, device: str | None = None,
-                    progress: bool = True) -> dict[str, dict[float, float]]:
-    """Measured GGUF curves {unit: {bpw: predicted KLD}} for `plan_model(..., measure=)` (module docstring)."""
+                    cache: EncodeCache | None = None, progress: bool = True) -> dict[str, dict[float, float]]:
+    """Measured GGUF curves {unit: {bpw: predicted KLD}} for `plan_model(..., measure=)` (module docstring).
+    `cache`: a family's encode cache, given the measurement's exact encodes (convert/gguf_measure)."""
     m = measure_gguf_errors(ckpt, calibration, ladder=ladder, rounding=rounding, imatrix=imatrix, device=device,
-                            progress=progress)
+                            cache=cache, progress=progress)
     return kld_scaled(m, unit_klds(ckpt, m, calibration, imatrix=imatrix, device=device, progress=progress))

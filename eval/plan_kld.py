@@ -25,7 +25,7 @@ from mixq.eval.reference import PerturbedKLD
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.formats.gguf_names import gguf_tensors
-from mixq.formats.imatrix_file import check_names, read_imatrix
+from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
 
 TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
 
@@ -68,16 +68,19 @@ def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibra
 
 
 def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = "auto", device: str | None = None,
-                rounding: str = "exact", imatrix=None, gguf_ladder: str = "k",
+                rounding: str = "exact", imatrix=None, gguf_ladder: str = "k", cache=None,
                 progress: bool = True) -> dict[str, dict[float, float]]:
     """End-to-end KLD curves {unit: {bits or type: KLD}} of every budgeted unit: EXL3 (``kld_curves``) or GGUF
-    (``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and ``imatrix``, a file or means)."""
+    (``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and ``imatrix``, a file, an IMatrix or
+    means; ``cache``: a family's EncodeCache, given the exact encodes)."""
     if fmt == "gguf":
         if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
             im = check_names(read_imatrix(imatrix), [s.name for s in gguf_tensors(ckpt)], f"--imatrix {imatrix}")
             imatrix = im.means()
+        elif isinstance(imatrix, IMatrix):
+            imatrix = imatrix.means()
         return gguf_kld.gguf_kld_curves(ckpt, calibration or None, ladder=gguf_ladder, rounding=rounding,
-                                        imatrix=imatrix, device=device, progress=progress)
+                                        imatrix=imatrix, device=device, cache=cache, progress=progress)
     return kld_curves(ckpt, calibration or None, device=device, sample=sample, progress=progress)
 
 

@@ -4,6 +4,7 @@ alone with the same imatrix."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,15 @@ import torch
 from cli_helpers import error_line, run_cli
 from mixq.api import convert, inspect, verify
 from mixq.convert.encode_cache import CACHE_DIR
-from mixq.convert.family import FAMILY_JSON
+from mixq.convert.family import CURVES_SUFFIX as GGUF_CURVES, FAMILY_JSON, run_family
+from mixq.convert.gguf_measure import measure_gguf_errors
+from mixq.convert.measure import load_curves, save_curves
+from mixq.convert.options import family_options
+from mixq.errors import InputError
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.imatrix_file import read_imatrix
+from mixq.planning import gguf_mix as gm
+from mixq.planning.gguf_measured import measured_units
 from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.reference import load_tokenizer, tokenize_text
 from mixq.formats.gguf_reader import read_gguf
@@ -184,3 +193,66 @@ def test_hessian_family_rounds_each_tensor_type_once_and_matches_single_conversi
     assert types[0] != types[1]  # the members differ ...
     assert 0 < in_family < sum(alone)  # ... and the tensors they share in one type were rounded once
     assert res.cache["hits"] >= sum(alone) - in_family
+
+
+MEASURED = ("blk.1.ffn_gate_exps.weight", "blk.0.attn_q.weight", "token_embd.weight")  # a stack, a Linear, the embed
+
+
+def _part_measured(calls: list):
+    """A family's curve measurer for the test: the real layer-error measurement (convert/gguf_measure) of MEASURED,
+    its exact encodes kept in the family's cache, and synthetic curves for the other units (numel·4^-bpw; the
+    end-to-end rescaling is eval's, tested in test_gguf_measure)."""
+    def measure(ckpt, out, *, calibration, imatrix, ladder, rounding, device, cache, progress):
+        im = read_imatrix(imatrix).means()
+        m = measure_gguf_errors(ckpt, calibration, ladder=ladder, rounding=rounding, imatrix=im, rows=2, seq_len=64,
+                                only=MEASURED, cache=cache, progress=False)
+        curves = {n: {gm.type_bpw(t): math.prod(s.shape) * 4.0 ** -gm.type_bpw(t) for t in types}
+                  for n, (s, types) in measured_units(ckpt, ladder=ladder).items()}
+        curves.update(m.curves)
+        calls.append({"entries": cache.entries(), "im": im})
+        save_curves(curves, out)
+    return measure
+
+
+def test_measured_family_serves_every_member_from_the_measurement(k256_model, tmp_path):
+    sizes = mix_bytes(k256_model)
+    out, calls = tmp_path / "fam", []
+    fam = family_options(size=sizes, measure="kld", threads=1, progress=False, **CALIB)
+    res = run_family(k256_model, out, fam, _part_measured(calls))
+    assert len(calls) == 1 and calls[0]["entries"] > 0  # the measurement stored its exact encodes
+    curves = out / f"glm5next-k256{GGUF_CURVES}"
+    assert res.curves["file"] == curves.name and res.curves["measured"]
+    doc = json.loads((out / FAMILY_JSON).read_text())
+    assert doc["curves"]["sha256"] == sha256_file(curves)
+    imatrix = out / "glm5next-k256.imatrix.gguf"
+    for m, size in zip(res.members, sizes):
+        f = out / m["file"]
+        assert m["bytes"] <= size and verify(f)["problems"] == []
+        # bytes as a conversion alone with the family's curves and imatrix, no cache: the stored encodes are right
+        single = tmp_path / f"single-{size}.gguf"
+        convert(k256_model, single, "gguf", size=size, imatrix=imatrix, measure=curves, threads=2, progress=False)
+        assert single.read_bytes() == f.read_bytes(), m["file"]
+        kinds = {n: e.qtype for n, e in read_gguf(f).tensors.items()}
+        assert all(kinds[n] in measured_units(open_checkpoint(k256_model))[n][1] for n in MEASURED)
+    # each member's encode of a measured tensor was a hit: the members encoded only the other tensors
+    members_new = res.cache["writes"] - calls[0]["entries"]
+    per_member = len(read_gguf(out / res.members[0]["file"]).tensors)
+    assert res.cache["hits"] >= len(sizes) * len(MEASURED) and members_new < per_member * len(sizes)
+    # the cache does not change what is measured
+    plain = measure_gguf_errors(open_checkpoint(k256_model), None, imatrix=calls[0]["im"], rows=2, seq_len=64,
+                                only=MEASURED, progress=False)
+    assert load_curves(curves) == {**load_curves(curves), **plain.curves}
+    again = run_family(k256_model, out, fam, _part_measured(calls))  # a rerun keeps curves and members
+    assert len(calls) == 1 and [m["kept"] for m in again.members] == [True] * len(sizes)
+
+
+def test_measured_family_errors_are_one_line(k256_model, mini_model, tmp_path):
+    size = mix_bytes(k256_model)[-1]
+    assert "a family (--size A,B,C) measures its own with --measure kld" in error_line(
+        run_cli("convert", k256_model, tmp_path / "one.gguf", "--size", str(size), "--measure", "kld"))
+    assert "--measure proxy: EXL3's measurement" in error_line(
+        run_cli("convert", k256_model, tmp_path / "f", "--format", "gguf", "--size", "12MB,14MB",
+                "--measure", "proxy"))
+    with pytest.raises(InputError, match="runs through mixq.api"):
+        run_family(k256_model, tmp_path / "f", family_options(size="12MB,14MB", measure="kld", progress=False))
+    assert not (tmp_path / "f").exists() and not (tmp_path / "one.gguf").exists()

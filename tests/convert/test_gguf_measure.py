@@ -122,7 +122,7 @@ def test_cli_plan_gguf_measure_passes_rounding_and_imatrix(k256_model, tmp_path,
 
     seen = {}
 
-    def fake_curves(ckpt, calibration=None, *, ladder, rounding, imatrix, device, progress):
+    def fake_curves(ckpt, calibration=None, *, ladder, rounding, imatrix, device, cache=None, progress):
         seen.update(rounding=rounding, imatrix=imatrix, ladder=ladder)
         return _model_curves(ckpt)
 

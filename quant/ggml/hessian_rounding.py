@@ -26,8 +26,9 @@ scale moves take off another 1-4% (most at Q2_K).
 Numerics in torch (float64 factorisation, float32 walk), on CUDA when present; routed-expert stacks
 (E, rows, n) with one Hessian per expert run batched. On an accelerator nothing in the sweeps waits on the device
 (no early exits, the small solves unchecked: H is damped positive definite), and the blocks are decoded there;
-where the Triton kernels run, the code descent (:mod:`triton_refine`, the same codes) and the IQ2_S codebook search
-(:mod:`triton_iq2s`) are fused.
+where the Triton kernels run, the code descent (:mod:`triton_refine`, the same codes), the IQ2_S codebook search
+(:mod:`triton_iq2s`) and the IQ2_S group descent (:mod:`triton_iq2s_descent`, the same moves up to near-ties) are
+fused.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import torch
 from ...errors import InputError
 from . import levels as gl
 from . import encoders as kquants
-from . import triton_iq2s, triton_refine
+from . import triton_iq2s, triton_iq2s_descent, triton_refine
 from .triton_search import use_fused
 from ..device import device_kind, pick_device
 
@@ -433,13 +434,16 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
 
     For each 8-weight group in turn: the unconstrained best values given the other groups (v + H_BB⁻¹·g_B) fix the
     signs; the ``IQ2S_SHORTLIST`` codebook entries nearest to them in the diagonal metric are scored with the exact
-    change of the quadratic (2δ·g_B + δ·H_BB·δᵀ); the best replaces the group's entry when it lowers it."""
+    change of the quadratic (2δ·g_B + δ·H_BB·δᵀ); the best replaces the group's entry when it lowers it. Where the
+    Triton kernels run, one fused launch per feedback window (:func:`_fused_iq2s`); elsewhere the loop below."""
     dev = w.device
     grid = torch.from_numpy(gl.iq2s_grid()).to(dev)                                # (1024, 8)
     db = gl.iq2s_group_scales_on(blocks, dev)                                      # (E, rows, G)
     index, signs = gl.iq2s_groups_on(blocks, dev)
     bits = 2 ** torch.arange(8, device=dev)
     val = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape)
+    if use_fused(w):
+        return _fused_iq2s(w, blocks, hessian.contiguous(), grid, db, index, signs, val, passes)
     fb = _Feedback((w - val) @ hessian, hessian, _window(dev, w.shape[-1]))       # (E, rows, n)
     for _ in range(passes):
         for g in range(w.shape[-1] // 8):
@@ -463,6 +467,26 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
             val[..., cols] = torch.where(take.unsqueeze(-1), new_v, v)
             index[..., g] = torch.where(take, k.gather(-1, best).squeeze(-1), index[..., g])
             signs[..., g] = torch.where(take, ((sign < 0).long() * bits).sum(-1), signs[..., g])
+    return gl.set_iq2s_groups_on(blocks, index, signs)
+
+
+def _fused_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, grid: torch.Tensor, db: torch.Tensor,
+                index: torch.Tensor, signs: torch.Tensor, val: torch.Tensor, passes: int) -> np.ndarray:
+    """:func:`refine_iq2s`' passes through the fused kernel, one launch per feedback window (triton_iq2s_descent:
+    the same step per group, up to the order of the sums and an inverse of H_BB made once; the Hessian contiguous)."""
+    E, R, n = w.shape
+    val = val.contiguous()
+    fb = _Feedback((w - val) @ hessian, hessian, _window(w.device, n))
+    pending = fb.pending if fb.pending is not None else \
+        torch.zeros(E, R, fb.size, dtype=fb.grad.dtype, device=fb.grad.device)
+    hinv = triton_iq2s_descent.group_inverses(hessian)
+    db, index, signs = db.contiguous(), index.contiguous(), signs.contiguous()
+    grid_t = grid.T.contiguous()
+    for _ in range(passes):
+        for w0 in range(0, n, fb.size):
+            fb.at(slice(w0, w0 + 1))
+            triton_iq2s_descent.iq2s_window(fb.grad, fb.h, hinv, val, db, index, signs, grid, grid_t, pending, w0,
+                                            fb.w1 - w0, IQ2S_SHORTLIST)
     return gl.set_iq2s_groups_on(blocks, index, signs)
 
 

@@ -126,20 +126,6 @@ def test_cli_family_and_its_errors(family, mini_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_members_load_in_llama_cpp(family):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    out, sizes, res = family
-    for m in res.members:
-        llm = llama_cpp.Llama(model_path=str(out / m["file"]), n_ctx=64, verbose=False)
-        try:
-            toks = llm.tokenize(b"The capital of France is")
-            llm.eval(toks)
-            assert llm.n_tokens == len(toks)
-        finally:
-            llm.close()
-
-
-@pytest.mark.slow
 def test_members_load_in_llama_cpp(family, mini_model, heldout_text):
     """Every member is a file llama.cpp itself runs: finite logits on a held-out window, and the smaller members
     agree with the largest one on most next tokens (they are quants of one model, not noise)."""

@@ -441,6 +441,50 @@ def _encode_info(units, ws, bits, *a, **k) -> dict:
     return {"n": len(units), "w": sum(c[1] for c in by_role.values()), "bits": bits, "by_role": by_role}
 
 
+def _trellis_profile(p: Probe) -> None:
+    """Every stacked trellis call run with `quantize_with_stats(profile=True)` (the device synchronised between its
+    phases: regularize, scale search, LDL, Viterbi, LDLQ, refit, pack), its phases logged (`trellis_phases`); the
+    dequantized copy each unit hands back (`dequantize`). The split of a routed-expert call inside the conversion,
+    to hold beside bench/expert_batch.py's isolated one."""
+    import mixq.quant.trellis as tr
+    from mixq.quant.trellis.encoder import QuantizedLinear
+
+    full = tr.quantize_with_stats
+
+    def profiled(weight, bits, hessian=None, codebook="mul1", seed=0):
+        t0 = time.time()
+        q, stats = full(weight, bits, hessian, codebook, seed, profile=True)
+        p.emit({"k": "trellis_phases", "t0": t0, "t1": time.time(), "w": int(weight.numel()), "bits": bits,
+                "stack": int(weight.shape[0]) if weight.dim() == 3 else 1,
+                "phases": {k: round(v, 4) for k, v in stats.seconds.items()}})
+        return q
+
+    tr.quantize = profiled
+    p.wrap([QuantizedLinear], "dequantize", lambda self: "dequantize", begin=False)
+
+
+def summarise_trellis(events: list[dict]) -> dict:
+    """Per (stack size, rate): calls, weights, seconds of the whole call and per phase, M weights/s; and the
+    dequantize calls (the weights handed back for the next layer's calibration)."""
+    out: dict[str, dict] = {}
+    for e in events:
+        if e["k"] != "trellis_phases":
+            continue
+        d = out.setdefault(f"stack {e['stack']} K={e['bits']}", {"calls": 0, "weights": 0, "seconds": 0.0,
+                                                                 "phases": {}})
+        d["calls"] += 1
+        d["weights"] += e["w"]
+        d["seconds"] += e["t1"] - e["t0"]
+        for k, v in e["phases"].items():
+            d["phases"][k] = d["phases"].get(k, 0.0) + v
+    for d in out.values():
+        d["mweights_per_s"] = round(d["weights"] / max(d["seconds"], 1e-9) / 1e6, 2)
+        d["seconds"] = round(d["seconds"], 2)
+        d["phases"] = {k: round(v, 2) for k, v in sorted(d["phases"].items(), key=lambda kv: -kv[1])}
+    deq = [e for e in events if e["k"] == "dequantize" and "t1" in e]
+    return {"calls": out, "dequantize": {"calls": len(deq), "seconds": round(sum(e["t1"] - e["t0"] for e in deq), 2)}}
+
+
 def _exl3_probe(log_path: Path | None = None) -> Probe:
     import mixq.convert.exl3_output as xo
     import mixq.convert.job as job
@@ -759,6 +803,9 @@ def summarise_exl3(events: list[dict], t_end: float | None = None) -> dict:
         out["before_first_stage_s"] = round(first - start, 2)  # imports, plan, NaN scan, job start
     if start is not None:
         out["elapsed_s"] = round(t_end - start, 2)
+    prof = summarise_trellis(events)
+    if prof["calls"]:  # --trellis-profile
+        out["trellis_profile"] = prof
     return out
 
 
@@ -1160,14 +1207,18 @@ def stage_load(work: Path, device: str) -> dict:
     return out
 
 
-def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_len: int = 512) -> dict:
+def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_len: int = 512,
+               trellis_profile: bool = False) -> dict:
     """mixq's EXL3 conversion of the slice (calibration with every expert, trellis, write), then `verify` when the
-    time left allows (about half the conversion's seconds)."""
+    time left allows (about half the conversion's seconds). `trellis_profile`: each trellis call split by phase
+    (_trellis_profile)."""
     from mixq.convert import Exl3Options, convert, verify
 
     out = work / "mixq-exl3"
     shutil.rmtree(out, ignore_errors=True)
     probe = _exl3_probe(_LOG)
+    if trellis_profile:
+        _trellis_profile(probe)
     res, sec = _timed(convert, work / "bf16", out, Exl3Options(bpw=bpw, device=device, rows=rows,
                                                                        seq_len=seq_len, progress=False))
     d = res.to_dict()
@@ -2556,6 +2607,8 @@ def _child_main(a) -> None:
         kw = {"experts": a.experts, "small": a.small, "layers": parse_layers(a.layers), "fp8": not a.no_fp8}
     if a.child == "exllamav3":
         kw["limit_s"] = a.exllamav3_limit
+    if a.child == "exl3":
+        kw["trellis_profile"] = a.trellis_profile
     if a.child == "gguf":
         kw.update(eager_types=a.eager_types, types=a.gguf_types)
     print("RESULT " + json.dumps(CHILD_STAGES[a.child](a.work, dev, **kw)), flush=True)
@@ -2586,6 +2639,8 @@ def main() -> None:
                     help="an earlier run's JSON (other expert count) for what this run does not measure")
     ap.add_argument("--exllamav3-limit", type=float, default=None,
                     help="seconds: stop exllamav3's converter there (its per-layer times are still recorded)")
+    ap.add_argument("--trellis-profile", action="store_true",
+                    help="exl3: split every trellis call by phase (the device synchronised between phases)")
     ap.add_argument("--eager-types", default="", help="gguf stage: types encoded without the fused kernels")
     ap.add_argument("--tune-iters", type=int, default=200,
                     help="gguf-hessian: block-output tuning steps per stage (the converter's default); gguf-tune and "
@@ -2631,7 +2686,8 @@ def main() -> None:
         + (["--imatrix-rows", str(a.imatrix_rows)] if a.imatrix_rows else []) + (["--small"] if a.small else []) \
         + (["--no-fp8"] if a.no_fp8 else []) \
         + (["--exllamav3-limit", str(a.exllamav3_limit)] if a.exllamav3_limit else []) \
-        + (["--eager-types", a.eager_types] if a.eager_types else [])
+        + (["--eager-types", a.eager_types] if a.eager_types else []) \
+        + (["--trellis-profile"] if a.trellis_profile else [])
 
     def save() -> None:
         text = json.dumps(res, indent=2) + "\n"

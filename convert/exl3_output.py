@@ -10,6 +10,7 @@ import torch
 import mixq.quant.trellis  # looked up per call: tests swap in a fake mixq.quant.trellis
 from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_writer import Exl3Writer, exl3_config, tensor_storage_entry
+from mixq.runtime.overlap import host_stack, to_device
 
 from .job import Job
 from .result import ConvertResult  # noqa: F401  (one result type for EXL3 and GGUF)
@@ -45,12 +46,13 @@ def quantize_unit(u: Exl3Unit, w: torch.Tensor, bits: float, hessian: torch.Tens
     return stored, deq
 
 
-def quantize_batch(units: list[Exl3Unit], ws: list[torch.Tensor], bits: float,
+def quantize_batch(units: list[Exl3Unit], ws: list[torch.Tensor] | torch.Tensor, bits: float,
                    hessians: list[torch.Tensor | None], *, seed: int, codebook: str,
                    device: torch.device) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """Quantize same-shape units at one rate in one stacked call (MoE experts), with per-unit Hessians
-    (all given or all None). Encoder-speed device only: every unit is still stored as its own Linear."""
-    w = torch.stack([x.float() for x in ws]).to(device)
+    (all given or all None); `ws` the units' weights, or already stacked (`runtime.overlap.host_stack`).
+    Encoder-speed device only: every unit is still stored as its own Linear."""
+    w = to_device(ws if isinstance(ws, torch.Tensor) else host_stack(ws, device), device)
     h = None
     if hessians[0] is not None:
         h = torch.stack([x.float() for x in hessians]).to(device)

@@ -11,11 +11,12 @@ In a world of one every function here does exactly what the one-process pipeline
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from mixq.runtime.distributed import RankContext, block_owner, deal
+from mixq.runtime.overlap import ahead
 
 # one quantize_batch result per unit: ({stored tensor name: tensor}, dequantized weight or None)
 UnitResult = tuple[dict[str, torch.Tensor], "torch.Tensor | None"]
@@ -23,17 +24,21 @@ _SEP = "|"
 
 
 def encode_batches(ranks: RankContext, groups: Sequence[list[int]], costs: Sequence[float],
-                   encode: Callable[[list[int]], list[UnitResult]], *,
+                   prepare: Callable[[list[int]], Any], encode: Callable[[list[int], Any], list[UnitResult]], *,
                    keep_deq: bool) -> Iterator[tuple[list[int], list[UnitResult]]]:
-    """(batch, its per-unit results) for every batch in order, on every rank. One rank: `encode` is called
-    lazily, batch by batch. Several: each rank encodes the batches `deal(costs)` gives it, then each batch's
-    results travel from its rank to all; the dequantized weights travel only with `keep_deq` (else None)."""
+    """(batch, its per-unit results) for every batch in order, on every rank. `encode(batch, prepare(batch))`:
+    the inputs of the next batch this rank encodes are prepared on a worker thread meanwhile (runtime.overlap).
+    One rank: `encode` is called lazily, batch by batch. Several: each rank encodes the batches `deal(costs)`
+    gives it, then each batch's results travel from its rank to all; the dequantized weights travel only with
+    `keep_deq` (else None)."""
     if ranks.world == 1:
-        for g in groups:
-            yield g, encode(g)
+        for g, inputs in ahead(groups, prepare):
+            yield g, encode(g, inputs)
         return
     owner = deal(costs, ranks.world)
-    mine = {i: _flatten(encode(g), keep_deq) for i, g in enumerate(groups) if owner[i] == ranks.rank}
+    mine_groups = [(i, g) for i, g in enumerate(groups) if owner[i] == ranks.rank]
+    mine = {i: _flatten(encode(g, inputs), keep_deq)
+            for (i, g), inputs in ahead(mine_groups, lambda ig: prepare(ig[1]))}
     for i, g in enumerate(groups):
         flat = ranks.share_tensors(mine.pop(i, None), src=owner[i], out_device="cpu")
         yield g, _unflatten(flat, len(g))

@@ -36,6 +36,7 @@ from mixq.quant.device import resolve_device
 
 from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
+from mixq.runtime.overlap import host_stack
 from .drafter import convert_drafter
 from .exl3_ranks import encode_batches, scan_share, share_job, shared_state
 from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
@@ -350,16 +351,19 @@ def _write_stage(run: _Exl3Run, stage: str, stats: dict | None):
     inner = tqdm(total=len(stage_units), desc=stage, leave=False, disable=not run.progress, unit="t")
     keep = stage.startswith("layer.")  # the next layer is calibrated on these weights: every rank needs them
 
-    def encode(g: list[int]):
+    def prepare(g: list[int]) -> torch.Tensor:  # on a worker thread, while the batch before is encoded
+        return host_stack([trellis_units[i].assemble(fetch) for i in g], run.device)
+
+    def encode(g: list[int], ws: torch.Tensor):
         us = [trellis_units[i] for i in g]
-        res = quantize_batch(us, [u.assemble(fetch) for u in us], run.bits[us[0].key], [hs[i] for i in g],
+        res = quantize_batch(us, ws, run.bits[us[0].key], [hs[i] for i in g],
                              seed=seeds[us[0].key], codebook=run.opts.codebook, device=run.device)
         inner.update(len(us))
         return res
 
     groups = batches([(u, h is not None) for u, h in zip(trellis_units, hs)], run.bits)
     costs = [sum(math.prod(trellis_units[i].padded) for i in g) for g in groups]
-    for g, res in encode_batches(run.ranks, groups, costs, encode, keep_deq=keep):
+    for g, res in encode_batches(run.ranks, groups, costs, prepare, encode, keep_deq=keep):
         for u, (tensors, deq) in zip([trellis_units[i] for i in g], res):
             if u.bias:
                 b = torch.zeros(u.padded[1], dtype=torch.float16)

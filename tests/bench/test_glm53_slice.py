@@ -62,6 +62,23 @@ def test_summarise_exl3_completes_a_cut_layer_at_its_measured_rate(tmp_path):
     assert s["peak_gpu_mib"] == 1200.0 and s["before_first_stage_s"] == 5.0
 
 
+def test_summarise_trellis_profile():
+    g = _module()
+    ev = [{"k": "trellis_phases", "t0": 0.0, "t1": 2.0, "w": 4_000_000, "bits": 3.0, "stack": 16,
+           "phases": {"viterbi": 1.5, "ldl": 0.2}},
+          {"k": "trellis_phases", "t0": 3.0, "t1": 5.0, "w": 4_000_000, "bits": 3.0, "stack": 16,
+           "phases": {"viterbi": 1.7, "refit": 0.1}},
+          {"k": "trellis_phases", "t0": 6.0, "t1": 7.0, "w": 1_000_000, "bits": 6.0, "stack": 1, "phases": {}},
+          {"k": "dequantize", "t0": 2.0, "t1": 2.25}, {"k": "dequantize", "t0": 5.0, "begin": 1}]
+    s = g.summarise_trellis(ev)
+    c = s["calls"]["stack 16 K=3.0"]
+    assert c["calls"] == 2 and c["weights"] == 8_000_000 and c["seconds"] == 4.0 and c["mweights_per_s"] == 2.0
+    assert c["phases"] == {"viterbi": 3.2, "ldl": 0.2, "refit": 0.1}
+    assert s["calls"]["stack 1 K=6.0"]["calls"] == 1
+    assert s["dequantize"] == {"calls": 1, "seconds": 0.25}
+    assert "trellis_profile" not in g.summarise_exl3([{"k": "child", "t0": 0.0}], t_end=1.0)
+
+
 def test_summarise_gguf_cut_file():
     g = _module()
     ev = [{"k": "imatrix", "t0": 0.0, "begin": 1}, {"k": "forward/layer.0", "t0": 1.0, "t1": 3.0},

@@ -1219,10 +1219,14 @@ def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_l
     probe = _exl3_probe(_LOG)
     if trellis_profile:
         _trellis_profile(probe)
-    res, sec = _timed(convert, work / "bf16", out, Exl3Options(bpw=bpw, device=device, rows=rows,
-                                                                       seq_len=seq_len, progress=False))
+    rates = release_exl3_rates(bpw)
+    # every budgeted role pinned, so the target only has to admit them (8 bpw admits any rates)
+    opts = Exl3Options(bpw=8.0, overrides=[f"{role}={bits:g}" for role, bits in rates.items()], device=device,
+                       rows=rows, seq_len=seq_len, progress=False)
+    res, sec = _timed(convert, work / "bf16", out, opts)
     d = res.to_dict()
-    d.update(wall_seconds=sec, timings=probe.rounded(), calibration=_calibration_seconds(probe))
+    d.update(wall_seconds=sec, release_bpw=bpw, role_rates=rates, timings=probe.rounded(),
+             calibration=_calibration_seconds(probe))
     if _KILL_AT is None or time.time() + 0.5 * sec < _KILL_AT:
         rep, vsec = _timed(verify, out)
         d.update(verify_seconds=vsec, verify_ok=bool(rep.get("ok", not rep.get("problems"))))
@@ -1913,6 +1917,27 @@ def project_exl3(st: dict, layers: tuple, experts: int, counts: dict, ref: dict 
                             "finalize": round(fin / 3600, 3), "start (imports, plan, job)": round(start / 3600, 3)},
             "per_layer_type": {k: dict(v, release_count=RELEASE_LAYERS.get(k)) for k, v in per_kind.items()},
             "scaled": scaled}
+
+
+def release_exl3_rates(bpw: float) -> dict[str, float]:
+    """Each budgeted role's trellis rate in the release's EXL3 plan at `bpw` (`mixq plan --from-config ... --bpw`),
+    the rate most of the role's weights get there; the NextN block (planned at its own --mtp-bits) aside. A slice
+    planned at the same bpw is a different budget (its attention, dense MLP and lm_head are a larger share:
+    at 3.05 bpw its routed experts get 2.5 bits and everything else 8, where the release gives the experts 3
+    and the attention 6), so the slice is converted at these rates, each role pinned by an override."""
+    from mixq.formats.checkpoint import checkpoint_from_config
+    from mixq.formats.glm5next import classify
+    from mixq.planning.planner import plan_model
+
+    ckpt = checkpoint_from_config(SHAPE_CONFIG)
+    layers = int(ckpt.text_config["num_hidden_layers"])
+    weights: dict[str, dict[float, int]] = {}
+    for t in plan_model(ckpt, "exl3", bpw=bpw).tensors:
+        if t.bits is None or classify(t.name, layers).mtp:
+            continue
+        by = weights.setdefault(t.role, {})
+        by[t.bits] = by.get(t.bits, 0) + math.prod(int(x) for x in t.shape)
+    return {role: max(by, key=by.get) for role, by in sorted(weights.items())}
 
 
 @lru_cache(maxsize=1)

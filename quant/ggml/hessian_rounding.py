@@ -27,8 +27,8 @@ Numerics in torch (float64 factorisation, float32 walk), on CUDA when present; r
 (E, rows, n) with one Hessian per expert run batched. On an accelerator nothing in the sweeps waits on the device
 (no early exits, the small solves unchecked: H is damped positive definite), and the blocks are decoded there;
 where the Triton kernels run, the code descent (:mod:`triton_refine`, the same codes), the IQ2_S codebook search
-(:mod:`triton_iq2s`) and the IQ2_S group descent (:mod:`triton_iq2s_descent`, the same moves up to near-ties) are
-fused.
+(:mod:`triton_iq2s`), the IQ2_S group descent (:mod:`triton_iq2s_descent`, the same moves up to near-ties) and the
+sub-block scale descent (:mod:`triton_subscales`, the same moves up to near-ties) are fused.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import torch
 from ...errors import InputError
 from . import levels as gl
 from . import encoders as kquants
-from . import triton_iq2s, triton_iq2s_descent, triton_refine
+from . import triton_iq2s, triton_iq2s_descent, triton_refine, triton_subscales
 from .triton_search import use_fused
 from ..device import device_kind, pick_device
 
@@ -311,7 +311,8 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
     """Coordinate descent on the K-quant / IQ2_S sub-block scales and mins (codes and fp16 super-scales kept) for
     tr(ΔW·H·ΔWᵀ): each sub-block in column order tries its integer scale ±1 and min ±1 (a decoded weight is
     linear in both, slopes read through the decoder) and takes the move that lowers the exact quadratic most
-    (−2Δ·g + ΔᵀH_ssΔ, g = (W − Ŵ)·H), for all rows and experts at once. w (E, rows, n), H (E|1, n, n) float32."""
+    (−2Δ·g + ΔᵀH_ssΔ, g = (W − Ŵ)·H), for all rows and experts at once; where the Triton kernels run, one fused
+    launch per feedback window (:func:`_fused_sub_scales`). w (E, rows, n), H (E|1, n, n) float32."""
     dev = w.device
     sub, (slo, shi), mrange = gl.SUB_SCALES[qtype]
     sc, mn = gl.sub_scales(blocks, qtype)
@@ -332,6 +333,9 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
         upm = torch.where(mn_t < mrange[1], mn_t + 1, mn_t - 1)
         fields.append([mn_t.reshape(*w.shape[:-1], -1), mrange, slope(sc_t, upm, upm - mn_t)])
     deq = deq.reshape(w.shape)
+    if use_fused(w):  # one launch per feedback window, the values in `fields` moved in place
+        _fused_sub_scales(w, deq, hessian.contiguous(), fields, sub)
+        return gl.set_sub_scales_on(raw, qtype, *(f[0] for f in fields)).cpu().numpy()
     fb = _Feedback((w - deq) @ hessian, hessian, _window(dev, w.shape[-1]))        # (E, rows, n)
     for j in range(w.shape[-1] // sub):
         cols = slice(j * sub, (j + 1) * sub)
@@ -360,6 +364,27 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
         fb.add(cols, -step)
     out_mn = fields[1][0] if mrange is not None else None
     return gl.set_sub_scales_on(raw, qtype, fields[0][0], out_mn).cpu().numpy()
+
+
+def _fused_sub_scales(w: torch.Tensor, deq: torch.Tensor, hessian: torch.Tensor, fields: list, sub: int) -> None:
+    """:func:`refine_sub_scales`' sweep through the fused kernel, one launch per feedback window (triton_subscales:
+    the same step per sub-block, up to the order of the sums; the Hessian contiguous). `fields` ([values, range,
+    slope] for the scale and the min, if any) as refine_sub_scales makes them; their values are updated in place."""
+    E, R, n = w.shape
+    fb = _Feedback((w - deq) @ hessian, hessian, _window(w.device, n))
+    pending = fb.pending if fb.pending is not None else \
+        torch.zeros(E, R, fb.size, dtype=fb.grad.dtype, device=fb.grad.device)
+    for f in fields:
+        f[0] = f[0].contiguous()
+    none = [None] * (2 - len(fields))  # no min: its arguments None
+    vals, ranges = [f[0] for f in fields] + none, [f[1] for f in fields] + none
+    slopes = [f[2].contiguous() for f in fields]
+    quads = [triton_subscales.sub_block_quads(a, hessian, sub) for a in slopes] + none
+    slopes += none
+    for w0 in range(0, n, fb.size):
+        fb.at(slice(w0, w0 + 1))
+        triton_subscales.sub_scale_window(fb.grad, fb.h, vals[0], vals[1], slopes[0], slopes[1], quads[0], quads[1],
+                                          pending, w0, fb.w1 - w0, sub, ranges[0], ranges[1])
 
 
 def refit_super_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor) -> np.ndarray:

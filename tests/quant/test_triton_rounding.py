@@ -2,7 +2,10 @@
 (quant/ggml/triton_refine.py) against refine_codes' column loop, bytes equal; the IQ2_S codebook search
 (quant/ggml/triton_iq2s.py) against the score table, the same entries up to near-ties; the IQ2_S group descent
 (quant/ggml/triton_iq2s_descent.py) against refine_iq2s' group loop, the same layer error and nearly all the same
-groups (an inverse of H_BB and sums in another order move near-ties), and one window of it checked inside.
+groups (an inverse of H_BB and sums in another order move near-ties), and one window of it checked inside; the
+sub-block scale descent (quant/ggml/triton_subscales.py) against refine_sub_scales' sub-block loop, the same layer
+error and nearly all the same scales and mins (sums in another order could move near-ties; the bytes were equal
+when written), and one window of it replayed in float64, move by move.
 
 On the CPU the kernel runs in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, set before triton is
 imported); the `gpu` test compiles it for the device. Both compare the bytes of refine_codes with the kernel and
@@ -133,6 +136,111 @@ print(json.dumps(res))
 """
 
 
+_SUBSCALES = r"""
+import json, sys
+import numpy as np, torch
+from mixq.quant.ggml import encoders, hessian_rounding as kh, levels as gl, triton_subscales as ts
+dev = sys.argv[1]
+fused = kh.use_fused
+launches = [0]
+window_call = ts.sub_scale_window
+def counted(*args):
+    launches[0] += 1
+    return window_call(*args)
+ts.sub_scale_window = counted
+res = {}
+g = torch.Generator().manual_seed(11)
+# (type, one Hessian for every expert, feedback window): mins or none, sub-blocks of 32 and 16, whole windows, a
+# partial last one and one window for every column
+for qtype, shared, window in (("Q4_K", True, 256), ("Q4_K", False, 384), ("Q6_K", False, 512), ("Q6_K", True, 384),
+                              ("Q2_K", False, 256), ("Q3_K", True, 512), ("IQ2_S", False, 384), ("IQ2_S", True, 256)):
+    E, R, n = 2, 24, 512
+    w = torch.randn(E, R, n, generator=g) * 0.02
+    x = torch.randn(1 if shared else E, 3 * n // 2, n, generator=g)
+    x[..., :7] *= 5
+    h = x.mT @ x / x.shape[1]
+    h = h + 0.1 * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(n)
+    blocks = np.stack([encoders.quantize(w[e].numpy(), qtype) for e in range(E)])
+    wd, hd = w.to(dev), h.to(dev)
+    kh.FEEDBACK_WINDOW["cpu"] = kh.FEEDBACK_WINDOW["accelerator"] = window
+    kh.use_fused = fused
+    launches[0] = 0
+    a = kh.refine_sub_scales(wd, blocks, qtype, hd)
+    ran = launches[0]
+    kh.use_fused = lambda t: False
+    b = kh.refine_sub_scales(wd, blocks, qtype, hd)
+    err = lambda bl: float(kh.layer_error(wd, gl.decode_blocks(bl, qtype, dev).reshape(w.shape), hd).sum())
+    (sa, ma), (sb, mb), (s0, m0) = gl.sub_scales(a, qtype), gl.sub_scales(b, qtype), gl.sub_scales(blocks, qtype)
+    same, moved = sa == sb, sb != s0
+    if m0 is not None:
+        same, moved = same & (ma == mb), moved | (mb != m0)
+    res[f"{qtype}/{window}{' shared' if shared else ''}"] = {
+        "fused_ran": bool(fused(wd)) and ran == -(-n // window), "start": err(blocks), "fused": err(a),
+        "eager": err(b), "agree": float(same.mean()), "moved": float(moved.mean()), "equal": bool(np.array_equal(a, b))}
+# one window (not the first) straight through the kernel, on random fields with many at their range's ends: every
+# choice is the best admissible move of a float64 replay (up to rounding), and the gradient and pending follow it;
+# where a row's min has its scale's slopes, the two fields tie and the scale (the earlier candidate) must win
+n, E, R = 512, 2, 24
+for sub, sc_range, mn_range, shared, w0, width in ((32, (0, 63), (0, 63), False, 256, 256),
+                                                   (16, (-32, 31), None, True, 128, 384)):
+    x = torch.randn(1 if shared else E, 3 * n // 2, n, generator=g)
+    h = (x.mT @ x / x.shape[1] + 0.1 * torch.eye(n)).to(dev).contiguous()
+    ranges = [sc_range] + ([mn_range] if mn_range else [])
+    vals0, slopes = [], []
+    for lo, hi in ranges:
+        v = torch.randint(lo, hi + 1, (E, R, n // sub), generator=g)
+        edge = torch.rand(v.shape, generator=g)
+        vals0.append(torch.where(edge < 0.25, lo, torch.where(edge > 0.75, hi, v)).to(dev))
+        slopes.append((torch.randn(E, R, n, generator=g) * 0.01).to(dev))
+    if mn_range:
+        slopes[1][:, :6] = slopes[0][:, :6]
+    quads = [ts.sub_block_quads(a, h, sub) for a in slopes]
+    grad0 = ((torch.randn(E, R, n, generator=g) * 0.05).to(dev) @ h).contiguous()
+    grad, vals = grad0.clone(), [v.clone() for v in vals0]
+    pending = torch.zeros(E, R, width, device=dev)
+    none = [None] * (2 - len(ranges))
+    window_call(grad, h, *(vals + none), *(slopes + none), *(quads + none), pending, w0, width, sub, *(ranges + none))
+    gr, hw, want = grad0[..., w0:w0 + width].double(), h.double()[:, :, w0:w0 + width], torch.zeros_like(pending)
+    wrong, picks, ties, tie_lost = 0, torch.zeros(2 * len(ranges), dtype=torch.long), 0, 0
+    for j in range(w0 // sub, (w0 + width) // sub):
+        c = slice(j * sub - w0, (j + 1) * sub - w0)
+        dls, scale, kc = [], 0, torch.full((E, R), -1, device=dev)
+        for f, ((lo, hi), v, a, q) in enumerate(zip(ranges, vals0, slopes, quads)):
+            lin = (a[..., j * sub:(j + 1) * sub].double() * gr[..., c]).sum(-1)
+            scale = scale + 2 * lin.abs() + q[..., j].double().abs()
+            for k, sign in enumerate((1, -1)):
+                ok = (v[..., j] + sign >= lo) & (v[..., j] + sign <= hi)
+                dls.append(torch.where(ok, -2 * sign * lin + q[..., j].double(), float("inf")))
+            d = vals[f][..., j] - v[..., j]
+            kc = torch.where(d == 1, 2 * f, torch.where(d == -1, 2 * f + 1, kc))
+        dl = torch.stack(dls, -1)
+        best = dl.min(-1).values.clamp(max=0)
+        mine = torch.where(kc >= 0, dl.gather(-1, kc.clamp(min=0)[..., None])[..., 0], 0.0)
+        wrong += int(((mine - best).abs() > 1e-4 * scale).sum())
+        picks += torch.bincount(kc[kc >= 0].cpu(), minlength=len(picks))
+        if mn_range:  # the kernel's pick tied with the other field's move of the same sign
+            tied = (kc >= 0) & (mine == dl.gather(-1, (kc.clamp(min=0) ^ 2)[..., None])[..., 0])
+            ties, tie_lost = ties + int(tied.sum()), tie_lost + int((tied & (kc >= 2)).sum())
+        change = torch.zeros(E, R, sub, device=dev)
+        for f, a in enumerate(slopes):
+            for k, sign in enumerate((1, -1)):
+                change = torch.where((kc == 2 * f + k)[..., None], -sign * a[..., j * sub:(j + 1) * sub], change)
+        want[..., c] = change
+        gr = gr + change.double() @ hw[:, j * sub:(j + 1) * sub]
+    res[f"window {sub}"] = {
+        "wrong": wrong, "picks": picks.tolist(), "ties": ties, "tie_lost": tie_lost, "moved": float((picks.sum() / (E * R * width // sub)).item()),
+        "in_range": all(bool(((v >= lo) & (v <= hi)).all()) for v, (lo, hi) in zip(vals, ranges)),
+        "outside_kept": all(bool(torch.equal(torch.cat([v[..., :w0 // sub], v[..., (w0 + width) // sub:]], -1),
+                                             torch.cat([v0[..., :w0 // sub], v0[..., (w0 + width) // sub:]], -1)))
+                            for v, v0 in zip(vals, vals0))
+        and bool(torch.equal(torch.cat([grad[..., :w0], grad[..., w0 + width:]], -1),
+                             torch.cat([grad0[..., :w0], grad0[..., w0 + width:]], -1))),
+        "pending": float((pending - want).abs().max()),
+        "grad": float((grad[..., w0:w0 + width] - gr).abs().max() / gr.abs().max())}
+print(json.dumps(res))
+"""
+
+
 def _run(dev: str, interpret: bool, script: str = _CHECK) -> dict:
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if interpret else {}))
     out = subprocess.run([sys.executable, "-c", script, dev], env=env, capture_output=True, text=True, timeout=1800)
@@ -164,6 +272,20 @@ def _check_iq2s(res: dict) -> None:
         assert r["agree"] >= 0.95, (case, r)
 
 
+def _check_sub_scales(res: dict) -> None:
+    for case in [c for c in res if c.startswith("window")]:
+        win = res.pop(case)
+        assert win["wrong"] == 0 and win["in_range"] and win["outside_kept"], (case, win)
+        assert all(p > 0 for p in win["picks"]) and win["moved"] > 0.2, (case, win)  # every candidate taken
+        assert win["tie_lost"] == 0 and (win["ties"] > 0 or case == "window 16"), (case, win)  # the earlier wins
+        assert win["pending"] == 0.0 and win["grad"] < 1e-5, (case, win)
+    for case, r in res.items():
+        assert r["fused_ran"] and r["moved"] > 0.1, (case, r)
+        assert r["eager"] < r["start"] and r["fused"] < r["start"], (case, r)
+        assert abs(r["fused"] / r["eager"] - 1) < 1e-3, (case, r)
+        assert r["agree"] >= 0.95, (case, r)
+
+
 def test_fused_code_descent_is_the_column_loop_interpreted():
     _check(_run("cpu", interpret=True))
 
@@ -176,6 +298,10 @@ def test_fused_iq2s_descent_is_the_group_loop_interpreted():
     _check_iq2s(_run("cpu", interpret=True, script=_IQ2S))
 
 
+def test_fused_sub_scale_descent_is_the_sub_block_loop_interpreted():
+    _check_sub_scales(_run("cpu", interpret=True, script=_SUBSCALES))
+
+
 @pytest.mark.gpu
 def test_fused_code_descent_is_the_column_loop_on_cuda():
     torch = pytest.importorskip("torch")
@@ -184,3 +310,4 @@ def test_fused_code_descent_is_the_column_loop_on_cuda():
     _check(_run("cuda", interpret=False))
     _check_nearest(_run("cuda", interpret=False, script=_NEAREST))
     _check_iq2s(_run("cuda", interpret=False, script=_IQ2S))
+    _check_sub_scales(_run("cuda", interpret=False, script=_SUBSCALES))

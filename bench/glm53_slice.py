@@ -803,6 +803,9 @@ def summarise_exl3(events: list[dict], t_end: float | None = None) -> dict:
         out["before_first_stage_s"] = round(first - start, 2)  # imports, plan, NaN scan, job start
     if start is not None:
         out["elapsed_s"] = round(t_end - start, 2)
+    rates = next((e for e in events if e["k"] == "exl3_rates"), None)
+    if rates is not None:  # the rates the slice was converted at: the release plan's per role
+        out["role_rates"] = {"release_bpw": rates["release_bpw"], **rates["rates"]}
     prof = summarise_trellis(events)
     if prof["calls"]:  # --trellis-profile
         out["trellis_profile"] = prof
@@ -1220,6 +1223,7 @@ def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_l
     if trellis_profile:
         _trellis_profile(probe)
     rates = release_exl3_rates(bpw)
+    probe.emit({"k": "exl3_rates", "t0": time.time(), "t1": time.time(), "release_bpw": bpw, "rates": rates})
     # every budgeted role pinned, so the target only has to admit them (8 bpw admits any rates)
     opts = Exl3Options(bpw=8.0, overrides=[f"{role}={bits:g}" for role, bits in rates.items()], device=device,
                        rows=rows, seq_len=seq_len, progress=False)

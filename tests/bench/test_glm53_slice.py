@@ -77,6 +77,17 @@ def test_summarise_trellis_profile():
     assert s["calls"]["stack 1 K=6.0"]["calls"] == 1
     assert s["dequantize"] == {"calls": 1, "seconds": 0.25}
     assert "trellis_profile" not in g.summarise_exl3([{"k": "child", "t0": 0.0}], t_end=1.0)
+    rates = {"k": "exl3_rates", "t0": 0.5, "t1": 0.5, "release_bpw": 3.05, "rates": {"routed_expert": 3.0}}
+    x = g.summarise_exl3([{"k": "child", "t0": 0.0}, rates] + ev, t_end=8.0)
+    assert x["role_rates"] == {"release_bpw": 3.05, "routed_expert": 3.0}
+    assert x["trellis_profile"]["calls"]["stack 16 K=3.0"]["calls"] == 2
+
+
+def test_release_rates_pin_every_role_of_the_slice(flash_config):
+    """The slice is converted at the release plan's rate per role (3 bits for the routed experts at 3.05 bpw)."""
+    g = _module()
+    rates = g.release_exl3_rates(3.05)
+    assert rates["routed_expert"] == 3.0 and rates["attn"] >= 5.0 and set(rates) >= {"dense_mlp", "lm_head"}
 
 
 def test_summarise_gguf_cut_file():

@@ -32,6 +32,8 @@ sub-block scale descent (:mod:`triton_subscales`, the same moves up to near-ties
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -333,7 +335,7 @@ def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: 
         upm = torch.where(mn_t < mrange[1], mn_t + 1, mn_t - 1)
         fields.append([mn_t.reshape(*w.shape[:-1], -1), mrange, slope(sc_t, upm, upm - mn_t)])
     deq = deq.reshape(w.shape)
-    if use_fused(w):  # one launch per feedback window, the values in `fields` moved in place
+    if use_fused(w) and fused_sweep_ok("sub_scales", dev):  # one launch per window, `fields` moved in place
         _fused_sub_scales(w, deq, hessian.contiguous(), fields, sub)
         return gl.set_sub_scales_on(raw, qtype, *(f[0] for f in fields)).cpu().numpy()
     fb = _Feedback((w - deq) @ hessian, hessian, _window(dev, w.shape[-1]))        # (E, rows, n)
@@ -467,7 +469,7 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
     index, signs = gl.iq2s_groups_on(blocks, dev)
     bits = 2 ** torch.arange(8, device=dev)
     val = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape)
-    if use_fused(w):
+    if use_fused(w) and fused_sweep_ok("iq2s", dev):
         return _fused_iq2s(w, blocks, hessian.contiguous(), grid, db, index, signs, val, passes)
     fb = _Feedback((w - val) @ hessian, hessian, _window(dev, w.shape[-1]))       # (E, rows, n)
     for _ in range(passes):
@@ -513,6 +515,52 @@ def _fused_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, grid
             triton_iq2s_descent.iq2s_window(fb.grad, fb.h, hinv, val, db, index, signs, grid, grid_t, pending, w0,
                                             fb.w1 - w0, IQ2S_SHORTLIST)
     return gl.set_iq2s_groups_on(blocks, index, signs)
+
+
+# per (sweep, device): whether its fused kernel passed its first-use check there (a test may clear it)
+FUSED_SWEEPS: dict[tuple[str, str], bool] = {}
+# the check's problem: experts, rows, columns (one feedback window on an accelerator), and its sweep's type
+_CHECK_SHAPE = (2, 16, 256)
+_CHECK_TYPE = {"iq2s": "IQ2_S", "sub_scales": "Q4_K"}
+
+
+def fused_sweep_ok(sweep: str, dev: torch.device) -> bool:
+    """Whether the fused kernel of `sweep` ("iq2s": the IQ2_S group descent; "sub_scales": the sub-block scale
+    descent) may serve `dev`. On its first use there it refines one small random problem beside the loop it
+    replaces; a compile error, or a layer error more than 1e-3 above the loop's, keeps the loop for the process
+    (with a warning): a kernel is trusted after its check, as the fused searches and the fused Viterbi are."""
+    key = (sweep, str(dev))
+    if key not in FUSED_SWEEPS:
+        FUSED_SWEEPS[key] = False  # the check's own calls (and a failing one) take the loop
+        try:
+            fused, loop = _check_sweep(sweep, dev)
+            ok = bool(np.isfinite(fused)) and fused <= loop * (1 + 1e-3) + 1e-12
+            if not ok:
+                warnings.warn(f"hessian rounding: the fused {sweep} sweep's layer error {fused:.6g} is above the "
+                              f"loop's {loop:.6g} on {dev}; using the loop")
+            FUSED_SWEEPS[key] = ok
+        except Exception as exc:  # noqa: BLE001 - a compile or launch failure: the loop is always correct
+            FUSED_SWEEPS[key] = False
+            warnings.warn(f"hessian rounding: the fused {sweep} sweep is unavailable on {dev} ({exc!r}); using the loop")
+    return FUSED_SWEEPS[key]
+
+
+def _check_sweep(sweep: str, dev: torch.device) -> tuple[float, float]:
+    """Layer errors of the fused sweep and of the loop (the fused flag set by hand) on one random problem."""
+    E, R, n = _CHECK_SHAPE
+    qtype = _CHECK_TYPE[sweep]
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(E, R, n, generator=g) * 0.02
+    x = torch.randn(E, 2 * n, n, generator=g)
+    h = x.mT @ x / x.shape[1] + 0.1 * torch.eye(n)
+    blocks = np.stack([kquants.quantize(w[e].numpy(), qtype) for e in range(E)])
+    w, h = w.to(dev), h.to(dev).contiguous()
+    errors = []
+    for fused in (True, False):
+        FUSED_SWEEPS[(sweep, str(dev))] = fused
+        out = refine_iq2s(w, blocks, h) if sweep == "iq2s" else refine_sub_scales(w, blocks, qtype, h)
+        errors.append(float(layer_error(w, gl.decode_blocks(out, qtype, dev).reshape(w.shape), h).sum()))
+    return errors[0], errors[1]
 
 
 def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFAULT_DAMP, refine: int = 0,

@@ -20,6 +20,14 @@ ENTRIES = 1024  # IQ2_S codebook entries
 
 if triton is not None:
     @triton.jit
+    def load8(p, mask):
+        """The eight values p[0], ..., p[7] of an 8-weight group, each a tile shaped like `mask` (0 where masked)."""
+        return (tl.load(p + 0, mask=mask, other=0.0), tl.load(p + 1, mask=mask, other=0.0),
+                tl.load(p + 2, mask=mask, other=0.0), tl.load(p + 3, mask=mask, other=0.0),
+                tl.load(p + 4, mask=mask, other=0.0), tl.load(p + 5, mask=mask, other=0.0),
+                tl.load(p + 6, mask=mask, other=0.0), tl.load(p + 7, mask=mask, other=0.0))
+
+    @triton.jit
     def _nearest_kernel(s_ptr, a_ptr, c2m_ptr, grid_ptr, out_ptr, R, c2m_stride, K: tl.constexpr,
                         ROWS: tl.constexpr, ENTRIES: tl.constexpr):
         e = tl.program_id(0)
@@ -29,15 +37,7 @@ if triton is not None:
         s = tl.load(s_ptr + row, mask=rm, other=0.0)
         ss = s * s
         s2 = 2.0 * s
-        a = a_ptr + row * 8  # m_i·|t_i| of the row's group
-        a0 = tl.load(a + 0, mask=rm, other=0.0)
-        a1 = tl.load(a + 1, mask=rm, other=0.0)
-        a2 = tl.load(a + 2, mask=rm, other=0.0)
-        a3 = tl.load(a + 3, mask=rm, other=0.0)
-        a4 = tl.load(a + 4, mask=rm, other=0.0)
-        a5 = tl.load(a + 5, mask=rm, other=0.0)
-        a6 = tl.load(a + 6, mask=rm, other=0.0)
-        a7 = tl.load(a + 7, mask=rm, other=0.0)
+        a0, a1, a2, a3, a4, a5, a6, a7 = load8(a_ptr + row * 8, rm)  # m_i·|t_i| of the row's group
         c2m = c2m_ptr + e.to(tl.int64) * c2m_stride
         slot = tl.arange(0, K)
         vals = tl.full([ROWS, K], float("inf"), tl.float32)

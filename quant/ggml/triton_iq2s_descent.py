@@ -22,6 +22,9 @@ import torch
 
 from .triton_search import launch_opts, triton, tl
 
+if triton is not None:  # (without Triton neither module has kernels)
+    from .triton_iq2s import load8
+
 ROWS = 16       # rows per program: a 16 x 256 float32 gradient tile is 32 registers per thread at 4 warps
 CHUNK = 128     # codebook entries scored at once: a 16 x 128 tile of int64 keys is another 32 registers per thread
 ENTRIES = 1024  # IQ2_S codebook entries
@@ -86,14 +89,7 @@ if triton is not None:
             # per weight i: the gradient, the current value and the unconstrained best value v + (g_B·H_BB⁻¹)_i
             b0, b1, b2, b3 = _column(gb, lane, 0), _column(gb, lane, 1), _column(gb, lane, 2), _column(gb, lane, 3)
             b4, b5, b6, b7 = _column(gb, lane, 4), _column(gb, lane, 5), _column(gb, lane, 6), _column(gb, lane, 7)
-            v0 = tl.load(vp + 0, mask=rm, other=0.0)
-            v1 = tl.load(vp + 1, mask=rm, other=0.0)
-            v2 = tl.load(vp + 2, mask=rm, other=0.0)
-            v3 = tl.load(vp + 3, mask=rm, other=0.0)
-            v4 = tl.load(vp + 4, mask=rm, other=0.0)
-            v5 = tl.load(vp + 5, mask=rm, other=0.0)
-            v6 = tl.load(vp + 6, mask=rm, other=0.0)
-            v7 = tl.load(vp + 7, mask=rm, other=0.0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = load8(vp, rm)
             t0 = v0 + _dot8(hi + 0, b0, b1, b2, b3, b4, b5, b6, b7)     # H_BB⁻¹ is symmetric: row i is column i
             t1 = v1 + _dot8(hi + 8, b0, b1, b2, b3, b4, b5, b6, b7)
             t2 = v2 + _dot8(hi + 16, b0, b1, b2, b3, b4, b5, b6, b7)

@@ -175,3 +175,36 @@ def test_argmin_shortlist_is_topk():
     x = torch.randn(500, 1024, generator=torch.Generator().manual_seed(3))
     want = x.topk(kh.IQ2S_SHORTLIST, dim=-1, largest=False).indices
     assert torch.equal(kh.smallest_by_argmin(x.clone(), kh.IQ2S_SHORTLIST), want)
+
+
+@pytest.mark.parametrize("sweep", ["iq2s", "sub_scales"])
+def test_a_fused_sweep_that_fails_its_check_keeps_the_loop(sweep, k256_real, monkeypatch):
+    """A fused sweep whose kernel does not build (raises) or moves nothing (its layer error above the loop's) is
+    refused on its first use, with a warning, and the loop's bytes come out."""
+    _, _, w_e, h_e = k256_real
+    qtype = "IQ2_S" if sweep == "iq2s" else "Q4_K"
+    w, h = w_e[:2, :32], h_e[:2].contiguous()
+    blocks = np.stack([kquants.quantize(w[e].numpy(), qtype) for e in range(2)])
+
+    def refine():
+        return kh.refine_iq2s(w, blocks, h) if sweep == "iq2s" else kh.refine_sub_scales(w, blocks, qtype, h)
+
+    want = refine()  # the loop: the CPU takes no fused kernel
+    assert not np.array_equal(want, blocks)  # the loop moves codes, so a kernel that moves none is worse
+    module, launcher = ((kh.triton_iq2s_descent, "iq2s_window") if sweep == "iq2s"
+                        else (kh.triton_subscales, "sub_scale_window"))
+    # the sweeps ask for a kernel with the weights (E, rows, n); the loop's codebook search asks with its targets
+    # (E, rows, 8), and keeps its torch path here (no Triton on a CPU)
+    monkeypatch.setattr(kh, "use_fused", lambda t: t.shape[-1] == w.shape[-1])
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel")
+
+    for kernel, why in ((broken, "unavailable"), (lambda *a, **k: None, "above the loop")):
+        kh.FUSED_SWEEPS.clear()
+        monkeypatch.setattr(module, launcher, kernel)
+        with pytest.warns(UserWarning, match=why):
+            got = refine()
+        assert np.array_equal(got, want)
+        assert kh.fused_sweep_ok(sweep, w.device) is False  # decided once for the process
+    kh.FUSED_SWEEPS.clear()

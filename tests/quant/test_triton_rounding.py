@@ -21,22 +21,31 @@ import pytest
 
 pytest.importorskip("triton")
 
-_CHECK = r"""
+# what the scripts share: the device argument, the real use_fused, and one random problem (weights, a Hessian of 3n/2
+# tokens with a few outlier channels, damped, per expert or one for all, ggml's own encoding of the weights)
+_PROBLEM = r"""
 import json, sys
 import numpy as np, torch
-from mixq.quant.ggml import encoders, hessian_rounding as kh
+from mixq.quant.ggml import encoders, hessian_rounding as kh, levels as gl
 dev = sys.argv[1]
 fused = kh.use_fused
-res = {}
-g = torch.Generator().manual_seed(0)
-for qtype, n, window in (("Q4_K", 512, None), ("Q6_K", 768, 256), ("Q8_0", 768, 512), ("IQ4_NL", 256, 128)):
-    E, R = 2, 24
+
+
+def problem(g, qtype, E, R, n, shared=False):
     w = torch.randn(E, R, n, generator=g) * 0.02
-    x = torch.randn(E, 3 * n // 2, n, generator=g)
+    x = torch.randn(1 if shared else E, 3 * n // 2, n, generator=g)
     x[..., :7] *= 5
     h = x.mT @ x / x.shape[1]
     h = h + 0.1 * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(n)
     blocks = np.stack([encoders.quantize(w[e].numpy(), qtype) for e in range(E)])
+    return w, h, blocks
+"""
+
+_CHECK = _PROBLEM + r"""
+res = {}
+g = torch.Generator().manual_seed(0)
+for qtype, n, window in (("Q4_K", 512, None), ("Q6_K", 768, 256), ("Q8_0", 768, 512), ("IQ4_NL", 256, 128)):
+    w, h, blocks = problem(g, qtype, 2, 24, n)
     wd, hd = w.to(dev), h.to(dev)
     kh.FEEDBACK_WINDOW["cpu"] = kh.FEEDBACK_WINDOW["accelerator"] = window
     kh.use_fused = fused
@@ -76,12 +85,8 @@ print(json.dumps(res))
 """
 
 
-_IQ2S = r"""
-import json, sys
-import numpy as np, torch
-from mixq.quant.ggml import encoders, hessian_rounding as kh, levels as gl, triton_iq2s_descent as td
-dev = sys.argv[1]
-fused = kh.use_fused
+_IQ2S = _PROBLEM + r"""
+from mixq.quant.ggml import triton_iq2s_descent as td
 chunk = td.CHUNK
 res = {}
 g = torch.Generator().manual_seed(5)
@@ -91,12 +96,7 @@ g = torch.Generator().manual_seed(5)
 for n, shared, window, passes, ch in ((512, True, 256, 1, None), (512, True, 384, 1, 1024),
                                       (512, False, 384, 1, 1024), (256, False, 256, 2, 1024)):
     E, R = 2, 24
-    w = torch.randn(E, R, n, generator=g) * 0.02
-    x = torch.randn(1 if shared else E, 3 * n // 2, n, generator=g)
-    x[..., :7] *= 5
-    h = x.mT @ x / x.shape[1]
-    h = h + 0.1 * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(n)
-    blocks = np.stack([encoders.quantize(w[e].numpy(), "IQ2_S") for e in range(E)])
+    w, h, blocks = problem(g, "IQ2_S", E, R, n, shared)
     wd, hd = w.to(dev), h.to(dev)
     kh.FEEDBACK_WINDOW["cpu"] = kh.FEEDBACK_WINDOW["accelerator"] = window
     td.CHUNK = ch or chunk
@@ -136,12 +136,10 @@ print(json.dumps(res))
 """
 
 
-_SUBSCALES = r"""
-import json, sys
-import numpy as np, torch
-from mixq.quant.ggml import encoders, hessian_rounding as kh, levels as gl, triton_subscales as ts
-dev = sys.argv[1]
-fused = kh.use_fused
+_SUBSCALES = _PROBLEM + r"""
+from mixq.quant.ggml import triton_subscales as ts
+if fused(torch.zeros(1, device=dev)):  # the first-use check's own launches, before they are counted
+    kh.fused_sweep_ok("sub_scales", torch.device(dev))
 launches = [0]
 window_call = ts.sub_scale_window
 def counted(*args):
@@ -155,12 +153,7 @@ g = torch.Generator().manual_seed(11)
 for qtype, shared, window in (("Q4_K", True, 256), ("Q4_K", False, 384), ("Q6_K", False, 512), ("Q6_K", True, 384),
                               ("Q2_K", False, 256), ("Q3_K", True, 512), ("IQ2_S", False, 384), ("IQ2_S", True, 256)):
     E, R, n = 2, 24, 512
-    w = torch.randn(E, R, n, generator=g) * 0.02
-    x = torch.randn(1 if shared else E, 3 * n // 2, n, generator=g)
-    x[..., :7] *= 5
-    h = x.mT @ x / x.shape[1]
-    h = h + 0.1 * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(n)
-    blocks = np.stack([encoders.quantize(w[e].numpy(), qtype) for e in range(E)])
+    w, h, blocks = problem(g, qtype, E, R, n, shared)
     wd, hd = w.to(dev), h.to(dev)
     kh.FEEDBACK_WINDOW["cpu"] = kh.FEEDBACK_WINDOW["accelerator"] = window
     kh.use_fused = fused

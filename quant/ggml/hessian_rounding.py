@@ -33,6 +33,7 @@ sub-block scale descent (:mod:`triton_subscales`, the same moves up to near-ties
 from __future__ import annotations
 
 import warnings
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -133,6 +134,16 @@ class _Feedback:
             self.grad[..., w0:w1] += change @ self.h[:, cols, w0:w1]
         if self.pending is not None:
             self.pending[..., cols.start - w0:cols.stop - w0] += change
+
+    def windows(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(first column, width, changes buffer) of every window in column order, the window moved there first: the
+        walk of the fused kernels, one launch per window, each writing its window's changes of W − Ŵ to the buffer
+        (`pending`; where one window is the whole row, a scratch buffer nothing reads)."""
+        buf = self.pending if self.pending is not None else torch.zeros(
+            *self.grad.shape[:-1], self.size, dtype=self.grad.dtype, device=self.grad.device)
+        for w0 in range(0, self.n, self.size):
+            self.at(slice(w0, w0 + 1))
+            yield w0, self.w1 - w0, buf
 
     def flush(self) -> None:
         """Bring every column's gradient up to date (the end of a sweep)."""
@@ -299,14 +310,10 @@ def _code_pass(fb: _Feedback, codes, up, dn, up_h, dn_h, ok_up, ok_dn) -> None:
 def _fused_code_pass(fb: _Feedback, codes, up, dn, up_h, dn_h, ok_up, ok_dn) -> None:
     """One pass of :func:`refine_codes`' sweep through the fused kernel, one launch per feedback window (the same
     codes and gradient as :func:`_code_pass`: triton_refine; the Hessian contiguous)."""
-    E, R, n = fb.grad.shape
-    pending = fb.pending if fb.pending is not None else \
-        torch.zeros(E, R, fb.size, dtype=fb.grad.dtype, device=fb.grad.device)
     args = [t.contiguous() for t in (up, dn, up_h, dn_h)] + \
         [ok_up.to(torch.int8).contiguous(), ok_dn.to(torch.int8).contiguous()]
-    for w0 in range(0, n, fb.size):
-        fb.at(slice(w0, w0 + 1))
-        triton_refine.code_window(fb.grad, fb.h, codes, *args, pending, w0, fb.w1 - w0)
+    for w0, width, pending in fb.windows():
+        triton_refine.code_window(fb.grad, fb.h, codes, *args, pending, w0, width)
 
 
 def refine_sub_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor) -> np.ndarray:
@@ -372,10 +379,7 @@ def _fused_sub_scales(w: torch.Tensor, deq: torch.Tensor, hessian: torch.Tensor,
     """:func:`refine_sub_scales`' sweep through the fused kernel, one launch per feedback window (triton_subscales:
     the same step per sub-block, up to the order of the sums; the Hessian contiguous). `fields` ([values, range,
     slope] for the scale and the min, if any) as refine_sub_scales makes them; their values are updated in place."""
-    E, R, n = w.shape
-    fb = _Feedback((w - deq) @ hessian, hessian, _window(w.device, n))
-    pending = fb.pending if fb.pending is not None else \
-        torch.zeros(E, R, fb.size, dtype=fb.grad.dtype, device=fb.grad.device)
+    fb = _Feedback((w - deq) @ hessian, hessian, _window(w.device, w.shape[-1]))
     for f in fields:
         f[0] = f[0].contiguous()
     none = [None] * (2 - len(fields))  # no min: its arguments None
@@ -383,10 +387,9 @@ def _fused_sub_scales(w: torch.Tensor, deq: torch.Tensor, hessian: torch.Tensor,
     slopes = [f[2].contiguous() for f in fields]
     quads = [triton_subscales.sub_block_quads(a, hessian, sub) for a in slopes] + none
     slopes += none
-    for w0 in range(0, n, fb.size):
-        fb.at(slice(w0, w0 + 1))
+    for w0, width, pending in fb.windows():
         triton_subscales.sub_scale_window(fb.grad, fb.h, vals[0], vals[1], slopes[0], slopes[1], quads[0], quads[1],
-                                          pending, w0, fb.w1 - w0, sub, ranges[0], ranges[1])
+                                          pending, w0, width, sub, ranges[0], ranges[1])
 
 
 def refit_super_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor) -> np.ndarray:
@@ -501,19 +504,15 @@ def _fused_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, grid
                 index: torch.Tensor, signs: torch.Tensor, val: torch.Tensor, passes: int) -> np.ndarray:
     """:func:`refine_iq2s`' passes through the fused kernel, one launch per feedback window (triton_iq2s_descent:
     the same step per group, up to the order of the sums and an inverse of H_BB made once; the Hessian contiguous)."""
-    E, R, n = w.shape
     val = val.contiguous()
-    fb = _Feedback((w - val) @ hessian, hessian, _window(w.device, n))
-    pending = fb.pending if fb.pending is not None else \
-        torch.zeros(E, R, fb.size, dtype=fb.grad.dtype, device=fb.grad.device)
+    fb = _Feedback((w - val) @ hessian, hessian, _window(w.device, w.shape[-1]))
     hinv = triton_iq2s_descent.group_inverses(hessian)
     db, index, signs = db.contiguous(), index.contiguous(), signs.contiguous()
     grid_t = grid.T.contiguous()
     for _ in range(passes):
-        for w0 in range(0, n, fb.size):
-            fb.at(slice(w0, w0 + 1))
+        for w0, width, pending in fb.windows():
             triton_iq2s_descent.iq2s_window(fb.grad, fb.h, hinv, val, db, index, signs, grid, grid_t, pending, w0,
-                                            fb.w1 - w0, IQ2S_SHORTLIST)
+                                            width, IQ2S_SHORTLIST)
     return gl.set_iq2s_groups_on(blocks, index, signs)
 
 

@@ -1229,8 +1229,7 @@ def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_l
                        rows=rows, seq_len=seq_len, progress=False)
     res, sec = _timed(convert, work / "bf16", out, opts)
     d = res.to_dict()
-    d.update(wall_seconds=sec, release_bpw=bpw, role_rates=rates, timings=probe.rounded(),
-             calibration=_calibration_seconds(probe))
+    d.update(wall_seconds=sec, timings=probe.rounded(), calibration=_calibration_seconds(probe))
     if _KILL_AT is None or time.time() + 0.5 * sec < _KILL_AT:
         rep, vsec = _timed(verify, out)
         d.update(verify_seconds=vsec, verify_ok=bool(rep.get("ok", not rep.get("problems"))))
@@ -1928,7 +1927,7 @@ def release_exl3_rates(bpw: float) -> dict[str, float]:
     the rate most of the role's weights get there; the NextN block (planned at its own --mtp-bits) aside. A slice
     planned at the same bpw is a different budget (its attention, dense MLP and lm_head are a larger share:
     at 3.05 bpw its routed experts get 2.5 bits and everything else 8, where the release gives the experts 3
-    and the attention 6), so the slice is converted at these rates, each role pinned by an override."""
+    and most of the attention 5), so the slice is converted at these rates, each role pinned by an override."""
     from mixq.formats.checkpoint import checkpoint_from_config
     from mixq.formats.glm5next import classify
     from mixq.planning.planner import plan_model

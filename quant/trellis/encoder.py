@@ -208,24 +208,34 @@ def _refit(w: torch.Tensor, q: torch.Tensor, su: torch.Tensor, sv: torch.Tensor,
            rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Least-squares refit of channel scales in the original basis (trellis untouched): columns then rows."""
     hh = h.float() if h is not None else None
+    hw = torch.bmm(hh, w) if hh is not None else w  # W does not change between the rounds
     for _ in range(rounds):
         hq = torch.bmm(hh, q) if hh is not None else q
-        hw = torch.bmm(hh, w) if hh is not None else w
         c = (hq * w).sum(1) / (hq * q).sum(1)  # (E, n)
         c = torch.where(torch.isfinite(c) & (c > 0), c, torch.ones_like(c))
         sv, q = sv * c, q * c.unsqueeze(1)
-        hq = hq * c.unsqueeze(1)
         rhs = (q * hw).sum(2)  # (E, k)
         if hh is not None:
             gram = torch.bmm(q, q.transpose(1, 2)) * hh
             gram = gram + 1e-6 * torch.diagonal(gram, dim1=1, dim2=2).mean(1).clamp_min(1e-30)[:, None, None] * \
                 torch.eye(gram.shape[1], device=gram.device)
-            r = torch.linalg.solve(gram.double(), rhs.double().unsqueeze(2)).squeeze(2).float()
+            r = spd_solve(gram.double(), rhs.double().unsqueeze(2)).squeeze(2).float()
         else:
             r = rhs / q.square().sum(2)
         r = torch.where(torch.isfinite(r) & (r > 0), r, torch.ones_like(r))
         su, q = su * r, q * r.unsqueeze(2)
     return su, sv
+
+
+def spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Solve a·x = b for a batch of symmetric positive definite `a` (E, k, k) by Cholesky (half the work of LU);
+    a matrix whose factorisation fails (not numerically definite) is solved by LU instead."""
+    chol, info = torch.linalg.cholesky_ex(a)
+    x = torch.cholesky_solve(b, chol)
+    bad = info != 0
+    if bool(bad.any()):
+        x[bad] = torch.linalg.solve(a[bad], b[bad])
+    return x
 
 
 def quantize(weight: torch.Tensor, bits: float, hessian: torch.Tensor | None = None, codebook: str = "mul1",

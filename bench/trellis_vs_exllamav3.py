@@ -5,7 +5,8 @@
     python bench/trellis_vs_exllamav3.py --json out.json --quick         # encoder table only, fewer tiles
 
 Parts (each written to the JSON as it completes, so a time-out still leaves the finished parts):
-1. gpu tests: `pytest -m gpu tests/quant/test_viterbi_fused.py` (the fused kernel against the torch path).
+1. gpu tests: `pytest -m gpu tests/quant/test_viterbi_fused.py tests/quant/test_viterbi_gluon.py` (the fused
+   kernel, both forwards, against the torch path).
 2. kernels: registers, spills and shared memory of the fused forward kernel per rate and cost arithmetic.
 3. encoder: the same N(0,1) tiles (default 32768) through the per-step torch path (the reference), mixq's fused
    encoder (``mixq``: the default arithmetic, ``mixed`` at these K; with mul1 also ``mixq_fp32``, ``mixq_fp16``,
@@ -15,7 +16,8 @@ Parts (each written to the JSON as it completes, so a time-out still leaves the 
    torch path's scale: ``mse_over_dr_vs_torch_path`` is that paired difference (the precision cost of the
    arithmetic alone, free of scale-grid and sampling noise).
 4. micro: the fused encoder at several tile counts and K (weights/s), default arithmetic; the others at K=2,3,4;
-   at K = 2 also the gather lowering of the cost exchange (``mixed+gather``).
+   where the Gluon forward is the default (integer K = 2..4) the Triton forward beside it (``forward``); at K = 2
+   also the gather lowering of the Triton forward's cost exchange (``mixed+gather``).
 5. end to end: mixq's `trellis.quantize` on a stacked (32, 2048, 4096) expert batch with a Hessian (weights/s and
    the per-phase split), K = 2, 2.5, 3, 4 (2.5: the routed experts of the 108 GB GLM-5.3-Flash plan).
 The summary names, per K, each variant's speed-up and precision cost, and the fastest variant that is both
@@ -25,6 +27,7 @@ to end stop early (recorded under ``skipped``) when the run nears ``--budget`` s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import subprocess
@@ -197,20 +200,27 @@ def _out_of_time(out: dict, deadline: float, need_s: float, what: str) -> bool:
 
 def micro(counts, ks, out: dict, save, deadline: float):
     table16 = cb.codebook_table("mul1", "cuda").half()
-    runs = [(k, None, "reshape", counts) for k in ks]
-    runs += [(k, v, "reshape", counts[-2:]) for k in (2, 3, 4) for v in VARIANTS if v != viterbi_fused.default_costs(k)]
-    runs += [(2, None, "gather", counts[-2:])]  # the other lowering of the cost exchange (fewer barriers at K = 2)
-    for k, costs, exchange, ns in runs:
+    runs = [(k, None, "reshape", None, counts) for k in ks]
+    runs += [(k, v, "reshape", None, counts[-2:]) for k in (2, 3, 4) for v in VARIANTS
+             if v != viterbi_fused.default_costs(k)]
+    # the Triton forward where the Gluon one is the default: the two forwards side by side
+    runs += [(k, None, "reshape", "triton", counts) for k in ks if viterbi_fused.default_forward(k) == "gluon"]
+    runs += [(2, None, "gather", "triton", counts[-2:])]  # the other lowering of the Triton forward's exchange
+    for k, costs, exchange, forward, ns in runs:
         name = (costs or viterbi_fused.default_costs(k)) + ("" if exchange == "reshape" else f"+{exchange}")
-        if _out_of_time(out, deadline, 5.0, f"micro K={k} {name}"):
+        forward = forward or viterbi_fused.default_forward(k, costs)
+        if _out_of_time(out, deadline, 5.0, f"micro K={k} {name} {forward}"):
             continue
-        viterbi_fused.encode(torch.randn(8, 256, device="cuda"), table16, k, costs=costs, exchange=exchange)
+        enc = functools.partial(viterbi_fused.encode, table16=table16, bits=k, costs=costs, exchange=exchange,
+                                forward=forward)
+        enc(torch.randn(8, 256, device="cuda"))
         for n in ns:
             x = torch.randn(n, 256, generator=torch.Generator().manual_seed(n)).cuda()
-            _, dt = _timed(lambda: viterbi_fused.encode(x, table16, k, costs=costs, exchange=exchange), 2)
-            out["micro"].append({"bits": k, "costs": name, "tiles": n, "seconds": dt,
+            _, dt = _timed(lambda: enc(x), 2)
+            out["micro"].append({"bits": k, "costs": name, "forward": forward, "tiles": n, "seconds": dt,
                                  "weights_per_s": x.numel() / dt})
-            print(f"micro K={k} {name} tiles={n}: {dt * 1e3:.1f} ms  {x.numel() / dt / 1e6:.2f}M w/s", flush=True)
+            print(f"micro K={k} {name} {forward} tiles={n}: {dt * 1e3:.1f} ms  {x.numel() / dt / 1e6:.2f}M w/s",
+                  flush=True)
         save()
 
 
@@ -248,7 +258,7 @@ def end_to_end(shape, ks, out: dict, save, deadline: float):
 def gpu_tests(out: dict, save):
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                        "tests/quant/test_viterbi_fused.py"], cwd=REPO, capture_output=True, text=True)
+                        "tests/quant/test_viterbi_fused.py", "tests/quant/test_viterbi_gluon.py"], cwd=REPO, capture_output=True, text=True)
     tail = [line.replace(str(REPO) + "/", "") for line in (r.stdout + r.stderr).strip().splitlines()[-15:]]
     out["gpu_tests"] = {"returncode": r.returncode, "seconds": round(time.perf_counter() - t0, 1), "tail": tail}
     print("gpu tests:", "passed" if r.returncode == 0 else "FAILED", "\n  " + "\n  ".join(tail[-5:]), flush=True)
@@ -309,6 +319,7 @@ def main():
         out.setdefault("part_seconds", {})[name] = round(time.perf_counter() - t0, 1)
         save()
     out["fused_kernel_active"] = {k: viterbi.fused_ok(k) for k in ks}
+    out["fused_forward"] = {k: viterbi.fused_forward(k) for k in ks}
     out["total_seconds"] = round(time.perf_counter() - t_start, 1)
     save()
 

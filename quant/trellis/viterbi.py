@@ -117,7 +117,7 @@ def viterbi_tiles(x: torch.Tensor, table: torch.Tensor, bits: float, warm: int |
     """Encode (T, 256) targets (tensor-core order) as consistent tail-biting rings; return (T, 256) int64 states."""
     if x.is_cuda and warm in (None, 128) and WARM in (None, 128) and fused_ok(bits):
         from . import viterbi_triton as viterbi_fused  # local: viterbi_triton imports triton (optional)
-        return viterbi_fused.encode(x, table.half(), float(bits))
+        return viterbi_fused.encode(x, table.half(), float(bits), forward=_FUSED[float(bits)])
     d = step_bits(float(bits))
     if warm is None:  # the full-ring pass 1 is ~1% better; worth its cost on a GPU, not in CPU tests
         warm = WARM or (128 if x.is_cuda else default_warm(bits))
@@ -291,7 +291,7 @@ def viterbi_free(x: torch.Tensor, table: torch.Tensor, bits: float) -> torch.Ten
     the fused kernel: the MSE of the tail-biting encode itself (as cheap there, and what the tiles will get)."""
     if x.is_cuda and fused_ok(bits):
         from . import viterbi_triton as viterbi_fused  # local: viterbi_triton imports triton (optional)
-        states = viterbi_fused.encode(x, table.half(), float(bits))
+        states = viterbi_fused.encode(x, table.half(), float(bits), forward=_FUSED[float(bits)])
         return (table[states] - x.float()).square().mean(1)
     d = step_bits(float(bits))
     x = x.float().contiguous()
@@ -317,24 +317,48 @@ def encode_tiles(x: torch.Tensor, table: torch.Tensor, bits: float, max_bp_bytes
 # ---------------------------------------------------------------------------------------------------------------
 # Fused kernel gate: compiled and checked against the torch path once per process and bitrate.
 
-_FUSED: dict[float, bool] = {}
+_FUSED: dict[float, str | None] = {}  # per bitrate: the forward kernel that passed its check, or None
 _RATES = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0)
 
 
 def fused_ok(bits: float) -> bool:
     """Whether the fused CUDA kernel serves this bitrate: Triton present, and on first use its encode of a
-    few random tiles matches the torch path's squared error (MIXQ_TRELLIS_FUSED=0 turns it off)."""
+    few random tiles matches the torch path's squared error (MIXQ_TRELLIS_FUSED=0 turns it off). The Gluon
+    forward is tried first where it applies; failing its check, the Triton forward is."""
     k = float(bits)
     if k not in _RATES or not torch.cuda.is_available():
         return False
     if k not in _FUSED:
-        _FUSED[k] = False
+        _FUSED[k] = None
         if os.environ.get("MIXQ_TRELLIS_FUSED", "1") != "0":
             try:
-                _FUSED[k] = _self_check_fused(k)
+                _FUSED[k] = _checked_forward(k)
             except Exception as exc:  # no triton / compiler failure: the per-step path is always correct
                 warnings.warn(f"trellis: fused Viterbi unavailable for K={k} ({exc!r}); using the per-step path")
-    return _FUSED[k]
+    return _FUSED[k] is not None
+
+
+def fused_forward(bits: float) -> str | None:
+    """The forward kernel ("gluon" or "triton") the fused path runs at this bitrate, None where it does not run."""
+    return _FUSED.get(float(bits)) if fused_ok(bits) else None
+
+
+def _checked_forward(k: float) -> str | None:
+    """The first forward kernel, in preference order, whose encode passes the self-check."""
+    from . import viterbi_triton as viterbi_fused  # local: viterbi_triton imports triton (optional)
+
+    tried = [viterbi_fused.default_forward(k)]
+    if tried[0] != "triton":
+        tried.append("triton")
+    for forward in tried:
+        try:
+            if _self_check_fused(k, forward=forward):
+                return forward
+        except Exception as exc:  # a compile failure of one forward leaves the next one
+            if forward == tried[-1]:
+                raise
+            warnings.warn(f"trellis: {forward} Viterbi forward unavailable for K={k} ({exc!r}); trying triton")
+    return None
 
 
 def ring_consistent(states: torch.Tensor, bits: float) -> bool:
@@ -350,7 +374,7 @@ def ring_consistent(states: torch.Tensor, bits: float) -> bool:
 _CHECK_RTOL = {"exact": 1e-2, "fp32": 1e-2, "mixed": 1e-2, "fp16": 3e-2}
 
 
-def _self_check_fused(k: float, tiles: int = 32) -> bool:
+def _self_check_fused(k: float, tiles: int = 32, forward: str | None = None) -> bool:
     from . import viterbi_triton as viterbi_fused  # local: viterbi_triton imports triton (optional)
 
     dev = torch.device("cuda")
@@ -358,14 +382,14 @@ def _self_check_fused(k: float, tiles: int = 32) -> bool:
     table = codebook_table("mul1", dev)
     x = (torch.randn(tiles, 256, generator=g) * 0.9).to(dev)
     costs = viterbi_fused.default_costs(k)
-    a = viterbi_fused.encode(x, table.half(), k, costs=costs)
+    a = viterbi_fused.encode(x, table.half(), k, costs=costs, forward=forward)
     b = viterbi_tiles_reference(x, table, float(k))
     ea = (table[a] - x).square().mean()
     eb = (table[b] - x).square().mean()
     ring = ring_consistent(a, k)
     ok = ring and float(ea) <= float(eb) * (1 + _CHECK_RTOL[costs]) + 1e-7
     if not ok:
-        warnings.warn(f"trellis: fused Viterbi check failed for K={k} ({costs} costs, ring={ring}, mse "
+        warnings.warn(f"trellis: fused Viterbi ({forward} forward) check failed for K={k} ({costs} costs, ring={ring}, mse "
                       f"{float(ea):.7g} vs {float(eb):.7g}); using the per-step path")
     return ok
 
@@ -373,7 +397,7 @@ def _self_check_fused(k: float, tiles: int = 32) -> bool:
 def viterbi_tiles_reference(x: torch.Tensor, table: torch.Tensor, bits: float) -> torch.Tensor:
     """The per-step path with the full-ring seam pass (what the fused kernel computes), for checks."""
     saved = _FUSED.copy()
-    _FUSED.update({k: False for k in _RATES})
+    _FUSED.update({k: None for k in _RATES})
     try:
         return viterbi_tiles(x, table, bits, warm=128)
     finally:

@@ -38,6 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # Gluon ships with Triton from 3.4 on; an older Triton keeps the Triton forward everywhere
+    from . import viterbi_gluon
+except ImportError:
+    viterbi_gluon = None
+
 NSTATES = 65536
 RENORM_EVERY = 16
 # Backpointer budget per launch group; a tile needs 256 rows of (65536 >> D) · D / 8 bytes (1 MB at D = 2).
@@ -49,6 +54,10 @@ NUM_WARPS = 8
 
 HALF_RATES = (1.5, 2.5, 3.5)
 COST_MODES = {"fp16": 0, "mixed": 1, "exact": 2, "fp32": 3}
+# Forward kernels: "gluon" (quant/trellis/viterbi_gluon.py: integer K = 2..4, mixed or fp32 costs) and "triton" (this
+# module's, every rate and arithmetic). Both write the same backpointer rows for the traceback below.
+FORWARDS = ("gluon", "triton")
+GLUON_COSTS = ("mixed", "fp32")
 
 
 def supported(bits: float) -> bool:
@@ -300,6 +309,13 @@ def kernels():
     return triton.jit(_forward_src), triton.jit(_traceback_src)
 
 
+def default_forward(bits: float, costs: str | None = None) -> str:
+    """The forward kernel used for a bitrate and cost arithmetic: Gluon's where it applies, else Triton's."""
+    name = default_costs(bits) if costs is None else costs
+    gluon_ok = viterbi_gluon is not None and viterbi_gluon.supported(bits)
+    return "gluon" if gluon_ok and name in GLUON_COSTS else "triton"
+
+
 def _cost_mode(bits: float, costs: str | None) -> int:
     name = default_costs(bits) if costs is None else costs
     if name not in COST_MODES:
@@ -307,11 +323,18 @@ def _cost_mode(bits: float, costs: str | None) -> int:
     return COST_MODES[name]
 
 
-def _launch_plan(bits: float, costs: str | None, exchange: str = "reshape"):
+def _launch_plan(bits: float, costs: str | None, exchange: str = "reshape", forward: str | None = None):
     """(forward, traceback, backpointer dtype, elements per backpointer row, forward and traceback constexprs)."""
     mode = _cost_mode(bits, costs)
     if exchange not in ("reshape", "gather"):
         raise ValueError(f"unknown cost exchange {exchange!r}; expected 'reshape' or 'gather'")
+    forward = default_forward(bits, costs) if forward is None else forward
+    if forward not in FORWARDS:
+        raise ValueError(f"unknown forward kernel {forward!r}; expected one of {FORWARDS}")
+    if forward == "gluon" and not (viterbi_gluon is not None and viterbi_gluon.supported(bits)
+                                   and mode in (COST_MODES[c] for c in GLUON_COSTS)):
+        raise ValueError(f"the Gluon forward serves integer K = 2..4 with {GLUON_COSTS} costs (Triton with Gluon), "
+                         f"not K={bits} with {costs} costs")
     if float(bits) in HALF_RATES:
         a = int(bits)  # A = ⌊K⌋
         fwd, back = half_kernels()
@@ -320,11 +343,13 @@ def _launch_plan(bits: float, costs: str | None, exchange: str = "reshape"):
     d = int(bits)
     fwd, back = kernels()
     dtype, row = bp_layout(d)
+    if forward == "gluon":
+        return viterbi_gluon.forward, back, dtype, row, dict(D=d, COSTS=mode), dict(D=d)
     return fwd, back, dtype, row, dict(D=d, COSTS=mode, RENORM=RENORM_EVERY, GATHER=exchange == "gather"), dict(D=d)
 
 
 def encode(x: torch.Tensor, table16: torch.Tensor, bits: float, max_bp_bytes: int = MAX_BP_BYTES,
-           costs: str | None = None, exchange: str = "reshape") -> torch.Tensor:
+           costs: str | None = None, exchange: str = "reshape", forward: str | None = None) -> torch.Tensor:
     """Tail-biting Viterbi of (T, 256) targets (tensor-core order) against an fp16 codebook table (65536,).
 
     Args:
@@ -333,11 +358,13 @@ def encode(x: torch.Tensor, table16: torch.Tensor, bits: float, max_bp_bytes: in
         bits: K (integer 1..8 or a half rate).
         max_bp_bytes: backpointer memory per launch group.
         costs: cost arithmetic, a key of :data:`COST_MODES`; None: :func:`default_costs`.
-        exchange: "reshape" or "gather" (integer K only): how the edge costs reach their next-step layout.
+        exchange: "reshape" or "gather" (the Triton forward at integer K): how the edge costs reach their
+            next-step layout.
+        forward: a key of :data:`FORWARDS`; None: :func:`default_forward`.
     Returns:
         (T, 256) int64 states forming consistent rings.
     """
-    fwd, back, dtype, row, fwd_args, back_args = _launch_plan(bits, costs, exchange)
+    fwd, back, dtype, row, fwd_args, back_args = _launch_plan(bits, costs, exchange, forward)
     x = x.float().contiguous()
     t_all = x.shape[0]
     out = torch.empty(t_all, 256, dtype=torch.int32, device=x.device)
@@ -362,10 +389,10 @@ def encode(x: torch.Tensor, table16: torch.Tensor, bits: float, max_bp_bytes: in
 
 
 def forward_resources(bits: float, costs: str | None = None, device: str = "cuda",
-                      exchange: str = "reshape") -> dict[str, dict[str, int]]:
+                      exchange: str = "reshape", forward: str | None = None) -> dict[str, dict[str, int]]:
     """Registers per thread, spilled registers and shared memory bytes of the compiled forward kernels
     ({"pass1": ..., "pass2": ...}) for a bitrate and cost arithmetic (compiles them if needed; for benchmarks)."""
-    fwd, _, dtype, row, fwd_args, _ = _launch_plan(bits, costs, exchange)
+    fwd, _, dtype, row, fwd_args, _ = _launch_plan(bits, costs, exchange, forward)
     x = torch.zeros(1, 256, device=device)
     table16 = torch.zeros(NSTATES, dtype=torch.float16, device=device)
     bp = torch.empty(1, 256, row, dtype=dtype, device=device)

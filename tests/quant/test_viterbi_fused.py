@@ -76,7 +76,8 @@ if ties:  # a coarse codebook and targets on its grid: many exactly equal costs,
 out = {"x": x.tolist(), "table": table.tolist(), "torch": viterbi.viterbi_tiles(x, table, bits, warm=128).tolist()}
 for m in modes:  # a mode: a cost arithmetic, optionally "+gather" (the other lowering of the cost exchange)
     costs, _, exchange = m.partition("+")
-    out[m] = viterbi_fused.encode(x, table.half(), bits, costs=costs, exchange=exchange or "reshape").tolist()
+    out[m] = viterbi_fused.encode(x, table.half(), bits, costs=costs, exchange=exchange or "reshape",
+                                  forward="triton").tolist()  # the Gluon forward has no interpreter
 print(json.dumps(out))
 """
 

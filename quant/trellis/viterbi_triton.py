@@ -32,6 +32,11 @@ and odd steps see the codebook as (2^B, M, 2^A) and (2^A, M, 2^B) (A = ⌊K⌋, 
 """
 from __future__ import annotations
 
+import collections
+import os
+import re
+import subprocess
+import tempfile
 from functools import lru_cache
 
 import torch
@@ -404,3 +409,42 @@ def forward_resources(bits: float, costs: str | None = None, device: str = "cuda
         kern._init_handles()
         out[name] = {"n_regs": int(kern.n_regs), "n_spills": int(kern.n_spills), "shared": int(kern.metadata.shared)}
     return out
+
+
+def forward_step_ops(bits: int, free: bool, costs: str | None = None, forward: str | None = None,
+                     arch: int = 90) -> collections.Counter:
+    """Opcode counts (SASS, without modifiers) of one step of a forward kernel at integer K, compiled offline for
+    compute capability ``arch`` with the tools Triton ships (no device needed): the longest loop of the kernel, its
+    255 steps. For benchmarks and tests of the kernels' instruction budgets."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fwd, _, dtype, _, fwd_args, _ = _launch_plan(bits, costs, "reshape", forward)
+    ptr = {torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}[dtype]
+    sig = {"x_ptr": "*fp32", "table_ptr": "*fp16", "bp_ptr": ptr, "seam_ptr": "*i32", "final_ptr": "*i32"}
+    consts = dict(fwd_args, FREE=free)
+    source = ASTSource
+    if fwd is getattr(viterbi_gluon, "forward", None):
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    sig.update({k: "constexpr" for k in consts})
+    names = list(fwd.arg_names)  # the kernel's parameter order
+    sig = {k: sig[k] for k in names}
+    src = source(fn=fwd, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    kern = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "forward.cubin")
+        with open(path, "wb") as f:
+            f.write(kern.asm["cubin"])
+        text = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+    labels, body = {}, []
+    for line in text.splitlines():
+        if m := re.match(r"^\.L_x_(\d+):", line.strip()):
+            labels[m.group(1)] = len(body)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line):
+            body.append(m.group(1))
+    loops = [body[labels[m.group(1)]:i + 1] for i, ins in enumerate(body)
+             if (m := re.search(r"BRA.*\.L_x_(\d+)", ins)) and labels.get(m.group(1), len(body)) < i]
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+                               for ins in max(loops, key=len))

@@ -258,7 +258,8 @@ def end_to_end(shape, ks, out: dict, save, deadline: float):
 def gpu_tests(out: dict, save):
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                        "tests/quant/test_viterbi_fused.py", "tests/quant/test_viterbi_gluon.py"], cwd=REPO, capture_output=True, text=True)
+                        "tests/quant/test_viterbi_fused.py", "tests/quant/test_viterbi_gluon.py"],
+                       cwd=REPO, capture_output=True, text=True)
     tail = [line.replace(str(REPO) + "/", "") for line in (r.stdout + r.stderr).strip().splitlines()[-15:]]
     out["gpu_tests"] = {"returncode": r.returncode, "seconds": round(time.perf_counter() - t0, 1), "tail": tail}
     print("gpu tests:", "passed" if r.returncode == 0 else "FAILED", "\n  " + "\n  ".join(tail[-5:]), flush=True)

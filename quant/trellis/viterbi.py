@@ -389,8 +389,8 @@ def _self_check_fused(k: float, tiles: int = 32, forward: str | None = None) -> 
     ring = ring_consistent(a, k)
     ok = ring and float(ea) <= float(eb) * (1 + _CHECK_RTOL[costs]) + 1e-7
     if not ok:
-        warnings.warn(f"trellis: fused Viterbi ({forward} forward) check failed for K={k} ({costs} costs, ring={ring}, mse "
-                      f"{float(ea):.7g} vs {float(eb):.7g}); using the per-step path")
+        warnings.warn(f"trellis: fused Viterbi ({forward} forward) check failed for K={k} ({costs} costs, "
+                      f"ring={ring}, mse {float(ea):.7g} vs {float(eb):.7g}); not used")
     return ok
 
 

@@ -79,7 +79,8 @@ def forward(x_ptr, table_ptr, bp_ptr, seam_ptr, final_ptr, D: gl.constexpr, FREE
     state = (iu3 << (16 - D)) | (im[None, :, None] << D) | il3[None, None, :]
     c = gl.load(table_ptr + state)  # c[u, m, l] = codebook(state (u << 16-D) | (m << D) | l), fp16
     row = gl.arange(0, EH, layout=gl.SliceLayout(1, LE))
-    shifts = (gl.arange(0, U, layout=gl.SliceLayout(0, LE)) * D)[None, :]
+    il = gl.arange(0, U, layout=gl.SliceLayout(0, LE))
+    shifts = (il * D)[None, :]
     edges = gl.allocate_shared_memory(gl.float32, [EH, U], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     if FREE:
         old = gl.zeros((U, EH), gl.float32, LO)
@@ -101,6 +102,6 @@ def forward(x_ptr, table_ptr, bp_ptr, seam_ptr, final_ptr, D: gl.constexpr, FREE
     gl.store(bp_ptr + (t * 256 + p) * EH + row, _pack(arg, shifts, D))
     if FREE:  # the lowest state (u, m, l) among the cheapest; per (m, l), arg is the lowest u of its minimum
         best = gl.min(gl.min(new, axis=1), axis=0)
-        s = (arg << (16 - D)) | (row[:, None] << D) | gl.arange(0, U, layout=gl.SliceLayout(0, LE))[None, :]
+        s = (arg << (16 - D)) | (row[:, None] << D) | il[None, :]
         s = gl.min(gl.min(gl.where(new == best, s, 65536), axis=1), axis=0)
         gl.store(final_ptr + t, (s & (NE - 1)).to(gl.int32))

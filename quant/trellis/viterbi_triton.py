@@ -314,11 +314,15 @@ def kernels():
     return triton.jit(_forward_src), triton.jit(_traceback_src)
 
 
+def gluon_serves(bits: float, costs: str | None = None) -> bool:
+    """Whether the Gluon forward handles this bitrate and cost arithmetic (None: :func:`default_costs`)."""
+    name = default_costs(bits) if costs is None else costs
+    return viterbi_gluon is not None and viterbi_gluon.supported(bits) and name in GLUON_COSTS
+
+
 def default_forward(bits: float, costs: str | None = None) -> str:
     """The forward kernel used for a bitrate and cost arithmetic: Gluon's where it applies, else Triton's."""
-    name = default_costs(bits) if costs is None else costs
-    gluon_ok = viterbi_gluon is not None and viterbi_gluon.supported(bits)
-    return "gluon" if gluon_ok and name in GLUON_COSTS else "triton"
+    return "gluon" if gluon_serves(bits, costs) else "triton"
 
 
 def _cost_mode(bits: float, costs: str | None) -> int:
@@ -336,8 +340,7 @@ def _launch_plan(bits: float, costs: str | None, exchange: str = "reshape", forw
     forward = default_forward(bits, costs) if forward is None else forward
     if forward not in FORWARDS:
         raise ValueError(f"unknown forward kernel {forward!r}; expected one of {FORWARDS}")
-    if forward == "gluon" and not (viterbi_gluon is not None and viterbi_gluon.supported(bits)
-                                   and mode in (COST_MODES[c] for c in GLUON_COSTS)):
+    if forward == "gluon" and not gluon_serves(bits, costs):
         raise ValueError(f"the Gluon forward serves integer K = 2..4 with {GLUON_COSTS} costs (Triton with Gluon), "
                          f"not K={bits} with {costs} costs")
     if float(bits) in HALF_RATES:

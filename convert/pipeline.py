@@ -304,7 +304,7 @@ def _run_calibrated(run: _Exl3Run, bar) -> None:
     state_stage, state = shared_state(run.ranks, job)
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
     cal = LayerCalibrator(ckpt, run.ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state,
-                          ranks=run.ranks)
+                          ranks=run.ranks, advance_with_weights=True)
     for st in cal.stages():
         stage = f"layer.{st.layer}" if st.layer is not None else "head"
         if job.is_done(stage):  # the head of a run killed after all layers but before the head

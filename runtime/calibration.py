@@ -11,6 +11,9 @@ Over several ranks (`ranks`, runtime/distributed.py) each rank runs the layer's 
 token through its own block of routed experts only (the all-expert statistics are what costs E times a forward);
 each expert's finished Hessian is then shared with every rank, so every rank yields the same statistics as one
 process. The statistics pass then leaves the routed output out, so `advance` needs the weights to run the layer.
+A caller that advances every layer with its weights anyway (the EXL3 conversion) says so (`advance_with_weights`):
+one process then leaves the routed output out of the statistics pass too, since nothing reads that pass's hidden
+streams, and saves the down projection of every token through every expert (a third of the pass's expert work).
 """
 from __future__ import annotations
 
@@ -146,11 +149,14 @@ class LayerCalibrator:
     ckpt: a `mixq.formats.checkpoint.Checkpoint` (only `.config` and `.get(name)` are used).
     input_ids: (rows, seq_len) token ids. full=False accumulates only Σx² (imatrix), not Σxxᵀ.
     ranks: a multi-rank run's RankContext (full=True only): routed-expert statistics split over the ranks.
+    advance_with_weights: every layer stage will be advanced with its weights (`Stage.advance(weights)`), so the
+    statistics pass need not form the routed experts' output (full=True only).
     """
 
     def __init__(self, ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = 4,
-                 start_layer: int = 0, state: dict | None = None, ranks: RankContext | None = None) -> None:
+                 start_layer: int = 0, state: dict | None = None, ranks: RankContext | None = None,
+                 advance_with_weights: bool = False) -> None:
         self.ckpt = ckpt
         self.stream = DecoderStream(ckpt.config, device=device, dtype=dtype, batch_rows=batch_rows)
         self.device = self.stream.device
@@ -168,6 +174,10 @@ class LayerCalibrator:
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
         if self.ranks is not None and not full:
             raise ValueError("a calibration split over ranks accumulates full Hessians (full=True)")
+        if advance_with_weights and not full:
+            raise ValueError("advance_with_weights applies to full Hessians (full=True)")
+        # the statistics pass leaves the routed output out: split over ranks, or the caller re-runs every layer
+        self.stats_only = self.ranks is not None or advance_with_weights
         self._expert_inputs: dict[str, list[str]] = {}  # routed experts' down_proj names of the last stats pass
 
     # -- helpers
@@ -272,10 +282,11 @@ class LayerCalibrator:
             w = torch.zeros(x.shape[0], n_exp + 1, dtype=x.dtype, device=x.device)
             w.scatter_(1, top_k_index, top_k_weights.to(x.dtype))
             out = torch.zeros_like(x)
-            if stats is not None and self.ranks is not None:
-                self._expert_inputs[path] = down
+            if stats is not None and self.stats_only:
+                if self.ranks is not None:
+                    self._expert_inputs[path] = down
                 self._own_expert_stats(experts, x, down, stats, limit)
-                return out  # split statistics pass: the routed output is left out (see the module docstring)
+                return out  # statistics only: the routed output is left out (see the module docstring)
             for e in range(n_exp):
                 if stats is None:  # no statistics wanted: only the routed tokens matter
                     rows = w[:, e].nonzero().squeeze(1)
@@ -298,10 +309,10 @@ class LayerCalibrator:
         return forward
 
     def _own_expert_stats(self, experts: nn.Module, x: torch.Tensor, down: list[str], stats, limit: float) -> None:
-        """This rank's block of routed experts: every token through each, its down_proj input accumulated (the
-        same operations as the one-process loop, so the same sums)."""
+        """This rank's block of routed experts (all of them in one process): every token through each, its down_proj
+        input accumulated (the same operations as the loop that also forms the output, so the same sums)."""
         for e in range(len(down)):
-            if block_owner(e, len(down), self.ranks.world) != self.ranks.rank:
+            if self.ranks is not None and block_owner(e, len(down), self.ranks.world) != self.ranks.rank:
                 continue
             gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
             act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
@@ -337,8 +348,9 @@ class LayerCalibrator:
                 self._share_expert_hessians(stats)
 
             def advance(weights, _i=i, _hidden=hidden, _topk=topk):
-                if self.ranks is not None and not weights:
-                    raise ValueError("a calibration split over ranks advances with the stage's weights")
+                if self.stats_only and not weights:
+                    raise ValueError("this calibration's statistics pass left the routed output out: advance each "
+                                     "layer with its weights")
                 if weights:
                     self._release(_i)
                     m = self._materialize(_i, weights)

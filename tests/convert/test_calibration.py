@@ -136,3 +136,34 @@ def test_advance_with_replaced_weights_changes_the_next_layer(mini_model):
         hs.append(st2.stats["model.language_model.layers.1.mlp.experts.0.gate_proj.weight"].mean_sq())
     assert not torch.allclose(hs[0], hs[2])
     assert not torch.allclose(hs[1], hs[3])
+
+
+def test_statistics_pass_without_routed_output_gives_the_same_hessians_and_streams(mini_model):
+    """advance_with_weights (the EXL3 conversion): the statistics pass leaves the routed experts' output out; the
+    Hessians are the very same sums, and layers advanced with their weights give the very same hidden streams."""
+    from mixq.runtime.calibration import LayerCalibrator
+    from mixq.formats.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(mini_model)
+    ids = torch.randint(0, 8192, (2, 24), generator=torch.Generator().manual_seed(2))
+    full = LayerCalibrator(ck, ids, batch_rows=1)
+    lean = LayerCalibrator(ck, ids, batch_rows=1, advance_with_weights=True)
+    experts_seen = 0
+    for a, b in zip(full.stages(), lean.stages()):
+        assert a.layer == b.layer and a.stats.keys() == b.stats.keys()
+        for n in a.stats:
+            ha, hb = a.stats[n].hessian(), b.stats[n].hessian()
+            assert a.stats[n].count == b.stats[n].count and torch.equal(ha, hb), n
+        experts_seen += sum(".experts." in n for n in a.stats)
+        if a.layer is None:
+            break
+        weights = {n: ck.get(n) for n in a.stats if n in set(ck.names())}
+        a.advance(dict(weights))
+        b.advance(dict(weights))
+        assert torch.equal(full.hidden, lean.hidden)
+    assert experts_seen > 0
+    with pytest.raises(ValueError, match="advance each layer with its weights"):
+        st = next(LayerCalibrator(ck, ids, batch_rows=1, advance_with_weights=True).stages())
+        st.advance(None)
+    with pytest.raises(ValueError, match="full=True"):
+        LayerCalibrator(ck, ids, full=False, advance_with_weights=True)

@@ -387,14 +387,19 @@ class Probe:
                 self.active.add(group)
             name = key(*a, **k)
             extra = info(*a, **k) if info is not None else {}
-            self._sync()
+            behind = threading.current_thread() is not threading.main_thread()
+            if behind:  # host work overlapped with the main thread's: no device synchronisation around it
+                extra = {**extra, "thread": "behind"}
+            else:
+                self._sync()
             t0 = time.time()
             if begin:
                 self.emit({"k": name, "t0": t0, "begin": 1, **extra})
             try:
                 return orig(*a, **k)
             finally:
-                self._sync()
+                if not behind:
+                    self._sync()
                 self.active.discard(group)
                 self._end(name, t0, extra, begin)
 
@@ -500,7 +505,8 @@ def _exl3_probe(log_path: Path | None = None) -> Probe:
     p = Probe(log_path=log_path)
     p.wrap(mods, "quantize_batch", lambda units, *a, **k: f"encode/{units[0].stage}/{units[0].role}",
            info=_encode_info)
-    p.wrap([pl], "_write_stage", lambda run, stage, *a, **k: f"stage/{stage}", info=_stage_units)
+    for fn in ("_write_stage", "_encode_stage"):  # calibrated stages are encoded, then written behind the next
+        p.wrap([pl], fn, lambda run, stage, *a, **k: f"stage/{stage}", group="stage", info=_stage_units)
     p.wrap([exl3_writer.Exl3Writer], "write_part", lambda self, stage, *a, **k: f"write/{stage}")
     p.wrap([job.Job], "record", lambda self, stage, *a, **k: f"record/{stage}")
     p.wrap([checkpoint_check, pl], "scan_finite", lambda *a, **k: "scan")
@@ -732,6 +738,8 @@ def summarise_exl3(events: list[dict], t_end: float | None = None) -> dict:
             d["_t"] = (e["t0"], e["t1"])
         elif kind in ("write", "record"):
             entry(st)[f"{kind}_s"] = round(e["t1"] - e["t0"], 2)
+            if e.get("thread") == "behind":  # on the worker thread, while the next stage ran
+                entry(st)[f"{kind}_behind"] = True
     rates: dict[str, list[float]] = {}  # role -> [seconds, units] over every stage, for stages cut before a unit
     for e in done:
         if e["k"].startswith("encode/"):
@@ -763,7 +771,8 @@ def summarise_exl3(events: list[dict], t_end: float | None = None) -> dict:
                 x["mweights_per_s"] = round(x["weights_done"] / max(x["seconds"], 1e-9) / 1e6, 2)
         if span is not None:
             d["fetch_other_s"] = round(d["seconds"] - sum(x["seconds"] for x in enc.values())
-                                       - d.get("write_s", 0.0) - d.get("hessian_finalize_s", 0.0)
+                                       - (0.0 if d.get("write_behind") else d.get("write_s", 0.0))
+                                       - d.get("hessian_finalize_s", 0.0)
                                        - sum(e["elapsed"] for e in in_flight), 2)
         if d["state"] == "cut":
             rest, basis = 0.0, {}
@@ -1744,9 +1753,11 @@ def _expert_share(roles: dict) -> float:
     return r / max(1, r + roles.get("shared_expert", 0) / 3 + roles.get("attn", 0) / 4)
 
 
-def _layer_from_phases(d: dict, ex: float, f_exp: float, moe: bool, record_s: float | None) -> dict:
+def _layer_from_phases(d: dict, ex: float, f_exp: float, moe: bool, record_s: float | None,
+                      record_behind: bool = False) -> dict:
     """One layer of this run as (calibrated seconds, uncalibrated seconds, parts, basis) at 288 experts.
-    `ex`: 288 / the run's experts (1 at the real count: nothing is scaled)."""
+    `ex`: 288 / the run's experts (1 at the real count: nothing is scaled). A job record made on the worker thread
+    while the next stage ran (`record_behind`, or the layer's own `record_behind`) is listed, not added."""
     basis = "measured"
     stage = d.get("seconds", 0.0)
     enc = {}
@@ -1780,10 +1791,13 @@ def _layer_from_phases(d: dict, ex: float, f_exp: float, moe: bool, record_s: fl
     if "record_s" not in d and record_s is not None:
         assumed.append("job record (calibration state) not reached: another layer's of this run (the state "
                        "does not depend on the layer)")
-    parts["record"] = rec
+    behind = d.get("record_behind", record_behind if "record_s" not in d else False)
+    parts["record (behind the next stage: not added)" if behind else "record"] = rec
+    if behind and d.get("write_s") is not None:
+        parts["write (behind the next stage: not added)"] = d["write_s"]
     enc_total = sum(parts["encode"].values())
     cal = (parts["calibration_forward"] or 0.0) + enc_total + parts["fetch/write/finalize Hessians"] \
-        + (parts["advance_forward"] or 0.0) + (rec or 0.0)
+        + (parts["advance_forward"] or 0.0) + (0.0 if behind else (rec or 0.0))
     unc = enc_total + parts["fetch/write/finalize Hessians"]
     if ex != 1.0:
         basis += f"; routed experts scaled x{ex:.3g} (288 / the run's experts)"
@@ -1832,8 +1846,9 @@ def project_exl3(st: dict, layers: tuple, experts: int, counts: dict, ref: dict 
     rel, sl = counts["release"], counts["slice"]
     ex = RELEASE_EXPERTS / experts
     f_exp = _expert_share(sl)
-    records = [d["record_s"] for k, d in stages.items() if k.startswith("layer.") and "record_s" in d]
-    record_s = max(records) if records else None
+    records = [(d["record_s"], bool(d.get("record_behind"))) for k, d in stages.items()
+               if k.startswith("layer.") and "record_s" in d]
+    record_s, record_behind = max(records) if records else (None, False)
     per_kind: dict[str, dict] = {}
     for i, kind in enumerate(layers):
         d = stages.get(f"layer.{i}")
@@ -1841,7 +1856,7 @@ def project_exl3(st: dict, layers: tuple, experts: int, counts: dict, ref: dict 
             continue
         if d.get("state") != "done" and "seconds" not in d:
             continue  # cut in its calibration forward: no unit rate to complete it with
-        c = _layer_from_phases(d, ex, f_exp, LAYER_KINDS[kind][1] == "sparse", record_s)
+        c = _layer_from_phases(d, ex, f_exp, LAYER_KINDS[kind][1] == "sparse", record_s, record_behind)
         c["from"] = f"this run, layer.{i} ({d.get('state')})"
         per_kind.setdefault(kind, c)  # the first measured layer of each kind
     scaled = []

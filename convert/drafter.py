@@ -147,7 +147,7 @@ def convert_drafter(model, out, *, bits: float = 6.0, device: str | None = None,
             w = src.get(u.hf_names[0])
             if u.kind == "trellis":
                 tensors, _ = quantize_unit(u, w, bitmap[u.key], None, seed=seeds[u.key], codebook=codebook,
-                                           device=dev)
+                                           device=dev, dequantized=False)
             elif u.kind == "fp16_linear":
                 wp = torch.zeros(u.shape)
                 wp[: w.shape[0], : w.shape[1]] = w

@@ -10,7 +10,7 @@ import torch
 import mixq.quant.trellis  # looked up per call: tests swap in a fake mixq.quant.trellis
 from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_writer import Exl3Writer, exl3_config, tensor_storage_entry
-from mixq.runtime.overlap import host_stack, to_device
+from mixq.runtime.overlap import host_stack, to_device, to_host
 
 from .job import Job
 from .result import ConvertResult  # noqa: F401  (one result type for EXL3 and GGUF)
@@ -39,19 +39,24 @@ def _stored(u: Exl3Unit, q) -> dict[str, torch.Tensor]:
 
 
 def quantize_unit(u: Exl3Unit, w: torch.Tensor, bits: float, hessian: torch.Tensor | None, *, seed: int,
-                  codebook: str, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  codebook: str, device: torch.device,
+                  dequantized: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """Trellis-quantize one Linear unit (HF (out, in) weight; the quantizer pads to 128).
-    Returns ({stored tensor: tensor}, dequantized weight (out, in) float32 on the CPU)."""
-    (stored, deq), = quantize_batch([u], [w], bits, [hessian], seed=seed, codebook=codebook, device=device)
+    Returns ({stored tensor: tensor}, dequantized weight (out, in) float32 on the CPU, or None without
+    `dequantized`)."""
+    (stored, deq), = quantize_batch([u], [w], bits, [hessian], seed=seed, codebook=codebook, device=device,
+                                    dequantized=dequantized)
     return stored, deq
 
 
 def quantize_batch(units: list[Exl3Unit], ws: list[torch.Tensor] | torch.Tensor, bits: float,
                    hessians: list[torch.Tensor | None], *, seed: int, codebook: str,
-                   device: torch.device) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+                   device: torch.device,
+                   dequantized: bool = True) -> list[tuple[dict[str, torch.Tensor], torch.Tensor | None]]:
     """Quantize same-shape units at one rate in one stacked call (MoE experts), with per-unit Hessians
     (all given or all None); `ws` the units' weights, or already stacked (`runtime.overlap.host_stack`).
-    Encoder-speed device only: every unit is still stored as its own Linear."""
+    Encoder-speed device only: every unit is still stored as its own Linear. Each unit's dequantized weight
+    (float32 on the host) comes back with it when `dequantized` (the next layer is calibrated on it), else None."""
     w = to_device(ws if isinstance(ws, torch.Tensor) else host_stack(ws, device), device)
     h = None
     if hessians[0] is not None:
@@ -59,7 +64,7 @@ def quantize_batch(units: list[Exl3Unit], ws: list[torch.Tensor] | torch.Tensor,
     qs = mixq.quant.trellis.quantize(w if len(ws) > 1 else w[0], bits,
                                      hessian=h if (h is None or len(ws) > 1) else h[0], codebook=codebook, seed=seed)
     qs = qs if isinstance(qs, list) else [qs]
-    return [(_stored(u, q), q.dequantize().float().cpu()) for u, q in zip(units, qs)]
+    return [(_stored(u, q), to_host(q.dequantize().float()) if dequantized else None) for u, q in zip(units, qs)]
 
 
 def compile_exl3(writer: Exl3Writer, units: list[Exl3Unit], bits: dict[str, float], stages: list[str],

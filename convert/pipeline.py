@@ -36,7 +36,7 @@ from mixq.quant.device import resolve_device
 
 from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
-from mixq.runtime.overlap import host_stack
+from mixq.runtime.overlap import WriteBehind, host_stack
 from .drafter import convert_drafter
 from .exl3_ranks import encode_batches, scan_share, share_job, shared_state
 from .exl3_output import ConvertResult, achieved_bits, compile_exl3, quantize_batch, quantize_unit  # noqa: F401
@@ -305,17 +305,26 @@ def _run_calibrated(run: _Exl3Run, bar) -> None:
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
     cal = LayerCalibrator(ckpt, run.ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state,
                           ranks=run.ranks, advance_with_weights=True)
-    for st in cal.stages():
-        stage = f"layer.{st.layer}" if st.layer is not None else "head"
-        if job.is_done(stage):  # the head of a run killed after all layers but before the head
-            continue
-        part, replaced = _write_stage(run, stage, st.stats)
-        if st.layer is not None:
-            st.advance(replaced)
-        job.extra["fallbacks"] = run.fallbacks
-        job.record(stage, part, state=cal.state() if st.layer is not None else None)
-        bar.update(1)
-        del st
+    with WriteBehind() as behind:  # a stage's part and job record are written while the next stage runs
+        for st in cal.stages():
+            stage = f"layer.{st.layer}" if st.layer is not None else "head"
+            if job.is_done(stage):  # the head of a run killed after all layers but before the head
+                continue
+            written, replaced = _encode_stage(run, stage, st.stats)
+            if st.layer is not None:
+                st.advance(replaced)
+            state = cal.state() if st.layer is not None else None  # new tensors each layer: never changed after
+            behind.submit(lambda stage=stage, written=written, state=state, fallbacks=list(run.fallbacks):
+                          _commit_stage(run, stage, written, state, fallbacks))
+            bar.update(1)
+            del st, written, replaced, state
+
+
+def _commit_stage(run: _Exl3Run, stage: str, written, state: dict | None, fallbacks: list[str]) -> None:
+    """Write a calibrated stage's part (rank 0) and record it in the job with the calibration state after it."""
+    part = None if written is None else run.writer.write_part(stage, written)
+    run.job.extra["fallbacks"] = fallbacks
+    run.job.record(stage, part, state=state)
 
 
 def _stage_hessians(run: _Exl3Run, stage_units: list[Exl3Unit], stats: dict | None):
@@ -340,6 +349,14 @@ def _stage_hessians(run: _Exl3Run, stage_units: list[Exl3Unit], stats: dict | No
 def _write_stage(run: _Exl3Run, stage: str, stats: dict | None):
     """Quantize/copy the units of one stage and write its part; returns (PartInfo, {HF name: the stored weight as
     the model will see it (dequantized / fp16-rounded)})."""
+    written, replaced = _encode_stage(run, stage, stats)
+    return (None if written is None else run.writer.write_part(stage, written)), replaced
+
+
+def _encode_stage(run: _Exl3Run, stage: str, stats: dict | None):
+    """Quantize/copy the units of one stage; returns ([(unit key, {stored tensor: tensor})] in layout order to
+    write as its part (None on ranks other than 0), {HF name: the stored weight as the model will see it
+    (dequantized / fp16-rounded)})."""
     def fetch(n: str) -> torch.Tensor:
         return run.ckpt.get(n, dtype=torch.float32)
 
@@ -357,7 +374,7 @@ def _write_stage(run: _Exl3Run, stage: str, stats: dict | None):
     def encode(g: list[int], ws: torch.Tensor):
         us = [trellis_units[i] for i in g]
         res = quantize_batch(us, ws, run.bits[us[0].key], [hs[i] for i in g],
-                             seed=seeds[us[0].key], codebook=run.opts.codebook, device=run.device)
+                             seed=seeds[us[0].key], codebook=run.opts.codebook, device=run.device, dequantized=keep)
         inner.update(len(us))
         return res
 
@@ -381,8 +398,7 @@ def _write_stage(run: _Exl3Run, stage: str, stats: dict | None):
     inner.close()
     if not run.ranks.is_main:
         return None, replaced
-    part = run.writer.write_part(stage, [(u.key, written[u.key]) for u in stage_units])  # layout order
-    return part, replaced
+    return [(u.key, written[u.key]) for u in stage_units], replaced  # layout order
 
 
 def _finalize(run: _Exl3Run, t0: float) -> ConvertResult:

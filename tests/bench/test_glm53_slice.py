@@ -62,6 +62,29 @@ def test_summarise_exl3_completes_a_cut_layer_at_its_measured_rate(tmp_path):
     assert s["peak_gpu_mib"] == 1200.0 and s["before_first_stage_s"] == 5.0
 
 
+def test_a_record_written_behind_the_next_stage_is_listed_not_added(tmp_path):
+    """A finished layer whose part and job record were written on the worker thread (while the next stage ran):
+    its seconds leave them out, its parts name them."""
+    g = _module()
+    events = [
+        {"k": "child", "t0": 0.0},
+        {"k": "forward/layer.0", "t0": 1.0, "t1": 4.0},
+        {"k": "stage/layer.0", "t0": 4.0, "t1": 10.0, "units": {"attn": [2, 400]}},
+        {"k": "encode/layer.0/attn", "t0": 4.0, "t1": 9.0, "n": 2, "w": 400},
+        {"k": "advance/layer.0", "t0": 10.0, "t1": 12.0},
+        {"k": "write/layer.0", "t0": 12.0, "t1": 15.0, "thread": "behind"},
+        {"k": "record/layer.0", "t0": 15.0, "t1": 18.0, "thread": "behind"},
+    ]
+    d = g.summarise_exl3(events, t_end=18.0)["stages"]["layer.0"]
+    assert d["write_behind"] and d["record_behind"] and d["fetch_other_s"] == 1.0
+    c = g._layer_from_phases(d, 1.0, 0.0, False, None)
+    assert c["seconds"] == 3.0 + 5.0 + 1.0 + 2.0  # forward, encode, the rest of the stage, advance
+    assert c["parts"]["record (behind the next stage: not added)"] == 3.0
+    assert c["parts"]["write (behind the next stage: not added)"] == 3.0
+    inline = g.summarise_exl3([dict(e, thread=None) if "thread" in e else e for e in events], t_end=18.0)
+    assert g._layer_from_phases(inline["stages"]["layer.0"], 1.0, 0.0, False, None)["seconds"] == 14.0
+
+
 def test_summarise_trellis_profile():
     g = _module()
     ev = [{"k": "trellis_phases", "t0": 0.0, "t1": 2.0, "w": 4_000_000, "bits": 3.0, "stack": 16,

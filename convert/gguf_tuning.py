@@ -34,7 +34,7 @@ from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml.hessian_rounding import dequantize_blocks
-from mixq.runtime.layer_stream import EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_state_dict
+from mixq.runtime.layer_stream import EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, write_values
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
 SCALE_LR = 0.2          # total reach of a block scale's relative change (types in SCALE_TUNED): scale_lr / 2
@@ -255,53 +255,58 @@ class LayerTuner:
         tuned_all = tuned + [self.embed] if first and self.embed is not None else tuned
         mod = self.stream.materialize(layer, self._fetch)
         target, topk_next = self.stream.run_layer(mod, self.source, self.topk_source)
-        const: dict[str, torch.Tensor] = {}  # the untuned tensors on the device, read once per layer
+        # From here the module holds the quantized layer's current values (the routed experts' too, so that a stage
+        # moving a few of them reads the others in place: no second copy of the layer, no restacking a step); a
+        # step hands it only the tensors its stage moves.
+        mod.requires_grad_(False)
+        const: dict[str, torch.Tensor] = {}  # untuned parts of the tensors a stage moves, on the device
+        frozen: dict[str, torch.Tensor] = {}  # tuned in this layer's first stage: fixed in the later ones
 
-        def constant(n: str) -> torch.Tensor:
+        def current(n: str) -> torch.Tensor:
+            if n in frozen:
+                return frozen[n]
             if n not in const:
                 const[n] = (fixed[n] if n in fixed else self._fetch(n)).to(self.device)
             return const[n]
 
-        frozen: dict[str, torch.Tensor] = {}  # tuned in an earlier stage of this layer, fixed in the later ones
+        def value(n: str) -> torch.Tensor:  # the same, not kept: an in-place write reads each part once
+            return frozen[n] if n in frozen else fixed[n] if n in fixed else self._fetch(n)
+
+        write_values(mod, layer, fixed, value)
         live, group = tuned, []  # what the current stage moves: the layer's tensors, then one expert group
 
-        def state():
-            vals = {**frozen, **self._tuned_values(live), **self._group_values(group)}
-            return layer_state_dict(mod, layer, lambda n: vals[n] if n in vals else constant(n))
+        def moving() -> dict[str, torch.Tensor]:
+            return {**self._tuned_values(live), **self._group_values(group)}
 
         def quant_input(sl: slice) -> torch.Tensor:
             return self._embedded(sl) if first else self.quant[sl].to(self.device)
 
-        def run(sl: slice, sd) -> tuple:
+        def run(sl: slice, params) -> tuple:
             prev = None if self.topk_quant is None else self.topk_quant[sl].to(self.device)
-            return self.stream.call_layer(mod, quant_input(sl), prev, params=sd)
+            return self.stream.call_layer(mod, quant_input(sl), prev, params=params)
 
         def loss(sl: slice) -> torch.Tensor:
-            out, _ = run(sl, state())
+            out, _ = run(sl, layer_params(mod, layer, moving(), current))
             return F.mse_loss(out, target[sl].to(self.device))
 
         self._tune(layer, tuned_all, loss)
-        grouped: dict[str, np.ndarray] = {}  # the stacks tuned a group of experts at a time
-        ranges = self._expert_ranges(over)
-        if ranges:
-            with torch.no_grad():
-                frozen.update({k: v.detach() for k, v in self._tuned_values(tuned).items()})
-            live = []  # the layer's other tensors stay at their tuned values while the experts move
-            for e0, e1 in ranges:
-                group = self._group(over, encoded, e0, e1)
-                self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
-                with torch.no_grad():
-                    for k, v in self._group_values(group).items():
-                        frozen[k] = v.detach()
-                        const.pop(k, None)  # its encoded value is not read again
-                for spec, _, codes in group:
-                    grouped.setdefault(spec.name, np.array(encoded[spec.name], copy=True))[e0:e1] = codes.blocks()
-            group = []  # every value is in `frozen` now
         with torch.no_grad():
-            sd = {k: v.detach() for k, v in state().items()}
+            frozen.update({k: v.detach() for k, v in self._tuned_values(tuned).items()})
+        write_values(mod, layer, frozen, value)
+        live = []  # the layer's other tensors stay at their tuned values while the experts move
+        grouped: dict[str, np.ndarray] = {}  # the stacks tuned a group of experts at a time
+        for e0, e1 in self._expert_ranges(over):
+            group = self._group(over, encoded, e0, e1)
+            self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
+            with torch.no_grad():
+                write_values(mod, layer, {k: v.detach() for k, v in self._group_values(group).items()}, value)
+            for spec, _, codes in group:
+                grouped.setdefault(spec.name, np.array(encoded[spec.name], copy=True))[e0:e1] = codes.blocks()
+            group = []
+        with torch.no_grad():
             outs, topks = [], []
             for sl in self.stream.batches(self.ids.shape[0]):
-                out, tk = run(sl, sd)
+                out, tk = run(sl, None)
                 outs.append(out.to("cpu"))
                 if tk is not None:
                     topks.append(tk.to("cpu"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,47 @@ def layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch
                 for parts in module_sources(layer, key, ref.shape[0] if ref.dim() else 0)]
         sd[key] = (torch.stack(rows) if len(rows) > 1 else rows[0]).reshape(ref.shape)
     return sd
+
+
+def _row(parts: list[str], fetch: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    return torch.cat([fetch(n) for n in parts], 0) if len(parts) > 1 else fetch(parts[0])
+
+
+def layer_params(module: nn.Module, layer: int, values: Mapping[str, torch.Tensor],
+                 fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The module's tensors that hold any of `values` (HF name -> tensor), assembled as `layer_state_dict` does,
+    the other parts of such a tensor from `fetch`; a row of a stacked tensor (one routed expert) that holds none
+    of `values` is the module's own row, a view, so a few live experts do not copy the other experts' values."""
+    out: dict[str, torch.Tensor] = {}
+    for key, ref in module.state_dict(keep_vars=True).items():
+        src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
+        if not any(n in values for parts in src for n in parts):
+            continue
+        pick = lambda n: values[n] if n in values else fetch(n)  # noqa: E731
+        if len(src) == 1:
+            out[key] = _row(src[0], pick).reshape(ref.shape)
+            continue
+        out[key] = torch.stack([_row(parts, pick).reshape(ref.shape[1:]) if any(n in values for n in parts)
+                                else ref[r] for r, parts in enumerate(src)])
+    return out
+
+
+@torch.no_grad()
+def write_values(module: nn.Module, layer: int, values: Mapping[str, torch.Tensor],
+                 fetch: Callable[[str], torch.Tensor]) -> None:
+    """Copy `values` (HF name -> tensor) into the module's tensors in place, a stacked tensor row by row (no copy
+    of the whole stack); the other parts of a row that holds one of them come from `fetch`. Host or device
+    tensors alike: each row goes to the module's device."""
+    for key, ref in module.state_dict(keep_vars=True).items():
+        src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
+        pick = lambda n: (values[n] if n in values else fetch(n)).to(ref.device)  # noqa: E731
+        if len(src) == 1:
+            if any(n in values for n in src[0]):
+                ref.copy_(_row(src[0], pick).reshape(ref.shape))
+            continue
+        for r, parts in enumerate(src):
+            if any(n in values for n in parts):
+                ref[r].copy_(_row(parts, pick).reshape(ref.shape[1:]))
 
 
 class DecoderStream:

@@ -1,0 +1,50 @@
+"""runtime/layer_stream.py: one decoder layer's tensors assembled from checkpoint names, and written back in place
+(what block-output tuning hands a step: only the tensors its stage moves)."""
+from __future__ import annotations
+
+import torch
+
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.runtime.layer_stream import DecoderStream, layer_params, layer_state_dict, write_values
+
+LAYER = 1  # a MoE layer of the mini fixture (16 routed experts)
+P = f"model.language_model.layers.{LAYER}.mlp"
+
+
+def _layer(mini_model):
+    ck = open_checkpoint(mini_model)
+    stream = DecoderStream(ck.config)
+    mod = stream.materialize(LAYER, lambda n: ck.get(n, dtype=torch.float32))
+    return ck, mod.requires_grad_(False)
+
+
+def test_layer_params_are_the_state_dict_entries_that_hold_the_values(mini_model):
+    ck, mod = _layer(mini_model)
+    fetch = lambda n: ck.get(n, dtype=torch.float32)  # noqa: E731
+    moved = {f"{P}.experts.3.up_proj.weight": torch.randn(ck.shape(f"{P}.experts.3.up_proj.weight")),
+             f"{P}.shared_experts.down_proj.weight": torch.randn(ck.shape(f"{P}.shared_experts.down_proj.weight"))}
+    got = layer_params(mod, LAYER, moved, fetch)
+    want = layer_state_dict(mod, LAYER, lambda n: moved[n] if n in moved else fetch(n))
+    assert set(got) == {"mlp.experts.gate_up_proj", "mlp.shared_experts.down_proj.weight"}
+    for k, v in got.items():
+        assert torch.equal(v, want[k]), k
+    assert not torch.equal(got["mlp.experts.gate_up_proj"], mod.mlp.experts.gate_up_proj)  # expert 3 moved
+
+
+def test_write_values_copies_rows_in_place(mini_model):
+    ck, mod = _layer(mini_model)
+    fetch = lambda n: ck.get(n, dtype=torch.float32)  # noqa: E731
+    param = mod.mlp.experts.down_proj
+    ptr, before = param.data_ptr(), param.detach().clone()
+    new = {f"{P}.experts.5.down_proj.weight": torch.randn(ck.shape(f"{P}.experts.5.down_proj.weight")),
+           f"{P}.experts.7.gate_proj.weight": torch.randn(ck.shape(f"{P}.experts.7.gate_proj.weight"))}
+    write_values(mod, LAYER, new, fetch)
+    assert param.data_ptr() == ptr  # in place
+    assert torch.equal(param[5], new[f"{P}.experts.5.down_proj.weight"])
+    assert torch.equal(param[4], before[4]) and torch.equal(param[6], before[6])
+    gu = mod.mlp.experts.gate_up_proj[7]
+    inter = ck.shape(f"{P}.experts.7.gate_proj.weight")[0]
+    assert torch.equal(gu[:inter], new[f"{P}.experts.7.gate_proj.weight"])
+    assert torch.equal(gu[inter:], fetch(f"{P}.experts.7.up_proj.weight"))  # the row's other part from fetch
+    sd = layer_state_dict(mod, LAYER, lambda n: new[n] if n in new else fetch(n))
+    assert all(torch.equal(v, mod.state_dict()[k]) for k, v in sd.items())

@@ -89,6 +89,32 @@ def stored_values(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None)
     return torch.from_numpy(dequantize_blocks(b, qtype).reshape(x.shape)).float()
 
 
+class AttentionCache:
+    """A decoder layer's attention output per calibration batch, computed once and then served again while only
+    routed experts move (nothing the attention reads changes then: the layer's input, its norms, mixing and
+    attention weights): the expert-group stages of a layer run the attention once per batch, not once per step.
+    `batch` names the batch of the next call; the same tensors the attention would return are returned."""
+
+    def __init__(self, attention: torch.nn.Module) -> None:
+        self.attention = attention
+        self.batch: tuple | None = None
+        self.outputs: dict[tuple, object] = {}
+
+    def __enter__(self) -> "AttentionCache":
+        compute = self.attention.forward
+
+        def forward(*args, **kwargs):
+            if self.batch not in self.outputs:
+                self.outputs[self.batch] = compute(*args, **kwargs)
+            return self.outputs[self.batch]
+        self.attention.forward = forward  # the instance attribute shadows the class's forward until __exit__
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.attention.forward
+        self.outputs.clear()
+
+
 class LayerTuner:
     """Carries the source and the quantized hidden streams over the calibration rows and tunes each layer's codes.
 
@@ -281,8 +307,11 @@ class LayerTuner:
         def quant_input(sl: slice) -> torch.Tensor:
             return self._embedded(sl) if first else self.quant[sl].to(self.device)
 
+        attention = AttentionCache(mod.self_attn)
+
         def run(sl: slice, params) -> tuple:
             prev = None if self.topk_quant is None else self.topk_quant[sl].to(self.device)
+            attention.batch = (sl.start, sl.stop)
             return self.stream.call_layer(mod, quant_input(sl), prev, params=params)
 
         def loss(sl: slice) -> torch.Tensor:
@@ -295,14 +324,19 @@ class LayerTuner:
         write_values(mod, layer, frozen, value)
         live = []  # the layer's other tensors stay at their tuned values while the experts move
         grouped: dict[str, np.ndarray] = {}  # the stacks tuned a group of experts at a time
-        for e0, e1 in self._expert_ranges(over):
-            group = self._group(over, encoded, e0, e1)
-            self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
-            with torch.no_grad():
-                write_values(mod, layer, {k: v.detach() for k, v in self._group_values(group).items()}, value)
-            for spec, _, codes in group:
-                grouped.setdefault(spec.name, np.array(encoded[spec.name], copy=True))[e0:e1] = codes.blocks()
-            group = []
+        ranges = self._expert_ranges(over)
+        if ranges:
+            with attention:  # from here only routed experts move
+                for e0, e1 in ranges:
+                    group = self._group(over, encoded, e0, e1)
+                    self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
+                    with torch.no_grad():
+                        write_values(mod, layer, {k: v.detach() for k, v in self._group_values(group).items()},
+                                     value)
+                    for spec, _, codes in group:
+                        grouped.setdefault(spec.name, np.array(encoded[spec.name], copy=True))[e0:e1] = \
+                            codes.blocks()
+                    group = []
         with torch.no_grad():
             outs, topks = [], []
             for sl in self.stream.batches(self.ids.shape[0]):

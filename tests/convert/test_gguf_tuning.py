@@ -150,3 +150,25 @@ def test_experts_over_the_budget_are_tuned_in_groups(setup):
     small.layer(0, {})
     out = small.layer(1, encoded)
     assert all(s.name not in out for s in stacks) and small.held == sum(int(np.prod(s.shape)) for s in stacks)
+
+
+def test_attention_cache_serves_each_batch_once():
+    """Inside the cache a batch's attention output is computed once and then served as the very same tensors;
+    leaving it restores the module's own forward."""
+    calls = []
+
+    class Attn(torch.nn.Module):
+        def forward(self, x):
+            calls.append(1)
+            return x * 2
+
+    attn = Attn()
+    x, y = torch.ones(3), torch.full((3,), 5.0)
+    with gt.AttentionCache(attn) as cache:
+        cache.batch = (0, 4)
+        a = attn(x)
+        assert attn(x * 7) is a  # served again for the same batch
+        cache.batch = (4, 8)
+        assert torch.equal(attn(y), y * 2)
+    assert len(calls) == 2 and "forward" not in vars(attn)
+    assert torch.equal(attn(x * 7), x * 14) and len(calls) == 3

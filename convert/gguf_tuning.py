@@ -35,6 +35,7 @@ from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml.hessian_rounding import dequantize_blocks
 from mixq.runtime.layer_stream import EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, write_values
+from mixq.runtime.overlap import host_empty
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
 SCALE_LR = 0.2          # total reach of a block scale's relative change (types in SCALE_TUNED): scale_lr / 2
@@ -338,13 +339,15 @@ class LayerTuner:
                             codes.blocks()
                     group = []
         with torch.no_grad():
-            outs, topks = [], []
+            outs, topks = None, []
             for sl in self.stream.batches(self.ids.shape[0]):
                 out, tk = run(sl, None)
-                outs.append(out.to("cpu"))
+                if outs is None:
+                    outs = host_empty((self.ids.shape[0], *out.shape[1:]), out.dtype, pinned=out.is_cuda)
+                outs[sl].copy_(out)
                 if tk is not None:
                     topks.append(tk.to("cpu"))
-        self.quant = torch.cat(outs)
+        self.quant = outs
         self.topk_quant = torch.cat(topks) if topks else None
         self.source, self.topk_source = target, topk_next
         self.stream.release(layer)

@@ -21,6 +21,7 @@ from torch.func import functional_call
 from mixq.errors import InputError
 from mixq.formats import glm5next
 from mixq.formats.glm5next import global_hf_name
+from mixq.runtime.overlap import host_empty
 
 Fetch = Callable[[str], torch.Tensor]
 # checkpoint names of the tensors outside the decoder layers
@@ -196,16 +197,18 @@ class DecoderStream:
                   before_batch: Callable[[slice], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All rows of `hidden` (any device and dtype) through `mod`, batch by batch, into new tensors on the
         CPU (computed in `dtype`). Returns (hidden streams, DSA top-k indices or None)."""
-        outs, topks = [], []
+        outs, topks = None, []
         for sl in self.batches(hidden.shape[0]):
             if before_batch is not None:
                 before_batch(sl)
             prev = None if topk is None else topk[sl].to(self.device)
             out, tk = self.forward_batch(mod, hidden[sl].to(self.device, self.dtype), prev)
-            outs.append(out.to("cpu") if self.device.type != "cpu" else out)
+            if outs is None:  # pinned from a CUDA device: the copies back, and the next layer's reads, at DMA speed
+                outs = host_empty((hidden.shape[0], *out.shape[1:]), out.dtype, pinned=out.is_cuda)
+            outs[sl].copy_(out)
             if tk is not None:
                 topks.append(tk.to("cpu"))
-        return torch.cat(outs), (torch.cat(topks) if topks else None)
+        return outs, (torch.cat(topks) if topks else None)
 
     def run_layer_inplace(self, mod: nn.Module, hidden: torch.Tensor,
                           topk: torch.Tensor | None) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ in a GLM-5.3-Flash MoE layer). Copied into fresh pageable memory, every 32 MiB e
 and staged by the driver; `to_host` copies into pinned blocks instead, which torch's host allocator hands out
 again to the next layer's copies, and the advance pass reads them back to the device from pinned memory too.
 
-A finished EXL3 layer's part file and job record (its calibration state, 3 GB of hidden streams at 64 x 512
+A finished EXL3 layer's part file and job record (its calibration state, 2 GB of hidden streams at 64 x 512
 calibration tokens of GLM-5.3-Flash) take seconds of disk writing; `WriteBehind` runs them on a worker thread while
 the next layer's calibration forward keeps the device busy, one at a time and in order.
 """
@@ -56,14 +56,22 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=t.is_pinned())
 
 
+def host_empty(shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """An uninitialised host tensor; in pinned memory when `pinned` and the host can lock more of it (else pageable:
+    slower copies, the same values)."""
+    if pinned:
+        try:
+            return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+        except RuntimeError:
+            pass
+    return torch.empty(tuple(shape), dtype=dtype)
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` on the host (the same values); from a CUDA device into pinned memory. A host tensor is returned as it is."""
     if t.device.type != "cuda":
         return t.cpu()
-    try:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    except RuntimeError:  # the host cannot lock more memory: a pageable copy, slower but the same values
-        return t.cpu()
+    out = host_empty(t.shape, t.dtype, pinned=True)
     out.copy_(t)  # waits for the copy: the caller may read the values next
     return out
 

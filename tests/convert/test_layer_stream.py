@@ -2,6 +2,7 @@
 (what block-output tuning hands a step: only the tensors its stage moves)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mixq.formats.checkpoint import open_checkpoint
@@ -48,3 +49,26 @@ def test_write_values_copies_rows_in_place(mini_model):
     assert torch.equal(gu[inter:], fetch(f"{P}.experts.7.up_proj.weight"))  # the row's other part from fetch
     sd = layer_state_dict(mod, LAYER, lambda n: new[n] if n in new else fetch(n))
     assert all(torch.equal(v, mod.state_dict()[k]) for k, v in sd.items())
+
+
+def test_run_layer_streams_land_in_one_host_tensor(mini_model):
+    """The layer's output streams, batch by batch, in one host tensor: the same values as the whole batch at once."""
+    ck, mod = _layer(mini_model)
+    stream = DecoderStream(ck.config, batch_rows=2)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 8, stream.hc_mult, int(ck.text_config["hidden_size"]), generator=g)
+    out, topk = stream.run_layer(mod, hidden, None)
+    whole, _ = DecoderStream(ck.config, batch_rows=5).run_layer(mod, hidden, None)
+    assert out.shape == hidden.shape and out.device.type == "cpu" and topk is None
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_run_layer_on_cuda_returns_pinned_streams(mini_model):
+    ck = open_checkpoint(mini_model)
+    stream = DecoderStream(ck.config, device="cuda", batch_rows=2)
+    mod = stream.materialize(LAYER, lambda n: ck.get(n, dtype=torch.float32))
+    hidden = torch.randn(5, 8, stream.hc_mult, int(ck.text_config["hidden_size"]))
+    out, _ = stream.run_layer(mod, hidden, None)
+    ref = torch.cat([stream.forward_batch(mod, hidden[sl].cuda(), None)[0].cpu() for sl in stream.batches(5)])
+    assert out.is_pinned() and torch.equal(out, ref)

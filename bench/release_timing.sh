@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The release-timing measurements of docs/results.md ("real widths") on one H200, a step or two per call (each call
+# under 9 minutes; about how long each step takes):
+#
+#   bash bench/release_timing.sh OUT copy-back exl3-slice     # 1 + 8 min: the 288-expert EXL3 slice, projected
+#   bash bench/release_timing.sh OUT gguf-tune                # 8 min: GGUF tuning of the 288-expert layer
+#   bash bench/release_timing.sh OUT gguf-rounding            # 3 min: the Hessian rounding's stacked calls
+#   bash bench/release_timing.sh OUT build-exllamav3          # 5-7 min: exllamav3's CUDA extension, alone
+#   bash bench/release_timing.sh OUT gpu-tests trellis        # 2 + 5 min: gpu tests; the encoder beside exllamav3
+#
+# OUT receives the JSON results. Wheels in .whl/ (transformers, gguf, exllamav3 and its needs) are installed into
+# /tmp/site on first use; each slice step builds the slice into /tmp/mixq-slice (about 25 s).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bench/release_timing.sh OUT STEP...}
+shift
+mkdir -p "$OUT" /tmp/pp
+if [ -d .whl ] && [ ! -e /tmp/site/.mixq-wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    touch /tmp/site/.mixq-wheels
+fi
+ln -sfn "$PWD" /tmp/pp/mixq
+export PYTHONPATH=/tmp/site:/tmp/pp${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
+[ -d shared ] && export MIXQ_SHARED="$PWD/shared"
+WORK=/tmp/mixq-slice
+SLICE=(--work "$WORK" --experts 288 --layers kda-dense,kda-moe --no-fp8)
+
+for step in "$@"; do
+    echo "== $step ($(date +%T))"
+    case "$step" in
+        build-exllamav3) python3 -c "import exllamav3; from exllamav3.ext import exllamav3_ext" ;;
+        gpu-tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_viterbi_gluon.py \
+                       tests/quant/test_viterbi_fused.py tests/convert/test_overlap.py \
+                       tests/convert/test_layer_stream.py 2>&1 | tail -15 ;;
+        trellis) python3 bench/trellis_vs_exllamav3.py --json "$OUT/trellis_vs_exllamav3.json" --budget 300 ;;
+        copy-back) python3 bench/copy_back.py --json "$OUT/copy_back.json" ;;
+        exl3-slice) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_exl3.json" \
+                        --deadline-s 500 --reserve-s 15 --trellis-profile --stages build,exl3,project ;;
+        gguf-rounding) python3 bench/hessian_rounding_speed.py --json "$OUT/hessian_rounding_speed.json" \
+                           --types IQ2_S,Q4_K --kinds stack,stack_down ;;
+        gguf-tune) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_tune.json" \
+                       --deadline-s 500 --stages build,gguf-tune,project ;;
+        *) echo "unknown step $step" >&2; exit 2 ;;
+    esac
+done

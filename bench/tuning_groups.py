@@ -1,7 +1,8 @@
 """Block-output tuning of a MoE layer whose routed experts are over the tuning budget (convert/gguf_tuning.py): the
 experts tuned a group at a time, seconds per step and peak memory per stage, on a random checkpoint with many
 experts (the routed experts are most of the layer, as in GLM-5.3-Flash), and a digest of the tuned blocks (to check
-that a change to the tuning loop leaves its codes as they were).
+that a change to the tuning loop leaves its codes as they were). A stage's peak is the device allocator's on CUDA,
+the sampled resident set on the CPU (the process's, so it includes what earlier stages left allocated).
 
     python bench/tuning_groups.py [--experts 64] [--hidden 512] [--group 8] [--iters 8] [--rows 8] [--seq-len 128]
         [--device cpu] [--json OUT.json]
@@ -15,9 +16,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +38,35 @@ from paths import repo_relative  # noqa: E402
 
 TYPES = {"blk.1.attn_q.weight": "Q4_K", "blk.1.ffn_gate_exps.weight": "Q4_K", "blk.1.ffn_up_exps.weight": "Q4_K",
          "blk.1.ffn_down_exps.weight": "Q4_K", "blk.1.ffn_up_shexp.weight": "Q4_K"}
+
+
+class StagePeaks:
+    """Peak memory of each tuning stage (each `sign_descent` call): the device's allocator peak on CUDA, the
+    resident set sampled every 5 ms on the CPU."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev, self.peaks, self._now = dev, [], 0.0
+        self._stop = threading.Event()
+        if dev.type != "cuda":
+            threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.wait(0.005):
+            with open("/proc/self/statm") as f:
+                self._now = max(self._now, int(f.read().split()[1]) * page / 2**20)
+
+    def wrap(self, descent):
+        def timed(*a, **k):
+            if self.dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.dev)
+            self._now = 0.0
+            try:
+                return descent(*a, **k)
+            finally:
+                self.peaks.append(torch.cuda.max_memory_allocated(self.dev) / 2**20 if self.dev.type == "cuda"
+                                  else self._now)
+        return timed
 
 
 def _peak_mib(dev: torch.device) -> float:
@@ -73,6 +105,8 @@ def main(argv=None) -> int:
     tuner = gt.LayerTuner(ck, ids, specs, types, iters=a.iters, lr=0.5, device=dev,
                           max_weights=max(others, a.group * per_expert))
     tuner.layer(0, {})
+    peaks = StagePeaks(dev)
+    gt.bt.sign_descent = peaks.wrap(gt.bt.sign_descent)
     before = _peak_mib(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -85,6 +119,7 @@ def main(argv=None) -> int:
         digest.update(n.encode())
         digest.update(np.ascontiguousarray(out[n]).view(np.uint8).tobytes())
     stages = [{"tuned": "other tensors" if i == 0 else f"experts group {i}", "seconds": round(r.seconds, 3),
+               "peak_mib": round(peaks.peaks[i], 1),
                "seconds_per_step": round(r.seconds / max(1, a.iters), 4), "kept": r.kept,
                "check_before": r.check_before, "check_after": r.check_after}
               for i, r in enumerate(x for x in tuner.reports if x.layer == 1)]
@@ -95,8 +130,8 @@ def main(argv=None) -> int:
            "peak_mib_before_layer": round(before, 1), "peak_mib": round(peak, 1),
            "tuned_blocks_sha256": digest.hexdigest()}
     for s in stages:
-        print(f"{s['tuned']:>16s}: {s['seconds']:7.2f} s, {s['seconds_per_step']:.3f} s a step, "
-              f"held-out {s['check_before']:.5g} -> {s['check_after']:.5g}")
+        print(f"{s['tuned']:>16s}: {s['seconds']:7.2f} s, {s['seconds_per_step']:.3f} s a step, peak "
+              f"{s['peak_mib']:.0f} MiB, held-out {s['check_before']:.5g} -> {s['check_after']:.5g}")
     print(f"layer {layer_s:.1f} s; routed experts {expert_mib:.0f} MiB in float32; peak memory {before:.0f} MiB "
           f"before the layer, {peak:.0f} MiB in it; tuned blocks sha256 {digest.hexdigest()[:16]}")
     if a.json:

@@ -81,11 +81,27 @@ def _row(parts: list[str], fetch: Callable[[str], torch.Tensor]) -> torch.Tensor
     return torch.cat([fetch(n) for n in parts], 0) if len(parts) > 1 else fetch(parts[0])
 
 
+class _RowsInto(torch.autograd.Function):
+    """Rows of a module's stacked tensor replaced in place by differentiable rows; the tensor itself is returned,
+    and its gradient flows back to those rows only (the other rows are constants). No copy of the stack."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.index = index
+        target[index] = rows
+        return target.view_as(target)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.index], None, None
+
+
 def layer_params(module: nn.Module, layer: int, values: Mapping[str, torch.Tensor],
                  fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The module's tensors that hold any of `values` (HF name -> tensor), assembled as `layer_state_dict` does,
-    the other parts of such a tensor from `fetch`; a row of a stacked tensor (one routed expert) that holds none
-    of `values` is the module's own row, a view, so a few live experts do not copy the other experts' values."""
+    the other parts of such a tensor from `fetch`. A stacked tensor (routed experts) is the module's own, its rows
+    that hold any of `values` written in place and differentiable (the module then holds them): moving a few
+    experts neither copies the others nor restacks the layer."""
     out: dict[str, torch.Tensor] = {}
     for key, ref in module.state_dict(keep_vars=True).items():
         src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
@@ -95,8 +111,9 @@ def layer_params(module: nn.Module, layer: int, values: Mapping[str, torch.Tenso
         if len(src) == 1:
             out[key] = _row(src[0], pick).reshape(ref.shape)
             continue
-        out[key] = torch.stack([_row(parts, pick).reshape(ref.shape[1:]) if any(n in values for n in parts)
-                                else ref[r] for r, parts in enumerate(src)])
+        live = [r for r, parts in enumerate(src) if any(n in values for n in parts)]
+        rows = torch.stack([_row(src[r], pick).reshape(ref.shape[1:]) for r in live])
+        out[key] = _RowsInto.apply(rows, ref, torch.tensor(live, device=ref.device))
     return out
 
 

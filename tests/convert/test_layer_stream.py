@@ -20,16 +20,25 @@ def _layer(mini_model):
 
 
 def test_layer_params_are_the_state_dict_entries_that_hold_the_values(mini_model):
+    """Only the entries holding a moved tensor; each equal to the state dict assembled from the same values; a
+    stacked one is the module's own tensor with the moved rows written in, and its gradient reaches the moved
+    tensors only."""
     ck, mod = _layer(mini_model)
     fetch = lambda n: ck.get(n, dtype=torch.float32)  # noqa: E731
-    moved = {f"{P}.experts.3.up_proj.weight": torch.randn(ck.shape(f"{P}.experts.3.up_proj.weight")),
+    up3 = f"{P}.experts.3.up_proj.weight"
+    moved = {up3: torch.randn(ck.shape(up3), requires_grad=True),
              f"{P}.shared_experts.down_proj.weight": torch.randn(ck.shape(f"{P}.shared_experts.down_proj.weight"))}
-    got = layer_params(mod, LAYER, moved, fetch)
     want = layer_state_dict(mod, LAYER, lambda n: moved[n] if n in moved else fetch(n))
+    got = layer_params(mod, LAYER, moved, fetch)
     assert set(got) == {"mlp.experts.gate_up_proj", "mlp.shared_experts.down_proj.weight"}
     for k, v in got.items():
         assert torch.equal(v, want[k]), k
-    assert not torch.equal(got["mlp.experts.gate_up_proj"], mod.mlp.experts.gate_up_proj)  # expert 3 moved
+    gu = got["mlp.experts.gate_up_proj"]
+    assert gu.data_ptr() == mod.mlp.experts.gate_up_proj.data_ptr()  # no copy of the stack
+    (gu * torch.arange(gu.numel(), dtype=gu.dtype).reshape(gu.shape)).sum().backward()
+    inter = ck.shape(up3)[0]
+    expected = torch.arange(gu.numel(), dtype=gu.dtype).reshape(gu.shape)[3, inter:]
+    assert torch.equal(moved[up3].grad, expected)
 
 
 def test_write_values_copies_rows_in_place(mini_model):

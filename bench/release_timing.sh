@@ -2,9 +2,9 @@
 # The release-timing measurements of docs/results.md ("real widths") on one H200, a step or two per call (each call
 # under 9 minutes; about how long each step takes):
 #
-#   bash bench/release_timing.sh OUT copy-back exl3-slice     # 1 + 8 min: the 288-expert EXL3 slice, projected
+#   bash bench/release_timing.sh OUT exl3-slice               # 8.5 min: the 288-expert EXL3 slice, projected
 #   bash bench/release_timing.sh OUT gguf-tune                # 8 min: GGUF tuning of the 288-expert layer
-#   bash bench/release_timing.sh OUT gguf-rounding            # 3 min: the Hessian rounding's stacked calls
+#   bash bench/release_timing.sh OUT copy-back gguf-rounding  # 1.5 + 3 min: pinned copies; the Hessian rounding
 #   bash bench/release_timing.sh OUT build-exllamav3          # 5-7 min: exllamav3's CUDA extension, alone
 #   bash bench/release_timing.sh OUT gpu-tests trellis        # 2 + 5 min: gpu tests; the encoder beside exllamav3
 #

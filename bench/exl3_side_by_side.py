@@ -8,7 +8,7 @@ On the trained k256 fixture, for each bitrate B (default 2.5, 3.05, 4.0):
 then every directory is scored by `mixq eval` against the BF16 model on the same held-out windows, with mixq's
 own streamed forward (`--engine torch`) and with exllamav3's (`--engine exllamav3`).
 
-Two phases, so the work can span two device calls while the machine stays warm (the work dir persists):
+Two phases, so the work can span two runs (the work directory persists between them):
 
     python bench/exl3_side_by_side.py --work /tmp/sbs --json $OUT/sbs.json --phase convert
     python bench/exl3_side_by_side.py --work /tmp/sbs --json $OUT/sbs.json --phase eval --markdown $OUT/sbs.md

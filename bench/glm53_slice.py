@@ -36,8 +36,9 @@ that layer ("extrapolated within the layer" in the JSON, beside "measured").
     python bench/glm53_slice.py --work DIR --json OUT.json --stages gguf,exllamav3,project
     python bench/glm53_slice.py --work DIR --json OUT.json --small --device cpu     # the same code on a toy
 
-One H200 device call (9.5 min hard limit; 18.9 GB BF16 under /tmp, results and logs under $OUT; needs `carry:
-[".whl"]` and shared/ holding models/glm-5.3-flash-shape/config.json and models/glm5next-mini/tokenizer*.json):
+On one H200, within 9.5 minutes (18.9 GB BF16 under /tmp, results and logs under $OUT; wheels in .whl/, and shared/
+holding models/glm-5.3-flash-shape/config.json and models/glm5next-mini/tokenizer*.json; bench/release_timing.sh
+runs the release's slice steps this way):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl && export PYTHONPATH=/tmp/site:/tmp/pp && mkdir -p /tmp/pp && ln -sfn "$PWD" /tmp/pp/mixq && \

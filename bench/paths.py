@@ -1,7 +1,7 @@
 """Where the bench scripts find their inputs, and how they record paths: relative to the repo root.
 
-``SHARED``: the fixtures (``$MIXQ_SHARED``, else ``../shared`` next to the repo, else ``shared/`` inside it, as
-device-machine copies carry them). ``WORK``: quantized files and reference logits, outside the repo
+``SHARED``: the fixtures (``$MIXQ_SHARED``, else ``../shared`` next to the repo, else ``shared/`` inside it, as a
+copy of the repo sent to a GPU machine holds them). ``WORK``: quantized files and reference logits, outside the repo
 (``$MIXQ_BENCH_WORK``, else ``../bench-work``). ``VENDOR``: llama.cpp sources and tool builds (``$MIXQ_VENDOR``,
 else ``../vendor``). Results written under bench/results go through ``repo_relative``.
 """

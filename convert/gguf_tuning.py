@@ -28,13 +28,15 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from mixq.convert.gguf_workers import encode
 from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml.hessian_rounding import dequantize_blocks
-from mixq.runtime.layer_stream import EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, write_values
+from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stacked_rows,
+                                       write_values)
 from mixq.runtime.overlap import host_empty
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
@@ -114,6 +116,60 @@ class AttentionCache:
     def __exit__(self, *exc) -> None:
         del self.attention.forward
         self.outputs.clear()
+
+
+class ExpertGroupMoE:
+    """A MoE block while only its routed experts e0..e1 move (an expert-group stage of block-output tuning).
+
+    Per calibration batch the router's choice, the shared expert's output and the other experts' weighted sum are
+    formed once, by the block's own modules. A step then runs only the moving experts, on the token slots routed to
+    them, through the block's own expert implementation over those experts. At GLM-5.3-Flash's count a group of
+    about 40 of 288 experts sees a seventh of the slots, and no step copies or differentiates the other experts'
+    weights. The output is the same terms as the block's own, summed in another order. `batch` names the batch of
+    the next call; `weights()` gives the moving experts' (gate_up, down) stacks, (e1 - e0, ...) each."""
+
+    def __init__(self, moe: torch.nn.Module, e0: int, e1: int, weights) -> None:
+        self.moe, self.e0, self.e1, self.weights = moe, e0, e1, weights
+        self.batch: tuple | None = None
+        self.fixed: dict[tuple, tuple] = {}
+
+    def __enter__(self) -> "ExpertGroupMoE":
+        self.moe.forward = self._forward  # the instance attribute shadows the class's forward until __exit__
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.moe.forward
+        self.fixed.clear()
+
+    @torch.no_grad()
+    def _fixed(self, hidden: torch.Tensor) -> tuple:
+        moe = self.moe
+        _, weight, index = moe.gate(hidden)
+        x = hidden.view(-1, hidden.shape[-1])
+        moving = (index >= self.e0) & (index < self.e1)
+        rest = moe.experts(x, index, weight.masked_fill(moving, 0))  # the moving experts' slots weigh nothing
+        shared = moe.shared_experts(hidden)
+        slots = moving.flatten().nonzero().squeeze(1)  # token * top_k + k
+        return (x, rest, shared, slots, index.shape[-1], (index.flatten()[slots] - self.e0)[:, None],
+                weight.flatten()[slots][:, None])
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.batch not in self.fixed:
+            self.fixed[self.batch] = self._fixed(hidden)
+        x, rest, shared, slots, top_k, index, weight = self.fixed[self.batch]
+        if slots.numel() == 0:  # no token of this batch chose a moving expert
+            return rest.view(hidden.shape) + shared
+        gate_up, down = self.weights()
+        experts = self.moe.experts
+        count = experts.num_experts
+        experts.num_experts = self.e1 - self.e0  # the expert implementation sizes its groups by this
+        try:
+            out = functional_call(experts, {"gate_up_proj": gate_up, "down_proj": down},
+                                  (x[slots // top_k], index, weight))
+        finally:
+            experts.num_experts = count
+        per_slot = x.new_zeros(x.shape[0] * top_k, x.shape[1]).index_put((slots,), out)  # unique slots: no atomics
+        return (rest + per_slot.view(x.shape[0], top_k, -1).sum(1)).view(hidden.shape) + shared
 
 
 class LayerTuner:
@@ -309,14 +365,17 @@ class LayerTuner:
             return self._embedded(sl) if first else self.quant[sl].to(self.device)
 
         attention = AttentionCache(mod.self_attn)
+        group_moe: ExpertGroupMoE | None = None  # an expert-group stage's MoE block (the batch of each call)
 
         def run(sl: slice, params) -> tuple:
             prev = None if self.topk_quant is None else self.topk_quant[sl].to(self.device)
             attention.batch = (sl.start, sl.stop)
+            if group_moe is not None:
+                group_moe.batch = attention.batch
             return self.stream.call_layer(mod, quant_input(sl), prev, params=params)
 
         def loss(sl: slice) -> torch.Tensor:
-            out, _ = run(sl, layer_params(mod, layer, moving(), current))
+            out, _ = run(sl, layer_params(mod, layer, moving(), current) if live else None)
             return F.mse_loss(out, target[sl].to(self.device))
 
         self._tune(layer, tuned_all, loss)
@@ -330,7 +389,14 @@ class LayerTuner:
             with attention:  # from here only routed experts move
                 for e0, e1 in ranges:
                     group = self._group(over, encoded, e0, e1)
-                    self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
+
+                    def weights(e0=e0, e1=e1) -> tuple[torch.Tensor, torch.Tensor]:
+                        vals = self._group_values(group)
+                        return tuple(stacked_rows(mod, layer, f"mlp.experts.{k}", range(e0, e1), vals, current)
+                                     for k in ("gate_up_proj", "down_proj"))
+                    with ExpertGroupMoE(mod.mlp, e0, e1, weights) as group_moe:
+                        self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
+                    group_moe = None
                     with torch.no_grad():
                         write_values(mod, layer, {k: v.detach() for k, v in self._group_values(group).items()},
                                      value)

@@ -117,6 +117,16 @@ def layer_params(module: nn.Module, layer: int, values: Mapping[str, torch.Tenso
     return out
 
 
+def stacked_rows(module: nn.Module, layer: int, key: str, rows: range, values: Mapping[str, torch.Tensor],
+                 fetch: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """Rows `rows` of the module's stacked tensor `key` (routed experts), assembled from `values` (HF name ->
+    tensor) and, for the parts not among them, `fetch`: (len(rows), ...) as the stack holds them."""
+    ref = module.get_parameter(key)
+    src = module_sources(layer, key, ref.shape[0])
+    pick = lambda n: values[n] if n in values else fetch(n)  # noqa: E731
+    return torch.stack([_row(src[r], pick).reshape(ref.shape[1:]) for r in rows])
+
+
 @torch.no_grad()
 def write_values(module: nn.Module, layer: int, values: Mapping[str, torch.Tensor],
                  fetch: Callable[[str], torch.Tensor]) -> None:

@@ -172,3 +172,51 @@ def test_attention_cache_serves_each_batch_once():
         assert torch.equal(attn(y), y * 2)
     assert len(calls) == 2 and "forward" not in vars(attn)
     assert torch.equal(attn(x * 7), x * 14) and len(calls) == 3
+
+
+def test_expert_group_block_matches_the_whole_block(setup):
+    """An expert-group stage's MoE block (the other experts' sum formed once, a step running the moving experts on
+    their own slots) gives the layer's output and the moving weights' gradients of the whole block to float
+    rounding, and runs no expert outside the group in a step."""
+    from mixq.runtime.layer_stream import DecoderStream, layer_params, stacked_rows
+
+    ck = setup[0]
+    layer, (e0, e1) = 1, (4, 8)
+    fetch = lambda n: ck.get(n, dtype=torch.float32)  # noqa: E731
+    stream = DecoderStream(ck.config, batch_rows=2)
+    g = torch.Generator().manual_seed(0)
+    p = f"model.language_model.layers.{layer}.mlp.experts"
+    moved = {f"{p}.{e}.{part}.weight": (fetch(f"{p}.{e}.{part}.weight") + 0.01 * torch.randn(
+        ck.shape(f"{p}.{e}.{part}.weight"), generator=g)).requires_grad_(True)
+        for e in range(e0, e1) for part in ("gate_proj", "up_proj", "down_proj")}
+    hidden = torch.randn(2, 32, stream.hc_mult, int(ck.text_config["hidden_size"]), generator=g)
+    target = torch.randn(hidden.shape, generator=g)
+
+    whole = stream.materialize(layer, fetch).requires_grad_(False)
+    out_whole, _ = stream.call_layer(whole, hidden, None, params=layer_params(whole, layer, moved, fetch))
+    loss_whole = torch.nn.functional.mse_loss(out_whole, target)
+    grads_whole = torch.autograd.grad(loss_whole, list(moved.values()))
+
+    mod = DecoderStream(ck.config).materialize(layer, fetch).requires_grad_(False)
+    seen = []
+    experts_forward = type(mod.mlp.experts).forward
+
+    def counted(self, x, index, weight):
+        seen.append(int(self.num_experts))
+        return experts_forward(self, x, index, weight)
+    mod.mlp.experts.forward = counted.__get__(mod.mlp.experts)
+
+    def weights():
+        return tuple(stacked_rows(mod, layer, f"mlp.experts.{k}", range(e0, e1), moved, fetch)
+                     for k in ("gate_up_proj", "down_proj"))
+    with gt.ExpertGroupMoE(mod.mlp, e0, e1, weights) as moe:
+        moe.batch = (0, 2)
+        for _ in range(2):  # the second call serves the batch's fixed part formed by the first
+            out, _ = stream.call_layer(mod, hidden, None)
+            loss = torch.nn.functional.mse_loss(out, target)
+            grads = torch.autograd.grad(loss, list(moved.values()))
+    assert seen == [16, 4, 4]  # all experts once (the others' sum), then the 4 moving ones per step
+    torch.testing.assert_close(out, out_whole, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, grads_whole):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
+    assert "forward" not in vars(mod.mlp)

@@ -4,6 +4,8 @@
 #
 #   bash bench/release_timing.sh OUT exl3-slice               # 8.5 min: the 288-expert EXL3 slice, projected
 #   bash bench/release_timing.sh OUT gguf-tune                # 8 min: GGUF tuning of the 288-expert layer
+#   bash bench/release_timing.sh OUT exl3-slice-dsa           # 8.5 min: the same with a DSA + MoE layer
+#   bash bench/release_timing.sh OUT gguf-hessian             # 8.5 min: a whole --rounding hessian conversion
 #   bash bench/release_timing.sh OUT copy-back gguf-rounding  # 1.5 + 3 min: pinned copies; the Hessian rounding
 #   bash bench/release_timing.sh OUT build-exllamav3          # 5-7 min: exllamav3's CUDA extension, alone
 #   bash bench/release_timing.sh OUT gpu-tests trellis        # 2 + 5 min: gpu tests; the encoder beside exllamav3
@@ -36,6 +38,11 @@ for step in "$@"; do
         copy-back) python3 bench/copy_back.py --json "$OUT/copy_back.json" ;;
         exl3-slice) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_exl3.json" \
                         --deadline-s 500 --reserve-s 15 --trellis-profile --stages build,exl3,project ;;
+        exl3-slice-dsa) python3 bench/glm53_slice.py --work "$WORK" --experts 288 --layers kda-dense,dsa-moe --no-fp8 \
+                            --json "$OUT/glm53_slice_288_exl3_dsa.json" --deadline-s 500 --reserve-s 15 \
+                            --trellis-profile --stages build,exl3,project ;;
+        gguf-hessian) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_hessian.json" \
+                          --deadline-s 500 --stages build,gguf-hessian,project ;;
         gguf-rounding) python3 bench/hessian_rounding_speed.py --json "$OUT/hessian_rounding_speed.json" \
                            --types IQ2_S,Q4_K --kinds stack,stack_down ;;
         gguf-tune) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_tune.json" \

@@ -7,7 +7,7 @@ trellis call: into fresh pageable memory (`tensor.cpu()`, the earlier path) and 
 Each call copies `--stack` float32 matrices (a stacked call of routed experts: 16 x 32 MiB) and the copies of the
 calls before stay alive until the end of the layer, as the conversion keeps them for the advance pass; then the
 layer is dropped and the next one copied. The first layer pays for pinning the blocks; the second reuses them (the
-figure a 45-layer run sees). Peak host memory is two layers' copies: 54 x 16 x 32 MiB = 27.6 GiB a layer.
+figure a 45-layer run sees). Peak host memory is two layers' copies: 54 x 16 x 32 MiB = 27 GiB a layer.
 """
 from __future__ import annotations
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -1530,7 +1531,8 @@ def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512,
     """Block-output tuning of the slice's first MoE layer as `--rounding hessian` runs it (mixq's LayerTuner with
     the hessian stage's plan, its memory budget and expert groups), `probe_iters` steps per tuning stage, started
     from ggml's encoding of the layer's tunable tensors (the same types and bytes as their Hessian rounding: a
-    step's cost does not depend on the codes). The layer's other tensors keep their source values (the hessian
+    step's cost does not depend on the codes), a routed-expert stack's from its first expert's encoding repeated
+    for every expert (encoding all 288 would take most of a call). The layer's other tensors keep their source values (the hessian
     stage costs their encode and host decode); the layers before it only carry the streams. `project` scales the
     seconds per step to `tune_iters`."""
     import numpy as np
@@ -1558,9 +1560,15 @@ def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512,
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     # a flat importance: ggml's imatrix variants of the fused kernels compile in seconds, the plain Q4_K/Q5_K
     # search in most of a minute on first use (bench/results/kquant-compile-time.json)
+    def start_codes(spec, qtype: str) -> np.ndarray:
+        one = dataclasses.replace(spec, hf_names=spec.hf_names[:1], shape=(1, *spec.shape[1:])) \
+            if spec.transform == "stack" else spec
+        b = encode(build_tensor(one, fetch).numpy(), qtype, np.ones(spec.shape[-1], np.float32),
+                   device=None if dev.type == "cpu" else str(dev))
+        return np.ascontiguousarray(np.broadcast_to(b, (spec.shape[0], *b.shape[1:]))) if one is not spec else b
+
     with probe.span("start_codes", w=sum(math.prod(s.shape) for s, _ in sel)):
-        encoded = {s.name: encode(build_tensor(s, fetch).numpy(), t, np.ones(s.shape[-1], np.float32),
-                                  device=None if dev.type == "cpu" else str(dev)) for s, t in sel}
+        encoded = {s.name: start_codes(s, t) for s, t in sel}
     with probe.span(f"probe/tune {probe_iters} steps"):
         tuner = LayerTuner(ckpt, ids, [s for s, _ in sel], [t for _, t in sel], iters=probe_iters, device=dev)
         for i in range(moe):

@@ -67,18 +67,24 @@ def module_to_hf(layer: int, local: str) -> str:
     return name
 
 
+def _row(parts: list[str], values: Mapping[str, torch.Tensor], fetch: Callable[[str], torch.Tensor],
+         device: torch.device | None = None) -> torch.Tensor:
+    """One row of a module tensor: its checkpoint tensors `parts` concatenated on dim 0, each from `values` where
+    it is there, else from `fetch` (and moved to `device` when given)."""
+    got = [values[n] if n in values else fetch(n) for n in parts]
+    if device is not None:
+        got = [t.to(device) for t in got]
+    return torch.cat(got, 0) if len(got) > 1 else got[0]
+
+
 def layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Assemble the module's state dict from checkpoint tensors (fetch: HF name -> tensor)."""
     sd: dict[str, torch.Tensor] = {}
     for key, ref in module.state_dict(keep_vars=True).items():
-        rows = [torch.cat([fetch(n) for n in parts], 0) if len(parts) > 1 else fetch(parts[0])
-                for parts in module_sources(layer, key, ref.shape[0] if ref.dim() else 0)]
+        rows = [_row(parts, {}, fetch) for parts in module_sources(layer, key, ref.shape[0] if ref.dim() else 0)]
         sd[key] = (torch.stack(rows) if len(rows) > 1 else rows[0]).reshape(ref.shape)
     return sd
 
-
-def _row(parts: list[str], fetch: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    return torch.cat([fetch(n) for n in parts], 0) if len(parts) > 1 else fetch(parts[0])
 
 
 class _RowsInto(torch.autograd.Function):
@@ -107,12 +113,11 @@ def layer_params(module: nn.Module, layer: int, values: Mapping[str, torch.Tenso
         src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
         if not any(n in values for parts in src for n in parts):
             continue
-        pick = lambda n: values[n] if n in values else fetch(n)  # noqa: E731
         if len(src) == 1:
-            out[key] = _row(src[0], pick).reshape(ref.shape)
+            out[key] = _row(src[0], values, fetch).reshape(ref.shape)
             continue
         live = [r for r, parts in enumerate(src) if any(n in values for n in parts)]
-        rows = torch.stack([_row(src[r], pick).reshape(ref.shape[1:]) for r in live])
+        rows = torch.stack([_row(src[r], values, fetch).reshape(ref.shape[1:]) for r in live])
         out[key] = _RowsInto.apply(rows, ref, torch.tensor(live, device=ref.device))
     return out
 
@@ -123,8 +128,7 @@ def stacked_rows(module: nn.Module, layer: int, key: str, rows: range, values: M
     tensor) and, for the parts not among them, `fetch`: (len(rows), ...) as the stack holds them."""
     ref = module.get_parameter(key)
     src = module_sources(layer, key, ref.shape[0])
-    pick = lambda n: values[n] if n in values else fetch(n)  # noqa: E731
-    return torch.stack([_row(src[r], pick).reshape(ref.shape[1:]) for r in rows])
+    return torch.stack([_row(src[r], values, fetch).reshape(ref.shape[1:]) for r in rows])
 
 
 @torch.no_grad()
@@ -135,14 +139,13 @@ def write_values(module: nn.Module, layer: int, values: Mapping[str, torch.Tenso
     tensors alike: each row goes to the module's device."""
     for key, ref in module.state_dict(keep_vars=True).items():
         src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
-        pick = lambda n: (values[n] if n in values else fetch(n)).to(ref.device)  # noqa: E731
         if len(src) == 1:
             if any(n in values for n in src[0]):
-                ref.copy_(_row(src[0], pick).reshape(ref.shape))
+                ref.copy_(_row(src[0], values, fetch, ref.device).reshape(ref.shape))
             continue
         for r, parts in enumerate(src):
             if any(n in values for n in parts):
-                ref[r].copy_(_row(parts, pick).reshape(ref.shape[1:]))
+                ref[r].copy_(_row(parts, values, fetch, ref.device).reshape(ref.shape[1:]))
 
 
 class DecoderStream:

@@ -356,10 +356,7 @@ class LayerTuner:
             return frozen[n] if n in frozen else fixed[n] if n in fixed else self._fetch(n)
 
         write_values(mod, layer, fixed, value)
-        live, group = tuned, []  # what the current stage moves: the layer's tensors, then one expert group
-
-        def moving() -> dict[str, torch.Tensor]:
-            return {**self._tuned_values(live), **self._group_values(group)}
+        live = tuned  # what the first stage moves (an expert group's experts move through `group_moe` after it)
 
         def quant_input(sl: slice) -> torch.Tensor:
             return self._embedded(sl) if first else self.quant[sl].to(self.device)
@@ -375,7 +372,7 @@ class LayerTuner:
             return self.stream.call_layer(mod, quant_input(sl), prev, params=params)
 
         def loss(sl: slice) -> torch.Tensor:
-            out, _ = run(sl, layer_params(mod, layer, moving(), current) if live else None)
+            out, _ = run(sl, layer_params(mod, layer, self._tuned_values(live), current) if live else None)
             return F.mse_loss(out, target[sl].to(self.device))
 
         self._tune(layer, tuned_all, loss)
@@ -390,20 +387,17 @@ class LayerTuner:
                 for e0, e1 in ranges:
                     group = self._group(over, encoded, e0, e1)
 
-                    def weights(e0=e0, e1=e1) -> tuple[torch.Tensor, torch.Tensor]:
+                    def weights(e0=e0, e1=e1, group=group) -> tuple[torch.Tensor, torch.Tensor]:
                         vals = self._group_values(group)
                         return tuple(stacked_rows(mod, layer, f"mlp.experts.{k}", range(e0, e1), vals, current)
                                      for k in ("gate_up_proj", "down_proj"))
                     with ExpertGroupMoE(mod.mlp, e0, e1, weights) as group_moe:
                         self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
                     group_moe = None
-                    with torch.no_grad():
-                        write_values(mod, layer, {k: v.detach() for k, v in self._group_values(group).items()},
-                                     value)
+                    write_values(mod, layer, self._group_values(group), value)  # (without a graph)
                     for spec, _, codes in group:
                         grouped.setdefault(spec.name, np.array(encoded[spec.name], copy=True))[e0:e1] = \
                             codes.blocks()
-                    group = []
         with torch.no_grad():
             outs, topks = None, []
             for sl in self.stream.batches(self.ids.shape[0]):

@@ -203,8 +203,8 @@ def micro(counts, ks, out: dict, save, deadline: float):
     runs = [(k, None, "reshape", None, counts) for k in ks]
     runs += [(k, v, "reshape", None, counts[-2:]) for k in (2, 3, 4) for v in VARIANTS
              if v != viterbi_fused.default_costs(k)]
-    # the Triton forward where the Gluon one is the default: the two forwards side by side
-    runs += [(k, None, "reshape", "triton", counts) for k in ks if viterbi_fused.default_forward(k) == "gluon"]
+    # the Gluon forward where it applies: the two forwards side by side
+    runs += [(k, None, "reshape", "gluon", counts) for k in ks if viterbi_fused.gluon_serves(k)]
     runs += [(2, None, "gather", "triton", counts[-2:])]  # the other lowering of the Triton forward's exchange
     for k, costs, exchange, forward, ns in runs:
         name = (costs or viterbi_fused.default_costs(k)) + ("" if exchange == "reshape" else f"+{exchange}")

@@ -323,8 +323,8 @@ _RATES = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0)
 
 def fused_ok(bits: float) -> bool:
     """Whether the fused CUDA kernel serves this bitrate: Triton present, and on first use its encode of a
-    few random tiles matches the torch path's squared error (MIXQ_TRELLIS_FUSED=0 turns it off). The Gluon
-    forward is tried first where it applies; failing its check, the Triton forward is."""
+    few random tiles matches the torch path's squared error (MIXQ_TRELLIS_FUSED=0 turns it off). The Triton
+    forward is tried first; failing its check, the Gluon forward where it applies."""
     k = float(bits)
     if k not in _RATES or not torch.cuda.is_available():
         return False
@@ -348,8 +348,8 @@ def _checked_forward(k: float) -> str | None:
     from . import viterbi_triton as viterbi_fused  # local: viterbi_triton imports triton (optional)
 
     tried = [viterbi_fused.default_forward(k)]
-    if tried[0] != "triton":
-        tried.append("triton")
+    if viterbi_fused.gluon_serves(k) and "gluon" not in tried:
+        tried.append("gluon")
     for forward in tried:
         try:
             if _self_check_fused(k, forward=forward):
@@ -357,7 +357,7 @@ def _checked_forward(k: float) -> str | None:
         except Exception as exc:  # a compile failure of one forward leaves the next one
             if forward == tried[-1]:
                 raise
-            warnings.warn(f"trellis: {forward} Viterbi forward unavailable for K={k} ({exc!r}); trying triton")
+            warnings.warn(f"trellis: {forward} Viterbi forward unavailable for K={k} ({exc!r}); trying {tried[-1]}")
     return None
 
 

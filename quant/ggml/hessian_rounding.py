@@ -516,8 +516,13 @@ def _fused_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, grid
     return gl.set_iq2s_groups_on(blocks, index, signs)
 
 
-# per (sweep, device): whether its fused kernel passed its first-use check there (a test may clear it)
+# per (sweep, device): whether its fused kernel serves there (a test may clear it)
 FUSED_SWEEPS: dict[tuple[str, str], bool] = {}
+# per sweep: whether its fused kernel serves by default, once it passes its first-use check. The fused IQ2_S group
+# descent does not: on an H200 it took 202 s for the 3 passes over a 32-expert stack of 2048 x 4096, where the
+# loop had taken 3.3 s (bench/results/hessian_rounding_speed_h200_iq2s_fused.json); it runs where a caller asks
+# for it (allow_fused_sweep: the bench and the tests).
+FUSED_BY_DEFAULT = {"iq2s": False, "sub_scales": True}
 # the check's problem: experts, rows, columns (one feedback window on an accelerator), and its sweep's type
 _CHECK_SHAPE = (2, 16, 256)
 _CHECK_TYPE = {"iq2s": "IQ2_S", "sub_scales": "Q4_K"}
@@ -525,22 +530,31 @@ _CHECK_TYPE = {"iq2s": "IQ2_S", "sub_scales": "Q4_K"}
 
 def fused_sweep_ok(sweep: str, dev: torch.device) -> bool:
     """Whether the fused kernel of `sweep` ("iq2s": the IQ2_S group descent; "sub_scales": the sub-block scale
-    descent) may serve `dev`. On its first use there it refines one small random problem beside the loop it
-    replaces; a compile error, or a layer error more than 1e-3 above the loop's, keeps the loop for the process
-    (with a warning): a kernel is trusted after its check, as the fused searches and the fused Viterbi are."""
+    descent) serves `dev`: decided on its first use there, by :func:`allow_fused_sweep` where the sweep's kernel
+    serves by default (``FUSED_BY_DEFAULT``), else no."""
     key = (sweep, str(dev))
     if key not in FUSED_SWEEPS:
-        FUSED_SWEEPS[key] = False  # the check's own calls (and a failing one) take the loop
-        try:
-            fused, loop = _check_sweep(sweep, dev)
-            ok = bool(np.isfinite(fused)) and fused <= loop * (1 + 1e-3) + 1e-12
-            if not ok:
-                warnings.warn(f"hessian rounding: the fused {sweep} sweep's layer error {fused:.6g} is above the "
-                              f"loop's {loop:.6g} on {dev}; using the loop")
-            FUSED_SWEEPS[key] = ok
-        except Exception as exc:  # noqa: BLE001 - a compile or launch failure: the loop is always correct
-            FUSED_SWEEPS[key] = False
-            warnings.warn(f"hessian rounding: the fused {sweep} sweep is unavailable on {dev} ({exc!r}); using the loop")
+        FUSED_SWEEPS[key] = FUSED_BY_DEFAULT[sweep] and allow_fused_sweep(sweep, dev)
+    return FUSED_SWEEPS[key]
+
+
+def allow_fused_sweep(sweep: str, dev: torch.device) -> bool:
+    """Let the fused kernel of `sweep` serve `dev` for the process if it passes its check: it refines one small
+    random problem beside the loop it replaces; a compile error, or a layer error more than 1e-3 above the loop's,
+    keeps the loop (with a warning): a kernel is trusted after its check, as the fused searches and the fused
+    Viterbi are. Returns whether it serves."""
+    key = (sweep, str(dev))
+    FUSED_SWEEPS[key] = False  # the check's own calls (and a failing one) take the loop
+    try:
+        fused, loop = _check_sweep(sweep, dev)
+        ok = bool(np.isfinite(fused)) and fused <= loop * (1 + 1e-3) + 1e-12
+        if not ok:
+            warnings.warn(f"hessian rounding: the fused {sweep} sweep's layer error {fused:.6g} is above the "
+                          f"loop's {loop:.6g} on {dev}; using the loop")
+        FUSED_SWEEPS[key] = ok
+    except Exception as exc:  # noqa: BLE001 - a compile or launch failure: the loop is always correct
+        FUSED_SWEEPS[key] = False
+        warnings.warn(f"hessian rounding: the fused {sweep} sweep is unavailable on {dev} ({exc!r}); using the loop")
     return FUSED_SWEEPS[key]
 
 

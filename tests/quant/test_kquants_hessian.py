@@ -204,7 +204,30 @@ def test_a_fused_sweep_that_fails_its_check_keeps_the_loop(sweep, k256_real, mon
         kh.FUSED_SWEEPS.clear()
         monkeypatch.setattr(module, launcher, kernel)
         with pytest.warns(UserWarning, match=why):
+            if not kh.FUSED_BY_DEFAULT[sweep]:  # a kernel that does not serve by default is checked where asked for
+                assert kh.allow_fused_sweep(sweep, w.device) is False
             got = refine()
         assert np.array_equal(got, want)
         assert kh.fused_sweep_ok(sweep, w.device) is False  # decided once for the process
     kh.FUSED_SWEEPS.clear()
+
+
+def test_the_fused_iq2s_descent_serves_only_where_asked_for(k256_real, monkeypatch):
+    """The fused IQ2_S group descent (slower than its loop on an H200) is not tried unless a caller asks for it:
+    with a kernel that would pass its check, the loop still runs; asked for, the kernel runs."""
+    _, _, w_e, h_e = k256_real
+    w, h = w_e[:2, :32], h_e[:2].contiguous()
+    blocks = np.stack([kquants.quantize(w[e].numpy(), "IQ2_S") for e in range(2)])
+    monkeypatch.setattr(kh, "use_fused", lambda t: t.shape[-1] == w.shape[-1])
+    calls = []
+    monkeypatch.setattr(kh, "_check_sweep", lambda sweep, dev: (0.0, 1.0))
+    monkeypatch.setattr(kh, "_fused_iq2s", lambda *a: calls.append(1) or blocks)
+    kh.FUSED_SWEEPS.clear()
+    try:
+        kh.refine_iq2s(w, blocks, h)
+        assert calls == [] and kh.fused_sweep_ok("iq2s", w.device) is False
+        assert kh.allow_fused_sweep("iq2s", w.device) is True
+        kh.refine_iq2s(w, blocks, h)
+        assert calls == [1]
+    finally:
+        kh.FUSED_SWEEPS.clear()

@@ -208,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="quarter widths (a CPU smoke run)")
     ap.add_argument("--profile", action="store_true", help="also profile each call (torch.profiler, top operators)")
+    ap.add_argument("--fused-iq2s", action="store_true",
+                    help="let the fused IQ2_S group descent serve (after its check), where the loop serves by default")
     a = ap.parse_args(argv)
     if a.project:
         out = project(a.project)
@@ -223,6 +225,8 @@ def main(argv=None) -> int:
     global PROFILE
     PROFILE = a.profile
     dev = torch.device(a.device)
+    if a.fused_iq2s:
+        print(f"fused IQ2_S descent: {'serves' if kh.allow_fused_sweep('iq2s', dev) else 'refused by its check'}")
     div = 4 if a.small else 1
     stacks = [int(x) for x in a.experts.split(",")] if a.experts else [gr.expert_slice(*EXPERT_SHAPE, dev)]
     down = [gr.expert_slice(*EXPERT_DOWN, dev)] if not a.experts else stacks

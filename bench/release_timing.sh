@@ -4,11 +4,12 @@
 #
 #   bash bench/release_timing.sh OUT exl3-slice               # 8.5 min: the 288-expert EXL3 slice, projected
 #   bash bench/release_timing.sh OUT gguf-tune                # 8 min: GGUF tuning of the 288-expert layer
-#   bash bench/release_timing.sh OUT exl3-slice-dsa           # 8.5 min: the same with a DSA + MoE layer
-#   bash bench/release_timing.sh OUT gguf-hessian             # 8.5 min: a whole --rounding hessian conversion
-#   bash bench/release_timing.sh OUT copy-back gguf-rounding  # 1.5 + 3 min: pinned copies; the Hessian rounding
+#   bash bench/release_timing.sh OUT gguf-rounding            # 1.5 min: the Hessian rounding's stacked calls
 #   bash bench/release_timing.sh OUT build-exllamav3          # 5-7 min: exllamav3's CUDA extension, alone
 #   bash bench/release_timing.sh OUT gpu-tests trellis        # 2 + 5 min: gpu tests; the encoder beside exllamav3
+#   bash bench/release_timing.sh OUT exl3-slice-dsa           # 8.5 min: the same with a DSA + MoE layer
+#   bash bench/release_timing.sh OUT gguf-hessian             # 8.5 min: a whole --rounding hessian conversion
+#   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
 #
 # OUT receives the JSON results. Wheels in .whl/ (transformers, gguf, exllamav3 and its needs) are installed into
 # /tmp/site on first use; each slice step builds the slice into /tmp/mixq-slice (about 25 s).

@@ -13,7 +13,8 @@ decoder (:mod:`torch_decode`, gguf-py's values bit for bit on the CPU; codes all
 high end) instead of a second copy of each decoding rule. The ``*_on`` forms decode and return on a given device, so
 a rounding that runs on the GPU makes no host decode.
 :func:`nearest_codes` and :func:`interpolated_values` give the rounding and a piecewise-linear relaxation on the
-level values, the same for every scalar type.
+level values, the same for every scalar type (through :func:`table_nearest` / :func:`table_values` /
+:func:`table_positions` on any ascending level table, which IQ2_S's signed levels use too).
 Bit layouts follow ggml's block definitions (docstrings of :mod:`numpy_kquants` name the byte ranges).
 IQ2_S (8-weight codebook groups with free signs) has its own pair: ``set_iq2s_groups`` / ``iq2s_group_scales``.
 """
@@ -54,17 +55,38 @@ def _table(qtype: str, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(LEVEL_TABLES[qtype]).to(device)
 
 
+def table_nearest(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Position (float, 0-based) of the entry of an ascending level table nearest to each x (ties to the upper
+    entry, as ggml's best_index_int8 does)."""
+    mids = (table[1:] + table[:-1]) * 0.5
+    return torch.bucketize(x.contiguous(), mids, right=True).to(x.dtype)
+
+
+def table_values(u: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """An ascending level table linearly interpolated at real positions u (0-based, clamped to the table):
+    differentiable in u, the table's entries at whole positions."""
+    n = table.shape[0]
+    uc = u.clamp(0, n - 1)
+    f = torch.floor(uc.detach()).clamp_(0, n - 2)
+    i = f.long()
+    return table[i] + (uc - f) * (table[i + 1] - table[i])
+
+
+def table_positions(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`table_values`: real 0-based positions of values x on an ascending table (past the
+    ends, the end segments extended)."""
+    i = (torch.bucketize(x.contiguous(), table, right=True) - 1).clamp_(0, table.shape[0] - 2)
+    return i.to(x.dtype) + (x - table[i]) / (table[i + 1] - table[i])
+
+
 def nearest_codes(x: torch.Tensor, qtype: str) -> torch.Tensor:
     """The code (float) whose level value is nearest to x (positions in level-value units, any shape).
 
-    Affine types round half to even and clamp; a table type takes the nearest level (ties to the upper one, as
-    ggml's best_index_int8 does)."""
+    Affine types round half to even and clamp; a table type takes the nearest level (:func:`table_nearest`)."""
     lo, hi = CODE_RANGE[qtype]
     if qtype not in LEVEL_TABLES:
         return torch.round(x).clamp_(lo, hi)
-    t = _table(qtype, x.device)
-    mids = (t[1:] + t[:-1]) * 0.5
-    return (torch.bucketize(x.contiguous(), mids, right=True) + lo).to(x.dtype)
+    return table_nearest(x, _table(qtype, x.device)) + lo
 
 
 def code_values(codes: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -81,11 +103,7 @@ def interpolated_values(u: torch.Tensor, qtype: str) -> torch.Tensor:
     lo, hi = CODE_RANGE[qtype]
     if qtype not in LEVEL_TABLES:
         return u.clamp(lo, hi)
-    t = _table(qtype, u.device)
-    uc = u.clamp(lo, hi)
-    f = torch.floor(uc.detach()).clamp_(lo, hi - 1)
-    i = (f - lo).long()
-    return t[i] + (uc - f) * (t[i + 1] - t[i])
+    return table_values(u - lo if lo else u, _table(qtype, u.device))
 
 
 def code_positions(x: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -94,9 +112,7 @@ def code_positions(x: torch.Tensor, qtype: str) -> torch.Tensor:
     lo = CODE_RANGE[qtype][0]
     if qtype not in LEVEL_TABLES:
         return x
-    t = _table(qtype, x.device)
-    i = (torch.bucketize(x.contiguous(), t, right=True) - 1).clamp_(0, len(t) - 2)
-    return lo + i.to(x.dtype) + (x - t[i]) / (t[i + 1] - t[i])
+    return table_positions(x, _table(qtype, x.device)) + lo
 
 
 def block_shape(qtype: str) -> tuple[int, int]:
@@ -389,6 +405,14 @@ def iq2s_grid() -> np.ndarray:
     """(1024, 8) float32: IQ2_S codebook magnitudes (gguf-py's table), decoded value = db * grid * sign."""
     gguf_quants.IQ2_S.init_grid()
     return np.asarray(gguf_quants.IQ2_S.grid, dtype=np.float32).reshape(1024, 8)
+
+
+@lru_cache(maxsize=None)
+def iq2s_levels() -> np.ndarray:
+    """float32 (6,), ascending: the values one IQ2_S weight takes before its group scale, the grid's magnitudes
+    ({8, 25, 43}) with either sign: a coordinate's sign and magnitude as one position on one table."""
+    mags = np.unique(iq2s_grid())
+    return np.concatenate([-mags[::-1], mags]).astype(np.float32)
 
 
 def _iq2s_flat(blocks: np.ndarray, device: str | torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from mixq.errors import InputError
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml import levels as gl
 from mixq.quant.ggml import encoders as kquants
@@ -84,8 +85,74 @@ def test_sign_descent_returns_to_the_start_when_nothing_scores_better(weights):
     assert torch.equal(codes.u.detach(), u0) and np.array_equal(codes.blocks(), blocks)
 
 
-def test_level_grid_types_are_the_tunable_ones():
-    assert set(bt.TUNABLE) == set(gl.SCALAR_TYPES) and "IQ2_S" not in bt.TUNABLE
+def test_tunable_types_are_the_level_grid_types_and_iq2s(weights):
+    assert set(bt.TUNABLE) == set(gl.SCALAR_TYPES) | {"IQ2_S"}
+    assert isinstance(bt.tunable_codes(kquants.quantize(weights.numpy(), "Q4_K"), "Q4_K", weights), bt.LevelCodes)
+    iq2s = kquants.quantize(weights.numpy(), "IQ2_S")
+    assert isinstance(bt.tunable_codes(iq2s, "IQ2_S", weights), bt.IQ2SCodes)
+    with pytest.raises(InputError):
+        bt.tunable_codes(iq2s, "IQ2_S", weights, scales=True)  # IQ2_S's scales are not learned
+
+
+def test_iq2s_codes_start_at_the_encoding(weights):
+    """Untouched, IQ2_S's relaxation decodes to gguf-py's values of the encoded blocks and writes back the same
+    bytes; each u lies on the signed table, within START_REACH of its encoded position, towards the source."""
+    blocks = kquants.quantize(weights.numpy(), "IQ2_S")
+    c = bt.IQ2SCodes(blocks, "IQ2_S", weights)
+    ref = torch.from_numpy(gguf_quants.dequantize(blocks, GGMLQuantizationType.IQ2_S))
+    assert c.u.shape == weights.shape and torch.allclose(c.dequantized().detach(), ref, rtol=1e-6, atol=1e-7)
+    assert np.array_equal(c.blocks(), blocks) and c.changed() == 0.0
+    start = c._positions(c.index0, c.signs0).reshape(weights.shape)
+    gap = (c.u.detach() - start).abs()
+    assert float(gap.max()) <= bt.START_REACH + 1e-6 and float(gap.mean()) > 0.05
+    assert float(c.u.detach().min()) >= 0 and float(c.u.detach().max()) <= 5
+
+
+def test_iq2s_groups_off_the_codebook_take_the_nearest_entry(weights):
+    """A group whose rounded magnitudes are no codebook tuple decodes to the codebook entry nearest to its
+    interpolated values (a brute-force search over the 1024 entries), with their signs; one whose rounded
+    magnitudes are a tuple decodes to it."""
+    c = bt.IQ2SCodes(kquants.quantize(weights.numpy(), "IQ2_S"), "IQ2_S", weights)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        c.u.copy_(torch.rand(c.u.shape, generator=g) * 5)
+    levels = torch.from_numpy(gl.iq2s_levels())
+    grid = torch.from_numpy(gl.iq2s_grid())
+    soft = gl.table_values(c.u.detach(), levels).reshape(-1, 8)
+    rounded = levels[torch.round(c.u.detach()).long()].reshape(-1, 8)
+    on_grid = (rounded.abs().unsqueeze(1) == grid).all(-1)               # (groups, 1024)
+    nearest = torch.cdist(soft.abs(), grid).argmin(-1)
+    want = torch.where(on_grid.any(-1), on_grid.float().argmax(-1), nearest)
+    index, signs = c.codes()
+    assert 0 < float(on_grid.any(-1).float().mean()) < 1  # both cases occur
+    assert torch.equal(index.reshape(-1), want)
+    bits = (signs.reshape(-1, 1) >> torch.arange(8)) & 1
+    assert torch.equal(bits.bool(), soft < 0)
+    db = torch.from_numpy(gl.iq2s_group_scales(c.source)).reshape(-1, 1)
+    assert torch.equal(c.dequantized().detach().reshape(-1, 8), db * grid[want] * torch.where(soft < 0, -1.0, 1.0))
+
+
+def test_iq2s_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights):
+    """IQ2_S's codebook groups tuned for a Linear's output: the held-out loss falls, some groups move, the fp16 d
+    and the 4-bit scales stay byte for byte, and the written blocks decode (gguf-py) to exactly the weights the
+    loss saw."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(640, 512, generator=g) @ (3.0 * torch.randn(512, 512, generator=g) / 512 ** 0.5 + torch.eye(512))
+    blocks = kquants.quantize(weights.numpy(), "IQ2_S")
+    codes = bt.tunable_codes(blocks, "IQ2_S", weights)
+    loss = _layer_loss(weights, x, codes)
+    with torch.no_grad():
+        start = float(loss(slice(512, 640)))
+    first, best = bt.sign_descent(codes.params, loss, [slice(i, i + 64) for i in range(0, 512, 64)], 40, 0.5,
+                                  score=lambda: float(loss(slice(512, 640)).detach()))
+    assert first == pytest.approx(start) and best < 0.95 * start
+    assert 0.01 < codes.changed() < 0.9
+    out = codes.blocks()
+    assert out.shape == blocks.shape and not np.array_equal(out, blocks)
+    o, b = out.reshape(-1, 82), blocks.reshape(-1, 82)  # d: bytes 0-1; the 4-bit scales: 74-81
+    assert np.array_equal(o[:, :2], b[:, :2]) and np.array_equal(o[:, 74:], b[:, 74:])
+    got = torch.from_numpy(gguf_quants.dequantize(out, GGMLQuantizationType.IQ2_S))
+    assert torch.equal(got, codes.dequantized().detach())
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q4_1", "IQ4_NL"])

@@ -86,6 +86,8 @@ def _calibration(run) -> dict:
     if o.rounding == "hessian":
         files = [_named_file(c) for c in o.calibration] or [{"file": "builtin"}]
         cal["hessian"] = {"files": files, "rows": o.rows, "seq_len": o.seq_len, "tune_iters": o.tune_iters}
+        if o.tune_group_iters is not None:
+            cal["hessian"]["tune_group_iters"] = o.tune_group_iters
     return cal
 
 

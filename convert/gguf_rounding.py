@@ -95,14 +95,16 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
 
 def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir: str | Path, *,
                            imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
-                           seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, device: str | None = None,
+                           seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS,
+                           tune_group_iters: int | None = None, device: str | None = None,
                            progress: bool = True, cache: EncodeCache | None = None,
                            load: Callable[[str], tuple] | None = None) -> dict[str, Path]:
     """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
     in `work_dir`: {GGUF name: path}. `imatrix` (GGUF name -> importance) feeds ggml's scale search, as in the
     exact path; without it the Hessian's diagonal does. Tensors whose input the forward never forms are left out.
     `tune_iters` > 0: each stage's codes are then tuned for the layer's output on the quantized model's streams
-    (convert/gguf_tuning.py), with that many descent steps per stage.
+    (convert/gguf_tuning.py), with that many descent steps per stage (`tune_group_iters` per group of routed
+    experts tuned apart, None: the tuner's default).
 
     `cache` (a family's, with `load(name) -> (GGUF tensor, imatrix)` for its keys): the codes before tuning depend
     only on the source weights, the imatrix and the source model's calibration forward, not on the member, so a
@@ -125,7 +127,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     rounded = _CachedRounding(cache, load, str(ckpt.path), rounding_tag(ids, dev) if cache is not None else "")
     tuner = None
     if tune_iters > 0:
-        tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, device=dev)
+        tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, group_iters=tune_group_iters,
+                           device=dev)
     bar = tqdm(total=sum(math.prod(s.shape) for s, _ in todo), desc="hessian rounding", unit="w", unit_scale=True,
                disable=not progress)
     for stage in layer_hessians(ckpt, ids, device=dev):
@@ -203,8 +206,8 @@ def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path]) -> None:
 @contextmanager
 def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path, *,
                     imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
-                    seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, device: str | None = None,
-                    progress: bool = True, cache: EncodeCache | None = None,
+                    seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, tune_group_iters: int | None = None,
+                    device: str | None = None, progress: bool = True, cache: EncodeCache | None = None,
                     load: Callable[[str], tuple] | None = None) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
     """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
 
@@ -214,7 +217,8 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
     work = make_partial_dir(out, "hessian")
     try:
         paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
-                                       rows=rows, seq_len=seq_len, tune_iters=tune_iters, device=device,
+                                       rows=rows, seq_len=seq_len, tune_iters=tune_iters,
+                                       tune_group_iters=tune_group_iters, device=device,
                                        progress=progress, cache=cache, load=load)
         yield {n: (lambda p=p: np.load(p)) for n, p in paths.items()}
     finally:

@@ -4,8 +4,8 @@ After a layer's tensors are Hessian-rounded (convert/gguf_rounding.py), `LayerTu
 every tensor of that layer together (quant/ggml/block_tuning.py) so that the layer, run on the *quantized* model's
 hidden streams, reproduces the *source* layer's output on the source streams (mean squared error over the
 streams, calibration rows in batches). Two streams are carried from layer to layer: the source model's, and the
-quantized model's as llama.cpp will run it (every tensor of the layer at its planned type: tuned codes, the
-Hessian-rounded IQ2_S groups, ggml's own encoding of the tensors Hessian rounding does not cover, floats rounded
+quantized model's as llama.cpp will run it (every tensor of the layer at its planned type: tuned codes, IQ2_S's
+codebook groups among them, ggml's own encoding of the tensors Hessian rounding does not cover, floats rounded
 to F16/BF16). The token embedding is tuned with the first layer (its error enters that layer's output through the
 residual path); the output head with the KL divergence of the logits, after the last layer.
 
@@ -14,6 +14,10 @@ their loss was lowest, the Hessian-rounded start included. Types and byte counts
 and bytes are those of the exact path. Sub-block scales and the K-quants' super-scales stay as the Hessian rounding
 set them; the types whose only scale is one fp16 per 32 weights at 4-5 bits (Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL, where
 128-wide rows send the K-quants) learn that scale with the codes (``SCALE_LR``), as AutoRound tunes its scales.
+
+Routed experts that do not fit the memory budget beside the rest are tuned a group of experts at a time after the
+layer's first stage, `group_iters` steps a group (fewer than the first stage's by default: a 288-expert layer has
+several groups, and on an H200 a group's step took 0.6-0.7 s where the first stage's took 0.19 s).
 
 Cost: `iters` forward and backward passes of one layer over `batch_rows` rows, per layer; memory:
 ``BYTES_PER_TUNED_WEIGHT`` per tuned weight of the layer besides the layer itself, and two hidden streams.
@@ -34,6 +38,7 @@ from mixq.convert.gguf_workers import encode
 from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
+from mixq.quant.ggml import levels as gl
 from mixq.quant.ggml.hessian_rounding import dequantize_blocks
 from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stacked_rows,
                                        write_values)
@@ -42,11 +47,15 @@ from mixq.runtime.overlap import host_empty
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
 SCALE_LR = 0.2          # total reach of a block scale's relative change (types in SCALE_TUNED): scale_lr / 2
 CHECK_SHARE = 8         # one row in CHECK_SHARE is held out for the keep-the-best check (at least one batch)
+# an expert group's stage takes iters / GROUP_ITERS_SHARE steps unless told: at 288 experts on an H200 a group of
+# 1.2 G weights took 0.6-0.7 s a step, and a 108 GB plan's MoE layer, its IQ2_S experts tuned, has 6 groups
+GROUP_ITERS_SHARE = 8
 # per tuned weight: u, its gradient, the best point, the grid (step, base), the start, the decoded value and the
 # rounding's transients, float32 each; a weight whose block scale is learned too counts twice (the grid of each
 # scale alone, and the grid rebuilt at every step)
 BYTES_PER_TUNED_WEIGHT = 40
 FLOAT_TYPES = ("F32", "F16", "BF16")
+DECODE_ROWS_WEIGHTS = 1 << 26  # weights decoded on the device at a time (bounds the decoder's transients)
 _TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -90,6 +99,21 @@ def stored_values(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None)
     x = weights.detach().to("cpu", torch.float32).numpy()
     b = encode(x, qtype, None if imatrix is None else np.asarray(imatrix, np.float32))
     return torch.from_numpy(dequantize_blocks(b, qtype).reshape(x.shape)).float()
+
+
+def decoded_on_host(blocks: np.ndarray, qtype: str, device: torch.device) -> torch.Tensor:
+    """float32 host values (..., weights per row) of encoded ggml `blocks` (..., bytes per row), decoded on `device`
+    by the torch decoder (gguf-py's values bit for bit on the CPU; gguf-py's own IQ2_S decode runs at about 3.3 M
+    weights/s on a CPU core, 37 minutes for a 288-expert layer's experts), ``DECODE_ROWS_WEIGHTS`` weights at a
+    time, into one host tensor (pinned for a CUDA device, as the layer streams are)."""
+    bs, ts = gl.block_shape(qtype)
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    per_row = blocks.shape[-1] // ts * bs
+    out = host_empty((flat.shape[0], per_row), torch.float32, pinned=torch.device(device).type == "cuda")
+    step = max(1, DECODE_ROWS_WEIGHTS // per_row)
+    for r0 in range(0, flat.shape[0], step):
+        out[r0:r0 + step].copy_(gl.decode_blocks(flat[r0:r0 + step], qtype, device))
+    return out.reshape(*blocks.shape[:-1], per_row)
 
 
 class AttentionCache:
@@ -181,14 +205,19 @@ class LayerTuner:
     device's free memory, `tuning_budget`); the other tensors come first, then whole routed-expert stacks while
     they fit; the stacks left over are tuned after them in groups of experts that fit the budget (every stack of
     the layer over the same experts at once, all else frozen at its tuned or encoded values), so every expert is
-    tuned; an expert that alone is over the budget keeps its Hessian rounding."""
+    tuned; an expert that alone is over the budget keeps its Hessian rounding. iters: descent steps of a layer's
+    first stage; group_iters: of each expert group's stage (None: ``iters // GROUP_ITERS_SHARE``, at least one)."""
 
     def __init__(self, ckpt, input_ids: torch.Tensor, specs: Sequence, types: Sequence[str], *,
                  imatrix: Mapping[str, np.ndarray] | None = None, iters: int = DEFAULT_TUNE_ITERS,
                  lr: float | None = None, scale_lr: float | None = None, batch_rows: int = 4,
-                 device: str | torch.device = "cpu", max_weights: int | None = None) -> None:
+                 device: str | torch.device = "cpu", max_weights: int | None = None,
+                 group_iters: int | None = None) -> None:
         self.ckpt, self.ids = ckpt, input_ids.long()
         self.iters, self.lr = int(iters), float(TUNE_LR if lr is None else lr)
+        if group_iters is None:
+            group_iters = max(1, self.iters // GROUP_ITERS_SHARE) if self.iters > 0 else 0
+        self.group_iters = int(group_iters)
         self.scale_lr = float(SCALE_LR if scale_lr is None else scale_lr)
         self.imatrix = imatrix or {}
         self.stream = DecoderStream(ckpt.config, device=device, batch_rows=batch_rows)
@@ -235,11 +264,11 @@ class LayerTuner:
         for spec, qtype in members:
             blocks = encoded.get(spec.name)
             if spec.name in chosen:
-                tuned.append((spec, bt.LevelCodes(blocks, qtype, build_tensor(spec, self._fetch), self.device,
-                                                  scales=self._scales(qtype))))
+                tuned.append((spec, bt.tunable_codes(blocks, qtype, build_tensor(spec, self._fetch), self.device,
+                                                     scales=self._scales(qtype))))
                 continue
             if blocks is not None:  # encoded, not tuned: the source is not read
-                v = torch.from_numpy(dequantize_blocks(np.asarray(blocks), qtype)).float()
+                v = decoded_on_host(np.asarray(blocks), qtype, self.device)
             else:
                 v = stored_values(qtype, build_tensor(spec, self._fetch), self.imatrix.get(spec.name))
             fixed_parts.update(unbuild_tensor(spec, v.reshape(spec.shape)))
@@ -272,8 +301,8 @@ class LayerTuner:
         for spec, qtype in over:
             part = replace(spec, hf_names=spec.hf_names[e0:e1], shape=(e1 - e0, *spec.shape[1:]))
             blocks = np.asarray(encoded[spec.name])[e0:e1]
-            group.append((spec, (e0, e1), bt.LevelCodes(blocks, qtype, build_tensor(part, self._fetch), self.device,
-                                                        scales=self._scales(qtype))))
+            group.append((spec, (e0, e1), bt.tunable_codes(blocks, qtype, build_tensor(part, self._fetch), self.device,
+                                                           scales=self._scales(qtype))))
         return group
 
     def _scales(self, qtype: str) -> bool:
@@ -311,8 +340,8 @@ class LayerTuner:
         e = F.embedding(self.ids[sl].to(self.device), w)
         return e.unsqueeze(2).expand(-1, -1, self.stream.hc_mult, -1).contiguous()
 
-    def _tune(self, layer, tuned, loss) -> None:
-        if not tuned or self.iters <= 0:
+    def _tune(self, layer, tuned, loss, iters: int) -> None:
+        if not tuned or iters <= 0:
             return
 
         def held_out() -> float:
@@ -321,7 +350,7 @@ class LayerTuner:
 
         t0 = time.perf_counter()
         params = [(p, self.lr if k == 0 else self.scale_lr) for _, c in tuned for k, p in enumerate(c.params)]
-        before, after = bt.sign_descent([p for p, _ in params], loss, self.fit, self.iters, [r for _, r in params],
+        before, after = bt.sign_descent([p for p, _ in params], loss, self.fit, iters, [r for _, r in params],
                                         score=held_out)  # the score reads losses back: the device has finished
         self.reports.append(StageReport(layer, before, after, after < before,
                                         float(np.mean([c.changed() for _, c in tuned])), self.held,
@@ -375,13 +404,13 @@ class LayerTuner:
             out, _ = run(sl, layer_params(mod, layer, self._tuned_values(live), current) if live else None)
             return F.mse_loss(out, target[sl].to(self.device))
 
-        self._tune(layer, tuned_all, loss)
+        self._tune(layer, tuned_all, loss, self.iters)
         with torch.no_grad():
             frozen.update({k: v.detach() for k, v in self._tuned_values(tuned).items()})
         write_values(mod, layer, frozen, value)
         live = []  # the layer's other tensors stay at their tuned values while the experts move
         grouped: dict[str, np.ndarray] = {}  # the stacks tuned a group of experts at a time
-        ranges = self._expert_ranges(over)
+        ranges = self._expert_ranges(over) if self.group_iters > 0 else []
         if ranges:
             with attention:  # from here only routed experts move
                 for e0, e1 in ranges:
@@ -392,7 +421,7 @@ class LayerTuner:
                         return tuple(stacked_rows(mod, layer, f"mlp.experts.{k}", range(e0, e1), vals, current)
                                      for k in ("gate_up_proj", "down_proj"))
                     with ExpertGroupMoE(mod.mlp, e0, e1, weights) as group_moe:
-                        self._tune(layer, [(spec, codes) for spec, _, codes in group], loss)
+                        self._tune(layer, [(spec, codes) for spec, _, codes in group], loss, self.group_iters)
                     group_moe = None
                     write_values(mod, layer, self._group_values(group), value)  # (without a graph)
                     for spec, _, codes in group:
@@ -439,5 +468,5 @@ class LayerTuner:
             q = F.log_softmax(h @ codes.dequantized().reshape(spec.shape).T, -1)
             return F.kl_div(q.flatten(0, 1), p.flatten(0, 1), log_target=True, reduction="batchmean")
 
-        self._tune(None, tuned, loss)
+        self._tune(None, tuned, loss, self.iters)
         return {spec.name: codes.blocks()}

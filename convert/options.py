@@ -201,7 +201,9 @@ class GGUFOptions(_Options):
     processes); `threads`: CPU encoder processes (None: every core). The bytes depend on neither. `rounding`:
     "exact" (ggml's encoder: byte-identical to llama-quantize) or "hessian" (same types and bytes, codes chosen
     for the layer-output error from a calibration pass over `calibration` files, `rows` x `seq_len` tokens, then
-    tuned for each decoder layer's output on the quantized model's streams: `tune_iters` steps, 0 = none).
+    tuned for each decoder layer's output on the quantized model's streams: `tune_iters` steps, 0 = none; routed
+    experts that do not fit the tuning memory with the rest are tuned a group at a time, `tune_group_iters` steps
+    a group, None = `tune_iters` / 8).
     `measure`: GGUF error curves (`mixq plan --format gguf --measure --measure-out FILE`) for a --bpw/--size
     plan. `overwrite`: replace an existing OUT (and --mmproj file) instead of refusing."""
 
@@ -231,6 +233,7 @@ class GGUFOptions(_Options):
     rows: int = _opt(DEFAULT_ROWS, "--rows")
     seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
     tune_iters: int = _opt(DEFAULT_TUNE_ITERS, "--tune-iters")
+    tune_group_iters: int | None = _opt(None, "--tune-group-iters")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
     overwrite: bool = _opt(False, "--overwrite")
     progress: bool = _opt(True, "progress")
@@ -268,6 +271,8 @@ class GGUFOptions(_Options):
         _positive_int(cls, "rows", self.rows)
         _positive_int(cls, "seq_len", self.seq_len, 2)
         _positive_int(cls, "tune_iters", self.tune_iters, 0)
+        if self.tune_group_iters is not None:
+            _positive_int(cls, "tune_group_iters", self.tune_group_iters, 0)
         self._check_mode()
 
     def _check_mode(self) -> None:
@@ -285,7 +290,7 @@ class GGUFOptions(_Options):
             raise InputError("--mmproj-type applies with --mmproj only")
         if self.rounding != "hessian":
             for name, default in (("calibration", ()), ("rows", DEFAULT_ROWS), ("seq_len", DEFAULT_SEQ_LEN),
-                                  ("tune_iters", DEFAULT_TUNE_ITERS)):
+                                  ("tune_iters", DEFAULT_TUNE_ITERS), ("tune_group_iters", None)):
                 if getattr(self, name) != default:
                     raise InputError(f"{flag_of(GGUFOptions, name)} applies to GGUF with --rounding hessian "
                                      "(its calibration pass)")

@@ -130,7 +130,7 @@ def test_experts_over_the_budget_are_tuned_in_groups(setup):
     per_expert = sum(int(np.prod(s.shape[1:])) for s in stacks)
     others = sum(int(np.prod(s.shape)) for s in specs if s.transform != "stack")
     assert others < 4 * per_expert  # the budget below holds the rest, not one whole stack beside it
-    tuner = gt.LayerTuner(ck, ids, specs, types, iters=32, lr=0.5, max_weights=4 * per_expert)
+    tuner = gt.LayerTuner(ck, ids, specs, types, iters=32, lr=0.5, max_weights=4 * per_expert, group_iters=32)
     tuner.layer(0, {})  # layer 0 has none of these tensors: both streams advance
     out = tuner.layer(1, encoded)
     assert set(out) == set(MOE) and tuner.held == 0
@@ -220,3 +220,57 @@ def test_expert_group_block_matches_the_whole_block(setup):
     for a, b in zip(grads, grads_whole):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
     assert "forward" not in vars(mod.mlp)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q4_K", "IQ2_S", "IQ4_XS", "Q5_0"])
+def test_encoded_values_are_decoded_on_the_device_as_gguf_py_decodes_them(setup, monkeypatch, qtype):
+    """Encoded tensors the tuner does not move are decoded by the torch decoder, a slice of rows at a time, to
+    gguf-py's values bit for bit (on the CPU); the stacked shape is kept."""
+    from gguf import GGMLQuantizationType, quants
+
+    ck, *_ = setup
+    w = ck.get("model.language_model.layers.0.mlp.down_proj.weight", dtype=torch.float32)[:24, :512]
+    blocks = np.stack([kquants.quantize(w[i:i + 8].numpy(), qtype) for i in (0, 8, 16)])  # (3, 8, bytes)
+    monkeypatch.setattr(gt, "DECODE_ROWS_WEIGHTS", 5 * 512)  # 5 rows a slice: slices cross the stacked dim
+    got = gt.decoded_on_host(blocks, qtype, torch.device("cpu"))
+    want = quants.dequantize(blocks, GGMLQuantizationType[qtype])
+    assert got.shape == (3, 8, 512) and np.array_equal(got.numpy(), want)
+
+
+def test_expert_groups_take_their_own_step_count(setup):
+    """An expert group's stage takes `group_iters` steps (default: iters / 8); 0 leaves the experts that do not fit
+    the budget at their Hessian rounding, the other tensors still tuned."""
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import build_tensor, gguf_tensors
+    from mixq.quant.ggml import block_tuning as bt
+
+    ck, _, _, ids, _ = setup
+    specs = [s for s in gguf_tensors(open_checkpoint(ck.path)) if s.name in MOE]
+    types = [MOE[s.name] for s in specs]
+    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
+        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
+    stacks = [s for s in specs if s.transform == "stack"]
+    per_expert = sum(int(np.prod(s.shape[1:])) for s in stacks)
+    assert gt.LayerTuner(ck, ids, specs, types, iters=200).group_iters == 200 // gt.GROUP_ITERS_SHARE
+    assert gt.LayerTuner(ck, ids, specs, types, iters=0).group_iters == 0
+    steps = []
+    descent = bt.sign_descent
+
+    def counted(params, loss, batches, iters, lr, **kw):
+        steps.append(iters)
+        return descent(params, loss, batches, iters, lr, **kw)
+
+    for group_iters in (3, 0):
+        steps.clear()
+        bt.sign_descent = counted
+        try:
+            tuner = gt.LayerTuner(ck, ids, specs, types, iters=8, max_weights=4 * per_expert, group_iters=group_iters)
+            tuner.layer(0, {})
+            out = tuner.layer(1, encoded)
+        finally:
+            bt.sign_descent = descent
+        if group_iters:
+            assert steps == [8, 3, 3, 3, 3]  # the layer's other tensors, then 4 groups of 4 experts
+        else:
+            assert steps == [8]
+            assert all(s.name not in out for s in stacks)  # their Hessian-rounded blocks stand

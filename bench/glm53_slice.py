@@ -619,16 +619,17 @@ def _tuning_probe(p: Probe) -> None:
     p.wrap([gt.LayerTuner], "__init__", lambda *a, **k: "tune_init")
     p.wrap([gt.LayerTuner], "layer", lambda self, layer, enc: f"tune_layer/{_stage_name(layer)}")
     p.wrap([gt.LayerTuner], "head", lambda self, enc: "tune_layer/head")
-    p.wrap([gt.LayerTuner], "_tune", lambda self, layer, tuned, loss: f"tune_stage/{_stage_name(layer)}",
-           info=lambda self, layer, tuned, loss: {"w": sum(int(c.u.numel()) for _, c in tuned), "iters": self.iters,
-                                                  "tensors": len(tuned)})
+    p.wrap([gt.LayerTuner], "_tune", lambda self, layer, tuned, loss, iters: f"tune_stage/{_stage_name(layer)}",
+           info=lambda self, layer, tuned, loss, iters: {"w": sum(int(c.u.numel()) for _, c in tuned),
+                                                         "iters": iters, "tensors": len(tuned)})
     _log_result(p, gt.LayerTuner, "_expert_ranges",
                 lambda res, self, over: {"k": "tune_groups", "ranges": [list(r) for r in res],
                                          "max_weights": self.max_weights, "over": [s.name for s, _ in over]})
     p.wrap([gt], "stored_values", lambda qtype, w, im: f"stored_values/{qtype}",
            info=lambda qtype, w, im: {"w": int(w.numel())})
-    p.wrap([bt.LevelCodes], "__init__", lambda self, blocks, qtype, *a, **k: f"codes_init/{qtype}",
-           info=lambda self, blocks, qtype, *a, **k: {"w": _block_weights(blocks, qtype)}, begin=False)
+    for codes in (bt.LevelCodes, bt.IQ2SCodes):  # one wrap per class: a wrap calls its first owner's method
+        p.wrap([codes], "__init__", lambda self, blocks, qtype, *a, **k: f"codes_init/{qtype}",
+               info=lambda self, blocks, qtype, *a, **k: {"w": _block_weights(blocks, qtype)}, begin=False)
     _descent_probe(p)
 
 
@@ -2223,8 +2224,9 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
                   r: _Rates) -> dict[str, float]:
     """Seconds of block-output tuning of one release layer (its (spec, type, covered) list): the stage of the
     layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step, the
-    codes' set-up, the host decodes of what is encoded but not tuned, the tuner's numpy encodes of what Hessian
-    rounding leaves to ggml, and the streams (materialise, source and quantized passes)."""
+    codes' set-up, the tuner's numpy encodes of what Hessian rounding leaves to ggml, and the streams (materialise,
+    source and quantized passes)."""
+    import mixq.convert.gguf_tuning as gt
     from mixq.quant.ggml import block_tuning as bt
 
     out = {"steps": 0.0, "codes_init": 0.0, "host_decode": 0.0, "stored_values_numpy": 0.0, "streams": 0.0}
@@ -2250,15 +2252,15 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
         g = groups[-1] if groups else st0
         if not groups:
             r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
-        out["steps"] += n_groups * _stage_cost(g, iters)
+        out["steps"] += n_groups * _stage_cost(g, max(1, iters // gt.GROUP_ITERS_SHARE))  # the tuner's group steps
     tuned_w = sum(x.get("weights") or 0 for x in tune["stages"])
     if tuned_w:
         out["codes_init"] = tune.get("codes_init_s", 0.0) / tuned_w * sum(math.prod(s.shape) for s, _ in tun)
     for s, t, c in tensors:
         w = math.prod(s.shape)
-        if c and t not in bt.TUNABLE:  # encoded by Hessian rounding, not tunable: decoded on the host (gguf-py)
-            out["host_decode"] += w / 1e6 / _host_rate(host, t, "host_decode", r)
-        elif not c and t not in ("F32", "F16", "BF16"):  # left to ggml: the tuner encodes it with numpy
+        # encoded by Hessian rounding and not tunable: decoded on the tuning device by the torch decoder (the GPU's
+        # decode rates make that seconds a layer: not priced, "host_decode" stays 0)
+        if not c and t not in ("F32", "F16", "BF16"):  # left to ggml: the tuner encodes it with numpy
             out["stored_values_numpy"] += w / 1e6 / _host_rate(host, t, "numpy_encode", r)
     out["streams"] = max(0.0, tune.get("streams_other_s", 0.0))
     return out

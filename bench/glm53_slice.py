@@ -625,8 +625,8 @@ def _tuning_probe(p: Probe) -> None:
     _log_result(p, gt.LayerTuner, "_expert_ranges",
                 lambda res, self, over: {"k": "tune_groups", "ranges": [list(r) for r in res],
                                          "max_weights": self.max_weights, "over": [s.name for s, _ in over]})
-    p.wrap([gt], "stored_values", lambda qtype, w, im: f"stored_values/{qtype}",
-           info=lambda qtype, w, im: {"w": int(w.numel())})
+    p.wrap([gt], "stored_values", lambda qtype, w, im, *a: f"stored_values/{qtype}",
+           info=lambda qtype, w, im, *a: {"w": int(w.numel())})
     for codes in (bt.LevelCodes, bt.IQ2SCodes):  # one wrap per class: a wrap calls its first owner's method
         p.wrap([codes], "__init__", lambda self, blocks, qtype, *a, **k: f"codes_init/{qtype}",
                info=lambda self, blocks, qtype, *a, **k: {"w": _block_weights(blocks, qtype)}, begin=False)
@@ -2220,7 +2220,7 @@ def _stage_cost(stage: dict, iters: int) -> float:
     return iters * stage["s_per_step"] + _checks(iters) * check + max(0.0, stage.get("setup_s", 0.0))
 
 
-def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | None, host: dict,
+def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | None,
                   r: _Rates) -> dict[str, float]:
     """Seconds of block-output tuning of one release layer (its (spec, type, covered) list): the stage of the
     layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step, the
@@ -2229,7 +2229,7 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
     import mixq.convert.gguf_tuning as gt
     from mixq.quant.ggml import block_tuning as bt
 
-    out = {"steps": 0.0, "codes_init": 0.0, "host_decode": 0.0, "stored_values_numpy": 0.0, "streams": 0.0}
+    out = {"steps": 0.0, "codes_init": 0.0, "host_decode": 0.0, "streams": 0.0}
     if tune is None:
         return out
     tun = [(s, t) for s, t, c in tensors if c and t in bt.TUNABLE]
@@ -2256,24 +2256,11 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
     tuned_w = sum(x.get("weights") or 0 for x in tune["stages"])
     if tuned_w:
         out["codes_init"] = tune.get("codes_init_s", 0.0) / tuned_w * sum(math.prod(s.shape) for s, _ in tun)
-    for s, t, c in tensors:
-        w = math.prod(s.shape)
-        # encoded by Hessian rounding and not tunable: decoded on the tuning device by the torch decoder (the GPU's
-        # decode rates make that seconds a layer: not priced, "host_decode" stays 0)
-        if not c and t not in ("F32", "F16", "BF16"):  # left to ggml: the tuner encodes it with numpy
-            out["stored_values_numpy"] += w / 1e6 / _host_rate(host, t, "numpy_encode", r)
+    # what the tuner does not move is decoded on its device by the torch decoder (the GPU's decode rates make that
+    # seconds a layer: not priced, "host_decode" stays 0); what Hessian rounding leaves to ggml the tuner encodes on
+    # its device too (priced by the caller at the exact path's rates)
     out["streams"] = max(0.0, tune.get("streams_other_s", 0.0))
     return out
-
-
-def _host_rate(host: dict, qtype: str, what: str, r: _Rates) -> float:
-    """M weights/s of a host path for `qtype` (host_rates), else the slowest measured type's (named)."""
-    v = (host.get(qtype) or {}).get(what)
-    if v:
-        return v
-    known = [d[what] for d in host.values() if d.get(what)]
-    r.note(f"host {what} {qtype}", "not sampled: the slowest sampled type's rate" if known else "not sampled: 1 M/s")
-    return min(known) if known else 1.0
 
 
 def _release_layers(specs: tuple) -> dict:
@@ -2323,9 +2310,11 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict)
         parts = {"capture_forward": capture.get(kind, 0.0),
                  "hessian_rounding": sum(math.prod(s.shape) / 1e6 * _round_rate(rates, t, s.transform == "stack", r)
                                          for s, t, c in tensors if c)}
-        parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, host, r))
+        parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, r))
         parts["exact_encode_gpu"] = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in tensors
                                         if not c and t not in ("F32", "F16", "BF16"))
+        # the tuner's own encode of those tensors for the quantized stream, on its device at the same rates
+        parts["stored_values_device"] = parts["exact_encode_gpu"] if tunes[kind] is not None else 0.0
         stacks = sorted({t for s, t, _ in tensors if s.transform == "stack"})
         per_layer[i] = {"kind": kind, "experts": "+".join(stacks) or "-",
                         "seconds": round(sum(parts.values()), 1), "parts_s": {k: round(v, 2) for k, v in parts.items()}}

@@ -39,7 +39,6 @@ from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml import levels as gl
-from mixq.quant.ggml.hessian_rounding import dequantize_blocks
 from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stacked_rows,
                                        write_values)
 from mixq.runtime.overlap import host_empty
@@ -91,14 +90,19 @@ def tuning_budget(device: torch.device) -> int:
     return int(free // 3 // BYTES_PER_TUNED_WEIGHT)
 
 
-def stored_values(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None) -> torch.Tensor:
-    """float32 values of a tensor as the file will hold it when ggml's own encoder writes it: floats rounded to
-    their type, quantized types through the exact path's encoder (convert/gguf_workers) and gguf-py's decoder."""
+def stored_values(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """float32 host values of a tensor as the file will hold it when ggml's own encoder writes it: floats rounded to
+    their type, quantized types through the exact path's encoder (convert/gguf_workers; on `device`, the same bytes)
+    and the torch decoder there (:func:`decoded_on_host`). On the CPU the encoder is numpy's: IQ2_XS experts of a
+    288-expert layer would take it hours."""
     if qtype in FLOAT_TYPES:
         return weights.to(_TORCH_FLOAT[qtype]).float()
     x = weights.detach().to("cpu", torch.float32).numpy()
-    b = encode(x, qtype, None if imatrix is None else np.asarray(imatrix, np.float32))
-    return torch.from_numpy(dequantize_blocks(b, qtype).reshape(x.shape)).float()
+    dev = torch.device(device)
+    b = encode(x, qtype, None if imatrix is None else np.asarray(imatrix, np.float32),
+               device=None if dev.type == "cpu" else str(dev))
+    return decoded_on_host(b, qtype, dev).reshape(x.shape)
 
 
 def decoded_on_host(blocks: np.ndarray, qtype: str, device: torch.device) -> torch.Tensor:
@@ -270,7 +274,7 @@ class LayerTuner:
             if blocks is not None:  # encoded, not tuned: the source is not read
                 v = decoded_on_host(np.asarray(blocks), qtype, self.device)
             else:
-                v = stored_values(qtype, build_tensor(spec, self._fetch), self.imatrix.get(spec.name))
+                v = stored_values(qtype, build_tensor(spec, self._fetch), self.imatrix.get(spec.name), self.device)
             fixed_parts.update(unbuild_tensor(spec, v.reshape(spec.shape)))
         # a kv_b half without its partner (a partial spec list) cannot rebuild kv_b: that tensor keeps its source
         halves = {k for k in fixed_parts if "#" in k}

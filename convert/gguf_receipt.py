@@ -20,8 +20,9 @@ from mixq.planning.types import numel
 
 # options that never change a byte of the output (or are output paths / recorded elsewhere in the receipt)
 # (EXL3's devices and resume too: a family records its members' options with this)
+# options the receipt leaves out, or records elsewhere (tune_group_iters: under calibration.hessian, when given)
 NOT_IN_RECEIPT = ("threads", "device", "devices", "resume", "progress", "overwrite", "mmproj", "imatrix",
-                  "calibration", "measure", "chat_template", "size", "bpw", "qtype")
+                  "calibration", "measure", "chat_template", "size", "bpw", "qtype", "tune_group_iters")
 _SHA_MEMO: dict[tuple[str, int, int], str] = {}
 
 

@@ -642,7 +642,6 @@ def _hessian_probe(log_path: Path | None = None) -> Probe:
     import mixq.convert.gguf_pipeline as gp
     import mixq.convert.gguf_rounding as gr
     import mixq.convert.gguf_tuning as gt
-    from mixq.quant.ggml import block_tuning as bt
     from mixq.quant.ggml import hessian_rounding as kh
     from mixq.quant.ggml import levels as gl
 
@@ -1463,7 +1462,6 @@ def host_rates(work: Path, types: list[str]) -> dict[str, dict]:
 
     from mixq.convert.gguf_workers import encode
     from mixq.formats.checkpoint import open_checkpoint
-    from mixq.quant.ggml import block_tuning as bt
     from mixq.quant.ggml import hessian_rounding as kh
     from mixq.quant.ggml import levels as gl
 
@@ -1478,7 +1476,7 @@ def host_rates(work: Path, types: list[str]) -> dict[str, dict]:
         t = time.time()
         kh.dequantize_blocks(b, q)
         d["host_decode"] = x.size / max(time.time() - t, 1e-9) / 1e6
-        if q in bt.TUNABLE:
+        if q in gl.SCALAR_TYPES:  # IQ2_S's tuned codes are built another way (block_tuning.IQ2SCodes)
             t = time.time()
             gl.level_grid(b, q)
             d["level_grid"] = x.size / max(time.time() - t, 1e-9) / 1e6

@@ -239,7 +239,7 @@ class LayerTuner:
         self.source: torch.Tensor | None = None   # source streams entering the next layer
         self.quant: torch.Tensor | None = None    # quantized streams entering the next layer
         self.topk_source = self.topk_quant = None
-        self.embed: tuple | None = None           # (spec, LevelCodes) of token_embd, tuned with the first layer
+        self.embed: tuple | None = None           # (spec, tuned codes) of token_embd, tuned with the first layer
         self.reports: list[StageReport] = []
 
     # -- values of one stage's tensors
@@ -247,7 +247,7 @@ class LayerTuner:
         return self.ckpt.get(name, dtype=torch.float32)
 
     def _values(self, layer: int | None, encoded: Mapping[str, np.ndarray], only: set[str] | None = None):
-        """({HF name: fixed float32 value}, [(spec, LevelCodes)]) of the GGUF tensors of `layer`."""
+        """({HF name: fixed float32 value}, [(spec, LevelCodes or IQ2SCodes)]) of the GGUF tensors of `layer`."""
         members = [(spec, qtype) for spec, qtype in self.by_layer.get(layer, [])
                    if only is None or spec.name in only]
         tunable = [(spec, qtype) for spec, qtype in members if encoded.get(spec.name) is not None
@@ -299,7 +299,7 @@ class LayerTuner:
         return [(e0, min(experts, e0 + size)) for e0 in range(0, experts, size)]
 
     def _group(self, over: list, encoded: Mapping[str, np.ndarray], e0: int, e1: int) -> list[tuple]:
-        """[(full spec, (e0, e1), LevelCodes of experts e0..e1)] of every stack in `over`: one group's codes, made
+        """[(full spec, (e0, e1), tuned codes of experts e0..e1)] of every stack in `over`: one group's codes, made
         when its stage starts so that one group at a time is in memory."""
         group = []
         for spec, qtype in over:

@@ -100,7 +100,9 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
                            progress: bool = True, cache: EncodeCache | None = None,
                            load: Callable[[str], tuple] | None = None) -> dict[str, Path]:
     """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
-    in `work_dir`: {GGUF name: path}. `imatrix` (GGUF name -> importance) feeds ggml's scale search, as in the
+    in `work_dir`: {GGUF name: path}; with tuning, also the blocks ggml's encoder made for the tuner (the tensors
+    Hessian rounding leaves to it, which the tuner needs as the file holds them), so that the writer does not
+    encode them again. `imatrix` (GGUF name -> importance) feeds ggml's scale search, as in the
     exact path; without it the Hessian's diagonal does. Tensors whose input the forward never forms are left out.
     `tune_iters` > 0: each stage's codes are then tuned for the layer's output on the quantized model's streams
     (convert/gguf_tuning.py), with that many descent steps per stage (`tune_group_iters` per group of routed
@@ -123,6 +125,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     for s, t in todo:
         (embed if s.role == "embed" else by_layer.setdefault(s.layer, [])).append((s, t))
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
+    planned = {s.name: (s, t) for s, t in zip(specs, types)}
     done: dict[str, Path] = {}
     rounded = _CachedRounding(cache, load, str(ckpt.path), rounding_tag(ids, dev) if cache is not None else "")
     tuner = None
@@ -148,6 +151,11 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
             bar.update(math.prod(s.shape))
         if tuner is not None:
             _tune_stage(tuner, stage.layer, {n: done[n] for n in done if n not in before})
+            for name, blocks in tuner.take_encoded().items():  # ggml's bytes, encoded once for tuning and the file
+                path = work / f"{len(done):05d}.npy"
+                np.save(path, blocks, allow_pickle=False)
+                done[name] = path
+                rounded.keep_exact(*planned[name], blocks)
             if progress and tuner.reports and tuner.reports[-1].layer == stage.layer:
                 bar.write(tuner.reports[-1].describe())
     bar.close()
@@ -183,6 +191,12 @@ class _CachedRounding:
         if key is not None:
             self.cache.put(key, np.load(path, mmap_mode="r"))
         return True
+
+    def keep_exact(self, spec, qtype: str, blocks: np.ndarray) -> None:
+        """Keep in the cache, under the exact path's key, blocks that ggml's encoder made for (spec, qtype)."""
+        if self.cache is not None and self.load is not None:
+            key = self.cache.key(self.source, spec.name, qtype, tuple(spec.shape), lambda: self.load(spec.name))
+            self.cache.put(key, blocks)
 
 
 def _encode_embedding(spec, qtype: str, stage, ckpt, ids: torch.Tensor, fetch, out: Path, dev) -> bool:

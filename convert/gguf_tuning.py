@@ -93,16 +93,23 @@ def tuning_budget(device: torch.device) -> int:
 def stored_values(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None,
                   device: str | torch.device = "cpu") -> torch.Tensor:
     """float32 host values of a tensor as the file will hold it when ggml's own encoder writes it: floats rounded to
-    their type, quantized types through the exact path's encoder (convert/gguf_workers; on `device`, the same bytes)
-    and the torch decoder there (:func:`decoded_on_host`). On the CPU the encoder is numpy's: IQ2_XS experts of a
-    288-expert layer would take it hours."""
+    their type, quantized types through :func:`stored_blocks` and the torch decoder on `device`
+    (:func:`decoded_on_host`)."""
     if qtype in FLOAT_TYPES:
         return weights.to(_TORCH_FLOAT[qtype]).float()
+    b = stored_blocks(qtype, weights, imatrix, device)
+    return decoded_on_host(b, qtype, torch.device(device)).reshape(weights.shape)
+
+
+def stored_blocks(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None,
+                  device: str | torch.device = "cpu") -> np.ndarray:
+    """The ggml blocks the file will hold for a quantized tensor that ggml's own encoder writes: the exact path's
+    encoder (convert/gguf_workers; on `device`, the same bytes). On the CPU the encoder is numpy's: IQ2_XS experts
+    of a 288-expert layer would take it hours."""
     x = weights.detach().to("cpu", torch.float32).numpy()
     dev = torch.device(device)
-    b = encode(x, qtype, None if imatrix is None else np.asarray(imatrix, np.float32),
-               device=None if dev.type == "cpu" else str(dev))
-    return decoded_on_host(b, qtype, dev).reshape(x.shape)
+    return encode(x, qtype, None if imatrix is None else np.asarray(imatrix, np.float32),
+                  device=None if dev.type == "cpu" else str(dev))
 
 
 def decoded_on_host(blocks: np.ndarray, qtype: str, device: torch.device) -> torch.Tensor:
@@ -241,6 +248,9 @@ class LayerTuner:
         self.topk_source = self.topk_quant = None
         self.embed: tuple | None = None           # (spec, tuned codes) of token_embd, tuned with the first layer
         self.reports: list[StageReport] = []
+        # ggml blocks this tuner encoded for tensors Hessian rounding leaves to ggml: the file's own bytes, handed
+        # to the writer (take_encoded) so that it does not encode them a second time
+        self.encoded: dict[str, np.ndarray] = {}
 
     # -- values of one stage's tensors
     def _fetch(self, name: str) -> torch.Tensor:
@@ -273,8 +283,12 @@ class LayerTuner:
                 continue
             if blocks is not None:  # encoded, not tuned: the source is not read
                 v = decoded_on_host(np.asarray(blocks), qtype, self.device)
+            elif qtype in FLOAT_TYPES:
+                v = stored_values(qtype, build_tensor(spec, self._fetch), None, self.device)
             else:
-                v = stored_values(qtype, build_tensor(spec, self._fetch), self.imatrix.get(spec.name), self.device)
+                b = self.encoded[spec.name] = stored_blocks(qtype, build_tensor(spec, self._fetch),
+                                                            self.imatrix.get(spec.name), self.device)
+                v = decoded_on_host(b, qtype, self.device)
             fixed_parts.update(unbuild_tensor(spec, v.reshape(spec.shape)))
         # a kv_b half without its partner (a partial spec list) cannot rebuild kv_b: that tensor keeps its source
         halves = {k for k in fixed_parts if "#" in k}
@@ -450,6 +464,12 @@ class LayerTuner:
         if first:  # the embedding enters the first layer only
             self.embed = self.embed_fixed = None
         return result
+
+    def take_encoded(self) -> dict[str, np.ndarray]:
+        """{GGUF name: ggml blocks} this tuner encoded since the last call, for tensors Hessian rounding leaves to
+        ggml (exactly the bytes ggml's encoder gives them in the file), handed over and forgotten."""
+        out, self.encoded = self.encoded, {}
+        return out
 
     def head(self, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Tune the output head (its encoded blocks in `encoded`) for the KL divergence of the quantized model's

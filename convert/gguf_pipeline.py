@@ -462,7 +462,8 @@ def _rounded(run: _GGUFRun, load):
         return contextlib.nullcontext({})
     return hessian_rounded(run.ckpt, run.specs, run.types, run.out, imatrix=run.imx,
                            calibration=list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
-                           tune_iters=o.tune_iters, tune_group_iters=o.tune_group_iters, device=o.device,
+                           tune_iters=o.tune_iters, tune_group_iters=o.tune_group_iters,
+                           refine_passes=o.refine_passes, device=o.device,
                            progress=o.progress, cache=run.cache, load=load)
 
 

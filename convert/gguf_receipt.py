@@ -20,9 +20,11 @@ from mixq.planning.types import numel
 
 # options that never change a byte of the output (or are output paths / recorded elsewhere in the receipt)
 # (EXL3's devices and resume too: a family records its members' options with this)
-# options the receipt leaves out, or records elsewhere (tune_group_iters: under calibration.hessian, when given)
+# options the receipt leaves out, or records elsewhere (tune_group_iters, refine_passes: under calibration.hessian,
+# when given)
 NOT_IN_RECEIPT = ("threads", "device", "devices", "resume", "progress", "overwrite", "mmproj", "imatrix",
-                  "calibration", "measure", "chat_template", "size", "bpw", "qtype", "tune_group_iters")
+                  "calibration", "measure", "chat_template", "size", "bpw", "qtype", "tune_group_iters",
+                  "refine_passes")
 _SHA_MEMO: dict[tuple[str, int, int], str] = {}
 
 
@@ -87,8 +89,9 @@ def _calibration(run) -> dict:
     if o.rounding == "hessian":
         files = [_named_file(c) for c in o.calibration] or [{"file": "builtin"}]
         cal["hessian"] = {"files": files, "rows": o.rows, "seq_len": o.seq_len, "tune_iters": o.tune_iters}
-        if o.tune_group_iters is not None:
-            cal["hessian"]["tune_group_iters"] = o.tune_group_iters
+        for name in ("tune_group_iters", "refine_passes"):
+            if getattr(o, name) is not None:
+                cal["hessian"][name] = getattr(o, name)
     return cal
 
 

@@ -65,7 +65,8 @@ def expert_slice(rows: int, n: int, dev: torch.device) -> int:
     return max(1, per)
 
 
-def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out: Path, dev) -> bool:
+def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out: Path, dev,
+                 refine: int = REFINE_PASSES) -> bool:
     """Encode one covered tensor of this stage into `out` (.npy); False when the stage has no Hessian for it."""
     if spec.transform == "stack":
         E, n = len(spec.hf_names), spec.shape[-1]
@@ -78,7 +79,7 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
                 return False
             w = torch.stack([fetch(spec.hf_names[e]) for e in range(e0, e1)])
             im = None if imatrix is None else imatrix.reshape(E, n)[e0:e1]
-            b = kh.quantize_hessian(w, h, qtype, im, damp=DAMP, refine=REFINE_PASSES, device=dev)
+            b = kh.quantize_hessian(w, h, qtype, im, damp=DAMP, refine=refine, device=dev)
             if arr is None:
                 arr = np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=(E,) + b.shape[1:])
             arr[e0:e1] = b
@@ -89,15 +90,15 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
     if h is None:
         return False
     w = fetch(spec.hf_names[0])
-    np.save(out, kh.quantize_hessian(w, h, qtype, imatrix, damp=DAMP, refine=REFINE_PASSES, device=dev))
+    np.save(out, kh.quantize_hessian(w, h, qtype, imatrix, damp=DAMP, refine=refine, device=dev))
     return True
 
 
 def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir: str | Path, *,
                            imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
                            seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS,
-                           tune_group_iters: int | None = None, device: str | None = None,
-                           progress: bool = True, cache: EncodeCache | None = None,
+                           tune_group_iters: int | None = None, refine_passes: int | None = None,
+                           device: str | None = None, progress: bool = True, cache: EncodeCache | None = None,
                            load: Callable[[str], tuple] | None = None) -> dict[str, Path]:
     """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
     in `work_dir`: {GGUF name: path}; with tuning, also the blocks ggml's encoder made for the tuner (the tensors
@@ -106,7 +107,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     exact path; without it the Hessian's diagonal does. Tensors whose input the forward never forms are left out.
     `tune_iters` > 0: each stage's codes are then tuned for the layer's output on the quantized model's streams
     (convert/gguf_tuning.py), with that many descent steps per stage (`tune_group_iters` per group of routed
-    experts tuned apart, None: the tuner's default).
+    experts tuned apart, None: the tuner's default). `refine_passes`: descent passes over the codes and scales
+    after the feedback walk (None: ``REFINE_PASSES``).
 
     `cache` (a family's, with `load(name) -> (GGUF tensor, imatrix)` for its keys): the codes before tuning depend
     only on the source weights, the imatrix and the source model's calibration forward, not on the member, so a
@@ -118,6 +120,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     if not todo:
         return {}
     dev = pick_device(device)
+    refine = REFINE_PASSES if refine_passes is None else int(refine_passes)
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                            vocab_size=int(ckpt.text_config["vocab_size"]))
     by_layer: dict[int | None, list] = {}
@@ -127,7 +130,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     planned = {s.name: (s, t) for s, t in zip(specs, types)}
     done: dict[str, Path] = {}
-    rounded = _CachedRounding(cache, load, str(ckpt.path), rounding_tag(ids, dev) if cache is not None else "")
+    tag = rounding_tag(ids, dev, refine) if cache is not None else ""
+    rounded = _CachedRounding(cache, load, str(ckpt.path), tag)
     tuner = None
     if tune_iters > 0:
         tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, group_iters=tune_group_iters,
@@ -138,7 +142,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
         before = set(done)
         for s, t in embed:  # the first stage: its Linears read the embedding
             path = work / f"{len(done):05d}.npy"
-            if rounded.encode(s, t, path, lambda: _encode_embedding(s, t, stage, ckpt, ids, fetch, path, dev)):
+            if rounded.encode(s, t, path,
+                              lambda: _encode_embedding(s, t, stage, ckpt, ids, fetch, path, dev, refine)):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         embed = []
@@ -146,7 +151,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
             path = work / f"{len(done):05d}.npy"
             im = None if imatrix is None else imatrix.get(s.name)
             im = None if im is None else np.asarray(im, np.float32)
-            if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, fetch, im, path, dev)):
+            if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, fetch, im, path, dev, refine)):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         if tuner is not None:
@@ -162,13 +167,13 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     return done
 
 
-def rounding_tag(ids: torch.Tensor, dev: torch.device) -> str:
+def rounding_tag(ids: torch.Tensor, dev: torch.device, refine: int = REFINE_PASSES) -> str:
     """What Hessian-rounded codes depend on besides the tensor, its type and its imatrix (an encode-cache key's
     "rounding"): the calibration tokens, the damping, the refinement passes, the expert slicing and the device
     type (the float arithmetic differs between devices)."""
     kind = device_kind(dev)
     slicing = f"{SLICE_HESSIAN_BYTES[kind]}" + (f"/{SLICE_WEIGHTS[kind]}" if SLICE_WEIGHTS[kind] else "")
-    return (f"hessian damp {DAMP} refine {REFINE_PASSES} slice {slicing} device {dev.type} "
+    return (f"hessian damp {DAMP} refine {refine} slice {slicing} device {dev.type} "
             f"calibration {array_sha256(ids.cpu().numpy())}")
 
 
@@ -199,13 +204,14 @@ class _CachedRounding:
             self.cache.put(key, blocks)
 
 
-def _encode_embedding(spec, qtype: str, stage, ckpt, ids: torch.Tensor, fetch, out: Path, dev) -> bool:
+def _encode_embedding(spec, qtype: str, stage, ckpt, ids: torch.Tensor, fetch, out: Path, dev,
+                      refine: int = REFINE_PASSES) -> bool:
     """Encode token_embd with the metric of `gguf_hessians.embedding_hessian` into `out`; False without one."""
     w = fetch(spec.hf_names[0])
     h = embedding_hessian(stage, ckpt, w, token_frequency(ids, w.shape[0]))
     if h is None:
         return False
-    np.save(out, kh.quantize_hessian(w, h, qtype, None, damp=DAMP, refine=REFINE_PASSES, device=dev))
+    np.save(out, kh.quantize_hessian(w, h, qtype, None, damp=DAMP, refine=refine, device=dev))
     return True
 
 
@@ -221,8 +227,8 @@ def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path]) -> None:
 def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path, *,
                     imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
                     seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, tune_group_iters: int | None = None,
-                    device: str | None = None, progress: bool = True, cache: EncodeCache | None = None,
-                    load: Callable[[str], tuple] | None = None) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
+                    refine_passes: int | None = None, device: str | None = None, progress: bool = True,
+                    cache: EncodeCache | None = None, load: Callable[[str], tuple] | None = None) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
     """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
 
     The encoded tensors are spilled into a `.NAME.partial-hessian-*` directory next to `out` (the converter's
@@ -232,7 +238,8 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
     try:
         paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
                                        rows=rows, seq_len=seq_len, tune_iters=tune_iters,
-                                       tune_group_iters=tune_group_iters, device=device,
+                                       tune_group_iters=tune_group_iters, refine_passes=refine_passes,
+                                       device=device,
                                        progress=progress, cache=cache, load=load)
         yield {n: (lambda p=p: np.load(p)) for n, p in paths.items()}
     finally:

@@ -203,7 +203,8 @@ class GGUFOptions(_Options):
     for the layer-output error from a calibration pass over `calibration` files, `rows` x `seq_len` tokens, then
     tuned for each decoder layer's output on the quantized model's streams: `tune_iters` steps, 0 = none; routed
     experts that do not fit the tuning memory with the rest are tuned a group at a time, `tune_group_iters` steps
-    a group, None = `tune_iters` / 8).
+    a group, None = `tune_iters` / 8); `refine_passes`: the rounding's descent passes over codes and scales after
+    its feedback walk (None = 3).
     `measure`: GGUF error curves (`mixq plan --format gguf --measure --measure-out FILE`) for a --bpw/--size
     plan. `overwrite`: replace an existing OUT (and --mmproj file) instead of refusing."""
 
@@ -234,6 +235,7 @@ class GGUFOptions(_Options):
     seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
     tune_iters: int = _opt(DEFAULT_TUNE_ITERS, "--tune-iters")
     tune_group_iters: int | None = _opt(None, "--tune-group-iters")
+    refine_passes: int | None = _opt(None, "--refine-passes")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
     overwrite: bool = _opt(False, "--overwrite")
     progress: bool = _opt(True, "progress")
@@ -273,6 +275,8 @@ class GGUFOptions(_Options):
         _positive_int(cls, "tune_iters", self.tune_iters, 0)
         if self.tune_group_iters is not None:
             _positive_int(cls, "tune_group_iters", self.tune_group_iters, 0)
+        if self.refine_passes is not None:
+            _positive_int(cls, "refine_passes", self.refine_passes, 0)
         self._check_mode()
 
     def _check_mode(self) -> None:
@@ -290,7 +294,8 @@ class GGUFOptions(_Options):
             raise InputError("--mmproj-type applies with --mmproj only")
         if self.rounding != "hessian":
             for name, default in (("calibration", ()), ("rows", DEFAULT_ROWS), ("seq_len", DEFAULT_SEQ_LEN),
-                                  ("tune_iters", DEFAULT_TUNE_ITERS), ("tune_group_iters", None)):
+                                  ("tune_iters", DEFAULT_TUNE_ITERS), ("tune_group_iters", None),
+                                  ("refine_passes", None)):
                 if getattr(self, name) != default:
                     raise InputError(f"{flag_of(GGUFOptions, name)} applies to GGUF with --rounding hessian "
                                      "(its calibration pass)")

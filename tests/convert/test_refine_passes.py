@@ -1,0 +1,61 @@
+"""--refine-passes: the Hessian rounding's descent passes after its feedback walk, from the option to the encoder,
+the encode cache's key and the receipt."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mixq.convert import gguf_receipt
+from mixq.convert import gguf_rounding as gr
+from mixq.convert.options import GGUFOptions
+from mixq.errors import InputError
+
+
+def test_the_option_is_checked_and_needs_hessian_rounding():
+    assert GGUFOptions(qtype="Q4_K_M", rounding="hessian", refine_passes=1).refine_passes == 1
+    assert GGUFOptions(qtype="Q4_K_M", rounding="hessian", refine_passes=0).refine_passes == 0
+    with pytest.raises(InputError, match=r"--refine-passes applies to GGUF with --rounding hessian"):
+        GGUFOptions(qtype="Q4_K_M", refine_passes=1)
+    with pytest.raises(InputError, match=r"--refine-passes -1: expected a whole number >= 0"):
+        GGUFOptions(qtype="Q4_K_M", rounding="hessian", refine_passes=-1)
+
+
+def test_the_receipt_records_it_only_when_given():
+    given = GGUFOptions(qtype="Q4_K_M", rounding="hessian", refine_passes=1)
+    default = GGUFOptions(qtype="Q4_K_M", rounding="hessian")
+    for o, want in ((given, {"refine_passes": 1}), (default, {})):
+        assert "refine_passes" not in gguf_receipt.receipt_options(o)
+        hessian = gguf_receipt._calibration(SimpleNamespace(opts=o, imx=None, imatrix_obj=None))["hessian"]
+        assert {k: v for k, v in hessian.items() if k == "refine_passes"} == want
+
+
+def test_the_cache_key_names_the_passes():
+    ids = torch.arange(8).view(1, 8)
+    dev = torch.device("cpu")
+    assert gr.rounding_tag(ids, dev) == gr.rounding_tag(ids, dev, gr.REFINE_PASSES)
+    assert gr.rounding_tag(ids, dev, 1) != gr.rounding_tag(ids, dev)
+
+
+def test_the_passes_reach_the_encoder(k256_model, calibration_text, tmp_path, monkeypatch):
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import gguf_tensors
+
+    ck = open_checkpoint(k256_model)
+    specs = [s for s in gguf_tensors(ck) if s.name in ("blk.0.attn_q.weight", "blk.1.ffn_up_exps.weight")]
+    seen = []
+    real = gr.kh.quantize_hessian
+
+    def spy(*a, refine=0, **k):
+        seen.append(refine)
+        return real(*a, refine=refine, **k)
+
+    monkeypatch.setattr(gr.kh, "quantize_hessian", spy)
+    for passes, want in ((None, gr.REFINE_PASSES), (1, 1)):
+        seen.clear()
+        out = gr.encode_hessian_rounded(ck, specs, ["Q4_K", "Q2_K"], tmp_path / str(passes),
+                                        calibration=[calibration_text], rows=1, seq_len=32, tune_iters=0,
+                                        refine_passes=passes, progress=False)
+        assert set(out) == {s.name for s in specs}
+        assert seen and set(seen) == {want}

@@ -1497,7 +1497,8 @@ def _hessian_types(work: Path) -> list[str]:
 
 
 def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 512, tune_iters: int = 200,
-                       imatrix_rows: int | None = None, eager_types: str = "") -> dict:
+                       imatrix_rows: int | None = None, eager_types: str = "",
+                       refine_passes: int | None = None) -> dict:
     """`convert --bpw 2.6 --gguf-ladder iq --rounding hessian --imatrix` of the slice (the gguf stage's 108 GB-class
     plan), every phase logged (_hessian_probe): imatrix (the gguf stage's, else made from `imatrix_rows`), the host
     rates of the tuner's numpy paths, then per layer the capture forward, per-expert Hessians, Hessian rounding,
@@ -1509,13 +1510,13 @@ def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 5
     probe = _hessian_probe(_LOG)
     imat = _slice_imatrix(work, device, probe, imatrix_rows or rows, seq_len)
     out: dict = {"tune_iters": tune_iters, "rows": rows, "seq_len": seq_len, "imatrix": imat.name,
-                 "eager_types": eager_types}
+                 "eager_types": eager_types, "refine_passes": refine_passes}
     with probe.span("host_rates_sample"):
         out["host_rates_mweights_per_s"] = host_rates(work, _hessian_types(work))
     probe.emit({"k": "host_rates", "t0": time.time(), "rates": out["host_rates_mweights_per_s"]})
     enc = {"device": device} if device != "cpu" else {"threads": 1}
     opts = GGUFOptions(imatrix=str(imat), progress=False, overwrite=True, rows=rows, seq_len=seq_len,
-                       tune_iters=tune_iters, **HESSIAN_PLAN, **enc)
+                       tune_iters=tune_iters, refine_passes=refine_passes, **HESSIAN_PLAN, **enc)
     with probe.span(f"convert/{HESSIAN_LABEL}"):
         res, sec = _timed(convert, work / "bf16", work / f"slice-{HESSIAN_LABEL}.gguf", opts)
     d = res.to_dict()
@@ -2639,7 +2640,8 @@ def _child_main(a) -> None:
     elif a.child in ("exl3", "gguf", "exllamav3", "gguf-hessian", "gguf-tune"):
         kw = {"rows": a.rows, "seq_len": a.seq_len}
     if a.child == "gguf-hessian":
-        kw.update(tune_iters=a.tune_iters, imatrix_rows=a.imatrix_rows, eager_types=a.eager_types)
+        kw.update(tune_iters=a.tune_iters, imatrix_rows=a.imatrix_rows, eager_types=a.eager_types,
+                  refine_passes=a.refine_passes)
     elif a.child == "gguf-tune":
         kw.update(tune_iters=a.tune_iters, probe_iters=a.tune_probe_iters)
     elif a.child == "dequant":
@@ -2687,6 +2689,8 @@ def main() -> None:
                     help="gguf-hessian: block-output tuning steps per stage (the converter's default); gguf-tune and "
                          "project: the steps the seconds per step are scaled to")
     ap.add_argument("--tune-probe-iters", type=int, default=20, help="gguf-tune: steps run per tuning stage")
+    ap.add_argument("--refine-passes", type=int, default=None,
+                    help="gguf-hessian: the converter's --refine-passes [default: the converter's]")
     ap.add_argument("--imatrix-rows", type=int, default=None,
                     help="gguf-hessian: calibration rows of its imatrix when the gguf stage left none [default: --rows]")
     ap.add_argument("--eval-cheap", default="Q8_0",
@@ -2728,6 +2732,7 @@ def main() -> None:
         + (["--no-fp8"] if a.no_fp8 else []) \
         + (["--exllamav3-limit", str(a.exllamav3_limit)] if a.exllamav3_limit else []) \
         + (["--eager-types", a.eager_types] if a.eager_types else []) \
+        + (["--refine-passes", str(a.refine_passes)] if a.refine_passes is not None else []) \
         + (["--trellis-profile"] if a.trellis_profile else [])
 
     def save() -> None:

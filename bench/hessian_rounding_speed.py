@@ -113,11 +113,12 @@ def profile_top(call, dev: torch.device, rows: int = 15) -> list[dict]:
     return [{"op": e.key, "calls": e.count, "ms": round(getattr(e, key, 0.0) / 1e3, 1)} for e in ev]
 
 
-def measure(qtype: str, e: int, shape: tuple[int, int], dev: torch.device, stack: bool) -> dict:
+def measure(qtype: str, e: int, shape: tuple[int, int], dev: torch.device, stack: bool,
+            refine: int = gr.REFINE_PASSES) -> dict:
     """One warm-up, then one timed `quantize_hessian` call split by phase (`stack`: an (E, rows, n) call)."""
     w, h = inputs(e, shape, dev)
     im = torch.diagonal(h, dim1=-2, dim2=-1).cpu().numpy()
-    args = dict(damp=gr.DAMP, refine=gr.REFINE_PASSES, device=dev)
+    args = dict(damp=gr.DAMP, refine=refine, device=dev)
     ww, hh, ii = (w, h, im) if stack else (w[0], h[0], im[0])
     kh.quantize_hessian(ww[:1] if stack else ww[:256], hh[:1] if stack else hh, qtype,
                         ii[:1] if stack else ii, **args)
@@ -200,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--project", type=Path, nargs="+", help="result files to price the release's rounding with")
     ap.add_argument("--types", default="IQ2_S,Q4_K")
+    ap.add_argument("--refine", type=int, default=gr.REFINE_PASSES,
+                    help="descent passes after the walk (the converter's --refine-passes)  [default: %(default)s]")
     ap.add_argument("--experts", default="",
                     help="experts per stacked call, comma-separated for several (default: the converter's slice on "
                          "this device)")
@@ -237,17 +240,17 @@ def main(argv=None) -> int:
         for kind, e in runs:
             shape = {"stack": EXPERT_SHAPE, "stack_down": EXPERT_DOWN}.get(kind, MATRIX_SHAPE)
             shape = (shape[0] // div, shape[1] // div)
-            r = measure(q, e, shape, dev, kind != "matrix")
+            r = measure(q, e, shape, dev, kind != "matrix", a.refine)
             rows.append(r)
             print(f"{q:6s} {kind:6s} E={e:3d} {shape[0]}x{shape[1]}: {r['seconds']:8.2f} s "
                   f"{r['mweights_per_s']:8.3f} M w/s  {r['phases']}", flush=True)
-            write(a.json, dev, rows)  # after every row: a run cut by its time limit keeps what it measured
+            write(a.json, dev, rows, a.refine)  # after every row: a run cut by its time limit keeps what it measured
     return 0
 
 
-def write(path: Path, dev: torch.device, rows: list[dict]) -> None:
+def write(path: Path, dev: torch.device, rows: list[dict], refine: int = gr.REFINE_PASSES) -> None:
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "damp": gr.DAMP,
-           "refine": gr.REFINE_PASSES, "tokens_per_hessian": TOKENS, "rows": rows}
+           "refine": refine, "tokens_per_hessian": TOKENS, "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
 

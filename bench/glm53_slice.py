@@ -2310,10 +2310,13 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict)
                  "hessian_rounding": sum(math.prod(s.shape) / 1e6 * _round_rate(rates, t, s.transform == "stack", r)
                                          for s, t, c in tensors if c)}
         parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, r))
-        parts["exact_encode_gpu"] = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in tensors
-                                        if not c and t not in ("F32", "F16", "BF16"))
-        # the tuner's own encode of those tensors for the quantized stream, on its device at the same rates
-        parts["stored_values_device"] = parts["exact_encode_gpu"] if tunes[kind] is not None else 0.0
+        encode_s = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in tensors
+                       if not c and t not in ("F32", "F16", "BF16"))
+        # ggml's encode of those tensors runs once: in the tuner, on its device at the same rates, where the layer
+        # is tuned (the writer takes its blocks), else at the write
+        tuned_layer = tunes[kind] is not None
+        parts["exact_encode_gpu"] = 0.0 if tuned_layer else encode_s
+        parts["stored_values_device"] = encode_s if tuned_layer else 0.0
         stacks = sorted({t for s, t, _ in tensors if s.transform == "stack"})
         per_layer[i] = {"kind": kind, "experts": "+".join(stacks) or "-",
                         "seconds": round(sum(parts.values()), 1), "parts_s": {k: round(v, 2) for k, v in parts.items()}}

@@ -18,10 +18,9 @@ from mixq.planning import gguf_mix
 from mixq.planning.sizes import parse_size
 from mixq.planning.types import numel
 
-# options that never change a byte of the output (or are output paths / recorded elsewhere in the receipt)
-# (EXL3's devices and resume too: a family records its members' options with this)
-# options the receipt leaves out, or records elsewhere (tune_group_iters, refine_passes: under calibration.hessian,
-# when given)
+# options that never change a byte of the output, or are output paths, or are recorded elsewhere in the receipt
+# (tune_group_iters and refine_passes: under calibration.hessian, when given); EXL3's devices and resume too: a
+# family records its members' options with this
 NOT_IN_RECEIPT = ("threads", "device", "devices", "resume", "progress", "overwrite", "mmproj", "imatrix",
                   "calibration", "measure", "chat_template", "size", "bpw", "qtype", "tune_group_iters",
                   "refine_passes")

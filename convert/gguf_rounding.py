@@ -228,7 +228,8 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
                     imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
                     seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, tune_group_iters: int | None = None,
                     refine_passes: int | None = None, device: str | None = None, progress: bool = True,
-                    cache: EncodeCache | None = None, load: Callable[[str], tuple] | None = None) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
+                    cache: EncodeCache | None = None, load: Callable[[str], tuple] | None = None
+                    ) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
     """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
 
     The encoded tensors are spilled into a `.NAME.partial-hessian-*` directory next to `out` (the converter's
@@ -239,8 +240,7 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
         paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
                                        rows=rows, seq_len=seq_len, tune_iters=tune_iters,
                                        tune_group_iters=tune_group_iters, refine_passes=refine_passes,
-                                       device=device,
-                                       progress=progress, cache=cache, load=load)
+                                       device=device, progress=progress, cache=cache, load=load)
         yield {n: (lambda p=p: np.load(p)) for n, p in paths.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)

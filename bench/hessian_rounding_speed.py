@@ -42,9 +42,9 @@ TOKENS = 1024                 # calibration tokens behind each Hessian (a routed
 PHASES = [(kh, "upper_inverse_factor", "factorise"), (kh, "_encode_block", "ggml_encode"),
           (gl, "decode_blocks", "decode"), (gl, "level_grid_on", "level_grid"),
           (gl, "super_scale_basis_on", "level_grid"),
-          (gl, "set_levels_on", "write_codes"), (gl, "set_iq2s_groups_on", "write_codes"),
-          (gl, "iq2s_group_scales_on", "level_grid"), (gl, "iq2s_groups_on", "level_grid"), (kh, "refine_codes", "refine_codes"),
-          (kh, "refine_iq2s", "refine_codes"), (kh, "refine_sub_scales", "refine_sub_scales"),
+          (gl, "set_levels_on", "write_codes"), (gl, "set_iq2_groups_on", "write_codes"),
+          (gl, "iq2_group_scales_on", "level_grid"), (gl, "iq2_groups_on", "level_grid"), (kh, "refine_codes", "refine_codes"),
+          (kh, "refine_iq2", "refine_codes"), (kh, "refine_sub_scales", "refine_sub_scales"),
           (kh, "refit_super_scales", "refit_super_scales")]
 
 

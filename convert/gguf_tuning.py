@@ -257,7 +257,7 @@ class LayerTuner:
         return self.ckpt.get(name, dtype=torch.float32)
 
     def _values(self, layer: int | None, encoded: Mapping[str, np.ndarray], only: set[str] | None = None):
-        """({HF name: fixed float32 value}, [(spec, LevelCodes or IQ2SCodes)]) of the GGUF tensors of `layer`."""
+        """({HF name: fixed float32 value}, [(spec, LevelCodes or IQ2Codes)]) of the GGUF tensors of `layer`."""
         members = [(spec, qtype) for spec, qtype in self.by_layer.get(layer, [])
                    if only is None or spec.name in only]
         tunable = [(spec, qtype) for spec, qtype in members if encoded.get(spec.name) is not None

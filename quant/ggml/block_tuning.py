@@ -16,10 +16,12 @@ the encoder chose against the weight's nearest level. :func:`sign_descent` then 
 ``lr·sign(grad)`` with a linearly decaying ``lr`` (AutoRound's schedule), so a code changes only where the loss
 keeps asking for it; a held-out score picks the best of a few points along the way.
 
-IQ2_S (:class:`IQ2SCodes`) has no grid per weight: a group of 8 weights takes one of 1024 magnitude tuples (each
-magnitude one of 8, 25, 43) and 8 free signs. Each weight's sign and magnitude is one position on the signed table
-(-43, -25, -8, 8, 25, 43), relaxed like IQ4_NL's levels; a group decodes to its rounded positions where they form a
-codebook tuple, else to the codebook entry nearest to its relaxed values.
+The IQ2 types (:class:`IQ2Codes`) have no grid per weight: a group of 8 weights takes one of 1024 (IQ2_S) or 512
+(IQ2_XS) magnitude tuples (each magnitude one of 8, 25, 43) and 8 signs (IQ2_XS: an even count of negatives).
+Each weight's sign and magnitude is one position on the signed table (-43, -25, -8, 8, 25, 43), relaxed like
+IQ4_NL's levels; a group decodes to its rounded positions where they form a
+codebook tuple, else to the codebook entry nearest to its relaxed values; an IQ2_XS group with an odd count of
+negatives flips the weight whose relaxed value lies nearest to zero (weighted by its magnitude).
 
 Numerics in torch on the device of the weights; nothing here reads or writes files.
 """
@@ -35,15 +37,15 @@ from ...errors import InputError
 from . import levels as gl
 from .hessian_rounding import dequantize_blocks
 
-# one level per weight (affine or IQ4_NL's table), and IQ2_S's codebook groups; the other lattice i-quants keep
-# their codes
-TUNABLE = gl.SCALAR_TYPES + ("IQ2_S",)
+# one level per weight (affine or IQ4_NL's table), and the IQ2 types' codebook groups; the other lattice i-quants
+# keep their codes
+TUNABLE = gl.SCALAR_TYPES + gl.IQ2_TYPES
 START_REACH = 0.499            # how far towards the source weight a code's relaxation starts (in steps)
 # types whose fp16 scale is the only scale of a 32-weight block, at 4-5 bits: learning it moves every weight of the
 # block (the K-quants' super-scale is shared by sub-blocks whose own scales the Hessian refit chose; Q8_0's steps are
 # too fine for its scale to matter)
 SCALE_TUNED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
-IQ2S_SEARCH_GROUPS = 1 << 15   # groups per codebook search: a (groups, 1024) float32 score table of 128 MiB
+IQ2_SEARCH_GROUPS = 1 << 15    # groups per codebook search: a (groups, 1024) float32 score table of 128 MiB at most
 
 
 class LevelCodes:
@@ -129,40 +131,43 @@ class LevelCodes:
 
 
 @lru_cache(maxsize=None)
-def _iq2s_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """IQ2_S's (grid (1024, 8), signed levels (6,), entry (3^8,) int64 of every magnitude tuple: -1 where it is
-    not in the codebook) on `device`. A tuple's key is Σ_i m_i·3^i, m_i the magnitude's rank (0: 8, 1: 25, 2: 43)."""
-    grid = gl.iq2s_grid()
+def _iq2_tables(qtype: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An IQ2 type's (grid (entries, 8), signed levels (6,), entry (3^8,) int64 of every magnitude tuple: -1 where
+    it is not in the codebook) on `device`. A tuple's key is Σ_i m_i·3^i, m_i the magnitude's rank (0: 8, 1: 25,
+    2: 43)."""
+    grid = gl.iq2_grid(qtype)
     mags = np.unique(grid)
     keys = np.searchsorted(mags, grid) @ (len(mags) ** np.arange(8))
     entry = np.full(len(mags) ** 8, -1, np.int64)
     entry[keys] = np.arange(len(grid))
-    return tuple(torch.from_numpy(a).to(device) for a in (grid, gl.iq2s_levels(), entry))
+    return tuple(torch.from_numpy(a).to(device) for a in (grid, gl.iq2_levels(qtype), entry))
 
 
-class IQ2SCodes:
-    """The codebook groups of one encoded IQ2_S tensor as a differentiable parameter; scales fixed.
+class IQ2Codes:
+    """The codebook groups of one encoded IQ2 tensor (IQ2_S, IQ2_XS) as a differentiable parameter; scales fixed.
 
     Same interface as :class:`LevelCodes`. ``u`` (one per weight, in positions of the signed table
-    ``gl.iq2s_levels()``, so a learning rate reaches as many level steps as for a scalar type) starts at the
+    ``gl.iq2_levels``, so a learning rate reaches as many level steps as for a scalar type) starts at the
     encoded group's sign and magnitude, moved towards the source weight by at most ``START_REACH``. A group decodes
     to its rounded positions where their magnitudes form a codebook tuple (then the nearest codebook point), else
-    to the codebook entry nearest to its interpolated values with their signs; gradients reach ``u`` straight
-    through. blocks: (..., bytes per row) IQ2_S; weights: the source weights (..., row)."""
+    to the codebook entry nearest to its interpolated values with their signs (IQ2_XS: made even by flipping the
+    weight of least |value|·magnitude); gradients reach ``u`` straight through. blocks: (..., bytes per row) of
+    `qtype`; weights: the source weights (..., row)."""
 
     def __init__(self, blocks: np.ndarray, qtype: str, weights: torch.Tensor, device: str | torch.device = "cpu",
                  *, scales: bool = False):
-        if qtype != "IQ2_S" or scales:
-            raise InputError(f"IQ2SCodes tunes IQ2_S codes only (no scales), not {qtype!r} (scales={scales})")
+        if qtype not in gl.IQ2_LAYOUTS or scales:
+            raise InputError(f"IQ2Codes tunes IQ2 codes only (no scales), not {qtype!r} (scales={scales})")
         self.qtype = qtype
         self.source = np.ascontiguousarray(blocks)
         dev = torch.device(device)
-        self.grid, self.levels, self.entry = _iq2s_tables(dev)
+        self.parity = gl.IQ2_LAYOUTS[qtype].parity
+        self.grid, self.levels, self.entry = _iq2_tables(qtype, dev)
         self.mags = self.levels.shape[0] // 2   # magnitudes per sign (3); positions below it are negative
         self.rank_weight = (self.mags ** torch.arange(8, device=dev)).float()
         self.bits = 2 ** torch.arange(8, device=dev)
-        self.index0, self.signs0 = gl.iq2s_groups_on(self.source, dev)
-        self.db = gl.iq2s_group_scales_on(self.source, dev).unsqueeze(-1)        # (..., groups, 1)
+        self.index0, self.signs0 = gl.iq2_groups_on(self.source, qtype, dev)
+        self.db = gl.iq2_group_scales_on(self.source, qtype, dev).unsqueeze(-1)        # (..., groups, 1)
         self.shape = tuple(self.db.shape[:-2]) + (self.db.shape[-2] * 8,)
         start = self._positions(self.index0, self.signs0)                          # (..., groups, 8)
         live = self.db != 0
@@ -188,11 +193,11 @@ class IQ2SCodes:
 
     def _nearest_entries(self, target: torch.Tensor) -> torch.Tensor:
         """Codebook index (n,) nearest to |target| (n, 8): smallest Σc² − 2·Σ|t|·c (the unit-metric case of
-        ``hessian_rounding.nearest_iq2s_entries``, as one addmm per chunk: on the CPU a third of its time), in
+        ``hessian_rounding.nearest_iq2_entries``, as one addmm per chunk: on the CPU a third of its time), in
         chunks that bound the score table."""
         norms = (self.grid * self.grid).sum(-1)
         return torch.cat([torch.addmm(norms, t.abs(), self.grid.T, alpha=-2).argmin(-1)
-                          for t in target.split(IQ2S_SEARCH_GROUPS)])
+                          for t in target.split(IQ2_SEARCH_GROUPS)])
 
     def _groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codebook index, sign byte) (..., groups) int64 and the negative weights (..., groups, 8) of the current
@@ -206,6 +211,8 @@ class IQ2SCodes:
             miss = index < 0
             if bool(miss.any()):  # the rounded magnitudes are no codebook tuple: the entry nearest to the relaxation
                 index[miss] = self._nearest_entries(gl.table_values(u[miss], self.levels))
+            if self.parity:
+                neg = gl.even_sign_flip(neg, gl.table_values(u, self.levels).abs() * self.grid[index])[0]
             return index, (neg.long() * self.bits).sum(-1), neg
 
     def dequantized(self) -> torch.Tensor:
@@ -228,15 +235,15 @@ class IQ2SCodes:
 
     def blocks(self) -> np.ndarray:
         """The encoded tensor with the current groups (scales and size unchanged)."""
-        return gl.set_iq2s_groups_on(self.source, *self.codes())
+        return gl.set_iq2_groups_on(self.source, self.qtype, *self.codes())
 
 
 def tunable_codes(blocks: np.ndarray, qtype: str, weights: torch.Tensor, device: str | torch.device = "cpu", *,
-                  scales: bool = False) -> LevelCodes | IQ2SCodes:
-    """The differentiable codes of an encoded tensor of a ``TUNABLE`` type: IQ2_S's codebook groups, else one
-    level per weight (arguments as :class:`LevelCodes`)."""
-    if qtype == "IQ2_S":
-        return IQ2SCodes(blocks, qtype, weights, device, scales=scales)
+                  scales: bool = False) -> LevelCodes | IQ2Codes:
+    """The differentiable codes of an encoded tensor of a ``TUNABLE`` type: the IQ2 types' codebook groups, else
+    one level per weight (arguments as :class:`LevelCodes`)."""
+    if qtype in gl.IQ2_LAYOUTS:
+        return IQ2Codes(blocks, qtype, weights, device, scales=scales)
     return LevelCodes(blocks, qtype, weights, device, scales=scales)
 
 

@@ -45,7 +45,7 @@ from . import triton_iq2s, triton_iq2s_descent, triton_refine, triton_subscales
 from .triton_search import use_fused
 from ..device import device_kind, pick_device
 
-SUPPORTED = gl.SCALAR_TYPES + ("IQ2_S",)
+SUPPORTED = gl.SCALAR_TYPES + gl.IQ2_TYPES
 DEFAULT_DAMP = 0.01      # relative diagonal damping of H (GPTQ's default): keeps U finite for rank-deficient H
 REFIT_SCALES = True      # refinement also moves the scales (refine_sub_scales, refit_super_scales)
 LAZY_COLUMNS = 256       # columns updated eagerly; the rest receive the batch's feedback in one matmul
@@ -201,17 +201,21 @@ class _ScalarRounder:
         return gl.set_levels_on(blocks, self.qtype, self.codes)
 
 
-class _IQ2SRounder:
-    """Rounds 8-column groups on the IQ2_S codebook: signs follow the targets, the magnitude tuple is the
-    codebook entry with the smallest metric-weighted squared error."""
+class _IQ2Rounder:
+    """Rounds 8-column groups on an IQ2 codebook: signs follow the targets, the magnitude tuple is the codebook
+    entry with the smallest metric-weighted squared error. Where the type stores 7 sign bits (IQ2_XS), a group
+    with an odd count of negative targets also flips the weight whose flip costs least, and the entry is the best
+    of ``IQ2_SHORTLIST`` with that flip priced in."""
     group = 8
 
     def __init__(self, qtype: str, device: torch.device) -> None:
+        self.qtype = qtype
         self.device = device
-        self.grid = torch.from_numpy(gl.iq2s_grid()).to(device)  # (1024, 8)
+        self.parity = gl.IQ2_LAYOUTS[qtype].parity
+        self.grid = torch.from_numpy(gl.iq2_grid(qtype)).to(device)  # (entries, 8)
 
     def start(self, blocks: np.ndarray) -> None:
-        self.db = gl.iq2s_group_scales_on(blocks, self.device)  # (E, rows, 32)
+        self.db = gl.iq2_group_scales_on(blocks, self.qtype, self.device)  # (E, rows, 32)
         self.index = torch.zeros(self.db.shape, dtype=torch.int64, device=self.device)
         self.signs = torch.zeros(self.db.shape, dtype=torch.int64, device=self.device)
         self.bits = (2 ** torch.arange(8, device=self.device)).view(1, 1, 8)
@@ -220,13 +224,34 @@ class _IQ2SRounder:
         g = j // 8
         db = self.db[..., g:g + 1]                                   # (E, rows, 1)
         neg = t < 0
-        k = nearest_iq2s_entries(db, metric, t, self.grid, 1)[..., 0]   # (E, rows)
+        if self.parity:
+            k, neg = _even_entries(db, metric, t, self.grid)
+        else:
+            k = nearest_iq2_entries(db, metric, t, self.grid, 1)[..., 0]   # (E, rows)
         self.index[..., g] = k
         self.signs[..., g] = (neg.long() * self.bits).sum(-1)
         return db * self.grid[k] * torch.where(neg, -1.0, 1.0)
 
     def finish(self, blocks: np.ndarray) -> np.ndarray:
-        return gl.set_iq2s_groups_on(blocks, self.index, self.signs)
+        return gl.set_iq2_groups_on(blocks, self.qtype, self.index, self.signs)
+
+
+def _even_entries(db: torch.Tensor, metric: torch.Tensor, t: torch.Tensor,
+                  grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entry (E, rows), negative weights (E, rows, 8)) of the groups' targets t (E, rows, 8) at scales db
+    (E, rows, 1) on a codebook whose signs keep an even count of negatives: the ``IQ2_SHORTLIST`` entries nearest
+    to |t| in the diagonal metric (E|1, 8), each with the cheapest flip where the targets' count is odd, scored
+    with that flip's cost (4·db·m_i·|t_i|·c_i)."""
+    k = nearest_iq2_entries(db, metric, t, grid, IQ2_SHORTLIST)               # (E, rows, K)
+    c = grid[k]                                                               # (E, rows, K, 8)
+    a = (metric.unsqueeze(-2) * t.abs()).unsqueeze(-2)                        # (E, rows, 1, 8)
+    m = metric.unsqueeze(-2).unsqueeze(-2)
+    score = db * db * (m * c * c).sum(-1) - 2 * db * (a * c).sum(-1)          # (E, rows, K)
+    neg = (t < 0).unsqueeze(-2).expand(c.shape)
+    neg, flip_cost = gl.even_sign_flip(neg, 4 * db.unsqueeze(-1) * a * c)
+    best = (score + flip_cost).argmin(-1, keepdim=True)                       # (E, rows, 1)
+    chosen = neg.gather(-2, best.unsqueeze(-1).expand(*best.shape, 8)).squeeze(-2)
+    return k.gather(-1, best).squeeze(-1), chosen
 
 
 def _check(w: torch.Tensor, hessian: torch.Tensor, qtype: str, imatrix) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,7 +454,7 @@ def refit_super_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian:
     return gl.set_super_scales(blocks, qtype, scales.cpu().numpy())
 
 
-IQ2S_SHORTLIST = 8  # codebook entries per group scored with the exact quadratic (after a diagonal pre-selection)
+IQ2_SHORTLIST = 8  # codebook entries per group scored with the exact quadratic (after a diagonal pre-selection)
 
 
 def smallest_by_argmin(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -443,15 +468,16 @@ def smallest_by_argmin(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(out, -1)
 
 
-def nearest_iq2s_entries(scale: torch.Tensor, metric: torch.Tensor, target: torch.Tensor, grid: torch.Tensor,
-                         k: int) -> torch.Tensor:
-    """Indices (E, rows, k), ascending, of the IQ2_S codebook entries (grid (1024, 8)) nearest to the groups' |target|
-    (E, rows, 8) at scale (E, rows, 1) in the diagonal metric (E|1, 8): smallest s²·Σm·c² − 2s·Σm·|t|·c. Fused where
-    the Triton kernels run (triton_iq2s), else one score table: topk on the CPU, k passes of argmin elsewhere."""
+def nearest_iq2_entries(scale: torch.Tensor, metric: torch.Tensor, target: torch.Tensor, grid: torch.Tensor,
+                        k: int) -> torch.Tensor:
+    """Indices (E, rows, k), ascending, of the IQ2 codebook entries (grid (entries, 8)) nearest to the groups'
+    |target| (E, rows, 8) at scale (E, rows, 1) in the diagonal metric (E|1, 8): smallest s²·Σm·c² − 2s·Σm·|t|·c.
+    Fused where the Triton kernels run (triton_iq2s), else one score table: topk on the CPU, k passes of argmin
+    elsewhere."""
     if use_fused(target):
         return triton_iq2s.nearest_entries(scale, metric, target, grid, k)
     score = scale * scale * ((grid * grid) @ metric.unsqueeze(-1)).transpose(-1, -2) \
-        - 2 * scale * ((metric.unsqueeze(-2) * target.abs()) @ grid.T)     # (E, rows, 1024)
+        - 2 * scale * ((metric.unsqueeze(-2) * target.abs()) @ grid.T)     # (E, rows, entries)
     if k == 1:
         return score.argmin(-1, keepdim=True)
     if score.device.type == "cpu":
@@ -459,20 +485,23 @@ def nearest_iq2s_entries(scale: torch.Tensor, metric: torch.Tensor, target: torc
     return smallest_by_argmin(score, k)
 
 
-def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, passes: int = 1) -> np.ndarray:
-    """Group-wise descent on IQ2_S blocks (scales kept) for tr(ΔW·H·ΔWᵀ).
+def refine_iq2(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.Tensor, passes: int = 1) -> np.ndarray:
+    """Group-wise descent on IQ2 blocks (scales kept) for tr(ΔW·H·ΔWᵀ).
 
     For each 8-weight group in turn: the unconstrained best values given the other groups (v + H_BB⁻¹·g_B) fix the
-    signs; the ``IQ2S_SHORTLIST`` codebook entries nearest to them in the diagonal metric are scored with the exact
-    change of the quadratic (2δ·g_B + δ·H_BB·δᵀ); the best replaces the group's entry when it lowers it. Where the
-    Triton kernels run, one fused launch per feedback window (:func:`_fused_iq2s`); elsewhere the loop below."""
+    signs (IQ2_XS: with the cheapest flip in the diagonal metric where their count of negatives is odd, per
+    candidate); the ``IQ2_SHORTLIST`` codebook entries nearest to them in the diagonal metric are scored with the
+    exact change of the quadratic (2δ·g_B + δ·H_BB·δᵀ); the best replaces the group's entry when it lowers it.
+    IQ2_S, where the Triton kernels run and its fused kernel serves: one fused launch per feedback window
+    (:func:`_fused_iq2s`); elsewhere the loop below."""
     dev = w.device
-    grid = torch.from_numpy(gl.iq2s_grid()).to(dev)                                # (1024, 8)
-    db = gl.iq2s_group_scales_on(blocks, dev)                                      # (E, rows, G)
-    index, signs = gl.iq2s_groups_on(blocks, dev)
+    parity = gl.IQ2_LAYOUTS[qtype].parity
+    grid = torch.from_numpy(gl.iq2_grid(qtype)).to(dev)                           # (entries, 8)
+    db = gl.iq2_group_scales_on(blocks, qtype, dev)                                # (E, rows, G)
+    index, signs = gl.iq2_groups_on(blocks, qtype, dev)
     bits = 2 ** torch.arange(8, device=dev)
-    val = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape)
-    if use_fused(w) and fused_sweep_ok("iq2s", dev):
+    val = gl.decode_blocks(blocks, qtype, dev).reshape(w.shape)
+    if qtype == "IQ2_S" and use_fused(w) and fused_sweep_ok("iq2s", dev):
         return _fused_iq2s(w, blocks, hessian.contiguous(), grid, db, index, signs, val, passes)
     fb = _Feedback((w - val) @ hessian, hessian, _window(dev, w.shape[-1]))       # (E, rows, n)
     for _ in range(passes):
@@ -481,9 +510,14 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
             hbb = hessian[:, cols, cols]                                           # (E|1, 8, 8)
             v, gb, d = val[..., cols], fb.at(cols), db[..., g:g + 1]
             ideal = v + torch.linalg.solve_ex(hbb, gb.transpose(-1, -2))[0].transpose(-1, -2)
-            sign = torch.where(ideal < 0, -1.0, 1.0)
-            k = nearest_iq2s_entries(d, torch.diagonal(hbb, dim1=-2, dim2=-1), ideal, grid, IQ2S_SHORTLIST)
-            cand = d.unsqueeze(-1) * grid[k] * sign.unsqueeze(-2)                  # (E, rows, K, 8)
+            hdiag = torch.diagonal(hbb, dim1=-2, dim2=-1)
+            k = nearest_iq2_entries(d, hdiag, ideal, grid, IQ2_SHORTLIST)
+            mags = grid[k]                                                         # (E, rows, K, 8)
+            neg = (ideal < 0).unsqueeze(-2).expand(mags.shape)
+            if parity:
+                cost = 4 * d.unsqueeze(-1) * (hdiag.unsqueeze(-2) * ideal.abs()).unsqueeze(-2) * mags
+                neg = gl.even_sign_flip(neg, cost)[0]
+            cand = d.unsqueeze(-1) * mags * torch.where(neg, -1.0, 1.0)            # (E, rows, K, 8)
             delta = v.unsqueeze(-2) - cand                                         # error change per candidate
             dl = 2 * (delta * gb.unsqueeze(-2)).sum(-1) \
                 + torch.einsum("erki,eij,erkj->erk", delta, hbb.expand(w.shape[0], 8, 8), delta)
@@ -491,18 +525,20 @@ def refine_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, pass
             take = dl.gather(-1, best).squeeze(-1) < 0
             if not _any(take):
                 continue
-            new_v = cand.gather(-2, best.unsqueeze(-1).expand(*best.shape, 8)).squeeze(-2)
+            pick = best.unsqueeze(-1).expand(*best.shape, 8)
+            new_v = cand.gather(-2, pick).squeeze(-2)
             step = torch.where(take.unsqueeze(-1), v - new_v, torch.zeros_like(v))
             fb.add(cols, step)
             val[..., cols] = torch.where(take.unsqueeze(-1), new_v, v)
             index[..., g] = torch.where(take, k.gather(-1, best).squeeze(-1), index[..., g])
-            signs[..., g] = torch.where(take, ((sign < 0).long() * bits).sum(-1), signs[..., g])
-    return gl.set_iq2s_groups_on(blocks, index, signs)
+            new_signs = (neg.gather(-2, pick).squeeze(-2).long() * bits).sum(-1)
+            signs[..., g] = torch.where(take, new_signs, signs[..., g])
+    return gl.set_iq2_groups_on(blocks, qtype, index, signs)
 
 
 def _fused_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, grid: torch.Tensor, db: torch.Tensor,
                 index: torch.Tensor, signs: torch.Tensor, val: torch.Tensor, passes: int) -> np.ndarray:
-    """:func:`refine_iq2s`' passes through the fused kernel, one launch per feedback window (triton_iq2s_descent:
+    """:func:`refine_iq2`'s IQ2_S passes through the fused kernel, one launch per feedback window (triton_iq2s_descent:
     the same step per group, up to the order of the sums and an inverse of H_BB made once; the Hessian contiguous)."""
     val = val.contiguous()
     fb = _Feedback((w - val) @ hessian, hessian, _window(w.device, w.shape[-1]))
@@ -512,8 +548,8 @@ def _fused_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, grid
     for _ in range(passes):
         for w0, width, pending in fb.windows():
             triton_iq2s_descent.iq2s_window(fb.grad, fb.h, hinv, val, db, index, signs, grid, grid_t, pending, w0,
-                                            width, IQ2S_SHORTLIST)
-    return gl.set_iq2s_groups_on(blocks, index, signs)
+                                            width, IQ2_SHORTLIST)
+    return gl.set_iq2_groups_on(blocks, "IQ2_S", index, signs)
 
 
 # per (sweep, device): whether its fused kernel serves there (a test may clear it)
@@ -571,7 +607,7 @@ def _check_sweep(sweep: str, dev: torch.device) -> tuple[float, float]:
     errors = []
     for fused in (True, False):
         FUSED_SWEEPS[(sweep, str(dev))] = fused
-        out = refine_iq2s(w, blocks, h) if sweep == "iq2s" else refine_sub_scales(w, blocks, qtype, h)
+        out = refine_iq2(w, blocks, qtype, h) if sweep == "iq2s" else refine_sub_scales(w, blocks, qtype, h)
         errors.append(float(layer_error(w, gl.decode_blocks(out, qtype, dev).reshape(w.shape), h).sum()))
     return errors[0], errors[1]
 
@@ -598,7 +634,7 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
     u = upper_inverse_factor(h3.to(dev), damp).to(torch.float32)          # (E|1, n, n)
     targets = w3.to(dev, torch.float32).clone()
     bs, ts = gl.block_shape(qtype)
-    rounder = (_IQ2SRounder if qtype == "IQ2_S" else _ScalarRounder)(qtype, dev)
+    rounder = (_IQ2Rounder if qtype in gl.IQ2_LAYOUTS else _ScalarRounder)(qtype, dev)
     g = rounder.group
     out = np.empty((E, R, n // bs * ts), dtype=np.uint8)
     lazy = max(LAZY_COLUMNS, bs)
@@ -625,8 +661,8 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
         for _ in range(refine):  # codes, then the sub-block scales and super-scales for those codes
             if qtype in gl.CODE_RANGE:
                 out = refine_codes(wd, out, qtype, hd, 1)
-            else:  # IQ2_S codebook groups: the same descent, one group of 8 at a time
-                out = refine_iq2s(wd, out, hd, 1)
+            else:  # IQ2 codebook groups: the same descent, one group of 8 at a time
+                out = refine_iq2(wd, out, qtype, hd, 1)
             if REFIT_SCALES and qtype in gl.SUB_SCALES:
                 out = refine_sub_scales(wd, out, qtype, hd)
             if REFIT_SCALES:

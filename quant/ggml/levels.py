@@ -14,12 +14,14 @@ high end) instead of a second copy of each decoding rule. The ``*_on`` forms dec
 a rounding that runs on the GPU makes no host decode.
 :func:`nearest_codes` and :func:`interpolated_values` give the rounding and a piecewise-linear relaxation on the
 level values, the same for every scalar type (through :func:`table_nearest` / :func:`table_values` /
-:func:`table_positions` on any ascending level table, which IQ2_S's signed levels use too).
+:func:`table_positions` on any ascending level table, which the IQ2 types' signed levels use too).
 Bit layouts follow ggml's block definitions (docstrings of :mod:`numpy_kquants` name the byte ranges).
-IQ2_S (8-weight codebook groups with free signs) has its own pair: ``set_iq2s_groups`` / ``iq2s_group_scales``.
+The IQ2 types (8-weight codebook groups: IQ2_S with free signs, IQ2_XS with an even count of negatives) have
+their own table, ``IQ2_LAYOUTS``, and pair: ``set_iq2_groups`` / ``iq2_group_scales``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -260,7 +262,8 @@ def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
 # linear in them: y = d·A + dmin·B with A, B fixed by the packed integer fields)
 SUPER_SCALES: dict[str, tuple[int, ...]] = {
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ2_S": (0,), "IQ4_NL": (0,),
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ2_XS": (0,), "IQ2_S": (0,),
+    "IQ4_NL": (0,),
 }
 
 
@@ -311,15 +314,13 @@ def super_scale_basis(blocks: np.ndarray, qtype: str) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- sub-block scales
 
 # sub-blocks: (weights per sub-block, scale range, min range or None); a decoded weight is affine in its
-# sub-block's integer scale and min (K-quants: y = d·s·v − dmin·m with v fixed by the code; IQ2_S:
+# sub-block's integer scale and min (K-quants: y = d·s·v − dmin·m with v fixed by the code; IQ2_XS / IQ2_S:
 # y = d·(0.5 + s)/4 · grid value · sign)
 SUB_SCALES: dict[str, tuple[int, tuple[int, int], tuple[int, int] | None]] = {
     "Q2_K": (16, (0, 15), (0, 15)), "Q3_K": (16, (-32, 31), None), "Q4_K": (32, (0, 63), (0, 63)),
-    "Q5_K": (32, (0, 63), (0, 63)), "Q6_K": (16, (-128, 127), None), "IQ2_S": (16, (0, 15), None),
+    "Q5_K": (32, (0, 63), (0, 63)), "Q6_K": (16, (-128, 127), None), "IQ2_XS": (16, (0, 15), None),
+    "IQ2_S": (16, (0, 15), None),
 }
-
-
-IQ2S_SUB_SCALE_BYTES = slice(74, 82)  # the 4-bit scales of an IQ2_S block, two per byte (one per 16 weights)
 
 
 def _sub_layout(qtype: str) -> tuple[int, int]:
@@ -329,7 +330,7 @@ def _sub_layout(qtype: str) -> tuple[int, int]:
 
 
 def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(scales, mins) int64 (..., sub-blocks per row) of K-quant or IQ2_S blocks; mins None for Q3_K, Q6_K, IQ2_S."""
+    """(scales, mins) int64 (..., sub-blocks per row) of K-quant or IQ2 blocks; mins None for Q3_K, Q6_K and IQ2."""
     bs, ts = _sub_layout(qtype)
     b = np.asarray(blocks, dtype=np.uint8)
     flat = b.reshape(-1, ts)
@@ -348,8 +349,8 @@ def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray |
         q = i64(flat[:, 4:16])
         sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)], axis=1)
         mins = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
-    elif qtype == "IQ2_S":
-        q = i64(flat[:, IQ2S_SUB_SCALE_BYTES])
+    elif qtype in IQ2_LAYOUTS:
+        q = i64(flat[:, IQ2_LAYOUTS[qtype].sub_scale_bytes])
         sc = np.stack([q & 15, q >> 4], axis=2).reshape(-1, 16)
     else:  # Q6_K
         sc = i64(np.ascontiguousarray(flat[:, 192:208]).view(np.int8))
@@ -384,91 +385,156 @@ def set_sub_scales_on(blocks: np.ndarray | torch.Tensor, qtype: str, scales: tor
         flat[:, 96:108] = torch_kquants.pack_scales_q3_k(sc + 32)
     elif qtype in ("Q4_K", "Q5_K"):
         flat[:, 4:16] = torch_kquants.pack_scales_k4(sc.T, m.T)
-    elif qtype == "IQ2_S":
-        flat[:, IQ2S_SUB_SCALE_BYTES] = u8(sc[:, 0::2] | (sc[:, 1::2] << 4))
+    elif qtype in IQ2_LAYOUTS:
+        flat[:, IQ2_LAYOUTS[qtype].sub_scale_bytes] = u8(sc[:, 0::2] | (sc[:, 1::2] << 4))
     else:  # Q6_K: int8 scales, stored as their two's complement
         flat[:, 192:208] = u8(sc & 0xFF)
     return flat.reshape(raw.shape)
 
 
 def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.ndarray | None = None) -> np.ndarray:
-    """Copy of K-quant or IQ2_S `blocks` with the sub-block scales (and mins, for the types with mins) replaced;
+    """Copy of K-quant or IQ2 `blocks` with the sub-block scales (and mins, for the types with mins) replaced;
     codes and super-scales kept. Values must lie in the type's ranges (``SUB_SCALES``)."""
     return set_sub_scales_on(blocks, qtype, torch.as_tensor(np.asarray(scales, dtype=np.int64)),
                              None if mins is None else torch.as_tensor(np.asarray(mins, dtype=np.int64))).numpy()
 
 
-# ---------------------------------------------------------------------------------------------- IQ2_S
+# ---------------------------------------------------------------------------------------------- IQ2 codebook groups
+
+@dataclass(frozen=True)
+class IQ2Layout:
+    """Where an IQ2 type keeps its 8-weight codebook groups (a 256-weight block: fp16 d at bytes 0-1, 32 groups,
+    one 4-bit scale per 16 weights; a group decodes to d·(0.5 + s)/4 · grid[index] · signs)."""
+    entries: int          # codebook size: the index's range
+    block_bytes: int
+    parity: bool          # 7 stored sign bits; the 8th makes the count of negative weights even
+    sub_scale_bytes: slice  # the 4-bit scales, two per byte (low nibble first)
+
+
+IQ2_LAYOUTS: dict[str, IQ2Layout] = {
+    "IQ2_XS": IQ2Layout(512, 74, True, slice(66, 74)),    # qs: uint16 per group, index | 7 sign bits << 9
+    "IQ2_S": IQ2Layout(1024, 82, False, slice(74, 82)),   # 8 index bits, 8 sign bytes, then 2 high index bits
+}
+IQ2_TYPES = tuple(IQ2_LAYOUTS)
+
+
+def _iq2_layout(qtype: str) -> IQ2Layout:
+    if qtype not in IQ2_LAYOUTS:
+        raise InputError(f"no codebook group layout for ggml type {qtype!r}; supported: {', '.join(IQ2_TYPES)}")
+    return IQ2_LAYOUTS[qtype]
+
 
 @lru_cache(maxsize=None)
-def iq2s_grid() -> np.ndarray:
-    """(1024, 8) float32: IQ2_S codebook magnitudes (gguf-py's table), decoded value = db * grid * sign."""
-    gguf_quants.IQ2_S.init_grid()
-    return np.asarray(gguf_quants.IQ2_S.grid, dtype=np.float32).reshape(1024, 8)
+def iq2_grid(qtype: str) -> np.ndarray:
+    """(entries, 8) float32: the codebook magnitudes of an IQ2 type (gguf-py's table); decoded value =
+    db · grid · sign."""
+    cls = getattr(gguf_quants, qtype)
+    cls.init_grid()
+    return np.asarray(cls.grid, dtype=np.float32).reshape(_iq2_layout(qtype).entries, 8)
 
 
 @lru_cache(maxsize=None)
-def iq2s_levels() -> np.ndarray:
-    """float32 (6,), ascending: the values one IQ2_S weight takes before its group scale, the grid's magnitudes
-    ({8, 25, 43}) with either sign: a coordinate's sign and magnitude as one position on one table."""
-    mags = np.unique(iq2s_grid())
+def iq2_levels(qtype: str) -> np.ndarray:
+    """float32 (6,), ascending: the values one weight of an IQ2 type takes before its group scale, the grid's
+    magnitudes ({8, 25, 43}) with either sign: a coordinate's sign and magnitude as one position on one table."""
+    mags = np.unique(iq2_grid(qtype))
     return np.concatenate([-mags[::-1], mags]).astype(np.float32)
 
 
-def _iq2s_flat(blocks: np.ndarray, device: str | torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, 82)).to(device)
+@lru_cache(maxsize=None)
+def _even_parity_table() -> np.ndarray:
+    """(128,) int64: the sign byte of each 7-bit sign index, its top bit set where the low seven have odd parity."""
+    i = np.arange(128)
+    odd = np.array([bin(v).count("1") & 1 for v in i])
+    return i | (odd << 7)
 
 
-def iq2s_group_scales_on(blocks: np.ndarray, device: str | torch.device) -> torch.Tensor:
-    """(..., bytes per row) IQ2_S blocks -> (..., groups per row) float32 scale db of each 8-weight group, on
-    `device`."""
-    flat = _iq2s_flat(blocks, device)
-    o = SUPER_SCALES["IQ2_S"][0]
+def even_sign_flip(neg: torch.Tensor, cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sign patterns made storable by IQ2_XS (an even count of negative weights): where a group's `neg` (..., 8)
+    bool has an odd count, the weight of least `cost` (..., 8) flips. Returns (the new `neg`, the cost paid per
+    group: 0 where nothing flipped)."""
+    odd = (neg.sum(-1) % 2) == 1
+    low = cost.min(-1, keepdim=True)
+    flip = odd.unsqueeze(-1) & (torch.arange(8, device=neg.device) == low.indices)
+    return neg ^ flip, torch.where(odd, low.values.squeeze(-1), torch.zeros_like(low.values.squeeze(-1)))
+
+
+def _iq2_flat(blocks: np.ndarray, qtype: str, device: str | torch.device) -> torch.Tensor:
+    ts = _iq2_layout(qtype).block_bytes
+    return torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, ts)).to(device)
+
+
+def _group_shape(blocks: np.ndarray, qtype: str) -> tuple[int, ...]:
+    return tuple(blocks.shape[:-1]) + (blocks.shape[-1] // _iq2_layout(qtype).block_bytes * 32,)
+
+
+def iq2_group_scales_on(blocks: np.ndarray, qtype: str, device: str | torch.device) -> torch.Tensor:
+    """(..., bytes per row) blocks of an IQ2 type -> (..., groups per row) float32 scale db of each 8-weight group,
+    on `device`."""
+    layout = _iq2_layout(qtype)
+    flat = _iq2_flat(blocks, qtype, device)
+    o = SUPER_SCALES[qtype][0]
     d = flat[:, o:o + 2].contiguous().view(torch.float16).to(torch.float32)       # (blocks, 1)
-    q = flat[:, IQ2S_SUB_SCALE_BYTES]
+    q = flat[:, layout.sub_scale_bytes]
     sub = torch.stack([q & 15, q >> 4], dim=2).reshape(-1, 16).to(torch.float32)  # one per 16 weights
     db = d.expand(-1, 16) * (0.5 + sub) * 0.25
-    return db.repeat_interleave(2, dim=-1).reshape(blocks.shape[:-1] + (blocks.shape[-1] // 82 * 32,))
+    return db.repeat_interleave(2, dim=-1).reshape(_group_shape(blocks, qtype))
 
 
-def iq2s_group_scales(blocks: np.ndarray) -> np.ndarray:
-    """(..., bytes per row) IQ2_S blocks -> (..., groups per row) float32 scale db of each 8-weight group."""
-    return iq2s_group_scales_on(blocks, "cpu").numpy()
+def iq2_group_scales(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """(..., bytes per row) blocks of an IQ2 type -> (..., groups per row) float32 scale db of each 8-weight
+    group."""
+    return iq2_group_scales_on(blocks, qtype, "cpu").numpy()
 
 
-def iq2s_groups_on(blocks: np.ndarray, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codebook index (..., groups), sign byte (..., groups)) of every 8-weight group of IQ2_S blocks, int64 on
-    `device`."""
-    flat = _iq2s_flat(blocks, device)
+def iq2_groups_on(blocks: np.ndarray, qtype: str, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codebook index (..., groups), sign byte (..., groups): bit i set where weight i is negative) of every
+    8-weight group of IQ2 blocks, int64 on `device`."""
+    flat = _iq2_flat(blocks, qtype, device)
+    shape = _group_shape(blocks, qtype)
+    if qtype == "IQ2_XS":
+        word = flat[:, 2:66].contiguous().view(torch.int16).long() & 0xFFFF      # little-endian uint16 per group
+        parity = torch.from_numpy(_even_parity_table()).to(flat.device)
+        return (word & 511).reshape(shape), parity[word >> 9].reshape(shape)
     qh = flat[:, 66:74].long()
     high = torch.stack([(qh >> (2 * j)) & 3 for j in range(4)], dim=2).reshape(-1, 32)
     index = flat[:, 2:34].long() | (high << 8)
-    shape = blocks.shape[:-1] + (blocks.shape[-1] // 82 * 32,)
     return index.reshape(shape), flat[:, 34:66].long().reshape(shape)
 
 
-def iq2s_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(codebook index (..., groups), sign byte (..., groups)) of every 8-weight group of IQ2_S blocks."""
-    index, signs = iq2s_groups_on(blocks, "cpu")
+def iq2_groups(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(codebook index (..., groups), sign byte (..., groups)) of every 8-weight group of IQ2 blocks."""
+    index, signs = iq2_groups_on(blocks, qtype, "cpu")
     return index.numpy(), signs.numpy().astype(np.uint8)
 
 
-def set_iq2s_groups_on(blocks: np.ndarray, index: torch.Tensor, signs: torch.Tensor) -> np.ndarray:
-    """:func:`set_iq2s_groups` computed on the device of `index` (tensors); the blocks come back as numpy."""
+def set_iq2_groups_on(blocks: np.ndarray, qtype: str, index: torch.Tensor, signs: torch.Tensor) -> np.ndarray:
+    """:func:`set_iq2_groups` computed on the device of `index` (tensors); the blocks come back as numpy."""
+    layout = _iq2_layout(qtype)
     dev = index.device
-    flat = _iq2s_flat(blocks, dev).clone()
+    flat = _iq2_flat(blocks, qtype, dev).clone()
     idx = index.long().reshape(-1, 32)
-    if bool(((idx < 0) | (idx > 1023)).any()):
-        raise InputError("IQ2_S codebook indices must lie in [0, 1023]")
-    flat[:, 2:34] = (idx & 255).to(torch.uint8)
-    flat[:, 34:66] = signs.reshape(-1, 32).to(dev).to(torch.uint8)
-    h = (idx >> 8).reshape(-1, 8, 4)  # group 4k+j: bits 2j of qh byte k
-    flat[:, 66:74] = (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)).to(torch.uint8)
+    sg = signs.reshape(-1, 32).to(dev).long() & 255
+    if bool(((idx < 0) | (idx >= layout.entries)).any()):
+        raise InputError(f"{qtype} codebook indices must lie in [0, {layout.entries - 1}]")
+    if layout.parity:
+        odd = sg.clone()
+        for shift in (4, 2, 1):
+            odd ^= odd >> shift
+        if bool((odd & 1).any()):
+            raise InputError(f"{qtype} sign bytes must have an even number of negative weights")
+        word = idx | ((sg & 127) << 9)
+        flat[:, 2:66] = torch.stack([word & 255, word >> 8], dim=2).reshape(-1, 64).to(torch.uint8)
+    else:
+        flat[:, 2:34] = (idx & 255).to(torch.uint8)
+        flat[:, 34:66] = sg.to(torch.uint8)
+        h = (idx >> 8).reshape(-1, 8, 4)  # group 4k+j: bits 2j of qh byte k
+        flat[:, 66:74] = (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)).to(torch.uint8)
     return flat.cpu().numpy().reshape(np.shape(blocks))
 
 
-def set_iq2s_groups(blocks: np.ndarray, index: np.ndarray, signs: np.ndarray) -> np.ndarray:
-    """Copy of IQ2_S `blocks` with each 8-weight group's codebook index (0..1023) and sign byte (bit i set:
-    weight i negative) replaced; shapes (..., groups per row). Super-scale and 4-bit scales are kept."""
-    return set_iq2s_groups_on(blocks, torch.as_tensor(np.asarray(index, dtype=np.int64)),
-                              torch.as_tensor(np.asarray(signs).astype(np.uint8)))
+def set_iq2_groups(blocks: np.ndarray, qtype: str, index: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """Copy of IQ2 `blocks` with each 8-weight group's codebook index and sign byte (bit i set: weight i negative;
+    IQ2_XS: an even count) replaced; shapes (..., groups per row). Super-scale and 4-bit scales are kept."""
+    return set_iq2_groups_on(blocks, qtype, torch.as_tensor(np.asarray(index, dtype=np.int64)),
+                             torch.as_tensor(np.asarray(signs).astype(np.int64)))

@@ -1,8 +1,9 @@
-"""A fused Triton kernel for the IQ2_S codebook search of the Hessian rounding: the k nearest entries per group.
+"""A fused Triton kernel for the IQ2 codebook search of the Hessian rounding: the k nearest entries per group.
 
-The rounding scores all 1024 IQ2_S codebook entries for every 8-weight group of every row, in a diagonal metric m:
+The rounding scores all the codebook entries (IQ2_S: 1024, IQ2_XS: 512) for every 8-weight group of every row, in a
+diagonal metric m:
 score(c) = s²·Σ m_i·c_i² − 2s·Σ m_i·|t_i|·c_i (the squared error up to a constant; s the group's scale, t its
-targets). Eager torch writes that (rows, 1024) score table to memory and reads it back once per entry it picks;
+targets). Eager torch writes that (rows, entries) score table to memory and reads it back once per entry it picks;
 :func:`nearest_entries` streams the codebook through registers instead, keeping each row's k best (value, index)
 as it goes, and returns them ascending (ties to the lower index, as argmin and topk order them). The sums over
 the 8 weights run in index order, so a score can differ from the matmul's in the last bit: near-ties may pick the
@@ -15,7 +16,6 @@ import torch
 from .triton_search import launch_opts, triton, tl
 
 ROWS = 128      # rows per program
-ENTRIES = 1024  # IQ2_S codebook entries
 
 
 if triton is not None:
@@ -65,14 +65,15 @@ def nearest_entries(scale: torch.Tensor, metric: torch.Tensor, target: torch.Ten
                     k: int) -> torch.Tensor:
     """Indices (E, rows, k) int64 of the k codebook entries of smallest score (module docstring), ascending.
 
-    scale (E, rows, 1) or (E, rows); metric (E|1, 8); target (E, rows, 8); grid (1024, 8) float32, on one device;
+    scale (E, rows, 1) or (E, rows); metric (E|1, 8); target (E, rows, 8); grid (entries, 8) float32, on one device;
     k a power of two."""
     E, R, _ = target.shape
     s = scale.reshape(E, R).float().contiguous()
     a = (metric.unsqueeze(-2) * target.abs()).float().contiguous()            # (E, rows, 8)
-    c2m = ((grid * grid) @ metric.float().unsqueeze(-1)).squeeze(-1).contiguous()  # (E|1, 1024)
+    c2m = ((grid * grid) @ metric.float().unsqueeze(-1)).squeeze(-1).contiguous()  # (E|1, entries)
     out = torch.empty(E, R, k, dtype=torch.int64, device=target.device)
-    stride = 0 if c2m.shape[0] == 1 else ENTRIES
+    entries = grid.shape[0]
+    stride = 0 if c2m.shape[0] == 1 else entries
     _nearest_kernel[(E, triton.cdiv(R, ROWS))](s, a, c2m, grid.float().contiguous(), out, R, stride, K=k,
-                                               ROWS=ROWS, ENTRIES=ENTRIES, **launch_opts(target.device))
+                                               ROWS=ROWS, ENTRIES=entries, **launch_opts(target.device))
     return out

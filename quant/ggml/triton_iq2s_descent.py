@@ -1,8 +1,8 @@
 """A fused Triton kernel for the IQ2_S group-wise descent of the Hessian rounding: one launch per window of columns.
 
-:func:`hessian_rounding.refine_iq2s` takes the 8-weight codebook groups in column order; per group it solves for the
+:func:`hessian_rounding.refine_iq2` takes the 8-weight codebook groups in column order; per group it solves for the
 unconstrained best values given the other groups (v + g_B·H_BB⁻¹), takes their signs, shortlists the
-``IQ2S_SHORTLIST`` codebook entries nearest to their magnitudes in the diagonal metric diag(H_BB), scores each with
+``IQ2_SHORTLIST`` codebook entries nearest to their magnitudes in the diagonal metric diag(H_BB), scores each with
 the exact change of tr(ΔW·H·ΔWᵀ) (2δ·g_B + δ·H_BB·δᵀ) and keeps the best where that is negative. Eagerly that is
 about thirty small kernels per group, and on a GPU their launches were most of the sweep's time. Rows are
 independent inside a window of columns (a group's move changes its own row's gradient only), so

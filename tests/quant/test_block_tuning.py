@@ -85,21 +85,28 @@ def test_sign_descent_returns_to_the_start_when_nothing_scores_better(weights):
     assert torch.equal(codes.u.detach(), u0) and np.array_equal(codes.blocks(), blocks)
 
 
-def test_tunable_types_are_the_level_grid_types_and_iq2s(weights):
-    assert set(bt.TUNABLE) == set(gl.SCALAR_TYPES) | {"IQ2_S"}
+def _iq2(weights, qtype):
+    """IQ2 blocks of `weights` by ggml's encoder (IQ2_XS needs an importance: the weights' mean square per column)."""
+    return kquants.quantize(weights.numpy(), qtype, (weights * weights).mean(0).numpy() + 1e-8)
+
+
+def test_tunable_types_are_the_level_grid_types_and_iq2(weights):
+    assert set(bt.TUNABLE) == set(gl.SCALAR_TYPES) | {"IQ2_S", "IQ2_XS"}
     assert isinstance(bt.tunable_codes(kquants.quantize(weights.numpy(), "Q4_K"), "Q4_K", weights), bt.LevelCodes)
-    iq2s = kquants.quantize(weights.numpy(), "IQ2_S")
-    assert isinstance(bt.tunable_codes(iq2s, "IQ2_S", weights), bt.IQ2SCodes)
-    with pytest.raises(InputError):
-        bt.tunable_codes(iq2s, "IQ2_S", weights, scales=True)  # IQ2_S's scales are not learned
+    for qtype in ("IQ2_S", "IQ2_XS"):
+        blocks = _iq2(weights, qtype)
+        assert isinstance(bt.tunable_codes(blocks, qtype, weights), bt.IQ2Codes)
+        with pytest.raises(InputError):
+            bt.tunable_codes(blocks, qtype, weights, scales=True)  # the IQ2 types' scales are not learned
 
 
-def test_iq2s_codes_start_at_the_encoding(weights):
-    """Untouched, IQ2_S's relaxation decodes to gguf-py's values of the encoded blocks and writes back the same
+@pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
+def test_iq2_codes_start_at_the_encoding(weights, qtype):
+    """Untouched, an IQ2 relaxation decodes to gguf-py's values of the encoded blocks and writes back the same
     bytes; each u lies on the signed table, within START_REACH of its encoded position, towards the source."""
-    blocks = kquants.quantize(weights.numpy(), "IQ2_S")
-    c = bt.IQ2SCodes(blocks, "IQ2_S", weights)
-    ref = torch.from_numpy(gguf_quants.dequantize(blocks, GGMLQuantizationType.IQ2_S))
+    blocks = _iq2(weights, qtype)
+    c = bt.IQ2Codes(blocks, qtype, weights)
+    ref = torch.from_numpy(gguf_quants.dequantize(blocks, GGMLQuantizationType[qtype]))
     assert c.u.shape == weights.shape and torch.allclose(c.dequantized().detach(), ref, rtol=1e-6, atol=1e-7)
     assert np.array_equal(c.blocks(), blocks) and c.changed() == 0.0
     start = c._positions(c.index0, c.signs0).reshape(weights.shape)
@@ -108,38 +115,50 @@ def test_iq2s_codes_start_at_the_encoding(weights):
     assert float(c.u.detach().min()) >= 0 and float(c.u.detach().max()) <= 5
 
 
-def test_iq2s_groups_off_the_codebook_take_the_nearest_entry(weights):
+@pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
+def test_iq2_groups_off_the_codebook_take_the_nearest_entry(weights, qtype):
     """A group whose rounded magnitudes are no codebook tuple decodes to the codebook entry nearest to its
-    interpolated values (a brute-force search over the 1024 entries), with their signs; one whose rounded
-    magnitudes are a tuple decodes to it."""
-    c = bt.IQ2SCodes(kquants.quantize(weights.numpy(), "IQ2_S"), "IQ2_S", weights)
+    interpolated values (a brute-force search over all the entries), with their signs; one whose rounded
+    magnitudes are a tuple decodes to it. IQ2_XS: a group with an odd count of negatives flips the one weight of
+    least |relaxed value| x magnitude, and every stored sign pattern is even."""
+    c = bt.IQ2Codes(_iq2(weights, qtype), qtype, weights)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         c.u.copy_(torch.rand(c.u.shape, generator=g) * 5)
-    levels = torch.from_numpy(gl.iq2s_levels())
-    grid = torch.from_numpy(gl.iq2s_grid())
+    levels = torch.from_numpy(gl.iq2_levels(qtype))
+    grid = torch.from_numpy(gl.iq2_grid(qtype))
     soft = gl.table_values(c.u.detach(), levels).reshape(-1, 8)
     rounded = levels[torch.round(c.u.detach()).long()].reshape(-1, 8)
-    on_grid = (rounded.abs().unsqueeze(1) == grid).all(-1)               # (groups, 1024)
+    on_grid = (rounded.abs().unsqueeze(1) == grid).all(-1)               # (groups, entries)
     nearest = torch.cdist(soft.abs(), grid).argmin(-1)
     want = torch.where(on_grid.any(-1), on_grid.float().argmax(-1), nearest)
     index, signs = c.codes()
     assert 0 < float(on_grid.any(-1).float().mean()) < 1  # both cases occur
     assert torch.equal(index.reshape(-1), want)
+    neg = soft < 0
+    if qtype == "IQ2_XS":
+        odd = neg.sum(-1) % 2 == 1
+        assert 0 < float(odd.float().mean()) < 1
+        flip = (soft.abs() * grid[want]).argmin(-1)
+        neg[odd, flip[odd]] = ~neg[odd, flip[odd]]
+        assert bool((neg.sum(-1) % 2 == 0).all())
     bits = (signs.reshape(-1, 1) >> torch.arange(8)) & 1
-    assert torch.equal(bits.bool(), soft < 0)
-    db = torch.from_numpy(gl.iq2s_group_scales(c.source)).reshape(-1, 1)
-    assert torch.equal(c.dequantized().detach().reshape(-1, 8), db * grid[want] * torch.where(soft < 0, -1.0, 1.0))
+    assert torch.equal(bits.bool(), neg)
+    db = torch.from_numpy(gl.iq2_group_scales(c.source, qtype)).reshape(-1, 1)
+    assert torch.equal(c.dequantized().detach().reshape(-1, 8), db * grid[want] * torch.where(neg, -1.0, 1.0))
+    stored = gl.iq2_groups(c.blocks(), qtype)[1]  # the sign bytes read back from the written blocks
+    assert np.array_equal(stored.reshape(-1), signs.numpy().reshape(-1))
 
 
-def test_iq2s_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights):
-    """IQ2_S's codebook groups tuned for a Linear's output: the held-out loss falls, some groups move, the fp16 d
-    and the 4-bit scales stay byte for byte, and the written blocks decode (gguf-py) to exactly the weights the
-    loss saw."""
+@pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
+def test_iq2_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights, qtype):
+    """An IQ2 type's codebook groups tuned for a Linear's output: the held-out loss falls, some groups move, the
+    fp16 d and the 4-bit scales stay byte for byte, and the written blocks decode (gguf-py) to exactly the weights
+    the loss saw."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(640, 512, generator=g) @ (3.0 * torch.randn(512, 512, generator=g) / 512 ** 0.5 + torch.eye(512))
-    blocks = kquants.quantize(weights.numpy(), "IQ2_S")
-    codes = bt.tunable_codes(blocks, "IQ2_S", weights)
+    blocks = _iq2(weights, qtype)
+    codes = bt.tunable_codes(blocks, qtype, weights)
     loss = _layer_loss(weights, x, codes)
     with torch.no_grad():
         start = float(loss(slice(512, 640)))
@@ -149,9 +168,11 @@ def test_iq2s_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights):
     assert 0.01 < codes.changed() < 0.9
     out = codes.blocks()
     assert out.shape == blocks.shape and not np.array_equal(out, blocks)
-    o, b = out.reshape(-1, 82), blocks.reshape(-1, 82)  # d: bytes 0-1; the 4-bit scales: 74-81
-    assert np.array_equal(o[:, :2], b[:, :2]) and np.array_equal(o[:, 74:], b[:, 74:])
-    got = torch.from_numpy(gguf_quants.dequantize(out, GGMLQuantizationType.IQ2_S))
+    layout = gl.IQ2_LAYOUTS[qtype]
+    o, b = out.reshape(-1, layout.block_bytes), blocks.reshape(-1, layout.block_bytes)  # d: bytes 0-1
+    assert np.array_equal(o[:, :2], b[:, :2])
+    assert np.array_equal(o[:, layout.sub_scale_bytes], b[:, layout.sub_scale_bytes])
+    got = torch.from_numpy(gguf_quants.dequantize(out, GGMLQuantizationType[qtype]))
     assert torch.equal(got, codes.dequantized().detach())
 
 

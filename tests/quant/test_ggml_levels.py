@@ -63,21 +63,35 @@ def test_scales_are_untouched(k256_model):
     assert not np.array_equal(changed[:, 16:], blocks.reshape(-1, 144)[:, 16:])
 
 
-def test_iq2s_groups_decode(k256_model):
+@pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
+def test_iq2_groups_decode(k256_model, qtype):
+    """Every group's (index, sign byte) written into the blocks is what gguf-py decodes and what reads back
+    (IQ2_XS: sign bytes with an even count of negatives, the only ones it stores)."""
     x = _k256_rows(k256_model)
-    blocks = kquants.quantize(x, "IQ2_S", np.ones(x.shape[1], np.float32))
-    db = gl.iq2s_group_scales(blocks)
+    blocks = kquants.quantize(x, qtype, np.ones(x.shape[1], np.float32))
+    db = gl.iq2_group_scales(blocks, qtype)
     rng = np.random.default_rng(2)
-    idx = rng.integers(0, 1024, size=db.shape)
+    idx = rng.integers(0, gl.IQ2_LAYOUTS[qtype].entries, size=db.shape)
     signs = rng.integers(0, 256, size=db.shape)
-    got = gguf_quants.dequantize(gl.set_iq2s_groups(blocks, idx, signs), GGMLQuantizationType.IQ2_S)
+    if gl.IQ2_LAYOUTS[qtype].parity:
+        signs = np.array([v for v in range(256) if bin(v).count("1") % 2 == 0])[signs % 128]
+    got = gguf_quants.dequantize(gl.set_iq2_groups(blocks, qtype, idx, signs), GGMLQuantizationType[qtype])
     sign = np.where((signs[..., None] >> np.arange(8)) & 1, -1.0, 1.0)
-    want = (db[..., None] * gl.iq2s_grid()[idx] * sign).reshape(x.shape)
+    want = (db[..., None] * gl.iq2_grid(qtype)[idx] * sign).reshape(x.shape)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
-    own_idx, own_signs = gl.iq2s_groups(blocks)
-    assert np.array_equal(gl.set_iq2s_groups(blocks, own_idx, own_signs), blocks)
-    back = gl.iq2s_groups(gl.set_iq2s_groups(blocks, idx, signs))
+    own_idx, own_signs = gl.iq2_groups(blocks, qtype)
+    assert np.array_equal(gl.set_iq2_groups(blocks, qtype, own_idx, own_signs), blocks)
+    back = gl.iq2_groups(gl.set_iq2_groups(blocks, qtype, idx, signs), qtype)
     assert np.array_equal(back[0], idx) and np.array_equal(back[1], signs)
+
+
+def test_even_sign_flip_flips_the_cheapest_weight_of_odd_groups():
+    neg = torch.tensor([[True, False, False, False, False, False, False, False],
+                        [True, True, False, False, False, False, False, False]])
+    cost = torch.tensor([[5.0, 1.0, 3.0, 0.5, 2.0, 4.0, 6.0, 7.0], [1.0] * 8])
+    out, paid = gl.even_sign_flip(neg, cost)
+    assert out[0].tolist() == [True, False, False, True, False, False, False, False]
+    assert torch.equal(out[1], neg[1]) and paid.tolist() == [0.5, 0.0]
 
 
 def test_bad_codes_and_types_are_refused():
@@ -88,4 +102,11 @@ def test_bad_codes_and_types_are_refused():
         gl.set_levels(blocks, "IQ4_XS", np.zeros((1, 256)))
     b = kquants.quantize(np.ones((1, 256), np.float32), "IQ2_S")
     with pytest.raises(InputError, match="IQ2_S codebook indices"):
-        gl.set_iq2s_groups(b, np.full((1, 32), 1024), np.zeros((1, 32)))
+        gl.set_iq2_groups(b, "IQ2_S", np.full((1, 32), 1024), np.zeros((1, 32)))
+    xs = kquants.quantize(np.ones((1, 256), np.float32), "IQ2_XS", np.ones(256, np.float32))
+    with pytest.raises(InputError, match=r"IQ2_XS codebook indices must lie in \[0, 511\]"):
+        gl.set_iq2_groups(xs, "IQ2_XS", np.full((1, 32), 512), np.zeros((1, 32)))
+    with pytest.raises(InputError, match="IQ2_XS sign bytes must have an even number"):
+        gl.set_iq2_groups(xs, "IQ2_XS", np.zeros((1, 32)), np.ones((1, 32)))
+    with pytest.raises(InputError, match="no codebook group layout for ggml type 'IQ2_XXS'"):
+        gl.iq2_groups(xs, "IQ2_XXS")

@@ -54,18 +54,19 @@ def test_sub_scales_are_the_decoders_scales_and_mins(qtype):
     assert np.array_equal(gl.super_scales(b2, qtype), gl.super_scales(b, qtype))
 
 
-def test_iq2s_sub_scales_are_the_group_scales():
-    """IQ2_S: each 16-weight sub-block's 4-bit scale s gives its groups the scale d·(0.5 + s)/4 the decoder uses."""
-    b = _blocks("IQ2_S")
-    sc, mn = gl.sub_scales(b, "IQ2_S")
+@pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
+def test_iq2_sub_scales_are_the_group_scales(qtype):
+    """IQ2_S, IQ2_XS: each 16-weight sub-block's 4-bit scale s gives its groups the scale d·(0.5 + s)/4 the decoder uses."""
+    b = _blocks(qtype)
+    sc, mn = gl.sub_scales(b, qtype)
     assert mn is None and sc.shape == (6, 32) and sc.min() >= 0 and sc.max() <= 15
-    assert np.array_equal(gl.set_sub_scales(b, "IQ2_S", sc), b)
+    assert np.array_equal(gl.set_sub_scales(b, qtype, sc), b)
     sc2 = np.random.default_rng(5).integers(0, 16, sc.shape)
-    b2 = gl.set_sub_scales(b, "IQ2_S", sc2)
-    d = gl.super_scales(b2, "IQ2_S")[..., 0]
+    b2 = gl.set_sub_scales(b, qtype, sc2)
+    d = gl.super_scales(b2, qtype)[..., 0]
     want = np.repeat(np.repeat(d, 16, -1) * (np.float32(0.5) + sc2.astype(np.float32)) * np.float32(0.25), 2, -1)
-    assert np.array_equal(gl.iq2s_group_scales(b2), want)
-    assert np.array_equal(gl.iq2s_groups(b2)[0], gl.iq2s_groups(b)[0])  # codebook indices kept
+    assert np.array_equal(gl.iq2_group_scales(b2, qtype), want)
+    assert np.array_equal(gl.iq2_groups(b2, qtype)[0], gl.iq2_groups(b, qtype)[0])  # codebook indices kept
 
 
 @pytest.mark.parametrize("qtype", sorted(gl.SUPER_SCALES))

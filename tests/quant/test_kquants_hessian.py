@@ -44,7 +44,7 @@ def _err(w, blocks, qtype, h) -> float:
 
 @pytest.mark.parametrize("qtype, ceiling", [("Q2_K", 0.85), ("Q3_K", 0.85), ("Q4_K", 0.85), ("Q5_K", 0.85),
                                              ("Q6_K", 0.85), ("Q4_0", 0.85), ("Q5_1", 0.85), ("Q8_0", 0.85),
-                                             ("IQ2_S", 0.85), ("IQ4_NL", 0.85)])
+                                             ("IQ2_XS", 0.85), ("IQ2_S", 0.85), ("IQ4_NL", 0.85)])
 def test_smaller_layer_error_same_bytes(qtype, ceiling, k256_real):
     w, h, _, _ = k256_real
     imx = torch.diagonal(h).numpy().copy()
@@ -52,6 +52,9 @@ def test_smaller_layer_error_same_bytes(qtype, ceiling, k256_real):
     mine = kh.quantize_hessian(w, h, qtype, imx)
     assert mine.shape == exact.shape and mine.dtype == np.uint8
     assert _err(w, mine, qtype, h) < ceiling * _err(w, exact, qtype, h)
+    if qtype in gl.IQ2_LAYOUTS and gl.IQ2_LAYOUTS[qtype].parity:  # only even sign patterns are stored
+        signs = gl.iq2_groups(mine, qtype)[1]
+        assert not (np.unpackbits(signs[..., None], axis=-1).sum(-1) % 2).any()
 
 
 def test_identity_hessian_is_ggml_rounding(k256_real):
@@ -98,7 +101,7 @@ def test_bad_input_is_one_clear_error():
         kh.quantize_hessian(w, torch.eye(256), "Q4_K")
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0", "IQ2_S", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0", "IQ2_XS", "IQ2_S", "IQ4_NL"])
 def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real, monkeypatch):
     """With the scale refits off, refinement moves only the codes."""
     monkeypatch.setattr(kh, "REFIT_SCALES", False)
@@ -108,15 +111,15 @@ def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real,
     errs = [_err(w, kh.quantize_hessian(w, h, qtype, damp=0.1, refine=p), qtype, kh._damped(h, 0.1)) for p in (0, 1, 3)]
     assert errs[2] <= errs[1] < errs[0]
     refined = kh.quantize_hessian(w, h, qtype, damp=0.1, refine=3)
-    if qtype == "IQ2_S":
-        assert np.array_equal(gl.iq2s_group_scales(walk), gl.iq2s_group_scales(refined))
+    if qtype in gl.IQ2_LAYOUTS:
+        assert np.array_equal(gl.iq2_group_scales(walk, qtype), gl.iq2_group_scales(refined, qtype))
         return
     step0, base0 = gl.level_grid(walk, qtype)
     step1, base1 = gl.level_grid(refined, qtype)
     assert np.array_equal(step0, step1) and np.array_equal(base0, base1)  # only the codes moved
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_S", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_XS", "IQ2_S", "IQ4_NL"])
 def test_scale_refits_lower_the_error(qtype, k256_real, monkeypatch):
     """Each scale refit alone never raises the exact quadratic, and with them the refined file beats the
     codes-only refinement; the bytes count stays the type's."""
@@ -141,7 +144,7 @@ def test_scale_refits_lower_the_error(qtype, k256_real, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_S"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_S", "IQ2_XS"])
 def test_cuda_rounding_matches_the_cpu_quality(qtype, k256_real):
     """On CUDA the scale search runs in the torch encoders and the walk on the device: same layout, and the
     layer error within 2% of the CPU result (float sums differ, so the codes may too)."""
@@ -154,7 +157,7 @@ def test_cuda_rounding_matches_the_cpu_quality(qtype, k256_real):
         assert abs(e_gpu - e_cpu) <= 0.02 * e_cpu
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q2_K", "IQ2_S", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q2_K", "IQ2_S", "IQ2_XS", "Q8_0"])
 def test_windowed_feedback_is_the_same_descent(qtype, k256_real, monkeypatch):
     """The accelerator's sweep order (the gradient kept current in a window of columns, the rest updated once per
     window) is the same descent in another summation order: run on the CPU with a window of a quarter row, the
@@ -173,8 +176,8 @@ def test_windowed_feedback_is_the_same_descent(qtype, k256_real, monkeypatch):
 def test_argmin_shortlist_is_topk():
     """The accelerator's shortlist of IQ2_S codebook entries (k passes of argmin) is topk's, in its order."""
     x = torch.randn(500, 1024, generator=torch.Generator().manual_seed(3))
-    want = x.topk(kh.IQ2S_SHORTLIST, dim=-1, largest=False).indices
-    assert torch.equal(kh.smallest_by_argmin(x.clone(), kh.IQ2S_SHORTLIST), want)
+    want = x.topk(kh.IQ2_SHORTLIST, dim=-1, largest=False).indices
+    assert torch.equal(kh.smallest_by_argmin(x.clone(), kh.IQ2_SHORTLIST), want)
 
 
 @pytest.mark.parametrize("sweep", ["iq2s", "sub_scales"])
@@ -187,7 +190,7 @@ def test_a_fused_sweep_that_fails_its_check_keeps_the_loop(sweep, k256_real, mon
     blocks = np.stack([kquants.quantize(w[e].numpy(), qtype) for e in range(2)])
 
     def refine():
-        return kh.refine_iq2s(w, blocks, h) if sweep == "iq2s" else kh.refine_sub_scales(w, blocks, qtype, h)
+        return kh.refine_iq2(w, blocks, "IQ2_S", h) if sweep == "iq2s" else kh.refine_sub_scales(w, blocks, qtype, h)
 
     want = refine()  # the loop: the CPU takes no fused kernel
     assert not np.array_equal(want, blocks)  # the loop moves codes, so a kernel that moves none is worse
@@ -224,10 +227,10 @@ def test_the_fused_iq2s_descent_serves_only_where_asked_for(k256_real, monkeypat
     monkeypatch.setattr(kh, "_fused_iq2s", lambda *a: calls.append(1) or blocks)
     kh.FUSED_SWEEPS.clear()
     try:
-        kh.refine_iq2s(w, blocks, h)
+        kh.refine_iq2(w, blocks, "IQ2_S", h)
         assert calls == [] and kh.fused_sweep_ok("iq2s", w.device) is False
         assert kh.allow_fused_sweep("iq2s", w.device) is True
-        kh.refine_iq2s(w, blocks, h)
+        kh.refine_iq2(w, blocks, "IQ2_S", h)
         assert calls == [1]
     finally:
         kh.FUSED_SWEEPS.clear()

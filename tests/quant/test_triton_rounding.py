@@ -1,7 +1,7 @@
 """The fused kernels of the Hessian rounding against the eager torch they replace: the code descent
 (quant/ggml/triton_refine.py) against refine_codes' column loop, bytes equal; the IQ2_S codebook search
 (quant/ggml/triton_iq2s.py) against the score table, the same entries up to near-ties; the IQ2_S group descent
-(quant/ggml/triton_iq2s_descent.py) against refine_iq2s' group loop, the same layer error and nearly all the same
+(quant/ggml/triton_iq2s_descent.py) against refine_iq2's group loop, the same layer error and nearly all the same
 groups (an inverse of H_BB and sums in another order move near-ties), and one window of it checked inside; the
 sub-block scale descent (quant/ggml/triton_subscales.py) against refine_sub_scales' sub-block loop, the same layer
 error and nearly all the same scales and mins (sums in another order could move near-ties; the bytes were equal
@@ -64,7 +64,7 @@ import numpy as np, torch
 from mixq.quant.ggml import levels as gl, triton_iq2s
 dev = sys.argv[1]
 g = torch.Generator().manual_seed(3)
-grid = torch.from_numpy(gl.iq2s_grid()).to(dev)
+grid = torch.from_numpy(gl.iq2_grid("IQ2_S")).to(dev)
 res = {}
 for E, R, k, shared in ((2, 40, 8, False), (3, 130, 1, True), (1, 7, 8, True)):
     scale = (torch.rand(E, R, 1, generator=g) * 0.01 + 1e-4)
@@ -103,11 +103,11 @@ for n, shared, window, passes, ch in ((512, True, 256, 1, None), (512, True, 384
     kh.FEEDBACK_WINDOW["cpu"] = kh.FEEDBACK_WINDOW["accelerator"] = window
     td.CHUNK = ch or chunk
     kh.use_fused = fused
-    a = kh.refine_iq2s(wd, blocks, hd, passes)
+    a = kh.refine_iq2(wd, blocks, "IQ2_S", hd, passes)
     kh.use_fused = lambda t: False
-    b = kh.refine_iq2s(wd, blocks, hd, passes)
+    b = kh.refine_iq2(wd, blocks, "IQ2_S", hd, passes)
     err = lambda bl: float(kh.layer_error(wd, gl.decode_blocks(bl, "IQ2_S", dev).reshape(w.shape), hd).sum())
-    (ia, sa), (ib, sb), (i0, s0) = gl.iq2s_groups(a), gl.iq2s_groups(b), gl.iq2s_groups(blocks)
+    (ia, sa), (ib, sb), (i0, s0) = gl.iq2_groups(a, "IQ2_S"), gl.iq2_groups(b, "IQ2_S"), gl.iq2_groups(blocks, "IQ2_S")
     res[f"{n}/{window}{' shared' if shared else ''} x{passes}"] = {
         "fused_ran": bool(fused(wd)), "start": err(blocks), "fused": err(a), "eager": err(b),
         "agree": float(((ia == ib) & (sa == sb)).mean()), "moved": float(((ib != i0) | (sb != s0)).mean())}
@@ -119,15 +119,15 @@ x = torch.randn(E, 3 * n // 2, n, generator=g)
 h = (x.mT @ x / x.shape[1] + 0.1 * torch.eye(n)).to(dev).contiguous()
 blocks = np.stack([encoders.quantize(w[e].numpy(), "IQ2_S") for e in range(E)])
 w = w.to(dev)
-grid = torch.from_numpy(gl.iq2s_grid()).to(dev)
-db = gl.iq2s_group_scales_on(blocks, dev).contiguous()
-index, signs = (t.contiguous() for t in gl.iq2s_groups_on(blocks, dev))
+grid = torch.from_numpy(gl.iq2_grid("IQ2_S")).to(dev)
+db = gl.iq2_group_scales_on(blocks, "IQ2_S", dev).contiguous()
+index, signs = (t.contiguous() for t in gl.iq2_groups_on(blocks, "IQ2_S", dev))
 val0 = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape).contiguous()
 val, grad = val0.clone(), ((w - val0) @ h).contiguous()
 pending = torch.zeros(E, R, 256, device=dev)
 td.iq2s_window(grad, h, td.group_inverses(h), val, db, index, signs, grid, grid.T.contiguous(), pending, w0, 256,
-               kh.IQ2S_SHORTLIST)
-dec = gl.decode_blocks(gl.set_iq2s_groups_on(blocks, index, signs), "IQ2_S", dev).reshape(w.shape)
+               kh.IQ2_SHORTLIST)
+dec = gl.decode_blocks(gl.set_iq2_groups_on(blocks, "IQ2_S", index, signs), "IQ2_S", dev).reshape(w.shape)
 want = ((w - val0) @ h)[..., w0:] + (val0 - val)[..., w0:] @ h[:, w0:, w0:]
 res["window"] = {"fused_ran": bool(fused(w)), "decoded": bool(torch.equal(dec, val)),
                  "outside_kept": bool(torch.equal(val[..., :w0], val0[..., :w0])),

@@ -12,8 +12,8 @@ rows, the same calibration tokens:
             tuned for each decoder layer's output on the quantized model's streams (--tune-iters steps per stage)
   measured  `--size S --measure CURVES --rounding hessian`, S = the bytes of llama.cpp's Q2_K/Q3_K_M/Q4_K_M file,
             CURVES from `plan --measure` (measured once per model, same rounding and imatrix)
-T: Q2_K, Q3_K_M, Q4_K_M, and "IQ2_S-exps" = Q4_K_M with the main layers' routed experts at IQ2_S
-(`--tensor-type 'blk\\.(0|1|2|3)\\.ffn_(gate|up|down)_exps=IQ2_S'`: the NextN experts have no imatrix entry).
+T: Q2_K, Q3_K_M, Q4_K_M, and "IQ2_S-exps" / "IQ2_XS-exps" = Q4_K_M with the main layers' routed experts at IQ2_S /
+IQ2_XS (`--tensor-type 'blk\\.(0|1|2|3)\\.ffn_(gate|up|down)_exps=IQ2_S'`: the NextN experts have no imatrix entry).
 Every file is checked with `mixq verify` and scored with llama.cpp's own logits (`mixq eval --engine llamacpp`,
 --windows x 512 tokens of heldout.txt, second half scored) against the BF16 checkpoint. The JSON (paths relative to
 the repo) holds every row's eval report; the table (KLD ± standard error, ratio to the exact row) is printed.
@@ -34,7 +34,7 @@ from kld_vs_size import _LLAMA_QUANTIZE_PY, FTYPES, tensor_parity  # noqa: E402
 from paths import SHARED, WORK, repo_relative  # noqa: E402
 
 MODELS = {"k256": "glm5next-k256", "mini": "glm5next-mini"}
-TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "IQ2_S-exps")
+TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "IQ2_S-exps", "IQ2_XS-exps")
 NAMED_SIZES = ("Q2_K", "Q3_K_M", "Q4_K_M")
 
 
@@ -60,12 +60,13 @@ def convert(model: Path, out: Path, **kw) -> None:
 
 
 def mix_options(t: str, n_layers: int) -> dict:
-    """--type (and --tensor-type) of a row type; IQ2_S-exps: the main layers' routed experts (the NextN block's
-    have no imatrix entry, and llama-quantize refuses IQ2_S without one)."""
-    if t != "IQ2_S-exps":
+    """--type (and --tensor-type) of a row type; IQ2_S-exps / IQ2_XS-exps: the main layers' routed experts at that
+    type (the NextN block's have no imatrix entry, and llama-quantize refuses the IQ2 types without one)."""
+    if not t.endswith("-exps"):
         return {"qtype": t}
     layers = "|".join(str(i) for i in range(n_layers))
-    return {"qtype": "Q4_K_M", "tensor_type": [rf"blk\.({layers})\.ffn_(gate|up|down)_exps=IQ2_S"]}
+    experts = t.removesuffix("-exps")
+    return {"qtype": "Q4_K_M", "tensor_type": [rf"blk\.({layers})\.ffn_(gate|up|down)_exps={experts}"]}
 
 
 class Bench:
@@ -118,7 +119,8 @@ class Bench:
         imx = self.imatrix()
         rows = []
         hess = dict(rounding="hessian", calibration=self.cal, rows=self.a.rows, seq_len=512, device=self.a.device,
-                    tune_iters=self.tune_iters)
+                    tune_iters=self.tune_iters, refine_passes=self.a.refine_passes)
+        passes = "" if self.a.refine_passes is None else f"-p{self.a.refine_passes}"  # its own files
         for t in self.a.types:
             ex = self.step(f"exact-{t}", self.work / f"exact-{t}.gguf",
                            lambda tmp: convert(self.model, tmp, imatrix=imx, **mix_options(t, self.n_layers)))
@@ -126,7 +128,7 @@ class Bench:
             lc = self.llamacpp(t, imx)
             if lc is not None:
                 rows[-1]["vs_llamacpp"] = tensor_parity(ex, lc)
-            hs = self.step(f"hessian-{t}", self.work / f"hessian-{t}.gguf",
+            hs = self.step(f"hessian-{t}{passes}", self.work / f"hessian-{t}{passes}.gguf",
                            lambda tmp: convert(self.model, tmp, imatrix=imx, **mix_options(t, self.n_layers), **hess))
             rows.append({"row": "hessian", "type": t, "file": hs, "vs_exact": layout_parity(ex, hs)})
         if self.a.measure:
@@ -135,7 +137,7 @@ class Bench:
             for t in NAMED_SIZES:
                 ref = self.llamacpp(t, imx) or self.work / f"exact-{t}.gguf"
                 size = ref.stat().st_size
-                f = self.step(f"measured-{t}", self.work / f"measured-{t}.gguf", lambda tmp: convert(
+                f = self.step(f"measured-{t}{passes}", self.work / f"measured-{t}{passes}.gguf", lambda tmp: convert(
                     self.model, tmp, size=size, measure=str(curves), imatrix=imx, **hess))
                 rows.append({"row": "measured", "type": f"size of {t}", "file": f, "target_bytes": size,
                              "bytes_off": (f.stat().st_size - size) / size})
@@ -156,7 +158,8 @@ class Bench:
         for r, c in zip(rows, rep["candidates"]):
             r["eval"] = c
         return {"model": MODELS[self.name], "rows_calibration": self.a.rows, "windows": self.a.windows,
-                "tune_iters": self.tune_iters, "seconds": self.seconds, "results": rows}
+                "tune_iters": self.tune_iters, "seconds": self.seconds, "results": rows,
+                **({} if self.a.refine_passes is None else {"refine_passes": self.a.refine_passes})}
 
 
 def layout_parity(a: Path, b: Path) -> dict:
@@ -214,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--tune-iters", type=int, default=None,
                     help="block-output tuning steps per stage of the hessian rows [default: the converter's]")
+    ap.add_argument("--refine-passes", type=int, default=None,
+                    help="the hessian rows' descent passes after the walk [default: the converter's]")
     ap.add_argument("--no-measure", dest="measure", action="store_false", help="skip the measured-plan rows")
     ap.add_argument("--device", default=None, help="cuda|cpu for calibration and rounding [default: cuda if any]")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp quantizer threads")

@@ -627,7 +627,7 @@ def _tuning_probe(p: Probe) -> None:
                                          "max_weights": self.max_weights, "over": [s.name for s, _ in over]})
     p.wrap([gt], "stored_values", lambda qtype, w, im, *a: f"stored_values/{qtype}",
            info=lambda qtype, w, im, *a: {"w": int(w.numel())})
-    for codes in (bt.LevelCodes, bt.IQ2SCodes):  # one wrap per class: a wrap calls its first owner's method
+    for codes in (bt.LevelCodes, bt.IQ2Codes):  # one wrap per class: a wrap calls its first owner's method
         p.wrap([codes], "__init__", lambda self, blocks, qtype, *a, **k: f"codes_init/{qtype}",
                info=lambda self, blocks, qtype, *a, **k: {"w": _block_weights(blocks, qtype)}, begin=False)
     _descent_probe(p)
@@ -659,7 +659,7 @@ def _hessian_probe(log_path: Path | None = None) -> Probe:
            info=lambda spec, qtype, *a, **k: {"type": qtype, "w": math.prod(spec.shape)})
     p.wrap([kh], "quantize_hessian", lambda w, h, qtype, *a, **k: f"round_call/{qtype}",
            info=lambda w, *a, **k: {"w": math.prod(w.shape)}, begin=False)
-    for fn, part in (("upper_inverse_factor", "factor"), ("refine_codes", "refine"), ("refine_iq2s", "refine"),
+    for fn, part in (("upper_inverse_factor", "factor"), ("refine_codes", "refine"), ("refine_iq2", "refine"),
                      ("refine_sub_scales", "sub_scales"), ("refit_super_scales", "super_scales")):
         p.wrap([kh], fn, lambda *a, _p=part, **k: f"round_part/{_p}", begin=False)
     p.wrap([kh], "_encode_block", lambda x, qtype, *a, **k: "round_part/ggml_encode", group="encode", begin=False)
@@ -1476,7 +1476,7 @@ def host_rates(work: Path, types: list[str]) -> dict[str, dict]:
         t = time.time()
         kh.dequantize_blocks(b, q)
         d["host_decode"] = x.size / max(time.time() - t, 1e-9) / 1e6
-        if q in gl.SCALAR_TYPES:  # IQ2_S's tuned codes are built another way (block_tuning.IQ2SCodes)
+        if q in gl.SCALAR_TYPES:  # IQ2_S's tuned codes are built another way (block_tuning.IQ2Codes)
             t = time.time()
             gl.level_grid(b, q)
             d["level_grid"] = x.size / max(time.time() - t, 1e-9) / 1e6
@@ -2152,9 +2152,14 @@ def _with_probe_rates(hp: dict, tune: dict, r: _Rates) -> dict:
     return rates
 
 
+# a type whose Hessian rounding no run has timed, and the timed type whose rate stands in for it
+ROUNDING_KIN = {"IQ2_XS": "IQ2_S"}
+
+
 def _round_rate(rates: dict, qtype: str, stack: bool, r: _Rates) -> float:
     """Seconds per M weights of Hessian rounding (its per-expert Hessians, fetch and spill included) of a tensor
-    of `qtype`: this run's rate of the type and shape kind, else of the type, else the run's mean."""
+    of `qtype`: this run's rate of the type and shape kind, else of the type, else of its kin (``ROUNDING_KIN``),
+    else the run's mean."""
     k = f"{qtype}/{'stack' if stack else 'matrix'}"
     if k in rates:
         return rates[k]["s_per_mweight"]
@@ -2162,6 +2167,11 @@ def _round_rate(rates: dict, qtype: str, stack: bool, r: _Rates) -> float:
     if same:
         r.note(f"rounding {k}", f"{qtype}'s rate on the other shape kind in this run")
         return sum(v["seconds"] for v in same) / sum(v["weights"] for v in same) * 1e6
+    kin = ROUNDING_KIN.get(qtype)
+    if kin is not None and any(kk.split("/")[0] == kin for kk in rates):
+        r.note(f"rounding {k}", f"{kin}'s rate: the same group walk and descent, on a codebook half its size, with "
+                                f"its sign parity priced over a shortlist of entries (not run)")
+        return _round_rate(rates, kin, stack, _Rates())
     if rates:
         r.note(f"rounding {k}", "the run's mean rounding rate per weight (this type was not rounded)")
         return sum(v["seconds"] for v in rates.values()) / sum(v["weights"] for v in rates.values()) * 1e6

@@ -101,7 +101,7 @@ def _llama_logits_finite(path) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mix", ["Q4_K_M", "IQ2_S-exps"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "IQ2_S-exps", "IQ2_XS-exps"])
 def test_convert_rounding_hessian_same_layout_loads_and_verifies(mix, k256_model, calibration_text, tmp_path):
     """`mixq convert --rounding hessian`: every tensor keeps llama-quantize's type and byte count, the covered
     tensors' codes change, the file passes `mixq verify` and llama.cpp loads and runs it."""
@@ -112,7 +112,8 @@ def test_convert_rounding_hessian_same_layout_loads_and_verifies(mix, k256_model
     imx = tmp_path / "imx.gguf"
     make_imatrix(k256_model, imx, [calibration_text], rows=2, seq_len=64, progress=False)
     kw = dict(qtype="Q4_K_M", imatrix=imx, threads=1, progress=False,
-              tensor_type=[r"blk\.[0-3]\.ffn_(gate|up|down)_exps=IQ2_S"] if mix != "Q4_K_M" else [])
+              tensor_type=[rf"blk\.[0-3]\.ffn_(gate|up|down)_exps={mix.removesuffix('-exps')}"]
+              if mix != "Q4_K_M" else [])
     convert_gguf(k256_model, tmp_path / "exact.gguf", **kw)
     convert_gguf(k256_model, tmp_path / "hess.gguf", rounding="hessian", calibration=[calibration_text], rows=2,
                  seq_len=64, tune_iters=4, **kw)

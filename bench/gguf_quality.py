@@ -12,8 +12,9 @@ rows, the same calibration tokens:
             tuned for each decoder layer's output on the quantized model's streams (--tune-iters steps per stage)
   measured  `--size S --measure CURVES --rounding hessian`, S = the bytes of llama.cpp's Q2_K/Q3_K_M/Q4_K_M file,
             CURVES from `plan --measure` (measured once per model, same rounding and imatrix)
-T: Q2_K, Q3_K_M, Q4_K_M, and "IQ2_S-exps" / "IQ2_XS-exps" = Q4_K_M with the main layers' routed experts at IQ2_S /
-IQ2_XS (`--tensor-type 'blk\\.(0|1|2|3)\\.ffn_(gate|up|down)_exps=IQ2_S'`: the NextN experts have no imatrix entry).
+T: Q2_K, Q3_K_M, Q4_K_M, and "IQ2_S-exps" / "IQ2_XS-exps" / "IQ4_XS-exps" = Q4_K_M with the main layers' routed
+experts at that type (`--tensor-type 'blk\\.(0|1|2|3)\\.ffn_(gate|up|down)_exps=IQ2_S'`: the NextN experts have no
+imatrix entry).
 Every file is checked with `mixq verify` and scored with llama.cpp's own logits (`mixq eval --engine llamacpp`,
 --windows x 512 tokens of heldout.txt, second half scored) against the BF16 checkpoint. The JSON (paths relative to
 the repo) holds every row's eval report; the table (KLD ± standard error, ratio to the exact row) is printed.
@@ -34,7 +35,7 @@ from kld_vs_size import _LLAMA_QUANTIZE_PY, FTYPES, tensor_parity  # noqa: E402
 from paths import SHARED, WORK, repo_relative  # noqa: E402
 
 MODELS = {"k256": "glm5next-k256", "mini": "glm5next-mini"}
-TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "IQ2_S-exps", "IQ2_XS-exps")
+TYPES = ("Q2_K", "Q3_K_M", "Q4_K_M", "IQ2_S-exps", "IQ2_XS-exps", "IQ4_XS-exps")
 NAMED_SIZES = ("Q2_K", "Q3_K_M", "Q4_K_M")
 
 

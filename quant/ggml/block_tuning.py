@@ -37,7 +37,7 @@ from ...errors import InputError
 from . import levels as gl
 from .hessian_rounding import dequantize_blocks
 
-# one level per weight (affine or IQ4_NL's table), and the IQ2 types' codebook groups; the other lattice i-quants
+# one level per weight (affine or the IQ4 table), and the IQ2 types' codebook groups; the other lattice i-quants
 # keep their codes
 TUNABLE = gl.SCALAR_TYPES + gl.IQ2_TYPES
 START_REACH = 0.499            # how far towards the source weight a code's relaxation starts (in steps)

@@ -4,19 +4,19 @@
 ``kquants.quantize`` returns, loadable by llama.cpp unchanged) whose codes minimise the layer-output error
 ``tr(ΔW·H·ΔWᵀ)`` (H = E[x·xᵀ] of the Linear's input) rather than each weight's own (imatrix-weighted) error.
 
-Method (GPTQ/LDLQ error feedback, blocked as ggml blocks are): columns are taken in order, a ggml block
-(256 weights of a row for the K-quants and the IQ2 types, 32 for the legacy types and IQ4_NL) at a time. When the
+Method (GPTQ/LDLQ error feedback, blocked as ggml blocks are): columns are taken in order, a ggml block (256
+weights of a row for the K-quants, IQ4_XS and the IQ2 types, 32 for the legacy types and IQ4_NL) at a time. When the
 walk reaches a block, its scales, mins and super-scales are chosen by mixq's exact ggml encoder (:mod:`encoders`,
 with the imatrix or else diag(H) as importance) from the *current* targets, i.e. the weights plus the feedback of
-the errors already made; then every column (scalar types; IQ4_NL to the nearest of its 16 table levels) or 8-column
-codebook group (IQ2_S; IQ2_XS with its count of negative signs kept even) is rounded on that grid and its error is
-fed forward to the columns not yet rounded through the upper Cholesky factor U of H⁻¹
+the errors already made; then every column (scalar types; IQ4_NL and IQ4_XS to the nearest of their 16 table
+levels) or 8-column codebook group (IQ2_S; IQ2_XS with its count of negative signs kept even) is rounded on that
+grid and its error is fed forward to the columns not yet rounded through the upper Cholesky factor U of H⁻¹
 (``targets[:, later] -= err·U⁻¹[group] · U[group, later]``), which is the greedy minimiser of the quadratic
 loss column by column. The walk keeps the scales ggml's search gives for those targets, so the block format,
 fp16 rounding and llama.cpp decoding are untouched; :mod:`levels` writes the chosen codes back.
 ``refine`` > 0 then runs that many passes of coordinate descent on the exact quadratic, which the greedy walk
 leaves on the table. Each pass moves, in turn: every code one step up or down (the best of a short list of
-codebook entries per IQ2 group); every sub-block's integer scale and min one step (K-quants, IQ2 types)
+codebook entries per IQ2 group); every sub-block's integer scale and min one step (K-quants, IQ2 types, IQ4_XS)
 (:func:`refine_sub_scales`); every block's fp16 super-scales to their least-squares optimum
 (:func:`refit_super_scales`). Every move is kept only where it lowers the quadratic, and every field stays in its
 type's range, so the bytes remain a valid block of the same type. On k256 (128 x 512 calibration tokens,

@@ -6,7 +6,8 @@ encoder chose but picks its own codes needs exactly two things, given here per t
 
 - ``set_levels(blocks, qtype, codes)``: the same blocks with every weight's code replaced (scales untouched);
 - ``level_grid(blocks, qtype)``: per weight, ``(step, base)`` such that code c decodes to ``step*value(c) + base``,
-  where ``value(c) = c`` for the affine types and IQ4_NL's fixed 16-level table (:func:`level_values`) for it.
+  where ``value(c) = c`` for the affine types and the fixed 16-level IQ4 table (:func:`level_values`) for IQ4_NL
+  and IQ4_XS.
 
 For the scalar types every decoded weight is affine in its own level value, so the grid is read through the torch
 decoder (:mod:`torch_decode`, gguf-py's values bit for bit on the CPU; codes all at the low end, then all at the
@@ -38,11 +39,11 @@ from .numpy_iq4 import IQ4_LEVELS
 CODE_RANGE: dict[str, tuple[int, int]] = {
     "Q2_K": (0, 3), "Q3_K": (0, 7), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (0, 63),
     "Q4_0": (0, 15), "Q4_1": (0, 15), "Q5_0": (0, 31), "Q5_1": (0, 31), "Q8_0": (-127, 127),
-    "IQ4_NL": (0, 15),
+    "IQ4_NL": (0, 15), "IQ4_XS": (0, 15),
 }
 SCALAR_TYPES = tuple(CODE_RANGE)
 # the level value of each code where it is not the code itself (value(c) = table[c - lo]; ascending)
-LEVEL_TABLES: dict[str, np.ndarray] = {"IQ4_NL": IQ4_LEVELS.astype(np.float32)}
+LEVEL_TABLES: dict[str, np.ndarray] = {t: IQ4_LEVELS.astype(np.float32) for t in ("IQ4_NL", "IQ4_XS")}
 
 
 def level_values(qtype: str) -> np.ndarray:
@@ -178,6 +179,8 @@ def _write(out: torch.Tensor, qtype: str, c: torch.Tensor) -> None:
         out[:, 2:34] = u8(c)
     elif qtype == "IQ4_NL":
         out[:, 2:18] = u8(_nibbles_32(c))
+    elif qtype == "IQ4_XS":  # eight of IQ4_NL's 32-weight nibble layouts after d, scales_h and scales_l
+        out[:, 8:136] = u8(_nibbles_32(c.reshape(-1, 32)).reshape(-1, 128))
     else:
         raise InputError(f"no level layout for ggml type {qtype!r}; supported: {', '.join(SCALAR_TYPES)}")
 
@@ -263,7 +266,7 @@ def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
 SUPER_SCALES: dict[str, tuple[int, ...]] = {
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ2_XS": (0,), "IQ2_S": (0,),
-    "IQ4_NL": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,),
 }
 
 
@@ -315,11 +318,11 @@ def super_scale_basis(blocks: np.ndarray, qtype: str) -> np.ndarray:
 
 # sub-blocks: (weights per sub-block, scale range, min range or None); a decoded weight is affine in its
 # sub-block's integer scale and min (K-quants: y = d·s·v − dmin·m with v fixed by the code; IQ2_XS / IQ2_S:
-# y = d·(0.5 + s)/4 · grid value · sign)
+# y = d·(0.5 + s)/4 · grid value · sign; IQ4_XS: y = d·s·table value)
 SUB_SCALES: dict[str, tuple[int, tuple[int, int], tuple[int, int] | None]] = {
     "Q2_K": (16, (0, 15), (0, 15)), "Q3_K": (16, (-32, 31), None), "Q4_K": (32, (0, 63), (0, 63)),
     "Q5_K": (32, (0, 63), (0, 63)), "Q6_K": (16, (-128, 127), None), "IQ2_XS": (16, (0, 15), None),
-    "IQ2_S": (16, (0, 15), None),
+    "IQ2_S": (16, (0, 15), None), "IQ4_XS": (32, (-32, 31), None),
 }
 
 
@@ -330,7 +333,8 @@ def _sub_layout(qtype: str) -> tuple[int, int]:
 
 
 def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(scales, mins) int64 (..., sub-blocks per row) of K-quant or IQ2 blocks; mins None for Q3_K, Q6_K and IQ2."""
+    """(scales, mins) int64 (..., sub-blocks per row) of K-quant, IQ2 or IQ4_XS blocks; mins None but for Q2_K, Q4_K
+    and Q5_K."""
     bs, ts = _sub_layout(qtype)
     b = np.asarray(blocks, dtype=np.uint8)
     flat = b.reshape(-1, ts)
@@ -352,6 +356,11 @@ def sub_scales(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray |
     elif qtype in IQ2_LAYOUTS:
         q = i64(flat[:, IQ2_LAYOUTS[qtype].sub_scale_bytes])
         sc = np.stack([q & 15, q >> 4], axis=2).reshape(-1, 16)
+    elif qtype == "IQ4_XS":  # 6 bits, offset 32: the low 4 in scales_l (two a byte), the high 2 in scales_h
+        low = i64(flat[:, 4:8])
+        high = i64(flat[:, 2:4]) @ np.array([1, 256])
+        j = np.arange(8)
+        sc = ((low[:, j // 2] >> (4 * (j % 2))) & 15 | (((high[:, None] >> (2 * j)) & 3) << 4)) - 32
     else:  # Q6_K
         sc = i64(np.ascontiguousarray(flat[:, 192:208]).view(np.int8))
     shape = b.shape[:-1] + (b.shape[-1] // ts * (bs // SUB_SCALES[qtype][0]),)
@@ -387,13 +396,18 @@ def set_sub_scales_on(blocks: np.ndarray | torch.Tensor, qtype: str, scales: tor
         flat[:, 4:16] = torch_kquants.pack_scales_k4(sc.T, m.T)
     elif qtype in IQ2_LAYOUTS:
         flat[:, IQ2_LAYOUTS[qtype].sub_scale_bytes] = u8(sc[:, 0::2] | (sc[:, 1::2] << 4))
+    elif qtype == "IQ4_XS":
+        ls = sc + 32
+        flat[:, 4:8] = u8((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4))
+        high = ((ls >> 4) << (2 * torch.arange(8, device=dev))).sum(-1)
+        flat[:, 2:4] = u8(torch.stack([high & 255, high >> 8], dim=-1))
     else:  # Q6_K: int8 scales, stored as their two's complement
         flat[:, 192:208] = u8(sc & 0xFF)
     return flat.reshape(raw.shape)
 
 
 def set_sub_scales(blocks: np.ndarray, qtype: str, scales: np.ndarray, mins: np.ndarray | None = None) -> np.ndarray:
-    """Copy of K-quant or IQ2 `blocks` with the sub-block scales (and mins, for the types with mins) replaced;
+    """Copy of K-quant, IQ2 or IQ4_XS `blocks` with the sub-block scales (and mins, for the types with mins) replaced;
     codes and super-scales kept. Values must lie in the type's ranges (``SUB_SCALES``)."""
     return set_sub_scales_on(blocks, qtype, torch.as_tensor(np.asarray(scales, dtype=np.int64)),
                              None if mins is None else torch.as_tensor(np.asarray(mins, dtype=np.int64))).numpy()

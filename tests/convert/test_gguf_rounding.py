@@ -14,7 +14,7 @@ from mixq.quant.ggml import hessian_rounding as kh
 
 PICK = {"token_embd.weight": "Q4_K", "blk.0.attn_q.weight": "Q2_K", "blk.1.ffn_up_exps.weight": "Q3_K",
         "output.weight": "Q6_K", "blk.3.attn_k_b.weight": "BF16", "blk.0.ssm_f_a.weight": "Q4_K",
-        "blk.4.ffn_up_exps.weight": "Q4_K", "blk.0.attn_v.weight": "IQ4_XS"}
+        "blk.4.ffn_up_exps.weight": "Q4_K", "blk.0.attn_v.weight": "IQ3_S"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_rounding_modes_are_checked():
 def test_covered_tensors(k256_specs):
     _, specs, types = k256_specs
     got = {s.name for s, t in zip(specs, types) if gr.covered(s, t)}
-    # BF16 keeps its bytes; the NextN block (blk.4) has no calibration input; ssm_f_a is a covered Linear; IQ4_XS
+    # BF16 keeps its bytes; the NextN block (blk.4) has no calibration input; ssm_f_a is a covered Linear; IQ3_S
     # is left to ggml's encoder
     assert got == {"token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_up_exps.weight", "output.weight",
                    "blk.0.ssm_f_a.weight"}

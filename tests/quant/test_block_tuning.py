@@ -22,7 +22,7 @@ def weights(k256_model):
     return ck.get("model.language_model.layers.0.mlp.down_proj.weight", dtype=torch.float32)[:48, :512].contiguous()
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "Q5_0", "Q8_0", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS"])
 def test_codes_start_at_the_encoding(weights, qtype):
     """Untouched, the relaxation decodes to exactly the encoded weights and writes back the same bytes; each u
     sits within half a step of its code, towards the source weight."""
@@ -41,8 +41,9 @@ def _layer_loss(weights, x, codes):
     return lambda sl: ((x[sl] @ codes.dequantized().T - y[sl]) ** 2).mean()
 
 
-# per type: block bytes, and the byte ranges outside the codes (Q2_K: 16 scale bytes, d, dmin; IQ4_NL: d)
-_KEPT_BYTES = {"Q2_K": (84, [(0, 16), (80, 84)]), "IQ4_NL": (18, [(0, 2)])}
+# per type: block bytes, and the byte ranges outside the codes (Q2_K: 16 scale bytes, d, dmin; IQ4_NL: d; IQ4_XS:
+# d, scales_h, scales_l)
+_KEPT_BYTES = {"Q2_K": (84, [(0, 16), (80, 84)]), "IQ4_NL": (18, [(0, 2)]), "IQ4_XS": (136, [(0, 8)])}
 
 
 @pytest.mark.parametrize("qtype", list(_KEPT_BYTES))

@@ -98,8 +98,8 @@ def test_bad_codes_and_types_are_refused():
     blocks = kquants.quantize(np.ones((1, 256), np.float32), "Q4_K")
     with pytest.raises(InputError, match=r"Q4_K level codes must lie in \[0, 15\]"):
         gl.set_levels(blocks, "Q4_K", np.full((1, 256), 16))
-    with pytest.raises(InputError, match="no level layout for ggml type 'IQ4_XS'"):
-        gl.set_levels(blocks, "IQ4_XS", np.zeros((1, 256)))
+    with pytest.raises(InputError, match="no level layout for ggml type 'IQ3_S'"):
+        gl.set_levels(blocks, "IQ3_S", np.zeros((1, 256)))
     b = kquants.quantize(np.ones((1, 256), np.float32), "IQ2_S")
     with pytest.raises(InputError, match="IQ2_S codebook indices"):
         gl.set_iq2_groups(b, "IQ2_S", np.full((1, 32), 1024), np.zeros((1, 32)))

@@ -69,6 +69,22 @@ def test_iq2_sub_scales_are_the_group_scales(qtype):
     assert np.array_equal(gl.iq2_groups(b2, qtype)[0], gl.iq2_groups(b, qtype)[0])  # codebook indices kept
 
 
+def test_iq4_xs_sub_scales_are_the_decoders():
+    """IQ4_XS: each 32-weight sub-block's 6-bit scale s (stored + 32, split over scales_l and scales_h) gives its
+    weights d·s·table(code), as gguf-py decodes them; codes and d are kept."""
+    b = _blocks("IQ4_XS")
+    sc, mn = gl.sub_scales(b, "IQ4_XS")
+    assert mn is None and sc.shape == (6, 16) and sc.min() >= -32 and sc.max() <= 31
+    assert np.array_equal(gl.set_sub_scales(b, "IQ4_XS", sc), b)
+    sc2 = np.random.default_rng(6).integers(-32, 32, sc.shape)
+    b2 = gl.set_sub_scales(b, "IQ4_XS", sc2)
+    assert np.array_equal(gl.sub_scales(b2, "IQ4_XS")[0], sc2)
+    codes = np.random.default_rng(7).integers(0, 16, (6, 512))
+    d = gl.super_scales(b2, "IQ4_XS")[..., 0]
+    want = np.repeat(np.repeat(d, 8, -1) * sc2.astype(np.float32), 32, -1) * gl.level_values("IQ4_XS")[codes]
+    assert np.array_equal(_decode(gl.set_levels(b2, "IQ4_XS", codes), "IQ4_XS"), want)
+
+
 @pytest.mark.parametrize("qtype", sorted(gl.SUPER_SCALES))
 def test_decode_is_linear_in_the_super_scales(qtype):
     b = _blocks(qtype, n=256)

@@ -44,7 +44,8 @@ def _err(w, blocks, qtype, h) -> float:
 
 @pytest.mark.parametrize("qtype, ceiling", [("Q2_K", 0.85), ("Q3_K", 0.85), ("Q4_K", 0.85), ("Q5_K", 0.85),
                                              ("Q6_K", 0.85), ("Q4_0", 0.85), ("Q5_1", 0.85), ("Q8_0", 0.85),
-                                             ("IQ2_XS", 0.85), ("IQ2_S", 0.85), ("IQ4_NL", 0.85)])
+                                             ("IQ2_XS", 0.85), ("IQ2_S", 0.85), ("IQ4_NL", 0.85),
+                                             ("IQ4_XS", 0.85)])
 def test_smaller_layer_error_same_bytes(qtype, ceiling, k256_real):
     w, h, _, _ = k256_real
     imx = torch.diagonal(h).numpy().copy()
@@ -90,8 +91,8 @@ def test_rank_deficient_hessian_is_damped():
 
 def test_bad_input_is_one_clear_error():
     w = torch.randn(4, 256)
-    with pytest.raises(InputError, match="does not support 'IQ4_XS'"):
-        kh.quantize_hessian(w, torch.eye(256), "IQ4_XS")
+    with pytest.raises(InputError, match="does not support 'IQ3_S'"):
+        kh.quantize_hessian(w, torch.eye(256), "IQ3_S")
     with pytest.raises(InputError, match=r"Hessian shape \(128, 128\) does not fit weights \(4, 256\)"):
         kh.quantize_hessian(w, torch.eye(128), "Q4_K")
     with pytest.raises(InputError, match="row length 100 is not a multiple of 256"):
@@ -101,7 +102,7 @@ def test_bad_input_is_one_clear_error():
         kh.quantize_hessian(w, torch.eye(256), "Q4_K")
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0", "IQ2_XS", "IQ2_S", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q5_0", "IQ2_XS", "IQ2_S", "IQ4_NL", "IQ4_XS"])
 def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real, monkeypatch):
     """With the scale refits off, refinement moves only the codes."""
     monkeypatch.setattr(kh, "REFIT_SCALES", False)
@@ -119,7 +120,8 @@ def test_refinement_passes_lower_the_error_and_keep_the_scales(qtype, k256_real,
     assert np.array_equal(step0, step1) and np.array_equal(base0, base1)  # only the codes moved
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_XS", "IQ2_S", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_XS", "IQ2_S", "IQ4_NL",
+                                   "IQ4_XS"])
 def test_scale_refits_lower_the_error(qtype, k256_real, monkeypatch):
     """Each scale refit alone never raises the exact quadratic, and with them the refined file beats the
     codes-only refinement; the bytes count stays the type's."""

@@ -36,7 +36,9 @@ for step in "$@"; do
         build-exllamav3) python3 -c "import exllamav3; from exllamav3.ext import exllamav3_ext" ;;
         gpu-tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_viterbi_gluon.py \
                        tests/quant/test_viterbi_fused.py tests/convert/test_overlap.py \
-                       tests/convert/test_layer_stream.py 2>&1 | tail -15 ;;
+                       tests/convert/test_layer_stream.py 2>&1 | tail -15
+                   python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_kquants_hessian.py \
+                       -k synthetic 2>&1 | tail -15 ;;
         trellis) python3 bench/trellis_vs_exllamav3.py --json "$OUT/trellis_vs_exllamav3.json" --budget 300 ;;
         copy-back) python3 bench/copy_back.py --json "$OUT/copy_back.json" ;;
         exl3-slice) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_exl3.json" \

@@ -506,8 +506,8 @@ def iq2_groups_on(blocks: np.ndarray, qtype: str, device: str | torch.device) ->
     8-weight group of IQ2 blocks, int64 on `device`."""
     flat = _iq2_flat(blocks, qtype, device)
     shape = _group_shape(blocks, qtype)
-    if qtype == "IQ2_XS":
-        word = flat[:, 2:66].contiguous().view(torch.int16).long() & 0xFFFF      # little-endian uint16 per group
+    if _iq2_layout(qtype).parity:  # one little-endian uint16 per group: index | 7 sign bits << 9
+        word = flat[:, 2:66].contiguous().view(torch.int16).long() & 0xFFFF
         parity = torch.from_numpy(_even_parity_table()).to(flat.device)
         return (word & 511).reshape(shape), parity[word >> 9].reshape(shape)
     qh = flat[:, 66:74].long()
@@ -532,10 +532,7 @@ def set_iq2_groups_on(blocks: np.ndarray, qtype: str, index: torch.Tensor, signs
     if bool(((idx < 0) | (idx >= layout.entries)).any()):
         raise InputError(f"{qtype} codebook indices must lie in [0, {layout.entries - 1}]")
     if layout.parity:
-        odd = sg.clone()
-        for shift in (4, 2, 1):
-            odd ^= odd >> shift
-        if bool((odd & 1).any()):
+        if bool((torch.from_numpy(_even_parity_table()).to(dev)[sg & 127] != sg).any()):
             raise InputError(f"{qtype} sign bytes must have an even number of negative weights")
         word = idx | ((sg & 127) << 9)
         flat[:, 2:66] = torch.stack([word & 255, word >> 8], dim=2).reshape(-1, 64).to(torch.uint8)

@@ -642,6 +642,7 @@ def _hessian_probe(log_path: Path | None = None) -> Probe:
     import mixq.convert.gguf_pipeline as gp
     import mixq.convert.gguf_rounding as gr
     import mixq.convert.gguf_tuning as gt
+    from mixq.quant.ggml import block_tuning as bt
     from mixq.quant.ggml import hessian_rounding as kh
     from mixq.quant.ggml import levels as gl
 
@@ -2360,7 +2361,8 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict)
             by_part[k] = by_part.get(k, 0.0) + v
     by_kind = _per_layer_type(per_layer)
     return {"hours": round(total, 2), "target_hours": HESSIAN_TARGET_HOURS,
-            "meets_target": total <= HESSIAN_TARGET_HOURS, "tune_iters": iters, "tuning_budget_weights": budget,
+            # a projection with a part missing is no answer either way
+            "meets_target": None if missing else total <= HESSIAN_TARGET_HOURS, "tune_iters": iters, "tuning_budget_weights": budget,
             "parts_hours": parts_h,
             "decoder_parts_hours": {k: round(v / 3600, 3) for k, v in sorted(by_part.items(), key=lambda x: -x[1])},
             "per_layer_type": by_kind,

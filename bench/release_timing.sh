@@ -29,6 +29,8 @@ export PYTHONPATH=/tmp/site:/tmp/pp${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=
 [ -d shared ] && export MIXQ_SHARED="$PWD/shared"
 WORK=/tmp/mixq-slice
 SLICE=(--work "$WORK" --experts 288 --layers kda-dense,kda-moe --no-fp8)
+# the exact path's imatrix, read/write/seal and encode rates come from its measured run
+EXACT=(--seed-json bench/results/glm53_slice_288.json)
 
 for step in "$@"; do
     echo "== $step ($(date +%T))"
@@ -46,9 +48,9 @@ for step in "$@"; do
         exl3-slice-dsa) python3 bench/glm53_slice.py --work "$WORK" --experts 288 --layers kda-dense,dsa-moe --no-fp8 \
                             --json "$OUT/glm53_slice_288_exl3_dsa.json" --deadline-s 500 --reserve-s 15 \
                             --trellis-profile --stages build,exl3,project ;;
-        gguf-hessian) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_hessian.json" \
+        gguf-hessian) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --json "$OUT/glm53_slice_288_hessian.json" \
                           --deadline-s 500 --stages build,gguf-hessian,project ;;
-        gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" --refine-passes 1 \
+        gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \
                                   --stages build,gguf-hessian,project ;;
         gguf-rounding-refine1) python3 bench/hessian_rounding_speed.py --refine 1 \

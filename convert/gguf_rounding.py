@@ -42,6 +42,11 @@ from mixq.runtime.calibration import calibration_rows, load_tokenizer
 # k256 with held-out Hessians (bench/gguf_quality.py), 0.1 and 3 generalise better than GPTQ's usual 0.01 and none
 DAMP = 0.1
 REFINE_PASSES = 3
+# where block-output tuning follows, the 2-bit types take one pass: on k256 one scores as well as three or better
+# (Q2_K 0.552x against 0.582x llama.cpp's KLD, IQ2_S experts 0.659x against 0.678x; IQ2_XS shares IQ2_S's descent)
+# in about half their rounding time, and they hold most of a 2-3 bpw plan's experts; at 4 bits one pass loses
+# (Q4_K_M 0.760x against 0.726x), and so does mini's Q3_K_M of 32-weight fallbacks (0.759x against 0.696x)
+TUNED_REFINE_PASSES = {"Q2_K": 1, "IQ2_S": 1, "IQ2_XS": 1}
 # routed experts rounded per call: their float64 Hessians within SLICE_HESSIAN_BYTES and their weights within
 # SLICE_WEIGHTS, per device type (GLM-5.3's 288 x 4096^2 Hessians are 39 GB): at 2048 x 4096, 4 per call on a CPU
 # and 32 on a GPU (measured as fast per weight as 8 there: bench/hessian_rounding_speed.py)
@@ -54,6 +59,14 @@ def covered(spec, qtype: str) -> bool:
     (with the metric of `gguf_hessians.embedding_hessian`), in a supported type."""
     return (qtype in kh.SUPPORTED and len(spec.shape) >= 2 and not spec.mtp
             and spec.transform in ("none", "stack"))
+
+
+def passes_for(qtype: str, given: int | None = None, tuned: bool = True) -> int:
+    """The rounding's descent passes after its feedback walk for `qtype`: `given` (--refine-passes) when set, else
+    ``TUNED_REFINE_PASSES``'s where block-output tuning follows (`tuned`), else ``REFINE_PASSES``."""
+    if given is not None:
+        return int(given)
+    return TUNED_REFINE_PASSES.get(qtype, REFINE_PASSES) if tuned else REFINE_PASSES
 
 
 def expert_slice(rows: int, n: int, dev: torch.device) -> int:
@@ -108,7 +121,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     `tune_iters` > 0: each stage's codes are then tuned for the layer's output on the quantized model's streams
     (convert/gguf_tuning.py), with that many descent steps per stage (`tune_group_iters` per group of routed
     experts tuned apart, None: the tuner's default). `refine_passes`: descent passes over the codes and scales
-    after the feedback walk (None: ``REFINE_PASSES``).
+    after the feedback walk (None: per type, :func:`passes_for`).
 
     `cache` (a family's, with `load(name) -> (GGUF tensor, imatrix)` for its keys): the codes before tuning depend
     only on the source weights, the imatrix and the source model's calibration forward, not on the member, so a
@@ -120,7 +133,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     if not todo:
         return {}
     dev = pick_device(device)
-    refine = REFINE_PASSES if refine_passes is None else int(refine_passes)
+    passes = {t: passes_for(t, refine_passes, tune_iters > 0) for _, t in todo}
     ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                            vocab_size=int(ckpt.text_config["vocab_size"]))
     by_layer: dict[int | None, list] = {}
@@ -130,8 +143,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     planned = {s.name: (s, t) for s, t in zip(specs, types)}
     done: dict[str, Path] = {}
-    tag = rounding_tag(ids, dev, refine) if cache is not None else ""
-    rounded = _CachedRounding(cache, load, str(ckpt.path), tag)
+    tags = {t: rounding_tag(ids, dev, n) for t, n in passes.items()} if cache is not None else {}
+    rounded = _CachedRounding(cache, load, str(ckpt.path), tags)
     tuner = None
     if tune_iters > 0:
         tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, group_iters=tune_group_iters,
@@ -143,7 +156,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
         for s, t in embed:  # the first stage: its Linears read the embedding
             path = work / f"{len(done):05d}.npy"
             if rounded.encode(s, t, path,
-                              lambda: _encode_embedding(s, t, stage, ckpt, ids, fetch, path, dev, refine)):
+                              lambda: _encode_embedding(s, t, stage, ckpt, ids, fetch, path, dev, passes[t])):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         embed = []
@@ -151,7 +164,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
             path = work / f"{len(done):05d}.npy"
             im = None if imatrix is None else imatrix.get(s.name)
             im = None if im is None else np.asarray(im, np.float32)
-            if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, fetch, im, path, dev, refine)):
+            if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, fetch, im, path, dev, passes[t])):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         if tuner is not None:
@@ -180,14 +193,14 @@ def rounding_tag(ids: torch.Tensor, dev: torch.device, refine: int = REFINE_PASS
 class _CachedRounding:
     """The family's encode cache for Hessian-rounded codes before tuning (a no-op without a cache)."""
 
-    def __init__(self, cache: EncodeCache | None, load, source: str, tag: str) -> None:
-        self.cache, self.load, self.source, self.tag = cache, load, source, tag
+    def __init__(self, cache: EncodeCache | None, load, source: str, tags: Mapping[str, str]) -> None:
+        self.cache, self.load, self.source, self.tags = cache, load, source, tags  # tags: type -> rounding_tag
 
     def encode(self, spec, qtype: str, path: Path, encode: Callable[[], bool]) -> bool:
         """The codes of (spec, qtype) into `path`: copied from the cache when another member rounded them, else
         `encode()` (False: this stage has no Hessian for it) and kept in the cache."""
         key = None if self.cache is None or self.load is None else self.cache.key(
-            self.source, spec.name, qtype, tuple(spec.shape), lambda: self.load(spec.name), rounding=self.tag)
+            self.source, spec.name, qtype, tuple(spec.shape), lambda: self.load(spec.name), rounding=self.tags[qtype])
         if key is not None and self.cache.has(key):
             np.save(path, self.cache.get(key), allow_pickle=False)
             return True

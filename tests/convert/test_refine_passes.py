@@ -38,6 +38,13 @@ def test_the_cache_key_names_the_passes():
     assert gr.rounding_tag(ids, dev, 1) != gr.rounding_tag(ids, dev)
 
 
+def test_the_default_is_per_type_where_tuning_follows():
+    assert {t: gr.passes_for(t) for t in ("Q2_K", "IQ2_S", "IQ2_XS", "Q3_K", "Q4_K", "IQ4_NL")} == \
+        {"Q2_K": 1, "IQ2_S": 1, "IQ2_XS": 1, "Q3_K": 3, "Q4_K": 3, "IQ4_NL": 3}
+    assert {gr.passes_for(t, tuned=False) for t in ("Q2_K", "IQ2_S", "Q4_K")} == {gr.REFINE_PASSES}
+    assert {gr.passes_for(t, 2) for t in ("Q2_K", "IQ2_S", "Q4_K")} == {2}
+
+
 def test_the_passes_reach_the_encoder(k256_model, calibration_text, tmp_path, monkeypatch):
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
@@ -47,15 +54,17 @@ def test_the_passes_reach_the_encoder(k256_model, calibration_text, tmp_path, mo
     seen = []
     real = gr.kh.quantize_hessian
 
-    def spy(*a, refine=0, **k):
-        seen.append(refine)
-        return real(*a, refine=refine, **k)
+    def spy(w, h, qtype, *a, refine=0, **k):
+        seen.append((qtype, refine))
+        return real(w, h, qtype, *a, refine=refine, **k)
 
     monkeypatch.setattr(gr.kh, "quantize_hessian", spy)
-    for passes, want in ((None, gr.REFINE_PASSES), (1, 1)):
+    three = gr.REFINE_PASSES
+    for passes, iters, want in ((None, 0, {("Q4_K", three), ("Q2_K", three)}), (1, 0, {("Q4_K", 1), ("Q2_K", 1)}),
+                                (None, 1, {("Q4_K", three), ("Q2_K", 1)})):
         seen.clear()
-        out = gr.encode_hessian_rounded(ck, specs, ["Q4_K", "Q2_K"], tmp_path / str(passes),
-                                        calibration=[calibration_text], rows=1, seq_len=32, tune_iters=0,
+        out = gr.encode_hessian_rounded(ck, specs, ["Q4_K", "Q2_K"], tmp_path / f"{passes}-{iters}",
+                                        calibration=[calibration_text], rows=1, seq_len=32, tune_iters=iters,
                                         refine_passes=passes, progress=False)
         assert set(out) == {s.name for s in specs}
-        assert seen and set(seen) == {want}
+        assert set(seen) == want

@@ -958,18 +958,59 @@ def _round_summary(done: list[dict], closed: list[dict], todo: list, t_end: floa
     return tensors
 
 
-def _round_rates(stages: dict) -> dict[str, dict]:
-    """Seconds per M weights of Hessian rounding per type and shape kind ("TYPE/stack", "TYPE/matrix"): finished
-    tensors, and the finished part of a cut one."""
-    acc: dict[str, list[float]] = {}
+# a type's first tensor slower than this many times its kind's steady rate carries the type's one-time kernel
+# builds (the first call of each ggml type in a process: 15-60 s each on an H200)
+WARMUP_FACTOR = 3.0
+
+
+def _timed_tensors(stages: dict) -> list[tuple[str, str, float, int]]:
+    """(type, "stack"|"matrix", seconds, weights done) of every rounded tensor, finished or cut, in run order."""
+    out = []
     for d in stages.values():
         for x in d.get("round", {}).get("tensors", {}).values():
-            if x.get("s_per_mweight") is None or not x["weights_done"]:
-                continue
-            k = f"{x['type']}/{'stack' if x['experts'] else 'matrix'}"
-            a = acc.setdefault(k, [0.0, 0])
-            a[0] += x["s_per_mweight"] * x["weights_done"] / 1e6
-            a[1] += x["weights_done"]
+            if x.get("s_per_mweight") is not None and x["weights_done"]:
+                out.append((x["type"], "stack" if x["experts"] else "matrix",
+                            x["s_per_mweight"] * x["weights_done"] / 1e6, x["weights_done"]))
+    return out
+
+
+def rounding_warmup(stages: dict) -> dict[str, dict]:
+    """The one-time part of each type's first rounded tensor: {type: {"seconds", "steady_s_per_mweight", "from"}}.
+    A first tensor counts as warm-up where it is ``WARMUP_FACTOR`` times slower per weight than the steady rate:
+    the type's later tensors of the same kind, else the other types' steady tensors of that kind."""
+    timed = _timed_tensors(stages)
+    firsts = {}
+    for i, (t, kind, sec, w) in enumerate(timed):
+        firsts.setdefault(t, i)
+    later = [x for i, x in enumerate(timed) if firsts[x[0]] != i]
+    out = {}
+    for t, i in firsts.items():
+        _, kind, sec, w = timed[i]
+        same = [x for x in later if x[0] == t and x[1] == kind]
+        pool, src = (same, f"{t}'s later {kind} tensors") if same else \
+            ([x for x in later if x[1] == kind], f"the other types' later {kind} tensors")
+        if not pool:
+            continue
+        steady = sum(x[2] for x in pool) / sum(x[3] for x in pool)
+        if sec > WARMUP_FACTOR * steady * w:
+            out[t] = {"seconds": round(sec - steady * w, 2), "steady_s_per_mweight": round(steady * 1e6, 4),
+                      "from": src}
+    return out
+
+
+def _round_rates(stages: dict) -> dict[str, dict]:
+    """Seconds per M weights of Hessian rounding per type and shape kind ("TYPE/stack", "TYPE/matrix"): finished
+    tensors, and the finished part of a cut one, less each type's one-time warm-up (:func:`rounding_warmup`)."""
+    warm = rounding_warmup(stages)
+    acc: dict[str, list[float]] = {}
+    seen: set[str] = set()
+    for t, kind, sec, w in _timed_tensors(stages):
+        if t not in seen and t in warm:
+            sec -= warm[t]["seconds"]
+        seen.add(t)
+        a = acc.setdefault(f"{t}/{kind}", [0.0, 0])
+        a[0] += sec
+        a[1] += w
     return {k: {"weights": w, "seconds": round(s, 2), "s_per_mweight": round(s / w * 1e6, 4)}
             for k, (s, w) in sorted(acc.items())}
 
@@ -1097,6 +1138,7 @@ def summarise_hessian(events: list[dict], t_end: float | None = None) -> dict:
                 d["extrapolated_within_layer"] = _extrapolate_stage(d, r, t_end)
         out["stages"] = stages
         out["round_rates"] = r
+        out["rounding_warmup"] = rounding_warmup(stages)
         wr = next((e for e in closed if e["k"] == "write" and _in(e, conv)), None)
         if wr is not None:
             enc = _weights_seconds(done, "encode/", wr)
@@ -2139,7 +2181,7 @@ def _capture_seconds(st: dict, layers: tuple, ref: dict | None, r: _Rates) -> di
 def _with_probe_rates(hp: dict, tune: dict, r: _Rates) -> dict:
     """The hessian stage's rounding rates, plus the tune probe's one-slice rates of the stack types it did not
     round (with the per-expert Hessians' seconds the hessian stage measured, per expert, added)."""
-    rates = dict(hp.get("round_rates") or {})
+    rates = dict(_round_rates(hp["stages"]) if hp.get("stages") else hp.get("round_rates") or {})
     probed = (tune.get("phases") or {}).get("round_probe") or tune.get("round_probe") or {}
     eh = hp.get("experts_hessian")
     for k, v in probed.items():
@@ -2349,11 +2391,16 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict)
                                       f"{read_rate} GB/s")
     conv = hp.get("convert") or {}
     start = conv.get("validate_s", 0.0) + conv.get("plan_s", 0.0) + conv.get("tune_init_s", 0.0)
+    warm = rounding_warmup(hp["stages"]) if hp.get("stages") else {}
+    for t, v in warm.items():
+        r.note(f"rounding warm-up {t}", f"{v['seconds']} s once (its first tensor less {v['from']}' rate), in start")
+    start += sum(v["seconds"] for v in warm.values())
     parts_h = {"imatrix (exact path's)": exact.get("imatrix_hours", 0.0),
                "decoder layers": round(layer_s / 3600, 3), "nextn (ggml encoders)": round(nextn / 3600, 3),
                "head (rounding + tuning)": round(head / 3600, 3),
                "read/write/seal (exact path's)": exact.get("read_write_seal_hours", 0.0),
-               "spill read at the write": round(spill_read / 3600, 3), "start": round(start / 3600, 3)}
+               "spill read at the write": round(spill_read / 3600, 3),
+               "start (and each type's kernel warm-up, once)": round(start / 3600, 3)}
     total = sum(parts_h.values())
     by_part: dict[str, float] = {}
     for d in per_layer.values():

@@ -42,6 +42,7 @@ CODE_RANGE: dict[str, tuple[int, int]] = {
     "IQ4_NL": (0, 15), "IQ4_XS": (0, 15),
 }
 SCALAR_TYPES = tuple(CODE_RANGE)
+GRID_CHUNK_WEIGHTS = 1 << 24   # weights per pass of level_grid_on
 # the level value of each code where it is not the code itself (value(c) = table[c - lo]; ascending)
 LEVEL_TABLES: dict[str, np.ndarray] = {t: IQ4_LEVELS.astype(np.float32) for t in ("IQ4_NL", "IQ4_XS")}
 
@@ -239,15 +240,27 @@ def _with_constant_codes(raw: torch.Tensor, qtype: str, code: int) -> torch.Tens
 
 
 def level_grid_on(blocks: np.ndarray, qtype: str, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`level_grid` computed and returned on `device` (float32 tensors)."""
+    """:func:`level_grid` computed and returned on `device` (float32 tensors), ``GRID_CHUNK_WEIGHTS`` weights at a
+    time (its float64 temporaries are 40 bytes a weight: a group of routed experts at once would not fit beside
+    the tuner's own)."""
     lo, hi = CODE_RANGE[qtype]
     values = level_values(qtype).astype(np.float64)
-    raw = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8)).to(device)
-    v_lo = decode_blocks(_with_constant_codes(raw, qtype, lo), qtype, device).double()
-    v_hi = decode_blocks(_with_constant_codes(raw, qtype, hi), qtype, device).double()
-    step = (v_hi - v_lo) / float(values[-1] - values[0])
-    base = v_lo - step * float(values[0])
-    return step.float(), base.float()
+    span, first = float(values[-1] - values[0]), float(values[0])
+    bs, ts = block_shape(qtype)
+    flat = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, blocks.shape[-1])
+    per_row = flat.shape[-1] // ts * bs
+    step = torch.empty((flat.shape[0], per_row), dtype=torch.float32, device=device)
+    base = torch.empty_like(step)
+    rows = max(1, GRID_CHUNK_WEIGHTS // max(1, per_row))
+    for r0 in range(0, flat.shape[0], rows):
+        raw = torch.from_numpy(flat[r0:r0 + rows]).to(device)
+        v_lo = decode_blocks(_with_constant_codes(raw, qtype, lo), qtype, device).double()
+        v_hi = decode_blocks(_with_constant_codes(raw, qtype, hi), qtype, device).double()
+        st = (v_hi - v_lo) / span
+        step[r0:r0 + rows] = st
+        base[r0:r0 + rows] = v_lo - st * first
+    shape = tuple(blocks.shape[:-1]) + (per_row,)
+    return step.reshape(shape), base.reshape(shape)
 
 
 def level_grid(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:

@@ -139,7 +139,8 @@ def test_experts_over_the_budget_are_tuned_in_groups(setup):
     stages = [r for r in tuner.reports if r.layer == 1]
     assert len(stages) == 1 + 4  # the other tensors, then 4 groups of 4 experts
     assert stages[0].kept and all(r.check_after <= r.check_before for r in stages)
-    assert all(a.check_before == b.check_after for a, b in zip(stages[1:], stages))  # one stage starts where the last ended
+    # one stage starts where the last ended (a group's forward sums the same terms in another order)
+    assert all(a.check_before == pytest.approx(b.check_after, rel=1e-5) for a, b in zip(stages[1:], stages))
     assert stages[-1].check_after < 0.99 * stages[0].check_after  # the experts' stages lowered the loss further
     assert sum(r.kept for r in stages[1:]) >= 2
     for k, r in enumerate(stages[1:]):

@@ -38,6 +38,17 @@ def test_codes_round_trip_and_decode_on_the_grid(qtype, k256_model):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(decoded).max())
 
 
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q4_K", "Q6_K", "Q5_1", "IQ4_XS"])
+def test_the_level_grid_is_the_same_read_in_chunks(qtype, k256_model, monkeypatch):
+    x = _k256_rows(k256_model)
+    blocks = kquants.quantize(x, qtype, None)
+    whole = gl.level_grid(blocks, qtype)
+    monkeypatch.setattr(gl, "GRID_CHUNK_WEIGHTS", 4 * x.shape[1])  # passes of 4 rows and of 2
+    chunked = gl.level_grid(blocks.reshape(2, 3, -1), qtype)
+    for a, b in zip(whole, chunked):
+        assert b.shape == (2, 3, a.shape[-1]) and np.array_equal(a, b.reshape(a.shape))
+
+
 def test_iq4nl_levels_round_and_interpolate():
     levels = gl.level_values("IQ4_NL")
     assert levels[0] == -127 and levels[-1] == 113 and np.all(np.diff(levels) > 0)

@@ -32,7 +32,6 @@ from mixq.convert.encode_cache import EncodeCache, array_sha256
 from mixq.convert.gguf_hessians import embedding_hessian, layer_hessians, token_frequency
 from mixq.convert.gguf_tuning import LayerTuner
 from mixq.convert.options import DEFAULT_TUNE_ITERS
-from mixq.errors import InputError
 from mixq.formats.partials import make_partial_dir
 from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.device import device_kind, pick_device
@@ -42,10 +41,10 @@ from mixq.runtime.calibration import calibration_rows, load_tokenizer
 # k256 with held-out Hessians (bench/gguf_quality.py), 0.1 and 3 generalise better than GPTQ's usual 0.01 and none
 DAMP = 0.1
 REFINE_PASSES = 3
-# where block-output tuning follows, the 2-bit types take one pass: on k256 one scores as well as three or better
-# (Q2_K 0.552x against 0.582x llama.cpp's KLD, IQ2_S experts 0.659x against 0.678x; IQ2_XS shares IQ2_S's descent)
-# in about half their rounding time, and they hold most of a 2-3 bpw plan's experts; at 4 bits one pass loses
-# (Q4_K_M 0.760x against 0.726x), and so does mini's Q3_K_M of 32-weight fallbacks (0.759x against 0.696x)
+# where block-output tuning follows, the 2-bit types take one pass: on k256, with the other types at three, the
+# files score as with three everywhere (llama.cpp's KLD x0.566 against x0.582 at Q2_K, IQ2_S experts x0.677 against
+# x0.678, IQ2_XS experts x0.663 against x0.655, each within about a standard error) and their stacks round 2.2-2.5x
+# faster on an H200; at 4 bits one pass loses (Q4_K_M x0.760 against x0.726), as on mini's 32-weight fallbacks
 TUNED_REFINE_PASSES = {"Q2_K": 1, "IQ2_S": 1, "IQ2_XS": 1}
 # routed experts rounded per call: their float64 Hessians within SLICE_HESSIAN_BYTES and their weights within
 # SLICE_WEIGHTS, per device type (GLM-5.3's 288 x 4096^2 Hessians are 39 GB): at 2048 x 4096, 4 per call on a CPU

@@ -158,3 +158,24 @@ def test_slice_cut_by_deadline_on_cpu(tmp_path, flash_config):
     p = st["project"]
     assert p["assumptions"]["slice_layers"] == ["kda-dense", "kda-moe"] and p["assumptions"]["reference"] is None
     assert "exl3_3.05" in p
+
+
+def test_each_types_first_call_is_booked_once_not_in_its_rate():
+    """A type's first tensor far slower than its later ones (its kernels built) leaves the type's rate at the later
+    tensors' and is booked once; a type with one tensor is measured against its kind's other types; a first tensor
+    within the factor is no warm-up."""
+    mod = _module()
+
+    def t(qtype, seconds, weights=10**6, experts=0):
+        return {"type": qtype, "weights": weights, "experts": experts, "weights_done": weights,
+                "s_per_mweight": seconds * 1e6 / weights}
+
+    stages = {"layer.0": {"round": {"tensors": {"a": t("Q5_K", 60.0), "b": t("Q4_K", 50.0), "c": t("Q4_K", 1.0),
+                                                "d": t("Q4_K", 1.0), "e": t("Q3_K", 2.5), "f": t("Q3_K", 1.0)}}},
+              "layer.1": {"round": {"tensors": {"g": t("IQ2_S", 40.0, 2 * 10**9, 288)}}}}
+    warm = mod.rounding_warmup(stages)
+    assert set(warm) == {"Q5_K", "Q4_K"}  # Q3_K's first is 2.5x its later one: under the factor
+    assert warm["Q4_K"]["seconds"] == 49.0 and warm["Q5_K"]["seconds"] == 59.0  # Q5_K against Q4_K/Q3_K's later 1 s
+    rates = mod._round_rates(stages)
+    assert rates["Q4_K/matrix"]["s_per_mweight"] == 1.0 and rates["Q5_K/matrix"]["s_per_mweight"] == 1.0
+    assert rates["Q3_K/matrix"]["s_per_mweight"] == 1.75 and rates["IQ2_S/stack"]["s_per_mweight"] == 0.02

@@ -627,6 +627,16 @@ def _tuning_probe(p: Probe) -> None:
                                          "max_weights": self.max_weights, "over": [s.name for s, _ in over]})
     p.wrap([gt], "stored_values", lambda qtype, w, im, *a: f"stored_values/{qtype}",
            info=lambda qtype, w, im, *a: {"w": int(w.numel())})
+    # the streams around a layer's stages, split: the source layer read in, its source pass, the rounded tensors
+    # decoded for the module, their values written into it
+    p.wrap([gt.DecoderStream], "materialize", lambda *a, **k: "tune_streams/materialize", begin=False)
+    p.wrap([gt.DecoderStream], "run_layer", lambda *a, **k: "tune_streams/source_pass", begin=False)
+    p.wrap([gt], "decoded_on_host", lambda *a, **k: "tune_streams/decode_rounded", begin=False)
+    p.wrap([gt], "write_values", lambda *a, **k: "tune_streams/write_values", begin=False)
+    p.wrap([gt], "build_tensor", lambda *a, **k: "tune_streams/source_weights", begin=False)
+    p.wrap([gt.DecoderStream], "call_layer", lambda *a, **k: "tune_streams/layer_call", begin=False)
+    for codes in (bt.LevelCodes, bt.IQ2Codes):
+        p.wrap([codes], "blocks", lambda *a, **k: "tune_streams/blocks", begin=False)
     for codes in (bt.LevelCodes, bt.IQ2Codes):  # one wrap per class: a wrap calls its first owner's method
         p.wrap([codes], "__init__", lambda self, blocks, qtype, *a, **k: f"codes_init/{qtype}",
                info=lambda self, blocks, qtype, *a, **k: {"w": _block_weights(blocks, qtype)}, begin=False)
@@ -925,7 +935,16 @@ def _tune_summary(done: list[dict], closed: list[dict], st: str) -> dict | None:
          "codes_init_s": round(_secs(done, "codes_init/", lay), 2),
          "stored_values": stored,
          "stored_values_encode": _weights_seconds(done, "encode/", lay),
-         "host_dequant_s": round(_secs(done, "host_dequant/", lay), 2)}
+         "host_dequant_s": round(_secs(done, "host_dequant/", lay), 2),
+         "streams_parts_s": {k: round(_secs(done, f"tune_streams/{k}", lay), 2)
+                             for k in ("materialize", "source_pass", "source_weights", "decode_rounded",
+                                       "write_values", "blocks")}}
+    d["streams_parts_s"]["ggml_encode"] = round(_secs(done, "encode/", lay), 2)  # what rounding leaves to ggml
+    # the layer's calls outside its stages: the quantized pass that makes the next layer's input
+    in_stage = [e for e in closed if e["k"] == f"tune_stage/{st}" and _in(e, lay)]
+    d["streams_parts_s"]["quantized_pass"] = round(sum(
+        e["t1"] - e["t0"] for e in done if e["k"] == "tune_streams/layer_call" and "t1" in e and _in(e, lay)
+        and not any(_in(e, x) for x in in_stage)), 2)
     d["streams_other_s"] = round(d["seconds"] - sum(s["seconds"] for s in stages) - d["codes_init_s"]
                                  - _secs(closed, "stored_values/", lay) - d["host_dequant_s"], 2)
     if outer is not None:

@@ -179,3 +179,21 @@ def test_each_types_first_call_is_booked_once_not_in_its_rate():
     rates = mod._round_rates(stages)
     assert rates["Q4_K/matrix"]["s_per_mweight"] == 1.0 and rates["Q5_K/matrix"]["s_per_mweight"] == 1.0
     assert rates["Q3_K/matrix"]["s_per_mweight"] == 1.75 and rates["IQ2_S/stack"]["s_per_mweight"] == 0.02
+
+
+def test_the_streams_around_a_layers_tuning_are_split():
+    """The tuner's time outside its stages, by part: a layer call inside a stage is a step, one outside it is the
+    quantized pass; what no part names stays in streams_other_s."""
+    mod = _module()
+    ev = [{"k": "tune_layer/layer.1", "t0": 0.0, "t1": 20.0},
+          {"k": "tune_streams/materialize", "t0": 0.5, "t1": 3.5},
+          {"k": "tune_streams/source_pass", "t0": 4.0, "t1": 6.0},
+          {"k": "tune_streams/decode_rounded", "t0": 6.0, "t1": 7.0},
+          {"k": "tune_stage/layer.1", "t0": 8.0, "t1": 14.0, "w": 100, "iters": 2},
+          {"k": "tune_step", "t0": 9.0}, {"k": "tune_step", "t0": 11.0},
+          {"k": "tune_streams/layer_call", "t0": 9.0, "t1": 10.0},
+          {"k": "tune_streams/layer_call", "t0": 15.0, "t1": 17.5}]
+    d = mod._tune_summary(ev, ev, "layer.1")
+    p = d["streams_parts_s"]
+    assert (p["materialize"], p["source_pass"], p["decode_rounded"], p["quantized_pass"]) == (3.0, 2.0, 1.0, 2.5)
+    assert d["streams_other_s"] == 14.0 and d["stages"][0]["steps_done"] == 2

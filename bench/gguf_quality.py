@@ -121,7 +121,9 @@ class Bench:
         rows = []
         hess = dict(rounding="hessian", calibration=self.cal, rows=self.a.rows, seq_len=512, device=self.a.device,
                     tune_iters=self.tune_iters, refine_passes=self.a.refine_passes)
-        passes = "" if self.a.refine_passes is None else f"-p{self.a.refine_passes}"  # its own files
+        # its own files per descent-pass setting (the default is per type: files made under another default are
+        # not taken for it)
+        passes = "-ptype" if self.a.refine_passes is None else f"-p{self.a.refine_passes}"
         for t in self.a.types:
             ex = self.step(f"exact-{t}", self.work / f"exact-{t}.gguf",
                            lambda tmp: convert(self.model, tmp, imatrix=imx, **mix_options(t, self.n_layers)))

@@ -635,9 +635,8 @@ def _tuning_probe(p: Probe) -> None:
     p.wrap([gt], "write_values", lambda *a, **k: "tune_streams/write_values", begin=False)
     p.wrap([gt], "build_tensor", lambda *a, **k: "tune_streams/source_weights", begin=False)
     p.wrap([gt.DecoderStream], "call_layer", lambda *a, **k: "tune_streams/layer_call", begin=False)
-    for codes in (bt.LevelCodes, bt.IQ2Codes):
-        p.wrap([codes], "blocks", lambda *a, **k: "tune_streams/blocks", begin=False)
     for codes in (bt.LevelCodes, bt.IQ2Codes):  # one wrap per class: a wrap calls its first owner's method
+        p.wrap([codes], "blocks", lambda *a, **k: "tune_streams/blocks", begin=False)
         p.wrap([codes], "__init__", lambda self, blocks, qtype, *a, **k: f"codes_init/{qtype}",
                info=lambda self, blocks, qtype, *a, **k: {"w": _block_weights(blocks, qtype)}, begin=False)
     _descent_probe(p)
@@ -939,7 +938,7 @@ def _tune_summary(done: list[dict], closed: list[dict], st: str) -> dict | None:
          "streams_parts_s": {k: round(_secs(done, f"tune_streams/{k}", lay), 2)
                              for k in ("materialize", "source_pass", "source_weights", "decode_rounded",
                                        "write_values", "blocks")}}
-    d["streams_parts_s"]["ggml_encode"] = round(_secs(done, "encode/", lay), 2)  # what rounding leaves to ggml
+    d["streams_parts_s"]["ggml_encode"] = round(sum(x["seconds"] for x in d["stored_values_encode"].values()), 2)
     # the layer's calls outside its stages: the quantized pass that makes the next layer's input
     in_stage = [e for e in closed if e["k"] == f"tune_stage/{st}" and _in(e, lay)]
     d["streams_parts_s"]["quantized_pass"] = round(sum(
@@ -2428,7 +2427,8 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict)
     by_kind = _per_layer_type(per_layer)
     return {"hours": round(total, 2), "target_hours": HESSIAN_TARGET_HOURS,
             # a projection with a part missing is no answer either way
-            "meets_target": None if missing else total <= HESSIAN_TARGET_HOURS, "tune_iters": iters, "tuning_budget_weights": budget,
+            "meets_target": None if missing else total <= HESSIAN_TARGET_HOURS,
+            "tune_iters": iters, "tuning_budget_weights": budget,
             "parts_hours": parts_h,
             "decoder_parts_hours": {k: round(v / 3600, 3) for k, v in sorted(by_part.items(), key=lambda x: -x[1])},
             "per_layer_type": by_kind,

@@ -237,20 +237,20 @@ class _IQ2Rounder:
 
 
 def _shortlist(db: torch.Tensor, metric: torch.Tensor, t: torch.Tensor, grid: torch.Tensor,
-               parity: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               parity: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``IQ2_SHORTLIST`` codebook entries nearest to the groups' |t| (E, rows, 8) at scales db (E, rows, 1) in
-    the diagonal metric (E|1, 8), each with its signs: (entries (E, rows, K), negative weights (E, rows, K, 8),
-    the signs' extra cost (E, rows, K)). The signs follow t; where the codebook keeps an even count of negatives
-    (`parity`) and t's count is odd, the weight whose flip costs least in the metric (4·db·m_i·|t_i|·c_i) flips,
-    per entry."""
+    the diagonal metric (E|1, 8), each with its signs: (entries (E, rows, K), their magnitudes (E, rows, K, 8),
+    negative weights (E, rows, K, 8), the signs' extra cost (E, rows, K)). The signs follow t; where the codebook
+    keeps an even count of negatives (`parity`) and t's count is odd, the weight whose flip costs least in the
+    metric (4·db·m_i·|t_i|·c_i) flips, per entry."""
     k = nearest_iq2_entries(db, metric, t, grid, IQ2_SHORTLIST)               # (E, rows, K)
     c = grid[k]                                                               # (E, rows, K, 8)
     neg = (t < 0).unsqueeze(-2).expand(c.shape)
     if not parity:
-        return k, neg, torch.zeros(k.shape, device=t.device)
+        return k, c, neg, torch.zeros(k.shape, device=t.device)
     a = (metric.unsqueeze(-2) * t.abs()).unsqueeze(-2)                        # (E, rows, 1, 8)
     neg, cost = gl.even_sign_flip(neg, 4 * db.unsqueeze(-1) * a * c)
-    return k, neg, cost
+    return k, c, neg, cost
 
 
 def _even_entries(db: torch.Tensor, metric: torch.Tensor, t: torch.Tensor,
@@ -258,8 +258,7 @@ def _even_entries(db: torch.Tensor, metric: torch.Tensor, t: torch.Tensor,
     """(entry (E, rows), negative weights (E, rows, 8)) of the groups' targets t (E, rows, 8) on a codebook whose
     signs keep an even count of negatives: of :func:`_shortlist`'s entries, the one of least diagonal-metric error
     (s²·Σm·c² − 2s·Σm·|t|·c) plus its flip's cost."""
-    k, neg, flip_cost = _shortlist(db, metric, t, grid, True)
-    c = grid[k]                                                               # (E, rows, K, 8)
+    k, c, neg, flip_cost = _shortlist(db, metric, t, grid, True)
     a = (metric.unsqueeze(-2) * t.abs()).unsqueeze(-2)                        # (E, rows, 1, 8)
     m = metric.unsqueeze(-2).unsqueeze(-2)
     score = db * db * (m * c * c).sum(-1) - 2 * db * (a * c).sum(-1)          # (E, rows, K)
@@ -524,8 +523,8 @@ def refine_iq2(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.T
             hbb = hessian[:, cols, cols]                                           # (E|1, 8, 8)
             v, gb, d = val[..., cols], fb.at(cols), db[..., g:g + 1]
             ideal = v + torch.linalg.solve_ex(hbb, gb.transpose(-1, -2))[0].transpose(-1, -2)
-            k, neg, _ = _shortlist(d, torch.diagonal(hbb, dim1=-2, dim2=-1), ideal, grid, parity)
-            cand = d.unsqueeze(-1) * grid[k] * torch.where(neg, -1.0, 1.0)         # (E, rows, K, 8)
+            k, mags, neg, _ = _shortlist(d, torch.diagonal(hbb, dim1=-2, dim2=-1), ideal, grid, parity)
+            cand = d.unsqueeze(-1) * mags * torch.where(neg, -1.0, 1.0)            # (E, rows, K, 8)
             delta = v.unsqueeze(-2) - cand                                         # error change per candidate
             dl = 2 * (delta * gb.unsqueeze(-2)).sum(-1) \
                 + torch.einsum("erki,eij,erkj->erk", delta, hbb.expand(w.shape[0], 8, 8), delta)

@@ -182,8 +182,8 @@ def test_each_types_first_call_is_booked_once_not_in_its_rate():
 
 
 def test_the_streams_around_a_layers_tuning_are_split():
-    """The tuner's time outside its stages, by part: a layer call inside a stage is a step, one outside it is the
-    quantized pass; what no part names stays in streams_other_s."""
+    """The tuner's time outside its stages (streams_other_s), split by part: a layer call inside a stage is a step,
+    one outside it is the quantized pass."""
     mod = _module()
     ev = [{"k": "tune_layer/layer.1", "t0": 0.0, "t1": 20.0},
           {"k": "tune_streams/materialize", "t0": 0.5, "t1": 3.5},

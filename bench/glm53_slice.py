@@ -1587,8 +1587,67 @@ def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 5
     return out
 
 
+@contextmanager
+def _profiled_tuning(path: Path | None, stages: tuple[int, ...] = (0, 1)):
+    """With `path`, torch's profiler over tuning stages `stages` (0: a layer's first stage, 1: its first expert
+    group), the step's parts labelled (codes decoded, expert stacks built, forward, backward); each stage's
+    tables, by device time and by host time, appended to `path`."""
+    if path is None:
+        yield
+        return
+    import itertools
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import mixq.convert.gguf_tuning as gt
+    from mixq.quant.ggml import block_tuning as bt
+
+    saved = {"descent": bt.sign_descent, "stacked": gt.stacked_rows,
+             "level": bt.LevelCodes.dequantized, "iq2": bt.IQ2Codes.dequantized}
+    calls = itertools.count()
+
+    def labelled(name: str, fn):
+        def call(*args, **kw):
+            with record_function(name):
+                return fn(*args, **kw)
+        return call
+
+    def descent(params, loss, batches, iters, lr, **kw):
+        k = next(calls)
+        if k not in stages:
+            return saved["descent"](params, loss, batches, iters, lr, **kw)
+        cuda = torch.cuda.is_available()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+        def timed_loss(batch):
+            with record_function("tune/loss (forward)"):
+                return loss(batch)
+        with profile(activities=acts) as prof:
+            out = saved["descent"](params, timed_loss, batches, iters, lr, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+        table = prof.key_averages()
+        with open(path, "a") as f:
+            f.write(f"== tuning stage {k}: {iters} steps, {sum(p.numel() for p in params):,} parameters\n")
+            if cuda:
+                f.write(table.table(sort_by="cuda_time_total", row_limit=40) + "\n")
+            f.write(table.table(sort_by="cpu_time_total", row_limit=30) + "\n")
+        return out
+
+    bt.sign_descent = descent
+    gt.stacked_rows = labelled("tune/stacked_rows", saved["stacked"])
+    bt.LevelCodes.dequantized = labelled("tune/LevelCodes.dequantized", saved["level"])
+    bt.IQ2Codes.dequantized = labelled("tune/IQ2Codes.dequantized", saved["iq2"])
+    try:
+        yield
+    finally:
+        bt.sign_descent, gt.stacked_rows = saved["descent"], saved["stacked"]
+        bt.LevelCodes.dequantized, bt.IQ2Codes.dequantized = saved["level"], saved["iq2"]
+
+
 def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512, tune_iters: int = 200,
-                    probe_iters: int = 20) -> dict:
+                    probe_iters: int = 20, profile: Path | None = None) -> dict:
     """Block-output tuning of the slice's first MoE layer as `--rounding hessian` runs it (mixq's LayerTuner with
     the hessian stage's plan, its memory budget and expert groups), `probe_iters` steps per tuning stage, started
     from ggml's encoding of the layer's tunable tensors (the same types and bytes as their Hessian rounding: a
@@ -1630,7 +1689,7 @@ def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512,
 
     with probe.span("start_codes", w=sum(math.prod(s.shape) for s, _ in sel)):
         encoded = {s.name: start_codes(s, t) for s, t in sel}
-    with probe.span(f"probe/tune {probe_iters} steps"):
+    with probe.span(f"probe/tune {probe_iters} steps"), _profiled_tuning(profile):
         tuner = LayerTuner(ckpt, ids, [s for s, _ in sel], [t for _, t in sel], iters=probe_iters, device=dev)
         for i in range(moe):
             tuner.layer(i, {})  # the streams into the MoE layer: nothing of these layers is tuned here
@@ -2724,7 +2783,7 @@ def _child_main(a) -> None:
         kw.update(tune_iters=a.tune_iters, imatrix_rows=a.imatrix_rows, eager_types=a.eager_types,
                   refine_passes=a.refine_passes)
     elif a.child == "gguf-tune":
-        kw.update(tune_iters=a.tune_iters, probe_iters=a.tune_probe_iters)
+        kw.update(tune_iters=a.tune_iters, probe_iters=a.tune_probe_iters, profile=a.tune_profile)
     elif a.child == "dequant":
         kw = {"rounds": a.dequant_rounds}
     if a.child == "build":
@@ -2770,6 +2829,8 @@ def main() -> None:
                     help="gguf-hessian: block-output tuning steps per stage (the converter's default); gguf-tune and "
                          "project: the steps the seconds per step are scaled to")
     ap.add_argument("--tune-probe-iters", type=int, default=20, help="gguf-tune: steps run per tuning stage")
+    ap.add_argument("--tune-profile", type=Path, default=None,
+                    help="gguf-tune: torch profiler tables of the layer's first stage and first expert group")
     ap.add_argument("--refine-passes", type=int, default=None,
                     help="gguf-hessian: the converter's --refine-passes [default: the converter's]")
     ap.add_argument("--imatrix-rows", type=int, default=None,
@@ -2814,7 +2875,8 @@ def main() -> None:
         + (["--exllamav3-limit", str(a.exllamav3_limit)] if a.exllamav3_limit else []) \
         + (["--eager-types", a.eager_types] if a.eager_types else []) \
         + (["--refine-passes", str(a.refine_passes)] if a.refine_passes is not None else []) \
-        + (["--trellis-profile"] if a.trellis_profile else [])
+        + (["--trellis-profile"] if a.trellis_profile else []) \
+        + (["--tune-profile", str(a.tune_profile)] if a.tune_profile else [])
 
     def save() -> None:
         text = json.dumps(res, indent=2) + "\n"

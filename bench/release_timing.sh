@@ -59,7 +59,7 @@ for step in "$@"; do
         gguf-rounding) python3 bench/hessian_rounding_speed.py --json "$OUT/hessian_rounding_speed.json" \
                            --types IQ2_S,Q4_K --kinds stack,stack_down ;;
         gguf-tune) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_tune.json" \
-                       --deadline-s 500 --stages build,gguf-tune,project ;;
+                       --deadline-s 500 --stages build,gguf-tune,project --tune-profile "$OUT/tune_profile.txt" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

@@ -964,6 +964,8 @@ def _round_summary(done: list[dict], closed: list[dict], todo: list, t_end: floa
             d["seconds"] = round(e["t1"] - e["t0"], 2)
             d["weights_done"] = w if d["state"] == "done" else sum(x.get("w", 0) for x in calls)
             d["round_call_s"] = round(sum(x["t1"] - x["t0"] for x in calls), 2)
+            if experts:  # each expert slice's call: [seconds, weights] (the first carries the type's warm-up)
+                d["calls"] = [[round(x["t1"] - x["t0"], 3), x.get("w", 0)] for x in sorted(calls, key=lambda x: x["t0"])]
             d["experts_hessian_s"] = round(_secs(done, "experts_hessian/", e), 2)
             if d["state"] == "cut":
                 last = max([x["t1"] for x in calls] or [e["t0"]])
@@ -981,15 +983,31 @@ def _round_summary(done: list[dict], closed: list[dict], todo: list, t_end: floa
 WARMUP_FACTOR = 3.0
 
 
-def _timed_tensors(stages: dict) -> list[tuple[str, str, float, int]]:
-    """(type, "stack"|"matrix", seconds, weights done) of every rounded tensor, finished or cut, in run order."""
+def _timed_tensors(stages: dict) -> list[tuple[str, str, float, int, list]]:
+    """(type, "stack"|"matrix", seconds, weights done, [[seconds, weights] per expert-slice call]) of every rounded
+    tensor, finished or cut, in run order."""
     out = []
     for d in stages.values():
         for x in d.get("round", {}).get("tensors", {}).values():
             if x.get("s_per_mweight") is not None and x["weights_done"]:
                 out.append((x["type"], "stack" if x["experts"] else "matrix",
-                            x["s_per_mweight"] * x["weights_done"] / 1e6, x["weights_done"]))
+                            x["s_per_mweight"] * x["weights_done"] / 1e6, x["weights_done"], x.get("calls") or []))
     return out
+
+
+def _first_call_warmup(calls: list) -> dict | None:
+    """The warm-up inside a stack's first expert-slice call, read off its later calls (at least two of them):
+    {"seconds", "steady_s_per_mweight", "from"}, or None when the first call is not ``WARMUP_FACTOR`` times slower
+    per weight than they are."""
+    later = calls[1:]
+    if len(later) < 2 or not calls[0][1] or not sum(w for _, w in later):
+        return None
+    steady = sum(s for s, _ in later) / sum(w for _, w in later)
+    sec, w = calls[0]
+    if sec <= WARMUP_FACTOR * steady * w:
+        return None
+    return {"seconds": round(sec - steady * w, 2), "steady_s_per_mweight": round(steady * 1e6, 4),
+            "from": f"the stack's later {len(later)} expert-slice calls"}
 
 
 def rounding_warmup(stages: dict) -> dict[str, dict]:
@@ -998,12 +1016,16 @@ def rounding_warmup(stages: dict) -> dict[str, dict]:
     the type's later tensors of the same kind, else the other types' steady tensors of that kind."""
     timed = _timed_tensors(stages)
     firsts = {}
-    for i, (t, kind, sec, w) in enumerate(timed):
+    for i, (t, *_) in enumerate(timed):
         firsts.setdefault(t, i)
     later = [x for i, x in enumerate(timed) if firsts[x[0]] != i]
     out = {}
     for t, i in firsts.items():
-        _, kind, sec, w = timed[i]
+        _, kind, sec, w, calls = timed[i]
+        inside = _first_call_warmup(calls)
+        if inside is not None:
+            out[t] = inside
+            continue
         same = [x for x in later if x[0] == t and x[1] == kind]
         pool, src = (same, f"{t}'s later {kind} tensors") if same else \
             ([x for x in later if x[1] == kind], f"the other types' later {kind} tensors")
@@ -1022,7 +1044,7 @@ def _round_rates(stages: dict) -> dict[str, dict]:
     warm = rounding_warmup(stages)
     acc: dict[str, list[float]] = {}
     seen: set[str] = set()
-    for t, kind, sec, w in _timed_tensors(stages):
+    for t, kind, sec, w, _ in _timed_tensors(stages):
         if t not in seen and t in warm:
             sec -= warm[t]["seconds"]
         seen.add(t)

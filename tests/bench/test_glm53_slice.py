@@ -181,6 +181,26 @@ def test_each_types_first_call_is_booked_once_not_in_its_rate():
     assert rates["Q3_K/matrix"]["s_per_mweight"] == 1.75 and rates["IQ2_S/stack"]["s_per_mweight"] == 0.02
 
 
+def test_a_stacks_first_slice_call_carries_its_types_warm_up():
+    """A routed-expert stack (one per type in a slice) books its first expert-slice call's excess over its later
+    calls as the type's warm-up, and its rate is the later calls'; a first call within the factor books none."""
+    mod = _module()
+    w = 2**28
+
+    def stack(qtype, calls):
+        total = sum(s for s, _ in calls)
+        return {"type": qtype, "weights": 9 * w, "experts": 288, "weights_done": 9 * w,
+                "s_per_mweight": total * 1e6 / (9 * w), "calls": calls}
+
+    stages = {"layer.1": {"round": {"tensors": {
+        "gate": stack("IQ2_S", [[15.0, w]] + [[3.0, w]] * 8),
+        "down": stack("Q2_K", [[4.0, w]] + [[3.0, w]] * 8)}}}}
+    warm = mod.rounding_warmup(stages)
+    assert set(warm) == {"IQ2_S"} and warm["IQ2_S"]["seconds"] == 12.0
+    rates = mod._round_rates(stages)
+    assert abs(rates["IQ2_S/stack"]["seconds"] - 27.0) < 1e-6 and abs(rates["Q2_K/stack"]["seconds"] - 28.0) < 1e-6
+
+
 def test_the_streams_around_a_layers_tuning_are_split():
     """The tuner's time outside its stages (streams_other_s), split by part: a layer call inside a stage is a step,
     one outside it is the quantized pass."""

@@ -35,6 +35,8 @@ import torch
 
 from ...errors import InputError
 from . import levels as gl
+from . import triton_iq2s
+from .triton_search import use_fused
 
 # one level per weight (affine or the IQ4 table), and the IQ2 types' codebook groups; the other lattice i-quants
 # keep their codes
@@ -192,8 +194,12 @@ class IQ2Codes:
 
     def _nearest_entries(self, target: torch.Tensor) -> torch.Tensor:
         """Codebook index (n,) nearest to |target| (n, 8): smallest Σc² − 2·Σ|t|·c (the unit-metric case of
-        ``hessian_rounding.nearest_iq2_entries``, as one addmm per chunk: on the CPU a third of its time), in
-        chunks that bound the score table."""
+        ``hessian_rounding.nearest_iq2_entries``). Most groups take it at every step once the codes move (their
+        rounded magnitudes are no codebook tuple), so where the Triton kernels run the codebook streams through
+        registers (:func:`triton_iq2s.nearest_entry`; a sum order of its own, so a near-tie may pick the other
+        entry); elsewhere one addmm per chunk (on the CPU a third of its time), chunks bounding the score table."""
+        if use_fused(target):
+            return triton_iq2s.nearest_entry(target, self.grid)
         norms = (self.grid * self.grid).sum(-1)
         return torch.cat([torch.addmm(norms, t.abs(), self.grid.T, alpha=-2).argmin(-1)
                           for t in target.split(IQ2_SEARCH_GROUPS)])

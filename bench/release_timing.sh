@@ -9,6 +9,7 @@
 #   bash bench/release_timing.sh OUT gpu-tests trellis        # 2 + 5 min: gpu tests; the encoder beside exllamav3
 #   bash bench/release_timing.sh OUT exl3-slice-dsa           # 8.5 min: the same with a DSA + MoE layer
 #   bash bench/release_timing.sh OUT gguf-hessian             # 8.5 min: a whole --rounding hessian conversion
+#   bash bench/release_timing.sh OUT gguf-hessian-long        # 9.5 min: the same, further into the expert groups
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
@@ -50,6 +51,9 @@ for step in "$@"; do
                             --trellis-profile --stages build,exl3,project ;;
         gguf-hessian) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --json "$OUT/glm53_slice_288_hessian.json" \
                           --deadline-s 500 --stages build,gguf-hessian,project ;;
+        gguf-hessian-long) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" \
+                               --json "$OUT/glm53_slice_288_hessian.json" --deadline-s 560 \
+                               --stages build,gguf-hessian,project ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \
                                   --stages build,gguf-hessian,project ;;

@@ -219,33 +219,39 @@ class IQ2Codes:
         gap = score.gather(1, fused[:, None]) - score.gather(1, table[:, None])
         return bool((gap.abs() <= NEAR_TIE * float((g * g).sum(-1).max())).all())
 
-    def _groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codebook index, sign byte) (..., groups) int64 and the negative weights (..., groups, 8) of the current
-        ``u``, as the file will hold them."""
+    def _groups(self, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+        """(codebook index, sign byte) (..., groups) int64, the negative weights (..., groups, 8) and the entries'
+        magnitudes (..., groups, 8) of the current ``u``, as the file will hold them. `values`: the interpolated
+        signed levels of ``u`` when the caller has them (detached), else computed here."""
         with torch.no_grad():
             u = self._grouped()
+            if values is None:
+                values = gl.table_values(u, self.levels)
             r = torch.round(u).clamp_(0, self.levels.shape[0] - 1)
             neg = r < self.mags
             rank = torch.where(neg, self.mags - 1 - r, r - self.mags)
             index = self.entry[(rank * self.rank_weight).sum(-1).long()]
             miss = index < 0
             if bool(miss.any()):  # the rounded magnitudes are no codebook tuple: the entry nearest to the relaxation
-                index[miss] = self._nearest_entries(gl.table_values(u[miss], self.levels))
+                index[miss] = self._nearest_entries(values[miss])
+            mags = self.grid[index]
             if self.parity:
-                neg = gl.even_sign_flip(neg, gl.table_values(u, self.levels).abs() * self.grid[index])[0]
-            return index, (neg.long() * self.bits).sum(-1), neg
+                neg = gl.even_sign_flip(neg, values.abs() * mags)[0]
+            return index, (neg.long() * self.bits).sum(-1), neg, mags
 
     def dequantized(self) -> torch.Tensor:
         """The decoded weights of the current groups (..., row); gradients reach ``u`` straight through, along the
         interpolated signed levels. The values are exactly the file's: the relaxation enters as soft − soft."""
         soft = gl.table_values(self._grouped(), self.levels)
-        index, _, neg = self._groups()
-        hard = torch.where(neg, -self.grid[index], self.grid[index])
-        return (self.db * (hard + (soft - soft.detach()))).reshape(self.shape)
+        detached = soft.detach()
+        _, _, neg, mags = self._groups(detached)
+        hard = torch.where(neg, -mags, mags)
+        return (self.db * (hard + (soft - detached))).reshape(self.shape)
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codebook index, sign byte) (..., groups) of the current ``u``."""
-        index, signs, _ = self._groups()
+        index, signs, _, _ = self._groups()
         return index, signs
 
     def changed(self) -> float:

@@ -422,6 +422,8 @@ def _calibration_probe(p: Probe) -> None:
     p.wrap([LayerCalibrator], "_run_layer",
            lambda self, mod, layer, stats: f"{'forward' if stats is not None else 'advance'}/layer.{layer}")
     p.wrap([LayerCalibrator], "_head_stage", lambda self: "forward/head")
+    p.wrap([LayerCalibrator], "_materialize", lambda self, layer, replace: f"materialize/layer.{layer}")
+    p.wrap([LayerCalibrator], "_release", lambda self, layer: f"release/layer.{layer}")
     p.wrap([HessianAccumulator], "add", lambda self, x: "hessian_add", begin=False)
     p.wrap([HessianAccumulator], "hessian", lambda self: "hessian_final", begin=False)
 
@@ -1143,6 +1145,10 @@ def summarise_hessian(events: list[dict], t_end: float | None = None) -> dict:
             fwd = next((e for e in closed if e["k"] == f"forward/{st}" and _in(e, conv)), None)
             if fwd is not None:
                 d["capture_forward_s"] = round(fwd["t1"] - fwd["t0"], 2)
+            # the calibration's own copy of the source layer: read, built and moved to the device, then given back
+            moved = [e for e in closed if e["k"] in (f"materialize/{st}", f"release/{st}") and _in(e, conv)]
+            if moved:
+                d["source_layer_s"] = round(sum(e["t1"] - e["t0"] for e in moved), 2)
                 d["hessian_accumulate_s"] = round(_within(done, "hessian_add", fwd["t0"], fwd["t1"]), 2)
                 d["state"] = "cut in the capture forward" if "elapsed" in fwd else "done"
             if st in todo:
@@ -1164,10 +1170,11 @@ def summarise_hessian(events: list[dict], t_end: float | None = None) -> dict:
                     d["state"] = "cut in block-output tuning"
                 elif d["state"] == "not started":  # the tune probe: streams and tuning, no capture
                     d["state"] = "done"
-            starts = [e["t0"] for e in closed if _in(e, conv) and (e["k"] in (f"forward/{st}", f"tune/{st}",
-                      f"tune_layer/{st}") or e["k"][6:] in d.get("round", {}).get("tensors", {}))]
-            ends = [e["t1"] for e in closed if _in(e, conv) and (e["k"] in (f"forward/{st}", f"tune/{st}",
-                    f"tune_layer/{st}") or e["k"][6:] in d.get("round", {}).get("tensors", {}))]
+            own = (f"forward/{st}", f"tune/{st}", f"tune_layer/{st}", f"materialize/{st}", f"release/{st}")
+            starts = [e["t0"] for e in closed if _in(e, conv) and (e["k"] in own
+                      or e["k"][6:] in d.get("round", {}).get("tensors", {}))]
+            ends = [e["t1"] for e in closed if _in(e, conv) and (e["k"] in own
+                    or e["k"][6:] in d.get("round", {}).get("tensors", {}))]
             if starts:
                 d["seconds"] = round(max(ends) - min(starts), 2)
             stages[st] = d
@@ -2244,6 +2251,23 @@ def _first_stage(phases: dict, layers: tuple, kind: str, need) -> dict | None:
     return None
 
 
+def _source_layer_seconds(st: dict, layers: tuple, r: _Rates) -> dict[str, float]:
+    """The calibration's copy of the source layer per layer kind (read, built, moved to the device, given back),
+    from this run's hessian stage; a DSA+MoE layer as a KDA+MoE one (the experts are most of its weights)."""
+    hp = (st.get("gguf-hessian") or {}).get("phases") or {}
+    out: dict[str, float] = {}
+    for kind in LAYER_KINDS:
+        d = _first_stage(hp, layers, kind, lambda d: "source_layer_s" in d)
+        if d is not None:
+            out[kind] = d["source_layer_s"]
+    if "dsa-moe" not in out and "kda-moe" in out:
+        out["dsa-moe"] = out["kda-moe"]
+        r.note("source layer dsa-moe", "the KDA+MoE layer's (the routed experts are most of its weights)")
+    if not out:
+        r.note("source layer", "not measured in this run (a run before it was probed): left out")
+    return out
+
+
 def _capture_seconds(st: dict, layers: tuple, ref: dict | None, r: _Rates) -> dict[str, float]:
     """The calibration (Hessian capture) forward per layer kind: this run's hessian stage, else the exl3 stage's
     calibration forward (the same LayerCalibrator pass with full Hessians); DSA+MoE from KDA+MoE plus the
@@ -2449,6 +2473,7 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict)
     rates = _with_probe_rates(hp, st.get("gguf-tune") or {}, r)
     host = hp.get("host_rates") or hs.get("host_rates_mweights_per_s") or {}
     capture = _capture_seconds(st, layers, ref, r)
+    source_layer = _source_layer_seconds(st, layers, r)
     budget = _budget(st)
     if budget is None:
         r.note("tuning budget", "not measured: every stack tuned with the layer's tensors (a lower bound)")
@@ -2458,7 +2483,7 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict)
     tunes = {k: _tune_source(st, layers, k, r) for k in LAYER_KINDS}
     for i in sorted(k for k in groups if isinstance(k, int)):
         kind, tensors = kinds[i], groups[i]
-        parts = {"capture_forward": capture.get(kind, 0.0),
+        parts = {"capture_forward": capture.get(kind, 0.0), "source_layer": source_layer.get(kind, 0.0),
                  "hessian_rounding": sum(math.prod(s.shape) / 1e6 * _round_rate(rates, t, s.transform == "stack", r)
                                          for s, t, c in tensors if c)}
         parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, r))

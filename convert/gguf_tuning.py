@@ -39,8 +39,8 @@ from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml import levels as gl
-from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stacked_rows,
-                                       write_values)
+from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params,
+                                       stacked_parts, stacked_rows, write_values)
 from mixq.runtime.overlap import host_empty
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
@@ -275,8 +275,11 @@ class LayerTuner:
                 self.held += n
         fixed_parts: dict[str, torch.Tensor] = {}
         tuned = []
+        later = {spec.name for spec, _ in over}  # decoded into the layer's module after the source pass
         for spec, qtype in members:
             blocks = encoded.get(spec.name)
+            if spec.name in later:
+                continue
             if spec.name in chosen:
                 tuned.append((spec, bt.tunable_codes(blocks, qtype, build_tensor(spec, self._fetch), self.device,
                                                      scales=self._scales(qtype))))
@@ -297,6 +300,17 @@ class LayerTuner:
             if f"{base}#{'v' if half == 'k' else 'k'}" not in halves:
                 del fixed_parts[k]
         return merge_kv_b(fixed_parts), tuned, over
+
+    @torch.no_grad()
+    def _decode_into(self, parts: Mapping[str, torch.Tensor], over: list, encoded: Mapping[str, np.ndarray]) -> None:
+        """Decode the routed-expert stacks `over` (encoded, not tuned with the layer's first stage) on the device
+        straight into the module's tensors (`parts`: checkpoint name -> the view that holds it), one expert at a
+        time: the layer's experts never pass through host memory."""
+        for spec, qtype in over:
+            blocks = np.asarray(encoded[spec.name])
+            for e, name in enumerate(spec.hf_names):
+                view = parts[name]
+                view.copy_(gl.decode_blocks(blocks[e], qtype, self.device).reshape(view.shape))
 
     def _expert_ranges(self, over: list) -> list[tuple[int, int]]:
         """The routed-expert stacks `over` (that did not fit with the rest) cut into expert ranges that each fit the
@@ -391,16 +405,24 @@ class LayerTuner:
         mod.requires_grad_(False)
         const: dict[str, torch.Tensor] = {}  # untuned parts of the tensors a stage moves, on the device
         frozen: dict[str, torch.Tensor] = {}  # tuned in this layer's first stage: fixed in the later ones
+        in_module: dict[str, torch.Tensor] = {}  # the stacks `over`: their decoded experts, read in place
+        if over:
+            parts = stacked_parts(mod, layer, self.ckpt.shape)
+            self._decode_into(parts, over, encoded)
+            in_module = {n: parts[n] for spec, _ in over for n in spec.hf_names}
 
         def current(n: str) -> torch.Tensor:
             if n in frozen:
                 return frozen[n]
+            if n in in_module:
+                return in_module[n]
             if n not in const:
                 const[n] = (fixed[n] if n in fixed else self._fetch(n)).to(self.device)
             return const[n]
 
         def value(n: str) -> torch.Tensor:  # the same, not kept: an in-place write reads each part once
-            return frozen[n] if n in frozen else fixed[n] if n in fixed else self._fetch(n)
+            return frozen[n] if n in frozen else in_module[n] if n in in_module else fixed[n] if n in fixed \
+                else self._fetch(n)
 
         write_values(mod, layer, fixed, value)
         live = tuned  # what the first stage moves (an expert group's experts move through `group_moe` after it)

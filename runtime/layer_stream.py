@@ -131,6 +131,23 @@ def stacked_rows(module: nn.Module, layer: int, key: str, rows: range, values: M
     return torch.stack([_row(src[r], values, fetch).reshape(ref.shape[1:]) for r in rows])
 
 
+def stacked_parts(module: nn.Module, layer: int, shape: Callable[[str], tuple]) -> dict[str, torch.Tensor]:
+    """{checkpoint name: the view of the module's stacked (routed-expert) tensor that holds it}: row r of a stack
+    holds its parts concatenated on dim 0, each as long as its checkpoint tensor (`shape`: name -> shape)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, ref in module.state_dict(keep_vars=True).items():
+        src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
+        if len(src) < 2:
+            continue
+        for r, parts in enumerate(src):
+            off = 0
+            for n in parts:
+                rows = int(shape(n)[0])
+                out[n] = ref[r, off:off + rows]
+                off += rows
+    return out
+
+
 @torch.no_grad()
 def write_values(module: nn.Module, layer: int, values: Mapping[str, torch.Tensor],
                  fetch: Callable[[str], torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mixq.formats.checkpoint import open_checkpoint
-from mixq.runtime.layer_stream import DecoderStream, layer_params, layer_state_dict, write_values
+from mixq.runtime.layer_stream import DecoderStream, layer_params, layer_state_dict, stacked_parts, write_values
 
 LAYER = 1  # a MoE layer of the mini fixture (16 routed experts)
 P = f"model.language_model.layers.{LAYER}.mlp"
@@ -39,6 +39,22 @@ def test_layer_params_are_the_state_dict_entries_that_hold_the_values(mini_model
     inter = ck.shape(up3)[0]
     expected = torch.arange(gu.numel(), dtype=gu.dtype).reshape(gu.shape)[3, inter:]
     assert torch.equal(moved[up3].grad, expected)
+
+
+def test_stacked_parts_are_views_of_the_experts_in_the_module(mini_model):
+    """Every routed expert's checkpoint tensor has a view into the module's stacks holding exactly it (the gate
+    and up halves of a gate_up row apart); writing through a view writes the module; nothing else is listed."""
+    ck, mod = _layer(mini_model)
+    parts = stacked_parts(mod, LAYER, ck.shape)
+    experts = int(mod.mlp.experts.down_proj.shape[0])
+    assert set(parts) == {f"{P}.experts.{e}.{k}_proj.weight" for e in range(experts) for k in ("gate", "up", "down")}
+    for n, v in parts.items():
+        assert torch.equal(v, ck.get(n, dtype=torch.float32)), n
+    up = parts[f"{P}.experts.2.up_proj.weight"]
+    up.copy_(torch.full_like(up, 7.0))
+    inter = ck.shape(f"{P}.experts.2.gate_proj.weight")[0]
+    assert bool((mod.mlp.experts.gate_up_proj[2, inter:] == 7.0).all())
+    assert torch.equal(mod.mlp.experts.gate_up_proj[2, :inter], ck.get(f"{P}.experts.2.gate_proj.weight"))
 
 
 def test_write_values_copies_rows_in_place(mini_model):

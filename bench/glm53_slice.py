@@ -634,6 +634,7 @@ def _tuning_probe(p: Probe) -> None:
     p.wrap([gt.DecoderStream], "materialize", lambda *a, **k: "tune_streams/materialize", begin=False)
     p.wrap([gt.DecoderStream], "run_layer", lambda *a, **k: "tune_streams/source_pass", begin=False)
     p.wrap([gt], "decoded_on_host", lambda *a, **k: "tune_streams/decode_rounded", begin=False)
+    p.wrap([gt.LayerTuner], "_decode_into", lambda *a, **k: "tune_streams/decode_rounded", begin=False)
     p.wrap([gt], "write_values", lambda *a, **k: "tune_streams/write_values", begin=False)
     p.wrap([gt], "build_tensor", lambda *a, **k: "tune_streams/source_weights", begin=False)
     p.wrap([gt.DecoderStream], "call_layer", lambda *a, **k: "tune_streams/layer_call", begin=False)

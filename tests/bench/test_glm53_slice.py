@@ -194,9 +194,10 @@ def test_a_stacks_first_slice_call_carries_its_types_warm_up():
 
     stages = {"layer.1": {"round": {"tensors": {
         "gate": stack("IQ2_S", [[15.0, w]] + [[3.0, w]] * 8),
+        "up": stack("IQ2_XS", [[10.5, w]] + [[4.0, w]] * 8),
         "down": stack("Q2_K", [[4.0, w]] + [[3.0, w]] * 8)}}}}
     warm = mod.rounding_warmup(stages)
-    assert set(warm) == {"IQ2_S"} and warm["IQ2_S"]["seconds"] == 12.0
+    assert set(warm) == {"IQ2_S", "IQ2_XS"} and warm["IQ2_S"]["seconds"] == 12.0 and warm["IQ2_XS"]["seconds"] == 6.5
     rates = mod._round_rates(stages)
     assert abs(rates["IQ2_S/stack"]["seconds"] - 27.0) < 1e-6 and abs(rates["Q2_K/stack"]["seconds"] - 28.0) < 1e-6
 

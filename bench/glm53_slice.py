@@ -1637,7 +1637,7 @@ def _profiled_tuning(path: Path | None, stages: tuple[int, ...] = (0, 1)):
     import mixq.convert.gguf_tuning as gt
     from mixq.quant.ggml import block_tuning as bt
 
-    saved = {"descent": bt.sign_descent, "stacked": gt.stacked_rows,
+    saved = {"descent": bt.sign_descent, "stacked": gt.stacked_block,
              "level": bt.LevelCodes.dequantized, "iq2": bt.IQ2Codes.dequantized}
     calls = itertools.count()
 
@@ -1670,13 +1670,13 @@ def _profiled_tuning(path: Path | None, stages: tuple[int, ...] = (0, 1)):
         return out
 
     bt.sign_descent = descent
-    gt.stacked_rows = labelled("tune/stacked_rows", saved["stacked"])
+    gt.stacked_block = labelled("tune/stacked_block", saved["stacked"])
     bt.LevelCodes.dequantized = labelled("tune/LevelCodes.dequantized", saved["level"])
     bt.IQ2Codes.dequantized = labelled("tune/IQ2Codes.dequantized", saved["iq2"])
     try:
         yield
     finally:
-        bt.sign_descent, gt.stacked_rows = saved["descent"], saved["stacked"]
+        bt.sign_descent, gt.stacked_block = saved["descent"], saved["stacked"]
         bt.LevelCodes.dequantized, bt.IQ2Codes.dequantized = saved["level"], saved["iq2"]
 
 

@@ -40,7 +40,7 @@ from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml import levels as gl
 from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params,
-                                       stacked_parts, stacked_rows, write_values)
+                                       stacked_block, stacked_parts, write_values)
 from mixq.runtime.overlap import host_empty
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
@@ -349,6 +349,12 @@ class LayerTuner:
         return out
 
     @staticmethod
+    def _group_stacks(group) -> dict[tuple[str, ...], torch.Tensor]:
+        """{the checkpoint names of a stack's experts e0..e1: their values (e1 - e0, ...)} of a group."""
+        return {tuple(spec.hf_names[e0:e1]): codes.dequantized().reshape(e1 - e0, *spec.shape[1:])
+                for spec, (e0, e1), codes in group}
+
+    @staticmethod
     def _group_values(group) -> dict[str, torch.Tensor]:
         """HF name -> value of the experts a group tunes (each stack's experts e0..e1)."""
         out: dict[str, torch.Tensor] = {}
@@ -457,8 +463,8 @@ class LayerTuner:
                     group = self._group(over, encoded, e0, e1)
 
                     def weights(e0=e0, e1=e1, group=group) -> tuple[torch.Tensor, torch.Tensor]:
-                        vals = self._group_values(group)
-                        return tuple(stacked_rows(mod, layer, f"mlp.experts.{k}", range(e0, e1), vals, current)
+                        stacks = self._group_stacks(group)
+                        return tuple(stacked_block(mod, layer, f"mlp.experts.{k}", range(e0, e1), stacks, current)
                                      for k in ("gate_up_proj", "down_proj"))
                     with ExpertGroupMoE(mod.mlp, e0, e1, weights) as group_moe:
                         self._tune(layer, [(spec, codes) for spec, _, codes in group], loss, self.group_iters)

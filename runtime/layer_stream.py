@@ -131,6 +131,22 @@ def stacked_rows(module: nn.Module, layer: int, key: str, rows: range, values: M
     return torch.stack([_row(src[r], values, fetch).reshape(ref.shape[1:]) for r in rows])
 
 
+def stacked_block(module: nn.Module, layer: int, key: str, rows: range,
+                  stacks: Mapping[tuple[str, ...], torch.Tensor], fetch: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """Rows `rows` of the module's stacked tensor `key`, as :func:`stacked_rows` gives them, from whole stacks:
+    `stacks` maps the checkpoint names of one part over those rows (in row order) to a (len(rows), ...) tensor.
+    Where every part of the rows is such a stack, the rows are those stacks concatenated on dim 1 (one copy, and a
+    gradient that reaches each stack as one tensor, not row by row); else row by row, the other parts from
+    `fetch`."""
+    ref = module.get_parameter(key)
+    src = module_sources(layer, key, ref.shape[0])
+    whole = [stacks.get(tuple(names)) for names in zip(*(src[r] for r in rows))]
+    if all(t is not None for t in whole):
+        return torch.cat(whole, 1) if len(whole) > 1 else whole[0]
+    values = {n: t[i] for names, t in stacks.items() for i, n in enumerate(names)}
+    return stacked_rows(module, layer, key, rows, values, fetch)
+
+
 def stacked_parts(module: nn.Module, layer: int, shape: Callable[[str], tuple]) -> dict[str, torch.Tensor]:
     """{checkpoint name: the view of the module's stacked (routed-expert) tensor that holds it}: row r of a stack
     holds its parts concatenated on dim 0, each as long as its checkpoint tensor (`shape`: name -> shape)."""

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mixq.formats.checkpoint import open_checkpoint
-from mixq.runtime.layer_stream import DecoderStream, layer_params, layer_state_dict, stacked_parts, write_values
+from mixq.runtime.layer_stream import (DecoderStream, layer_params, layer_state_dict, stacked_block, stacked_parts,
+                                       stacked_rows, write_values)
 
 LAYER = 1  # a MoE layer of the mini fixture (16 routed experts)
 P = f"model.language_model.layers.{LAYER}.mlp"
@@ -55,6 +56,28 @@ def test_stacked_parts_are_views_of_the_experts_in_the_module(mini_model):
     inter = ck.shape(f"{P}.experts.2.gate_proj.weight")[0]
     assert bool((mod.mlp.experts.gate_up_proj[2, inter:] == 7.0).all())
     assert torch.equal(mod.mlp.experts.gate_up_proj[2, :inter], ck.get(f"{P}.experts.2.gate_proj.weight"))
+
+
+def test_stacked_block_is_stacked_rows_from_whole_stacks(mini_model):
+    """Rows of the experts' stacks built from whole stacks (gate and up of experts 4-9) equal the row-by-row build;
+    the gradient reaches each stack whole; a part missing from the stacks falls back to the rows (from fetch)."""
+    ck, mod = _layer(mini_model)
+    fetch = lambda n: ck.get(n, dtype=torch.float32)  # noqa: E731
+    rows = range(4, 10)
+    names = {k: tuple(f"{P}.experts.{e}.{k}_proj.weight" for e in rows) for k in ("gate", "up", "down")}
+    stacks = {v: torch.randn(len(rows), *ck.shape(v[0]), requires_grad=True) for v in names.values()}
+    per_row = {n: t[i] for v, t in stacks.items() for i, n in enumerate(v)}
+    for key in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        got = stacked_block(mod, LAYER, key, rows, stacks, fetch)
+        assert torch.equal(got, stacked_rows(mod, LAYER, key, rows, per_row, fetch)), key
+    gu = stacked_block(mod, LAYER, "mlp.experts.gate_up_proj", rows, stacks, fetch)
+    (gu * 2).sum().backward()
+    assert torch.equal(stacks[names["gate"]].grad, torch.full_like(stacks[names["gate"]], 2.0))
+    only_gate = {names["gate"]: stacks[names["gate"]].detach()}
+    got = stacked_block(mod, LAYER, "mlp.experts.gate_up_proj", rows, only_gate, fetch)
+    inter = ck.shape(names["gate"][0])[0]
+    assert torch.equal(got[:, :inter], only_gate[names["gate"]])
+    assert torch.equal(got[:, inter:], torch.stack([fetch(n) for n in names["up"]]))
 
 
 def test_write_values_copies_rows_in_place(mini_model):

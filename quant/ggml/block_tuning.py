@@ -219,9 +219,8 @@ class IQ2Codes:
         gap = score.gather(1, fused[:, None]) - score.gather(1, table[:, None])
         return bool((gap.abs() <= NEAR_TIE * float((g * g).sum(-1).max())).all())
 
-    def _groups(self, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor]:
-        """(codebook index, sign byte) (..., groups) int64, the negative weights (..., groups, 8) and the entries'
+    def _groups(self, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codebook index (..., groups) int64, the negative weights (..., groups, 8) and the entries'
         magnitudes (..., groups, 8) of the current ``u``, as the file will hold them. `values`: the interpolated
         signed levels of ``u`` when the caller has them (detached), else computed here."""
         with torch.no_grad():
@@ -238,21 +237,21 @@ class IQ2Codes:
             mags = self.grid[index]
             if self.parity:
                 neg = gl.even_sign_flip(neg, values.abs() * mags)[0]
-            return index, (neg.long() * self.bits).sum(-1), neg, mags
+            return index, neg, mags
 
     def dequantized(self) -> torch.Tensor:
         """The decoded weights of the current groups (..., row); gradients reach ``u`` straight through, along the
         interpolated signed levels. The values are exactly the file's: the relaxation enters as soft − soft."""
         soft = gl.table_values(self._grouped(), self.levels)
         detached = soft.detach()
-        _, _, neg, mags = self._groups(detached)
+        _, neg, mags = self._groups(detached)
         hard = torch.where(neg, -mags, mags)
         return (self.db * (hard + (soft - detached))).reshape(self.shape)
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codebook index, sign byte) (..., groups) of the current ``u``."""
-        index, signs, _, _ = self._groups()
-        return index, signs
+        index, neg, _ = self._groups()
+        return index, (neg.long() * self.bits).sum(-1)
 
     def changed(self) -> float:
         """Share of the groups whose codebook index or signs differ from the encoded ones."""

@@ -72,8 +72,8 @@ def table_values(u: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     n = table.shape[0]
     uc = u.clamp(0, n - 1)
     f = torch.floor(uc.detach()).clamp_(0, n - 2)
-    i = f.long()
-    return table[i] + (uc - f) * (table[i + 1] - table[i])
+    i = f.int()  # int32 indices: half the traffic of int64 over every weight
+    return table[i] + (uc - f) * (table[1:] - table[:-1])[i]
 
 
 def table_positions(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

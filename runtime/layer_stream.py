@@ -87,6 +87,28 @@ def layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch
 
 
 
+@torch.no_grad()
+def fill_module(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> None:
+    """Write every tensor of the module (materialised, uninitialised) from its checkpoint tensors (fetch: HF name
+    -> tensor), each copied straight into its slice: the values :func:`layer_state_dict` assembles, without
+    assembling them (at 288 routed experts that is a host copy of the layer's experts, twice, and a third
+    through load_state_dict)."""
+    for key, ref in module.state_dict(keep_vars=True).items():
+        src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
+        rows = [ref[r] for r in range(len(src))] if len(src) > 1 else [ref]
+        for row, parts in zip(rows, src):
+            got = [fetch(n) for n in parts]
+            if len(got) == 1:
+                row.copy_(got[0].reshape(row.shape))
+            elif all(t.shape[1:] == row.shape[1:] for t in got):
+                off = 0
+                for t in got:  # parts concatenated on dim 0: each into its own rows
+                    row[off:off + t.shape[0]].copy_(t)
+                    off += t.shape[0]
+            else:
+                row.copy_(torch.cat(got, 0).reshape(row.shape))
+
+
 class _RowsInto(torch.autograd.Function):
     """Rows of a module's stacked tensor replaced in place by differentiable rows; the tensor itself is returned,
     and its gradient flows back to those rows only (the other rows are constants). No copy of the stack."""
@@ -208,9 +230,8 @@ class DecoderStream:
     def materialize(self, layer: int, fetch: Fetch) -> nn.Module:
         """Decoder layer `layer` holding the tensors `fetch` returns (checkpoint names), on `device`, eval mode."""
         mod = self.skeleton.layers[layer]
-        sd = layer_state_dict(mod, layer, lambda n: fetch(n).float())
         mod.to_empty(device=self.device)
-        mod.load_state_dict(sd, strict=True)  # copies across devices: no second device copy of the layer
+        fill_module(mod, layer, lambda n: fetch(n).float())  # across devices, tensor by tensor
         return mod.to(self.dtype).eval()
 
     def release(self, layer: int) -> None:

@@ -42,6 +42,15 @@ def test_layer_params_are_the_state_dict_entries_that_hold_the_values(mini_model
     assert torch.equal(moved[up3].grad, expected)
 
 
+def test_materialize_fills_every_tensor_as_the_state_dict_assembles_it(mini_model):
+    """A layer materialised tensor by tensor holds exactly the state dict assembled from the checkpoint (stacked
+    experts, their gate and up halves, and every other tensor)."""
+    ck, mod = _layer(mini_model)
+    sd = layer_state_dict(mod, LAYER, lambda n: ck.get(n, dtype=torch.float32))
+    assert set(sd) == set(mod.state_dict())
+    assert all(torch.equal(v, mod.state_dict()[k]) for k, v in sd.items())
+
+
 def test_stacked_parts_are_views_of_the_experts_in_the_module(mini_model):
     """Every routed expert's checkpoint tensor has a view into the module's stacks holding exactly it (the gate
     and up halves of a gate_up row apart); writing through a view writes the module; nothing else is listed."""

@@ -35,8 +35,6 @@ import torch
 
 from ...errors import InputError
 from . import levels as gl
-from . import triton_iq2s
-from .triton_search import use_fused, variant_ok
 
 # one level per weight (affine or the IQ4 table), and the IQ2 types' codebook groups; the other lattice i-quants
 # keep their codes
@@ -47,8 +45,6 @@ START_REACH = 0.499            # how far towards the source weight a code's rela
 # too fine for its scale to matter)
 SCALE_TUNED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 IQ2_SEARCH_GROUPS = 1 << 15    # groups per codebook search: a (groups, 1024) float32 score table of 128 MiB at most
-NEAREST_CHECK_GROUPS = 4096    # groups the fused search is checked on against the score table, on its first use
-NEAR_TIE = 1e-5                # scores this close (relative to the codebook's largest norm) are a tie either way
 
 
 class LevelCodes:
@@ -196,28 +192,12 @@ class IQ2Codes:
 
     def _nearest_entries(self, target: torch.Tensor) -> torch.Tensor:
         """Codebook index (n,) nearest to |target| (n, 8): smallest Σc² − 2·Σ|t|·c (the unit-metric case of
-        ``hessian_rounding.nearest_iq2_entries``). Most groups take it at every step once the codes move (their
-        rounded magnitudes are no codebook tuple), so where the Triton kernels run the codebook streams through
-        registers (:func:`triton_iq2s.nearest_entry`; a sum order of its own, so a near-tie may pick the other
-        entry); elsewhere one addmm per chunk (on the CPU a third of its time), chunks bounding the score table."""
-        if use_fused(target) and variant_ok(("iq2_nearest", self.qtype, str(target.device)),
-                                            lambda: self._fused_agrees(target[:NEAREST_CHECK_GROUPS])):
-            return triton_iq2s.nearest_entry(target, self.grid)
-        return self._scored_entries(target)
-
-    def _scored_entries(self, target: torch.Tensor) -> torch.Tensor:
+        ``hessian_rounding.nearest_iq2_entries``, as one addmm per chunk: on the CPU a third of its time), in
+        chunks that bound the score table. Most groups take it at every step once the codes move (their rounded
+        magnitudes are no codebook tuple); on an H200 a search through registers was no faster."""
         norms = (self.grid * self.grid).sum(-1)
         return torch.cat([torch.addmm(norms, t.abs(), self.grid.T, alpha=-2).argmin(-1)
                           for t in target.split(IQ2_SEARCH_GROUPS)])
-
-    def _fused_agrees(self, target: torch.Tensor) -> bool:
-        """The fused search against the score table on `target`: the same entries, but where the two scores are
-        within float32's rounding of each other."""
-        fused, table = triton_iq2s.nearest_entry(target, self.grid), self._scored_entries(target)
-        t, g = target.abs().double(), self.grid.double()
-        score = (g * g).sum(-1) - 2 * t @ g.T
-        gap = score.gather(1, fused[:, None]) - score.gather(1, table[:, None])
-        return bool((gap.abs() <= NEAR_TIE * float((g * g).sum(-1).max())).all())
 
     def _groups(self, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The codebook index (..., groups) int64, the negative weights (..., groups, 8) and the entries'

@@ -16,7 +16,6 @@ import torch
 from .triton_search import launch_opts, triton, tl
 
 ROWS = 128      # rows per program
-ONE_ROWS = 256  # groups per program of the single-nearest search (one best per row: fewer registers)
 
 
 if triton is not None:
@@ -60,41 +59,6 @@ if triton is not None:
             pick = tl.min(tl.where(vals == low[:, None], ids, 2147483647), axis=1)
             tl.store(out_ptr + row * K + i, tl.maximum(pick, 0).to(tl.int64), mask=rm)
             vals = tl.where(ids == pick[:, None], float("inf"), vals)
-
-
-    @triton.jit
-    def _nearest_one_kernel(t_ptr, c2_ptr, grid_ptr, out_ptr, N, ROWS: tl.constexpr, ENTRIES: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        rm = rows < N
-        row = rows.to(tl.int64)
-        a0, a1, a2, a3, a4, a5, a6, a7 = load8(t_ptr + row * 8, rm)
-        a0, a1, a2, a3 = tl.abs(a0), tl.abs(a1), tl.abs(a2), tl.abs(a3)
-        a4, a5, a6, a7 = tl.abs(a4), tl.abs(a5), tl.abs(a6), tl.abs(a7)
-        best = tl.full([ROWS], float("inf"), tl.float32)
-        best_id = tl.zeros([ROWS], tl.int32)
-        for k in range(ENTRIES):
-            c = grid_ptr + k * 8
-            y = a0 * tl.load(c + 0) + a1 * tl.load(c + 1) + a2 * tl.load(c + 2) + a3 * tl.load(c + 3) \
-                + a4 * tl.load(c + 4) + a5 * tl.load(c + 5) + a6 * tl.load(c + 6) + a7 * tl.load(c + 7)
-            score = tl.load(c2_ptr + k) - 2.0 * y
-            better = score < best  # strict: a tie keeps the lower index, as argmin does
-            best = tl.where(better, score, best)
-            best_id = tl.where(better, k, best_id)
-        tl.store(out_ptr + row, best_id.to(tl.int64), mask=rm)
-
-
-def nearest_entry(target: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """Index (n,) int64 of the codebook entry nearest to each group's |target| (n, 8) in the unit metric: smallest
-    Σc² − 2·Σ|t|·c (block-output tuning's decode of a group whose rounded magnitudes are no codebook tuple), the
-    codebook streamed through registers, no score table. grid (entries, 8) float32 on the device of `target`."""
-    t = target.float().contiguous()
-    g = grid.float().contiguous()
-    c2 = (g * g).sum(-1).contiguous()
-    out = torch.empty(t.shape[0], dtype=torch.int64, device=t.device)
-    if t.shape[0]:
-        _nearest_one_kernel[(triton.cdiv(t.shape[0], ONE_ROWS),)](t, c2, g, out, t.shape[0], ROWS=ONE_ROWS,
-                                                                  ENTRIES=g.shape[0], **launch_opts(t.device))
-    return out
 
 
 def nearest_entries(scale: torch.Tensor, metric: torch.Tensor, target: torch.Tensor, grid: torch.Tensor,

@@ -269,7 +269,8 @@ def sign_descent(params: Sequence[torch.Tensor], loss: Callable[[object], torch.
         value = loss(batches[it % len(batches)])
         for p in params:
             p.grad = None
-        value.backward()
+        if value.requires_grad:  # else nothing moving reaches this batch's loss (no token routed to an expert group)
+            value.backward()
         with torch.no_grad():
             for p, rate in zip(params, rates):
                 if p.grad is not None:

@@ -153,6 +153,40 @@ def test_experts_over_the_budget_are_tuned_in_groups(setup):
     assert all(s.name not in out for s in stacks) and small.held == sum(int(np.prod(s.shape)) for s in stacks)
 
 
+def test_an_expert_group_no_token_reaches_in_a_batch_is_stepped_over(setup):
+    """Groups of one expert each: a batch that routes no token to the group has a loss with nothing to move (no
+    gradient); the descent steps over that batch instead of failing, and every stack comes back whole."""
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import build_tensor, gguf_tensors
+
+    ck, _, _, ids, _ = setup
+    specs = [s for s in gguf_tensors(open_checkpoint(ck.path)) if s.name in MOE]
+    types = [MOE[s.name] for s in specs]
+    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
+        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
+    stacks = [s for s in specs if s.transform == "stack"]
+    per_expert = sum(int(np.prod(s.shape[1:])) for s in stacks)
+    # 3 tokens a row: a batch of 4 rows routes 12 tokens, too few to reach every one of the 16 experts
+    tuner = gt.LayerTuner(ck, ids[:, :3], specs, types, iters=4, max_weights=per_expert, group_iters=4)
+    tuner.layer(0, {})
+    unrouted = []
+    real = gt.ExpertGroupMoE._fixed
+
+    def fixed(self, hidden):
+        out = real(self, hidden)
+        if out[3].numel() == 0:
+            unrouted.append((self.e0, self.batch))
+        return out
+    gt.ExpertGroupMoE._fixed = fixed
+    try:
+        out = tuner.layer(1, encoded)
+    finally:
+        gt.ExpertGroupMoE._fixed = real
+    assert unrouted  # some one-expert group saw a batch with none of its tokens
+    assert all(out[s.name].shape == encoded[s.name].shape for s in stacks)
+    assert len([r for r in tuner.reports if r.layer == 1]) == 1 + stacks[0].shape[0]
+
+
 def test_attention_cache_serves_each_batch_once():
     """Inside the cache a batch's attention output is computed once and then served as the very same tensors;
     leaving it restores the module's own forward."""

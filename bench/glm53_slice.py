@@ -617,9 +617,9 @@ def _tuning_probe(p: Probe) -> None:
     import mixq.convert.gguf_tuning as gt
     from mixq.quant.ggml import block_tuning as bt
 
-    p.wrap([gr], "_tune_stage", lambda tuner, layer, paths: f"tune/{_stage_name(layer)}")
+    p.wrap([gr], "_tune_stage", lambda tuner, layer, paths, *a: f"tune/{_stage_name(layer)}")
     p.wrap([gt.LayerTuner], "__init__", lambda *a, **k: "tune_init")
-    p.wrap([gt.LayerTuner], "layer", lambda self, layer, enc: f"tune_layer/{_stage_name(layer)}")
+    p.wrap([gt.LayerTuner], "layer", lambda self, layer, enc, *a: f"tune_layer/{_stage_name(layer)}")
     p.wrap([gt.LayerTuner], "head", lambda self, enc: "tune_layer/head")
     p.wrap([gt.LayerTuner], "_tune", lambda self, layer, tuned, loss, iters: f"tune_stage/{_stage_name(layer)}",
            info=lambda self, layer, tuned, loss, iters: {"w": sum(int(c.u.numel()) for _, c in tuned),

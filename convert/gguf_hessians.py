@@ -16,6 +16,7 @@ not form their inputs) are not covered; callers encode them the usual way.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -42,6 +43,20 @@ class StageHessians:
     stats: dict
     capture: RoutingCapture | None = None
     _routed: tuple | None = field(default=None, repr=False)
+    module: torch.nn.Module | None = field(default=None, repr=False)  # the calibration's source layer
+
+    @contextmanager
+    def lent_layer(self) -> Iterator[torch.nn.Module | None]:
+        """The calibration's decoder layer with its source weights, lent until the block exits (its routing capture
+        paused, so the borrower's calls keep nothing): the borrower may overwrite its weights, which the walk does
+        not read again. None for the head stage."""
+        if self.capture is not None:
+            self.capture.paused = True
+        try:
+            yield self.module
+        finally:
+            if self.capture is not None:
+                self.capture.paused = False
 
     def get(self, spec) -> torch.Tensor | None:
         """H (n, n) float32 of a GGUF tensor made of one Linear, or None when the forward never formed its input."""
@@ -132,6 +147,6 @@ def layer_hessians(ckpt, input_ids: torch.Tensor, *, device: str | torch.device 
     captures = capture_routing(cal)
     for stage in cal.stages():
         cap = captures.get(stage.layer) if stage.layer is not None else None
-        yield StageHessians(stage.layer, stage.stats, cap)
+        yield StageHessians(stage.layer, stage.stats, cap, module=stage.module)
         if cap is not None:
             cap.clear()

@@ -167,7 +167,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         if tuner is not None:
-            _tune_stage(tuner, stage.layer, {n: done[n] for n in done if n not in before})
+            with stage.lent_layer() as source:  # the calibration's own copy of the layer: not read in a second time
+                _tune_stage(tuner, stage.layer, {n: done[n] for n in done if n not in before}, source)
             for name, blocks in tuner.take_encoded().items():  # ggml's bytes, encoded once for tuning and the file
                 path = work / f"{len(done):05d}.npy"
                 np.save(path, blocks, allow_pickle=False)
@@ -227,10 +228,11 @@ def _encode_embedding(spec, qtype: str, stage, ckpt, ids: torch.Tensor, fetch, o
     return True
 
 
-def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path]) -> None:
-    """Tune one stage's encoded tensors (their .npy files in `paths`) and write the tuned blocks back."""
+def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path], source=None) -> None:
+    """Tune one stage's encoded tensors (their .npy files in `paths`) and write the tuned blocks back; `source`: the
+    decoder layer with its source weights, when the caller has it (the tuner may overwrite it)."""
     encoded = {n: np.load(p) for n, p in paths.items()}
-    tuned = tuner.layer(layer, encoded) if layer is not None else tuner.head(encoded)
+    tuned = tuner.layer(layer, encoded, source) if layer is not None else tuner.head(encoded)
     for n, b in tuned.items():
         np.save(paths[n], b)
 

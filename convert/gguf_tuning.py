@@ -394,16 +394,21 @@ class LayerTuner:
                                         float(np.mean([c.changed() for _, c in tuned])), self.held,
                                         time.perf_counter() - t0))
 
-    def layer(self, layer: int, encoded: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def layer(self, layer: int, encoded: Mapping[str, np.ndarray], source: torch.nn.Module | None = None
+              ) -> dict[str, np.ndarray]:
         """Tune decoder layer `layer` (`encoded`: GGUF name -> Hessian-rounded blocks of its covered tensors, and
-        token_embd's for the first layer), advance both streams past it, and return the tuned blocks."""
+        token_embd's for the first layer), advance both streams past it, and return the tuned blocks. `source`: the
+        layer already built with its source weights on the tuner's device (the calibration's), which the tuner
+        then overwrites; else the tuner builds its own (at 288 experts, 30 GB read in and moved a second time)."""
         self.held = 0
         first = self.source is None
         if first:
             self._start(encoded)
         fixed, tuned, over = self._values(layer, encoded)
         tuned_all = tuned + [self.embed] if first and self.embed is not None else tuned
-        mod = self.stream.materialize(layer, self._fetch)
+        own = source is None or any(p.device != self.device or p.dtype != self.stream.dtype
+                                    for p in source.parameters())
+        mod = self.stream.materialize(layer, self._fetch) if own else source
         target, topk_next = self.stream.run_layer(mod, self.source, self.topk_source)
         # From here the module holds the quantized layer's current values (the routed experts' too, so that a stage
         # moving a few of them reads the others in place: no second copy of the layer, no restacking a step); a
@@ -485,7 +490,8 @@ class LayerTuner:
         self.quant = outs
         self.topk_quant = torch.cat(topks) if topks else None
         self.source, self.topk_source = target, topk_next
-        self.stream.release(layer)
+        if own:
+            self.stream.release(layer)
         result = {spec.name: codes.blocks() for spec, codes in tuned} | grouped
         if first and self.embed is not None:
             result[self.embed[0].name] = self.embed[1].blocks()

@@ -124,6 +124,9 @@ class Stage:
     stats: dict[str, HessianAccumulator]
     _advance: Callable[[dict[str, torch.Tensor] | None], None] | None = field(default=None, repr=False)
     advanced: bool = False
+    # the decoder layer with its source weights, as the calibration forward ran it (None for the head); valid until
+    # the walk moves on, and read by the walk only through the stage's advance with weights
+    module: nn.Module | None = field(default=None, repr=False)
 
     def advance(self, weights: dict[str, torch.Tensor] | None = None) -> None:
         """Move the calibration state past this stage, using `weights` (HF name -> dequantized weight) in
@@ -357,7 +360,7 @@ class LayerCalibrator:
                     _hidden, _topk = self._run_layer(m, _i, None)
                 self.hidden, self.topk = _hidden, _topk
 
-            stage = Stage(layer=i, stats=stats, _advance=advance)
+            stage = Stage(layer=i, stats=stats, _advance=advance, module=mod)
             yield stage
             stage.advance(None)
             self._release(i)
@@ -441,8 +444,11 @@ class RoutingCapture:
         self.idx: list[torch.Tensor] = []
         self.w: list[torch.Tensor] = []
         self.module = None
+        self.paused = False  # another user of the layer runs it: nothing is kept
 
     def __call__(self, module, args) -> None:
+        if self.paused:
+            return
         x, idx, w = args[:3]
         self.module = module
         self.x.append(x.detach().float())

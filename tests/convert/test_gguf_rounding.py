@@ -211,3 +211,28 @@ def test_embedding_metric_adds_the_residual_path(k256_specs, calibration_text, m
     assert groups >= 2 and float(torch.diagonal(m0).mean()) == pytest.approx(groups, rel=1e-5)
     assert torch.allclose(m0, m0.T, atol=1e-5 * groups)
     assert torch.allclose(m4 - m0, 4.0 * groups * torch.eye(m0.shape[0], dtype=torch.float64), atol=1e-4)
+
+
+def test_a_stage_lends_its_source_layer_with_the_routing_capture_paused(k256_specs, calibration_text):
+    """A MoE stage lends the calibration's own layer module (its source weights); while lent, running it keeps
+    nothing in the routing capture, and the capture records again after the block."""
+    import mixq.convert.gguf_hessians as gh
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
+
+    ck = k256_specs[0]
+    ids = calibration_rows(load_tokenizer(ck.path), [calibration_text], rows=2, seq_len=32,
+                           vocab_size=int(ck.text_config["vocab_size"]))
+    walk = gh.layer_hessians(ck, ids)
+    stage = next(s for s in walk if s.capture is not None)
+    kept = len(stage.capture.x)
+    experts = stage.module.mlp.experts
+    x = torch.randn(5, experts.gate_up_proj.shape[-1])
+    idx, w = torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1)
+    down0 = ck.get(f"model.language_model.layers.{stage.layer}.mlp.experts.0.down_proj.weight", dtype=torch.float32)
+    with stage.lent_layer() as mod:
+        assert mod is stage.module and torch.equal(mod.mlp.experts.down_proj[0], down0)
+        mod.mlp.experts(x, idx, w)
+        assert len(stage.capture.x) == kept
+    experts(x, idx, w)
+    assert len(stage.capture.x) == kept + 1
+    walk.close()

@@ -187,6 +187,40 @@ def test_an_expert_group_no_token_reaches_in_a_batch_is_stepped_over(setup):
     assert len([r for r in tuner.reports if r.layer == 1]) == 1 + stacks[0].shape[0]
 
 
+def test_a_lent_source_layer_gives_the_same_codes(setup):
+    """Tuning a layer on a lent copy of the source layer (the calibration's) gives the bytes and streams of the
+    tuner's own copy; the tuner builds none of its own then, leaves the lent module where it was (not released)
+    and has written the quantized values into it."""
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.gguf_names import build_tensor, gguf_tensors
+    from mixq.runtime.layer_stream import DecoderStream
+
+    ck, _, _, ids, _ = setup
+    specs = [s for s in gguf_tensors(open_checkpoint(ck.path)) if s.name in MOE]
+    types = [MOE[s.name] for s in specs]
+    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
+        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
+    per_expert = sum(int(np.prod(s.shape[1:])) for s in specs if s.transform == "stack")
+    runs = []
+    for lend in (False, True):
+        tuner = gt.LayerTuner(ck, ids, specs, types, iters=4, max_weights=4 * per_expert, group_iters=4)
+        tuner.layer(0, {})
+        lent = DecoderStream(ck.config).materialize(1, lambda n: ck.get(n, dtype=torch.float32)) if lend else None
+        source = None if lent is None else lent.mlp.experts.down_proj.detach().clone()
+        built = []
+        real = tuner.stream.materialize
+        tuner.stream.materialize = lambda *a, **k: built.append(1) or real(*a, **k)
+        out = tuner.layer(1, encoded, lent)
+        runs.append((out, tuner.quant.clone(), built))
+        if lent is not None:
+            assert lent.mlp.experts.down_proj.device.type == "cpu"  # still materialised: not released
+            assert not torch.equal(lent.mlp.experts.down_proj, source)  # the quantized values written into it
+    (own, q_own, built_own), (lent_out, q_lent, built_lent) = runs
+    assert built_own == [1] and built_lent == []
+    assert set(own) == set(lent_out) and all(np.array_equal(own[n], lent_out[n]) for n in own)
+    assert torch.equal(q_own, q_lent)
+
+
 def test_attention_cache_serves_each_batch_once():
     """Inside the cache a batch's attention output is computed once and then served as the very same tensors;
     leaving it restores the module's own forward."""

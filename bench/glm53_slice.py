@@ -2429,7 +2429,7 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
         per_expert = sum(math.prod(s.shape[1:]) for s, _ in over)
         size = max(1, budget // per_expert)
         n_groups = math.ceil(min(int(s.shape[0]) for s, _ in over) / size)
-        g = groups[-1] if groups else st0
+        g = _pooled_groups(groups) if groups else st0
         if not groups:
             r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
         out["steps"] += n_groups * _stage_cost(g, max(1, iters // gt.GROUP_ITERS_SHARE))  # the tuner's group steps
@@ -2440,7 +2440,24 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
     # seconds a layer: not priced, "host_decode" stays 0); what Hessian rounding leaves to ggml the tuner encodes on
     # its device too (priced by the caller at the exact path's rates)
     out["streams"] = max(0.0, tune.get("streams_other_s", 0.0))
+    # the source weights read for the codes and the blocks written back happen per stage: a cut run reached only
+    # some of the layer's groups, so those two parts scale to all its tuned weights
+    reached = sum(x.get("weights") or 0 for x in tune["stages"])
+    per_stage = sum((tune.get("streams_parts_s") or {}).get(k, 0.0) for k in ("source_weights", "blocks"))
+    total = sum(math.prod(s.shape) for s, _ in tun)
+    if reached and total > reached:
+        out["streams"] += per_stage * (total / reached - 1)
     return out
+
+
+def _pooled_groups(groups: list[dict]) -> dict:
+    """The measured expert-group stages as one: seconds per step weighted by the steps each ran, held-out checks
+    and set-up averaged over them (a cut group's few steps count as few)."""
+    steps = sum(x["steps_done"] for x in groups)
+    checks = sum(x.get("checks", 0) for x in groups)
+    return {"s_per_step": sum(x["s_per_step"] * x["steps_done"] for x in groups) / max(1, steps),
+            "checks": checks, "check_s": sum(x.get("check_s", 0.0) for x in groups) if checks else 0.0,
+            "setup_s": sum(max(0.0, x.get("setup_s", 0.0)) for x in groups) / len(groups)}
 
 
 def _release_layers(specs: tuple) -> dict:

@@ -218,3 +218,14 @@ def test_the_streams_around_a_layers_tuning_are_split():
     p = d["streams_parts_s"]
     assert (p["materialize"], p["source_pass"], p["decode_rounded"], p["quantized_pass"]) == (3.0, 2.0, 1.0, 2.5)
     assert d["streams_other_s"] == 14.0 and d["stages"][0]["steps_done"] == 2
+
+
+def test_measured_groups_are_pooled_by_their_steps():
+    """The expert groups' step rate is the measured groups' pooled by the steps each ran (a cut group's three steps
+    weigh three), and their checks' seconds are averaged per check."""
+    mod = _module()
+    groups = [{"steps_done": 25, "s_per_step": 0.33, "checks": 5, "check_s": 2.0, "setup_s": 0.0},
+              {"steps_done": 3, "s_per_step": 0.24, "checks": 1, "check_s": 0.4, "setup_s": 0.0}]
+    g = mod._pooled_groups(groups)
+    assert abs(g["s_per_step"] - (25 * 0.33 + 3 * 0.24) / 28) < 1e-12
+    assert g["checks"] == 6 and abs(g["check_s"] / g["checks"] - 0.4) < 1e-12

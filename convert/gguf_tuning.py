@@ -39,7 +39,7 @@ from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml import levels as gl
-from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params,
+from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stack_rows,
                                        stacked_block, stacked_parts, write_values)
 from mixq.runtime.overlap import host_empty
 
@@ -354,14 +354,10 @@ class LayerTuner:
         return {tuple(spec.hf_names[e0:e1]): codes.dequantized().reshape(e1 - e0, *spec.shape[1:])
                 for spec, (e0, e1), codes in group}
 
-    @staticmethod
-    def _group_values(group) -> dict[str, torch.Tensor]:
+    @classmethod
+    def _group_values(cls, group) -> dict[str, torch.Tensor]:
         """HF name -> value of the experts a group tunes (each stack's experts e0..e1)."""
-        out: dict[str, torch.Tensor] = {}
-        for spec, (e0, e1), codes in group:
-            w = codes.dequantized().reshape(e1 - e0, *spec.shape[1:])
-            out.update({n: w[i] for i, n in enumerate(spec.hf_names[e0:e1])})
-        return out
+        return stack_rows(cls._group_stacks(group))
 
     # -- the stages
     def _start(self, encoded: Mapping[str, np.ndarray]) -> None:

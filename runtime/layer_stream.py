@@ -97,16 +97,29 @@ def fill_module(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tens
         src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
         rows = [ref[r] for r in range(len(src))] if len(src) > 1 else [ref]
         for row, parts in zip(rows, src):
-            got = [fetch(n) for n in parts]
+            got = {n: fetch(n) for n in parts}
             if len(got) == 1:
-                row.copy_(got[0].reshape(row.shape))
-            elif all(t.shape[1:] == row.shape[1:] for t in got):
-                off = 0
-                for t in got:  # parts concatenated on dim 0: each into its own rows
-                    row[off:off + t.shape[0]].copy_(t)
-                    off += t.shape[0]
+                row.copy_(got[parts[0]].reshape(row.shape))
+            elif all(t.shape[1:] == row.shape[1:] for t in got.values()):
+                for n, view in _part_views(row, parts, lambda n: got[n].shape[0]):
+                    view.copy_(got[n])
             else:
-                row.copy_(torch.cat(got, 0).reshape(row.shape))
+                row.copy_(torch.cat(list(got.values()), 0).reshape(row.shape))
+
+
+def _part_views(row: torch.Tensor, parts: list[str], length: Callable[[str], int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) of each checkpoint tensor of a module row that holds `parts` concatenated on dim 0, each
+    `length(name)` long."""
+    off = 0
+    for n in parts:
+        k = int(length(n))
+        yield n, row[off:off + k]
+        off += k
+
+
+def stack_rows(stacks: Mapping[tuple[str, ...], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{checkpoint name: its row} of whole stacks ({names in row order: a (len(names), ...) tensor})."""
+    return {n: t[i] for names, t in stacks.items() for i, n in enumerate(names)}
 
 
 class _RowsInto(torch.autograd.Function):
@@ -165,8 +178,7 @@ def stacked_block(module: nn.Module, layer: int, key: str, rows: range,
     whole = [stacks.get(tuple(names)) for names in zip(*(src[r] for r in rows))]
     if all(t is not None for t in whole):
         return torch.cat(whole, 1) if len(whole) > 1 else whole[0]
-    values = {n: t[i] for names, t in stacks.items() for i, n in enumerate(names)}
-    return stacked_rows(module, layer, key, rows, values, fetch)
+    return stacked_rows(module, layer, key, rows, stack_rows(stacks), fetch)
 
 
 def stacked_parts(module: nn.Module, layer: int, shape: Callable[[str], tuple]) -> dict[str, torch.Tensor]:
@@ -178,11 +190,7 @@ def stacked_parts(module: nn.Module, layer: int, shape: Callable[[str], tuple]) 
         if len(src) < 2:
             continue
         for r, parts in enumerate(src):
-            off = 0
-            for n in parts:
-                rows = int(shape(n)[0])
-                out[n] = ref[r, off:off + rows]
-                off += rows
+            out.update(_part_views(ref[r], parts, lambda n: shape(n)[0]))
     return out
 
 

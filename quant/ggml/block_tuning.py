@@ -202,21 +202,21 @@ class IQ2Codes:
     def _groups(self, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The codebook index (..., groups) int64, the negative weights (..., groups, 8) and the entries'
         magnitudes (..., groups, 8) of the current ``u``, as the file will hold them. `values`: the interpolated
-        signed levels of ``u`` when the caller has them (detached), else computed here."""
+        signed levels of ``u`` when the caller has them (detached), else computed here where needed."""
         with torch.no_grad():
             u = self._grouped()
-            if values is None:
-                values = gl.table_values(u, self.levels)
             r = torch.round(u).clamp_(0, self.levels.shape[0] - 1)
             neg = r < self.mags
             rank = torch.where(neg, self.mags - 1 - r, r - self.mags)
             index = self.entry[(rank * self.rank_weight).sum(-1).long()]
             miss = index < 0
             if bool(miss.any()):  # the rounded magnitudes are no codebook tuple: the entry nearest to the relaxation
-                index[miss] = self._nearest_entries(values[miss])
+                index[miss] = self._nearest_entries(gl.table_values(u[miss], self.levels) if values is None
+                                                    else values[miss])
             mags = self.grid[index]
             if self.parity:
-                neg = gl.even_sign_flip(neg, values.abs() * mags)[0]
+                neg = gl.even_sign_flip(neg, (gl.table_values(u, self.levels) if values is None else values).abs()
+                                        * mags)[0]
             return index, neg, mags
 
     def dequantized(self) -> torch.Tensor:

@@ -113,21 +113,28 @@ MOE = {"blk.1.attn_q.weight": "Q4_K", "blk.1.ffn_gate_exps.weight": "Q3_K", "blk
        "blk.1.ffn_down_exps.weight": "Q4_K", "blk.1.ffn_up_shexp.weight": "Q4_K"}
 
 
-def test_experts_over_the_budget_are_tuned_in_groups(setup):
+@pytest.fixture(scope="module")
+def moe(setup):
+    """The MOE tensors of layer 1: (specs, types, ggml blocks (a stack's (E, rows, bytes), as encoded), the
+    routed-expert stacks' specs, weights per expert over those stacks)."""
+    from mixq.formats.gguf_names import build_tensor, gguf_tensors
+
+    ck = setup[0]
+    specs = [s for s in gguf_tensors(ck) if s.name in MOE]
+    types = [MOE[s.name] for s in specs]
+    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
+        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
+    stacks = [s for s in specs if s.transform == "stack"]
+    return specs, types, encoded, stacks, sum(int(np.prod(s.shape[1:])) for s in stacks)
+
+
+def test_experts_over_the_budget_are_tuned_in_groups(setup, moe):
     """With a budget that holds the layer's other tensors and a quarter of its 16 experts, the routed experts are
     still tuned: four stages of 4 experts after the other tensors' stage, the experts' stages lowering the layer's
     held-out loss further; the keep-the-best guard holds per stage (a stage that does not help leaves its experts
     at their rounding); the bytes' shapes kept; an expert alone over the budget keeps its rounding."""
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.gguf_names import build_tensor, gguf_tensors
-
     ck, _, _, ids, _ = setup
-    specs = [s for s in gguf_tensors(open_checkpoint(ck.path)) if s.name in MOE]
-    types = [MOE[s.name] for s in specs]
-    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
-        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}  # stacks (E, rows, bytes), as encoded
-    stacks = [s for s in specs if s.transform == "stack"]
-    per_expert = sum(int(np.prod(s.shape[1:])) for s in stacks)
+    specs, types, encoded, stacks, per_expert = moe
     others = sum(int(np.prod(s.shape)) for s in specs if s.transform != "stack")
     assert others < 4 * per_expert  # the budget below holds the rest, not one whole stack beside it
     tuner = gt.LayerTuner(ck, ids, specs, types, iters=32, lr=0.5, max_weights=4 * per_expert, group_iters=32)
@@ -153,19 +160,11 @@ def test_experts_over_the_budget_are_tuned_in_groups(setup):
     assert all(s.name not in out for s in stacks) and small.held == sum(int(np.prod(s.shape)) for s in stacks)
 
 
-def test_an_expert_group_no_token_reaches_in_a_batch_is_stepped_over(setup):
+def test_an_expert_group_no_token_reaches_in_a_batch_is_stepped_over(setup, moe):
     """Groups of one expert each: a batch that routes no token to the group has a loss with nothing to move (no
     gradient); the descent steps over that batch instead of failing, and every stack comes back whole."""
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.gguf_names import build_tensor, gguf_tensors
-
     ck, _, _, ids, _ = setup
-    specs = [s for s in gguf_tensors(open_checkpoint(ck.path)) if s.name in MOE]
-    types = [MOE[s.name] for s in specs]
-    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
-        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
-    stacks = [s for s in specs if s.transform == "stack"]
-    per_expert = sum(int(np.prod(s.shape[1:])) for s in stacks)
+    specs, types, encoded, stacks, per_expert = moe
     # 3 tokens a row: a batch of 4 rows routes 12 tokens, too few to reach every one of the 16 experts
     tuner = gt.LayerTuner(ck, ids[:, :3], specs, types, iters=4, max_weights=per_expert, group_iters=4)
     tuner.layer(0, {})
@@ -187,20 +186,14 @@ def test_an_expert_group_no_token_reaches_in_a_batch_is_stepped_over(setup):
     assert len([r for r in tuner.reports if r.layer == 1]) == 1 + stacks[0].shape[0]
 
 
-def test_a_lent_source_layer_gives_the_same_codes(setup):
+def test_a_lent_source_layer_gives_the_same_codes(setup, moe):
     """Tuning a layer on a lent copy of the source layer (the calibration's) gives the bytes and streams of the
     tuner's own copy; the tuner builds none of its own then, leaves the lent module where it was (not released)
     and has written the quantized values into it."""
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.runtime.layer_stream import DecoderStream
 
     ck, _, _, ids, _ = setup
-    specs = [s for s in gguf_tensors(open_checkpoint(ck.path)) if s.name in MOE]
-    types = [MOE[s.name] for s in specs]
-    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
-        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
-    per_expert = sum(int(np.prod(s.shape[1:])) for s in specs if s.transform == "stack")
+    specs, types, encoded, stacks, per_expert = moe
     runs = []
     for lend in (False, True):
         tuner = gt.LayerTuner(ck, ids, specs, types, iters=4, max_weights=4 * per_expert, group_iters=4)
@@ -306,20 +299,13 @@ def test_encoded_values_are_decoded_on_the_device_as_gguf_py_decodes_them(setup,
     assert got.shape == (3, 8, 512) and np.array_equal(got.numpy(), want)
 
 
-def test_expert_groups_take_their_own_step_count(setup):
+def test_expert_groups_take_their_own_step_count(setup, moe):
     """An expert group's stage takes `group_iters` steps (default: iters / 8); 0 leaves the experts that do not fit
     the budget at their Hessian rounding, the other tensors still tuned."""
-    from mixq.formats.checkpoint import open_checkpoint
-    from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.quant.ggml import block_tuning as bt
 
     ck, _, _, ids, _ = setup
-    specs = [s for s in gguf_tensors(open_checkpoint(ck.path)) if s.name in MOE]
-    types = [MOE[s.name] for s in specs]
-    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
-        build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
-    stacks = [s for s in specs if s.transform == "stack"]
-    per_expert = sum(int(np.prod(s.shape[1:])) for s in stacks)
+    specs, types, encoded, stacks, per_expert = moe
     assert gt.LayerTuner(ck, ids, specs, types, iters=200).group_iters == 200 // gt.GROUP_ITERS_SHARE
     assert gt.LayerTuner(ck, ids, specs, types, iters=0).group_iters == 0
     steps = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -79,22 +80,29 @@ def expert_slice(rows: int, n: int, dev: torch.device) -> int:
 
 def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out: Path, dev,
                  refine: int = REFINE_PASSES) -> bool:
-    """Encode one covered tensor of this stage into `out` (.npy); False when the stage has no Hessian for it."""
+    """Encode one covered tensor of this stage into `out` (.npy); False when the stage has no Hessian for it.
+    `fetch(name)`: the source weight as stored (widened where it is rounded). A stack's expert slices are read one
+    ahead, on a worker thread, while the device rounds the slice before."""
     if spec.transform == "stack":
         E, n = len(spec.hf_names), spec.shape[-1]
         step = expert_slice(spec.shape[-2], n, dev)
+        slices = [(e0, min(E, e0 + step)) for e0 in range(0, E, step)]
+        read = lambda e0, e1: torch.stack([fetch(spec.hf_names[e]) for e in range(e0, e1)])  # noqa: E731
         arr = None
-        for e0 in range(0, E, step):
-            e1 = min(E, e0 + step)
-            h = stage.experts(spec, e0, e1)
-            if h is None:
-                return False
-            w = torch.stack([fetch(spec.hf_names[e]) for e in range(e0, e1)])
-            im = None if imatrix is None else imatrix.reshape(E, n)[e0:e1]
-            b = kh.quantize_hessian(w, h, qtype, im, damp=DAMP, refine=refine, device=dev)
-            if arr is None:
-                arr = np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=(E,) + b.shape[1:])
-            arr[e0:e1] = b
+        with ThreadPoolExecutor(max_workers=1) as reader:
+            ahead = reader.submit(read, *slices[0])
+            for i, (e0, e1) in enumerate(slices):
+                h = stage.experts(spec, e0, e1)
+                if h is None:
+                    return False
+                w = ahead.result()
+                if i + 1 < len(slices):
+                    ahead = reader.submit(read, *slices[i + 1])
+                im = None if imatrix is None else imatrix.reshape(E, n)[e0:e1]
+                b = kh.quantize_hessian(w, h, qtype, im, damp=DAMP, refine=refine, device=dev)
+                if arr is None:
+                    arr = np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=(E,) + b.shape[1:])
+                arr[e0:e1] = b
         arr.flush()
         del arr
         return True
@@ -140,6 +148,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     for s, t in todo:
         (embed if s.role == "embed" else by_layer.setdefault(s.layer, [])).append((s, t))
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
+    stored = lambda n: ckpt.get(n, dtype=None)  # noqa: E731
     planned = {s.name: (s, t) for s, t in zip(specs, types)}
     done: dict[str, Path] = {}
     tags = {t: rounding_tag(ids, dev, n) for t, n in passes.items()} if cache is not None else {}
@@ -163,7 +172,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
             path = work / f"{len(done):05d}.npy"
             im = None if imatrix is None else imatrix.get(s.name)
             im = None if im is None else np.asarray(im, np.float32)
-            if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, fetch, im, path, dev, passes[t])):
+            if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, stored, im, path, dev, passes[t])):
                 done[s.name] = path
             bar.update(math.prod(s.shape))
         if tuner is not None:

@@ -193,8 +193,10 @@ class Checkpoint:
             except Exception as err:  # noqa: BLE001 - the library's errors for a file changed since it was opened
                 raise FormatError(f"{e.file}: tensor {name!r} cannot be read ({err})") from None
 
-    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """One tensor as ``dtype``; FP8 weights are dequantized with their 128x128 ``_scale_inv`` blocks."""
+    def get(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """One tensor as ``dtype``; FP8 weights are dequantized with their 128x128 ``_scale_inv`` blocks.
+        ``dtype=None``: as stored, FP8 dequantized to float32 (half the bytes of float32 for BF16 weights, to widen
+        where they are used: the same values)."""
         e = self._entry(name)
         t = self._read(name, e)
         if e.dtype in _FP8:
@@ -203,7 +205,7 @@ class Checkpoint:
             check_finite(s, name + _SCALE_SUFFIX, se.file)
             t = dequant_fp8_blocks(t, s, self.block_size, name=f"{e.file}: {name!r}")
         check_finite(t, name, e.file)  # every read is checked: a NaN/Inf never reaches an output
-        return t.to(dtype)
+        return t if dtype is None else t.to(dtype)
 
 
 def dequant_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, ...] = (128, 128),

@@ -633,7 +633,8 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
         uint8 (rows, bytes per row) or (E, rows, bytes per row), exactly the layout ``kquants.quantize`` returns.
     """
     dev = pick_device(device)
-    w = torch.as_tensor(np.asarray(w) if not isinstance(w, torch.Tensor) else w)
+    # on the device before the checks: its finiteness scan runs there, and 16-bit weights cross as stored
+    w = torch.as_tensor(np.asarray(w) if not isinstance(w, torch.Tensor) else w).to(dev)
     hessian = torch.as_tensor(np.asarray(hessian) if not isinstance(hessian, torch.Tensor) else hessian)
     w3, h3 = _check(w, hessian, qtype, imatrix)
     E, R, n = w3.shape

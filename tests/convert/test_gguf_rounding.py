@@ -236,3 +236,26 @@ def test_a_stage_lends_its_source_layer_with_the_routing_capture_paused(k256_spe
     experts(x, idx, w)
     assert len(stage.capture.x) == kept + 1
     walk.close()
+
+
+def test_expert_slices_read_ahead_round_as_one_at_a_time(k256_specs, calibration_text, tmp_path, monkeypatch):
+    """A stack's slices, read one ahead as stored (BF16), give the bytes of rounding each slice by hand from its
+    float32 weights with that slice's Hessians (uneven slices: 3 experts a call)."""
+    import mixq.convert.gguf_hessians as gh
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
+
+    ck, specs, types = k256_specs
+    spec = next(s for s in specs if s.name == "blk.1.ffn_up_exps.weight")
+    ids = calibration_rows(load_tokenizer(ck.path), [calibration_text], rows=2, seq_len=32,
+                           vocab_size=int(ck.text_config["vocab_size"]))
+    walk = gh.layer_hessians(ck, ids)
+    stage = next(s for s in walk if s.layer == spec.layer)
+    monkeypatch.setattr(gr, "expert_slice", lambda rows, n, dev: 3)
+    dev = torch.device("cpu")
+    assert gr._encode_spec(spec, "Q3_K", stage, lambda n: ck.get(n, dtype=None), None, tmp_path / "a.npy", dev, 1)
+    E = len(spec.hf_names)
+    want = [kh.quantize_hessian(torch.stack([ck.get(spec.hf_names[e]) for e in range(e0, min(E, e0 + 3))]),
+                                stage.experts(spec, e0, min(E, e0 + 3)), "Q3_K", damp=gr.DAMP, refine=1, device=dev)
+            for e0 in range(0, E, 3)]
+    walk.close()
+    assert E % 3 and np.array_equal(np.load(tmp_path / "a.npy"), np.concatenate(want))

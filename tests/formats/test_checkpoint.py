@@ -78,6 +78,16 @@ def test_tiny_fp8_fixture_matches_tiny_bf16(tiny_model, tiny_fp8_model):
     assert _assert_e4m3_close(a, b, b.names()) > 40
 
 
+def test_get_as_stored_widens_to_the_same_values(tiny_model, tiny_fp8_model):
+    """dtype=None: 16-bit weights come as stored and widen to get()'s float32 exactly; FP8 ones come dequantized."""
+    a, b = open_checkpoint(tiny_model), open_checkpoint(tiny_fp8_model)
+    name = next(n for n in b.names() if b.is_fp8(n))
+    raw = a.get(name, dtype=None)
+    assert raw.dtype == torch.bfloat16 and torch.equal(raw.float(), a.get(name))
+    fp8 = b.get(name, dtype=None)
+    assert fp8.dtype == torch.float32 and torch.equal(fp8, b.get(name))
+
+
 def test_dequant_blocks_partial_tiles():
     w = torch.ones(130, 260).to(torch.float8_e4m3fn)
     s = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])

@@ -1593,11 +1593,12 @@ def _hessian_types(work: Path) -> list[str]:
 
 def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 512, tune_iters: int = 200,
                        imatrix_rows: int | None = None, eager_types: str = "",
-                       refine_passes: int | None = None) -> dict:
+                       refine_passes: int | None = None, round_profile: Path | None = None) -> dict:
     """`convert --bpw 2.6 --gguf-ladder iq --rounding hessian --imatrix` of the slice (the gguf stage's 108 GB-class
     plan), every phase logged (_hessian_probe): imatrix (the gguf stage's, else made from `imatrix_rows`), the host
     rates of the tuner's numpy paths, then per layer the capture forward, per-expert Hessians, Hessian rounding,
-    block-output tuning (`tune_iters` steps per stage, expert groups), then ggml's encoders and the write."""
+    block-output tuning (`tune_iters` steps per stage, expert groups), then ggml's encoders and the write.
+    `round_profile`: a file for the profile of one stacked rounding call (_profiled_rounding)."""
     from mixq.convert import GGUFOptions, convert
 
     if eager_types:
@@ -1612,13 +1613,60 @@ def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 5
     enc = {"device": device} if device != "cpu" else {"threads": 1}
     opts = GGUFOptions(imatrix=str(imat), progress=False, overwrite=True, rows=rows, seq_len=seq_len,
                        tune_iters=tune_iters, refine_passes=refine_passes, **HESSIAN_PLAN, **enc)
-    with probe.span(f"convert/{HESSIAN_LABEL}"):
+    with probe.span(f"convert/{HESSIAN_LABEL}"), _profiled_rounding(round_profile):
         res, sec = _timed(convert, work / "bf16", work / f"slice-{HESSIAN_LABEL}.gguf", opts)
     d = res.to_dict()
     out[HESSIAN_LABEL] = {"wall_seconds": sec, "bytes": d["bytes"], "bpw": d["bpw"], "types": d["types"]}
     out["phases"] = summarise_hessian(read_log(_LOG)) if _LOG else {}
     out.update(_peaks())
     return out
+
+
+@contextmanager
+def _profiled_rounding(path: Path | None, qtype: str = "IQ2_S", call: int = 2):
+    """With `path`, torch's profiler from the end of `qtype`'s first stacked (expert-slice) rounding call to the
+    end of its `call`-th: that call's fetch of the slice, its experts' Hessians and the rounding itself, as the
+    converter runs them; the tables, by device time and by host time, appended to `path`. The profiled call runs
+    slower than the others (the profiler's cost), and its seconds stay among the type's calls."""
+    if path is None:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mixq.quant.ggml import hessian_rounding as kh
+
+    saved = kh.quantize_hessian
+    seen = {"n": 0, "prof": None}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def rounded(w, h, qt, *args, **kw):
+        out = saved(w, h, qt, *args, **kw)
+        if qt != qtype or w.dim() != 3 or seen["n"] >= call:
+            return out
+        seen["n"] += 1
+        if seen["n"] == call - 1:
+            seen["prof"] = profile(activities=acts)
+            seen["prof"].__enter__()
+        elif seen["n"] == call:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof = seen["prof"]
+            prof.__exit__(None, None, None)
+            table = prof.key_averages()
+            with open(path, "a") as f:
+                f.write(f"== {qtype} stacked rounding call {call} ({w.shape[0]} experts), with its fetch and "
+                        f"Hessians\n")
+                if torch.cuda.is_available():
+                    f.write(table.table(sort_by="cuda_time_total", row_limit=40) + "\n")
+                f.write(table.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+        return out
+
+    kh.quantize_hessian = rounded
+    try:
+        yield
+    finally:
+        kh.quantize_hessian = saved
 
 
 @contextmanager
@@ -2480,7 +2528,16 @@ def _exact_rate(exact: dict, qtype: str, r: _Rates) -> float:
     return sum(rates.values()) / len(rates) if rates else 1.0
 
 
-def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict) -> dict:
+def cold_warmup(path: Path | None) -> tuple[str, dict] | None:
+    """(the file, :func:`rounding_warmup` of its gguf-hessian stage) of a run with a cold kernel cache, or None."""
+    if path is None:
+        return None
+    stages = json.loads(Path(path).read_text())["stages"]["gguf-hessian"]["phases"]["stages"]
+    return str(repo_relative(str(Path(path).resolve()))), rounding_warmup(stages)
+
+
+def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
+                         cold: tuple[str, dict] | None = None) -> dict:
     """GGUF 108 GB `--gguf-ladder iq --rounding hessian` release hours on one device: every release layer from
     its planned tensors (the 108 GB plan) at the rates this run measured: the capture forward per layer kind,
     Hessian rounding per type (s per M weights, its per-expert Hessians and spill included), block-output tuning
@@ -2538,8 +2595,12 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict)
     conv = hp.get("convert") or {}
     start = conv.get("validate_s", 0.0) + conv.get("plan_s", 0.0) + conv.get("tune_init_s", 0.0)
     warm = rounding_warmup(hp["stages"]) if hp.get("stages") else {}
+    where = ""
+    if cold is not None:
+        warm, where = cold[1], f" in {cold[0]} (a cold kernel cache)"
     for t, v in warm.items():
-        r.note(f"rounding warm-up {t}", f"{v['seconds']} s once (its first tensor less {v['from']}' rate), in start")
+        r.note(f"rounding warm-up {t}", f"{v['seconds']} s once (its first tensor less {v['from']}' rate{where}), "
+                                        f"in start")
     start += sum(v["seconds"] for v in warm.values())
     parts_h = {"imatrix (exact path's)": exact.get("imatrix_hours", 0.0),
                "decoder layers": round(layer_s / 3600, 3), "nextn (ggml encoders)": round(nextn / 3600, 3),
@@ -2723,11 +2784,13 @@ def _release_decode(st: dict, rel_w: dict, cand: dict, slice_w: int, r: _Rates) 
     return sec
 
 
-def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | None = DEFAULT_REFERENCE) -> dict:
+def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | None = DEFAULT_REFERENCE,
+            cold: Path | None = None) -> dict:
     """Each measured stage scaled to the release per layer type (3 KDA+dense, 31 KDA+MoE, 11 DSA+MoE, the NextN
     block uncalibrated, embed/head/vision once), 288 experts per MoE layer. What this run measured at 288
     experts is used as measured; a layer cut mid-way is completed at its own per-unit rate; what the run lacks
-    comes from `reference`, each borrowing named in `scaled`."""
+    comes from `reference`, each borrowing named in `scaled`; `cold`: a run's JSON whose first rounded tensors
+    give the kernels' one-time warm-up (this run's kernels were compiled beforehand)."""
     st = res["stages"]
     layers = parse_layers(layers)
     counts = _release_counts(experts, layers)
@@ -2755,7 +2818,7 @@ def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | No
         if "hours_108GB" in out["gguf_108GB"]:
             out["gguf_108GB_hours"] = out["gguf_108GB"]["hours_108GB"]
     if any((st.get(k) or {}).get("phases") for k in ("gguf-hessian", "gguf-tune")):
-        h = project_gguf_hessian(st, layers, ref, out.get("gguf_108GB", {}))
+        h = project_gguf_hessian(st, layers, ref, out.get("gguf_108GB", {}), cold_warmup(cold))
         if "gguf_108GB" not in out:
             h.setdefault("missing", []).append("the exact path's projection (imatrix, read/write/seal, ggml's encode "
                                                "rates): run the gguf stage, or start from its JSON (--seed-json)")
@@ -2850,7 +2913,7 @@ def _child_main(a) -> None:
         kw = {"rows": a.rows, "seq_len": a.seq_len}
     if a.child == "gguf-hessian":
         kw.update(tune_iters=a.tune_iters, imatrix_rows=a.imatrix_rows, eager_types=a.eager_types,
-                  refine_passes=a.refine_passes)
+                  refine_passes=a.refine_passes, round_profile=a.round_profile)
     elif a.child == "gguf-tune":
         kw.update(tune_iters=a.tune_iters, probe_iters=a.tune_probe_iters, profile=a.tune_profile)
     elif a.child == "dequant":
@@ -2898,6 +2961,9 @@ def main() -> None:
                     help="gguf-hessian: block-output tuning steps per stage (the converter's default); gguf-tune and "
                          "project: the steps the seconds per step are scaled to")
     ap.add_argument("--tune-probe-iters", type=int, default=20, help="gguf-tune: steps run per tuning stage")
+    ap.add_argument("--round-profile", type=Path, default=None,
+                    help="gguf-hessian: torch profiler tables of the second stacked IQ2_S rounding call, its fetch "
+                         "and Hessians included")
     ap.add_argument("--tune-profile", type=Path, default=None,
                     help="gguf-tune: torch profiler tables of the layer's first stage and first expert group")
     ap.add_argument("--refine-passes", type=int, default=None,
@@ -2908,6 +2974,9 @@ def main() -> None:
                     help="eval: the GGUF type written for the eval when no conversion stage finished a candidate "
                          "(none: no such candidate)")
     ap.add_argument("--dequant-rounds", type=int, default=3, help="dequant stage: passes per decoder path")
+    ap.add_argument("--warmup-json", type=Path, default=None,
+                    help="project: each rounded type's one-time kernel warm-up from this run's JSON (one with a cold "
+                         "kernel cache) instead of this run's first tensors")
     ap.add_argument("--seed-json", type=Path, default=None,
                     help="start the results from this earlier run's JSON (its stages kept unless run again)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -2945,7 +3014,8 @@ def main() -> None:
         + (["--eager-types", a.eager_types] if a.eager_types else []) \
         + (["--refine-passes", str(a.refine_passes)] if a.refine_passes is not None else []) \
         + (["--trellis-profile"] if a.trellis_profile else []) \
-        + (["--tune-profile", str(a.tune_profile)] if a.tune_profile else [])
+        + (["--tune-profile", str(a.tune_profile)] if a.tune_profile else []) \
+        + (["--round-profile", str(a.round_profile)] if a.round_profile else [])
 
     def save() -> None:
         text = json.dumps(res, indent=2) + "\n"
@@ -2962,7 +3032,8 @@ def main() -> None:
             continue
         if stage == "project":
             b = res["stages"].get("build", {})
-            out = project(res, b.get("experts", a.experts), tuple(b.get("layers", layers)), a.reference)
+            out = project(res, b.get("experts", a.experts), tuple(b.get("layers", layers)), a.reference,
+                          cold=a.warmup_json)
         elif stage in CHILD_STAGES:
             kill_at, why = end, "deadline"
             if stage in limits and (kill_at is None or t + limits[stage] < kill_at):

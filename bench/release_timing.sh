@@ -10,6 +10,7 @@
 #   bash bench/release_timing.sh OUT exl3-slice-dsa           # 8.5 min: the same with a DSA + MoE layer
 #   bash bench/release_timing.sh OUT gguf-hessian             # 8.5 min: a whole --rounding hessian conversion
 #   bash bench/release_timing.sh OUT gguf-hessian-long        # 9.5 min: the same, further into the expert groups
+#                                                             (kernels compiled beside the build; warm-up from COLD)
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
@@ -32,6 +33,19 @@ WORK=/tmp/mixq-slice
 SLICE=(--work "$WORK" --experts 288 --layers kda-dense,kda-moe --no-fp8)
 # the exact path's imatrix, read/write/seal and encode rates come from its measured run
 EXACT=(--seed-json bench/results/glm53_slice_288.json)
+# each rounded type's one-time kernel warm-up, as a run with a cold kernel cache measured it
+COLD=(--warmup-json bench/results/glm53_slice_288_hessian_cold.json)
+
+# Compile the slice's rounding kernels in side processes, one per type, while the slice builds: the timed conversion
+# then finds them in Triton's cache and reaches further into the expert groups before its deadline (the warm-up it
+# skips is booked from COLD)
+prewarm_rounding() {
+    local tk
+    for tk in Q5_K:matrix Q4_K:matrix Q3_K:matrix Q2_K:stack_down IQ2_S:stack IQ2_XS:stack; do
+        python3 bench/hessian_rounding_speed.py --types "${tk%%:*}" --kinds "${tk##*:}" --experts 2 \
+            --json "$OUT/prewarm_${tk%%:*}.json" > "$OUT/prewarm_${tk%%:*}.log" 2>&1 &
+    done
+}
 
 for step in "$@"; do
     echo "== $step ($(date +%T))"
@@ -51,9 +65,12 @@ for step in "$@"; do
                             --trellis-profile --stages build,exl3,project ;;
         gguf-hessian) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --json "$OUT/glm53_slice_288_hessian.json" \
                           --deadline-s 500 --stages build,gguf-hessian,project ;;
-        gguf-hessian-long) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" \
+        gguf-hessian-long) prewarm_rounding
+                           python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
                                --json "$OUT/glm53_slice_288_hessian.json" --deadline-s 560 \
-                               --stages build,gguf-hessian,project ;;
+                               --round-profile "$OUT/round_profile.txt" \
+                               --stages build,gguf-hessian,project
+                           wait ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \
                                   --stages build,gguf-hessian,project ;;

@@ -10,7 +10,10 @@
 #   bash bench/release_timing.sh OUT exl3-slice-dsa           # 8.5 min: the same with a DSA + MoE layer
 #   bash bench/release_timing.sh OUT gguf-hessian             # 8.5 min: a whole --rounding hessian conversion
 #   bash bench/release_timing.sh OUT gguf-hessian-long        # 9.5 min: the same, further into the expert groups
-#                                                             (kernels compiled beside the build; warm-up from COLD)
+#                                                             (kernels compiled beside the build; warm-up from COLD;
+#                                                             DEADLINE=S seconds instead of 560)
+#   bash bench/release_timing.sh OUT gguf-round-profile       # 5 min: one stacked IQ2_S rounding call in the
+#                                                             conversion, profiled (--round-profile)
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
@@ -43,7 +46,7 @@ prewarm_rounding() {
     local tk
     for tk in Q5_K:matrix Q4_K:matrix Q3_K:matrix Q2_K:stack_down IQ2_S:stack IQ2_XS:stack; do
         python3 bench/hessian_rounding_speed.py --types "${tk%%:*}" --kinds "${tk##*:}" --experts 2 \
-            --json "$OUT/prewarm_${tk%%:*}.json" > "$OUT/prewarm_${tk%%:*}.log" 2>&1 &
+            --json "/tmp/pp/prewarm_${tk%%:*}.json" > "/tmp/pp/prewarm_${tk%%:*}.log" 2>&1 &
     done
 }
 
@@ -67,10 +70,12 @@ for step in "$@"; do
                           --deadline-s 500 --stages build,gguf-hessian,project ;;
         gguf-hessian-long) prewarm_rounding
                            python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
-                               --json "$OUT/glm53_slice_288_hessian.json" --deadline-s 560 \
-                               --round-profile "$OUT/round_profile.txt" \
+                               --json "$OUT/glm53_slice_288_hessian.json" --deadline-s "${DEADLINE:-560}" \
                                --stages build,gguf-hessian,project
                            wait ;;
+        gguf-round-profile) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
+                                --json "$OUT/glm53_slice_288_round_profile.json" --deadline-s 300 \
+                                --round-profile "$OUT/round_profile.txt" --stages build,gguf-hessian ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \
                                   --stages build,gguf-hessian,project ;;

@@ -61,15 +61,15 @@ def upper_inverse_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) -> t
     dead = diag <= 0
     diag[dead] = 1.0
     mean = diag.mean(-1, keepdim=True).clamp_min(1e-30)
+    # U = J·L⁻¹·J with J·H·J = L·Lᵀ (J reverses the order): UᵀU = H⁻¹ from one factorisation and one triangular
+    # inverse, where the Cholesky of H⁻¹ itself needs H⁻¹ formed first (on a GPU that was most of the time)
     for attempt in range(6):
         lam = damp * (10.0 ** attempt)
         hd = h + torch.diag_embed(lam * mean.expand_as(diag))
-        low, info = torch.linalg.cholesky_ex(hd)
+        low, info = torch.linalg.cholesky_ex(hd.flip(-2, -1))
         if not bool((info != 0).any()):
-            hinv = torch.cholesky_inverse(low)
-            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if not bool((info != 0).any()):
-                return u
+            eye = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device).expand_as(low)
+            return torch.linalg.solve_triangular(low, eye, upper=False).flip(-2, -1)
     raise InputError("Hessian is not positive definite even after damping (non-finite calibration data?)")
 
 

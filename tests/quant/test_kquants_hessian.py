@@ -89,6 +89,25 @@ def test_rank_deficient_hessian_is_damped():
     assert b.shape == (8, 144) and np.isfinite(kh.dequantize_blocks(b, "Q4_K")).all()
 
 
+def test_upper_factor_inverts_the_damped_hessians_of_a_stack():
+    """U upper with UᵀU = (H + λ·mean diag·I)⁻¹ per expert, a rank-deficient one with a dead column included; the
+    float32 U the rounding reads is the Cholesky factor of H⁻¹ up to float64 rounding."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 40, 64, generator=g, dtype=torch.float64) * torch.rand(64, generator=g, dtype=torch.float64)
+    h = x.mT @ x / 40
+    h[1, :, 5] = 0
+    h[1, 5, :] = 0
+    u = kh.upper_inverse_factor(h, 0.1)
+    assert torch.equal(u, u.triu())
+    hd = h.clone()
+    torch.diagonal(hd, dim1=-2, dim2=-1)[1, 5] = 1.0  # a dead column gets a unit diagonal before damping
+    mean = torch.diagonal(hd, dim1=-2, dim2=-1).mean(-1, keepdim=True)
+    hd = hd + torch.diag_embed(0.1 * mean.expand(3, 64))
+    assert torch.allclose(u.mT @ u @ hd, torch.eye(64, dtype=torch.float64).expand(3, 64, 64), atol=1e-10)
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
+    assert torch.allclose(u, ref, rtol=1e-12, atol=1e-12 * float(ref.abs().max()))
+
+
 def test_bad_input_is_one_clear_error():
     w = torch.randn(4, 256)
     with pytest.raises(InputError, match="does not support 'IQ3_S'"):

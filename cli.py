@@ -15,6 +15,7 @@ import warnings
 from contextlib import contextmanager
 
 import click
+import torch
 from tqdm import tqdm
 
 from mixq import api
@@ -66,7 +67,8 @@ def _error_line(message: str) -> None:
 
 
 def _reports_errors(fn):
-    """Turn MixqError (user mistakes) into one line on stderr and exit 2, never a traceback; an interrupt (Ctrl-C,
+    """Turn MixqError (user mistakes) into one line on stderr and exit 2, never a traceback; running out of GPU
+    memory into one line and exit 1; an interrupt (Ctrl-C,
     SIGTERM, SIGHUP) into one line and exit 128 + the signal number (130 for Ctrl-C), after the command's own
     cleanup removed its partial output."""
 
@@ -78,6 +80,10 @@ def _reports_errors(fn):
         except api.MixqError as e:
             _error_line(str(e))
             sys.exit(2)
+        except torch.OutOfMemoryError as e:  # not a user mistake, but a traceback would say nothing more
+            _error_line(f"out of GPU memory ({str(e).splitlines()[0]}); fewer --rows, --tune-iters 0 or a GPU "
+                        "with more memory")
+            sys.exit(1)
         except KeyboardInterrupt as e:
             signum = getattr(e, "signum", signal.SIGINT)
             ctx = click.get_current_context(silent=True)

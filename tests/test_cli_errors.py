@@ -24,3 +24,18 @@ def test_usage_errors_are_one_line(args, needle):
 def test_help_is_still_help():
     r = CliRunner().invoke(main, ["convert", "--help"])
     assert r.exit_code == 0 and "--overwrite" in r.output and "Usage:" in r.output
+
+
+def test_out_of_gpu_memory_is_one_line(monkeypatch, tmp_path):
+    """A conversion that runs out of GPU memory ends in one line naming what ran out (exit 1), no traceback."""
+    import torch
+
+    from mixq import api
+
+    def convert(model, out, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB.\nmore detail")
+    monkeypatch.setattr(api, "convert", convert)
+    r = CliRunner().invoke(main, ["convert", str(tmp_path), str(tmp_path / "o.gguf"), "--type", "Q4_K_M"])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert r.stderr.startswith("mixq: error: out of GPU memory (CUDA out of memory. Tried to allocate 4.00 GiB.)")

@@ -321,7 +321,8 @@ def build(work: Path, experts: int, *, small: bool, device: str, seed: int = 0, 
     res["bytes_written"] = written
     res["write_gb_per_s"] = round(written / max(1e-9, time.time() - t1) / 1e9, 3)
     res["tokenizer"] = tok is not None
-    del model, sd
+    del model
+    sd.clear()  # the closure `tensor` holds the dict: emptied, not unbound
     res.update(_peaks())
     return res
 

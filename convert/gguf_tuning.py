@@ -37,6 +37,7 @@ from torch.func import functional_call
 from mixq.convert.gguf_workers import encode
 from mixq.convert.options import DEFAULT_TUNE_ITERS
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
+from mixq.quant.device import same_device
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml import levels as gl
 from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stack_rows,
@@ -402,7 +403,7 @@ class LayerTuner:
             self._start(encoded)
         fixed, tuned, over = self._values(layer, encoded)
         tuned_all = tuned + [self.embed] if first and self.embed is not None else tuned
-        own = source is None or any(p.device != self.device or p.dtype != self.stream.dtype
+        own = source is None or any(not same_device(p.device, self.device) or p.dtype != self.stream.dtype
                                     for p in source.parameters())
         mod = self.stream.materialize(layer, self._fetch) if own else source
         target, topk_next = self.stream.run_layer(mod, self.source, self.topk_source)

@@ -13,6 +13,19 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def same_device(a: str | torch.device, b: str | torch.device) -> bool:
+    """Whether `a` and `b` name one device, however spelled: a tensor's CUDA device carries its index ("cuda:0")
+    where a requested one may not ("cuda": the current device), and the CPU has one device whatever its index."""
+    def canonical(d: str | torch.device) -> tuple[str, int]:
+        d = torch.device(d)
+        if d.type == "cpu":
+            return "cpu", 0
+        if d.index is None and d.type == "cuda":
+            return "cuda", torch.cuda.current_device()
+        return d.type, d.index or 0
+    return canonical(a) == canonical(b)
+
+
 def device_kind(dev: torch.device) -> str:
     """"cpu" or "accelerator": the key of the per-device-type tables of the numerics (batch sizes, sweep order)."""
     return "cpu" if dev.type == "cpu" else "accelerator"

@@ -214,6 +214,31 @@ def test_a_lent_source_layer_gives_the_same_codes(setup, moe):
     assert torch.equal(q_own, q_lent)
 
 
+def test_the_lent_layer_is_borrowed_whatever_the_device_spelling(setup, moe):
+    """A tuner asked for "cpu:0" borrows a lent layer whose tensors report "cpu" (on a GPU: "cuda" against the
+    tensors' "cuda:0"), instead of building a second copy of the layer."""
+    from mixq.runtime.layer_stream import DecoderStream
+
+    ck, _, _, ids, _ = setup
+    specs, types, encoded, stacks, per_expert = moe
+    tuner = gt.LayerTuner(ck, ids, specs, types, iters=2, max_weights=4 * per_expert, group_iters=2, device="cpu:0")
+    tuner.layer(0, {})
+    lent = DecoderStream(ck.config).materialize(1, lambda n: ck.get(n, dtype=torch.float32))
+    built = []
+    real = tuner.stream.materialize
+    tuner.stream.materialize = lambda *a, **k: built.append(1) or real(*a, **k)
+    tuner.layer(1, encoded, lent)
+    assert built == []
+
+
+def test_same_device_reads_through_the_spelling(monkeypatch):
+    from mixq.quant.device import same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert same_device("cpu", torch.device("cpu:0")) and same_device("cuda", "cuda:1")
+    assert not same_device("cuda", "cuda:0") and not same_device("cpu", "cuda:1")
+
+
 def test_attention_cache_serves_each_batch_once():
     """Inside the cache a batch's attention output is computed once and then served as the very same tensors;
     leaving it restores the module's own forward."""

@@ -14,6 +14,7 @@
 #                                                             DEADLINE=S seconds instead of 560)
 #   bash bench/release_timing.sh OUT gguf-round-profile       # 5 min: one stacked IQ2_S rounding call in the
 #                                                             conversion, profiled (--round-profile)
+#   bash bench/release_timing.sh OUT gguf-factor              # 1 min: the rounding's factor, two ways side by side
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
@@ -76,6 +77,7 @@ for step in "$@"; do
         gguf-round-profile) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
                                 --json "$OUT/glm53_slice_288_round_profile.json" --deadline-s 300 \
                                 --round-profile "$OUT/round_profile.txt" --stages build,gguf-hessian ;;
+        gguf-factor) python3 bench/hessian_factor.py --json "$OUT/hessian_factor.json" ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \
                                   --stages build,gguf-hessian,project ;;

@@ -202,6 +202,21 @@ def test_a_stacks_first_slice_call_carries_its_types_warm_up():
     assert abs(rates["IQ2_S/stack"]["seconds"] - 27.0) < 1e-6 and abs(rates["Q2_K/stack"]["seconds"] - 28.0) < 1e-6
 
 
+def test_a_cold_runs_warm_up_is_read_from_its_file(tmp_path):
+    """--warmup-json: the warm-ups come from that run's rounded tensors (a cold kernel cache), named by its file."""
+    mod = _module()
+    w = 2**28
+    calls = [[15.0, w]] + [[3.0, w]] * 8
+    stages = {"layer.1": {"round": {"tensors": {"gate": {
+        "type": "IQ2_S", "weights": 9 * w, "experts": 288, "weights_done": 9 * w,
+        "s_per_mweight": sum(c for c, _ in calls) * 1e6 / (9 * w), "calls": calls}}}}}
+    cold = tmp_path / "cold.json"
+    cold.write_text(json.dumps({"stages": {"gguf-hessian": {"phases": {"stages": stages}}}}))
+    where, warm = mod.cold_warmup(cold)
+    assert where.endswith("cold.json") and warm["IQ2_S"]["seconds"] == 12.0
+    assert mod.cold_warmup(None) is None
+
+
 def test_the_streams_around_a_layers_tuning_are_split():
     """The tuner's time outside its stages (streams_other_s), split by part: a layer call inside a stage is a step,
     one outside it is the quantized pass."""

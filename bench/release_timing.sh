@@ -15,12 +15,14 @@
 #   bash bench/release_timing.sh OUT gguf-round-profile       # 5 min: one stacked IQ2_S rounding call in the
 #                                                             conversion, profiled (--round-profile)
 #   bash bench/release_timing.sh OUT gguf-factor              # 1 min: the rounding's factor, two ways side by side
+#   bash bench/release_timing.sh OUT kda-kernels              # 1.5 min: a KDA layer, reference path against fla's
+#   bash bench/release_timing.sh OUT gguf-hessian-long-fla    # 9.5 min: gguf-hessian-long with fla's KDA kernels
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
 #
 # OUT receives the JSON results. Wheels in .whl/ (transformers, gguf, exllamav3 and its needs) are installed into
-# /tmp/site on first use; each slice step builds the slice into /tmp/mixq-slice (about 25 s).
+# /tmp/site on first use, those in .whl/fla/ (flash-linear-attention, fla-core, einops) into /tmp/site-fla; each slice step builds the slice into /tmp/mixq-slice (about 25 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bench/release_timing.sh OUT STEP...}
@@ -39,6 +41,13 @@ SLICE=(--work "$WORK" --experts 288 --layers kda-dense,kda-moe --no-fp8)
 EXACT=(--seed-json bench/results/glm53_slice_288.json)
 # each rounded type's one-time kernel warm-up, as a run with a cold kernel cache measured it
 COLD=(--warmup-json bench/results/glm53_slice_288_hessian_cold.json)
+
+# flash-linear-attention (.whl/fla: fla, fla-core, einops) in a directory of its own: on the path only of the steps
+# that name it, since transformers takes its KDA kernels over the reference path wherever `fla` imports
+with_fla() {
+    [ -e /tmp/site-fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla \
+        .whl/fla/*.whl
+}
 
 # Compile the slice's rounding kernels in side processes, one per type, while the slice builds: the timed conversion
 # then finds them in Triton's cache and reaches further into the expert groups before its deadline (the warm-up it
@@ -77,6 +86,17 @@ for step in "$@"; do
         gguf-round-profile) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
                                 --json "$OUT/glm53_slice_288_round_profile.json" --deadline-s 300 \
                                 --round-profile "$OUT/round_profile.txt" --stages build,gguf-hessian ;;
+        kda-kernels) with_fla
+                     [ -d "$WORK/bf16" ] || python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/slice_build.json" \
+                                               --stages build
+                     python3 bench/kda_kernels.py --model "$WORK/bf16" --fla-path /tmp/site-fla \
+                         --json "$OUT/kda_kernels.json" ;;
+        gguf-hessian-long-fla) with_fla
+                               prewarm_rounding
+                               PYTHONPATH=/tmp/site-fla:$PYTHONPATH python3 bench/glm53_slice.py "${SLICE[@]}" \
+                                   "${EXACT[@]}" "${COLD[@]}" --json "$OUT/glm53_slice_288_hessian_fla.json" \
+                                   --deadline-s "${DEADLINE:-560}" --stages build,gguf-hessian,project
+                               wait ;;
         gguf-factor) python3 bench/hessian_factor.py --json "$OUT/hessian_factor.json" ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \

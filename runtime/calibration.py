@@ -190,9 +190,9 @@ class LayerCalibrator:
     def _materialize(self, layer: int, replace: dict[str, torch.Tensor] | None) -> nn.Module:
         replace = replace or {}
 
-        def fetch(n: str) -> torch.Tensor:
+        def fetch(n: str) -> torch.Tensor:  # as stored: the stream widens it on its device
             t = replace.get(n)
-            return t if t is not None else self._get(n)
+            return t if t is not None else self.ckpt.get(n, dtype=None)
 
         return self.stream.materialize(layer, fetch)
 

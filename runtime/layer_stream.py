@@ -236,10 +236,12 @@ class DecoderStream:
 
     # -- weights
     def materialize(self, layer: int, fetch: Fetch) -> nn.Module:
-        """Decoder layer `layer` holding the tensors `fetch` returns (checkpoint names), on `device`, eval mode."""
+        """Decoder layer `layer` holding the tensors `fetch` returns (checkpoint names), on `device`, eval mode.
+        Each tensor crosses to the device as `fetch` gives it (16-bit weights as stored: half the bytes of float32)
+        and is widened there."""
         mod = self.skeleton.layers[layer]
         mod.to_empty(device=self.device)
-        fill_module(mod, layer, lambda n: fetch(n).float())  # across devices, tensor by tensor
+        fill_module(mod, layer, lambda n: fetch(n).to(self.device).float())  # tensor by tensor
         return mod.to(self.dtype).eval()
 
     def release(self, layer: int) -> None:

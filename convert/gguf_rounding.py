@@ -87,7 +87,9 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
         E, n = len(spec.hf_names), spec.shape[-1]
         step = expert_slice(spec.shape[-2], n, dev)
         slices = [(e0, min(E, e0 + step)) for e0 in range(0, E, step)]
-        read = lambda e0, e1: torch.stack([fetch(spec.hf_names[e]) for e in range(e0, e1)])  # noqa: E731
+
+        def read(e0: int, e1: int) -> torch.Tensor:
+            return torch.stack([fetch(spec.hf_names[e]) for e in range(e0, e1)])
         arr = None
         with ThreadPoolExecutor(max_workers=1) as reader:
             ahead = reader.submit(read, *slices[0])

@@ -1594,13 +1594,20 @@ def _hessian_types(work: Path) -> list[str]:
 
 def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 512, tune_iters: int = 200,
                        imatrix_rows: int | None = None, eager_types: str = "",
-                       refine_passes: int | None = None, round_profile: Path | None = None) -> dict:
+                       refine_passes: int | None = None, round_profile: Path | None = None,
+                       tune_budget: int | None = None) -> dict:
     """`convert --bpw 2.6 --gguf-ladder iq --rounding hessian --imatrix` of the slice (the gguf stage's 108 GB-class
     plan), every phase logged (_hessian_probe): imatrix (the gguf stage's, else made from `imatrix_rows`), the host
     rates of the tuner's numpy paths, then per layer the capture forward, per-expert Hessians, Hessian rounding,
     block-output tuning (`tune_iters` steps per stage, expert groups), then ggml's encoders and the write.
-    `round_profile`: a file for the profile of one stacked rounding call (_profiled_rounding)."""
+    `round_profile`: a file for the profile of one stacked rounding call (_profiled_rounding). `tune_budget`: the
+    tuner's weights per stage instead of its share of the free memory (larger expert groups, fewer of them)."""
     from mixq.convert import GGUFOptions, convert
+
+    if tune_budget:
+        import mixq.convert.gguf_tuning as gt
+
+        gt.tuning_budget = lambda device: int(tune_budget)
 
     if eager_types:
         _eager_for(set(eager_types.split(",")))
@@ -2914,7 +2921,7 @@ def _child_main(a) -> None:
         kw = {"rows": a.rows, "seq_len": a.seq_len}
     if a.child == "gguf-hessian":
         kw.update(tune_iters=a.tune_iters, imatrix_rows=a.imatrix_rows, eager_types=a.eager_types,
-                  refine_passes=a.refine_passes, round_profile=a.round_profile)
+                  refine_passes=a.refine_passes, round_profile=a.round_profile, tune_budget=a.tune_budget)
     elif a.child == "gguf-tune":
         kw.update(tune_iters=a.tune_iters, probe_iters=a.tune_probe_iters, profile=a.tune_profile)
     elif a.child == "dequant":
@@ -2962,6 +2969,8 @@ def main() -> None:
                     help="gguf-hessian: block-output tuning steps per stage (the converter's default); gguf-tune and "
                          "project: the steps the seconds per step are scaled to")
     ap.add_argument("--tune-probe-iters", type=int, default=20, help="gguf-tune: steps run per tuning stage")
+    ap.add_argument("--tune-budget", type=int, default=None,
+                    help="gguf-hessian: the tuner's weights per stage [default: its share of the free memory]")
     ap.add_argument("--round-profile", type=Path, default=None,
                     help="gguf-hessian: torch profiler tables of the second stacked IQ2_S rounding call, its fetch "
                          "and Hessians included")
@@ -3016,7 +3025,8 @@ def main() -> None:
         + (["--refine-passes", str(a.refine_passes)] if a.refine_passes is not None else []) \
         + (["--trellis-profile"] if a.trellis_profile else []) \
         + (["--tune-profile", str(a.tune_profile)] if a.tune_profile else []) \
-        + (["--round-profile", str(a.round_profile)] if a.round_profile else [])
+        + (["--round-profile", str(a.round_profile)] if a.round_profile else []) \
+        + (["--tune-budget", str(a.tune_budget)] if a.tune_budget else [])
 
     def save() -> None:
         text = json.dumps(res, indent=2) + "\n"

@@ -17,6 +17,8 @@
 #   bash bench/release_timing.sh OUT gguf-factor              # 1 min: the rounding's factor, two ways side by side
 #   bash bench/release_timing.sh OUT kda-kernels              # 1.5 min: a KDA layer, reference path against fla's
 #   bash bench/release_timing.sh OUT gguf-hessian-long-fla    # 9.5 min: gguf-hessian-long with fla's KDA kernels
+#   bash bench/release_timing.sh OUT gguf-hessian-long-groups # 9.5 min: the same with 1.3 G-weight expert groups
+#                                                             (6 groups of 52 experts, not 9 of 33)
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
@@ -97,6 +99,11 @@ for step in "$@"; do
                                    "${EXACT[@]}" "${COLD[@]}" --json "$OUT/glm53_slice_288_hessian_fla.json" \
                                    --deadline-s "${DEADLINE:-560}" --stages build,gguf-hessian,project
                                wait ;;
+        gguf-hessian-long-groups) prewarm_rounding
+                                  python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
+                                      --json "$OUT/glm53_slice_288_hessian_groups.json" --tune-budget 1300000000 \
+                                      --deadline-s "${DEADLINE:-560}" --stages build,gguf-hessian,project
+                                  wait ;;
         gguf-factor) python3 bench/hessian_factor.py --json "$OUT/hessian_factor.json" ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \

@@ -2457,11 +2457,11 @@ def _stage_cost(stage: dict, iters: int) -> float:
 
 
 def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | None,
-                  r: _Rates) -> dict[str, float]:
+                  r: _Rates, groups_from: tuple[str, list[dict]] | None = None) -> dict[str, float]:
     """Seconds of block-output tuning of one release layer (its (spec, type, covered) list): the stage of the
-    layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step, the
-    codes' set-up, the tuner's numpy encodes of what Hessian rounding leaves to ggml, and the streams (materialise,
-    source and quantized passes)."""
+    layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step (where
+    this run measured no group: `groups_from`'s, else the layer stage's), the codes' set-up, the tuner's numpy
+    encodes of what Hessian rounding leaves to ggml, and the streams (materialise, source and quantized passes)."""
     import mixq.convert.gguf_tuning as gt
     from mixq.quant.ggml import block_tuning as bt
 
@@ -2485,8 +2485,10 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
         per_expert = sum(math.prod(s.shape[1:]) for s, _ in over)
         size = max(1, budget // per_expert)
         n_groups = math.ceil(min(int(s.shape[0]) for s, _ in over) / size)
-        g = _pooled_groups(groups) if groups else st0
-        if not groups:
+        g = _pooled_groups(groups) if groups else _pooled_groups(groups_from[1]) if groups_from else st0
+        if not groups and groups_from:
+            r.note("tuning expert groups", f"none measured in this run: at the steps of {groups_from[0]}'s groups")
+        elif not groups:
             r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
         out["steps"] += n_groups * _stage_cost(g, max(1, iters // gt.GROUP_ITERS_SHARE))  # the tuner's group steps
     tuned_w = sum(x.get("weights") or 0 for x in tune["stages"])
@@ -2536,6 +2538,16 @@ def _exact_rate(exact: dict, qtype: str, r: _Rates) -> float:
     return sum(rates.values()) / len(rates) if rates else 1.0
 
 
+def measured_groups(path: Path | None) -> tuple[str, list[dict]] | None:
+    """(the file, every expert-group stage its gguf-hessian run measured), or None (no file, or no group in it)."""
+    if path is None:
+        return None
+    stages = json.loads(Path(path).read_text())["stages"]["gguf-hessian"]["phases"]["stages"]
+    groups = [g for d in stages.values() for g in ((d.get("tune") or {}).get("stages") or [])[1:]
+              if g.get("s_per_step")]
+    return (str(repo_relative(str(Path(path).resolve()))), groups) if groups else None
+
+
 def cold_warmup(path: Path | None) -> tuple[str, dict] | None:
     """(the file, :func:`rounding_warmup` of its gguf-hessian stage) of a run with a cold kernel cache, or None."""
     if path is None:
@@ -2545,7 +2557,8 @@ def cold_warmup(path: Path | None) -> tuple[str, dict] | None:
 
 
 def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
-                         cold: tuple[str, dict] | None = None) -> dict:
+                         cold: tuple[str, dict] | None = None,
+                         groups_from: tuple[str, list[dict]] | None = None) -> dict:
     """GGUF 108 GB `--gguf-ladder iq --rounding hessian` release hours on one device: every release layer from
     its planned tensors (the 108 GB plan) at the rates this run measured: the capture forward per layer kind,
     Hessian rounding per type (s per M weights, its per-expert Hessians and spill included), block-output tuning
@@ -2573,7 +2586,7 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
         parts = {"capture_forward": capture.get(kind, 0.0), "source_layer": source_layer.get(kind, 0.0),
                  "hessian_rounding": sum(math.prod(s.shape) / 1e6 * _round_rate(rates, t, s.transform == "stack", r)
                                          for s, t, c in tensors if c)}
-        parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, r))
+        parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, r, groups_from))
         encode_s = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in tensors
                        if not c and t not in ("F32", "F16", "BF16"))
         # ggml's encode of those tensors runs once: in the tuner, on its device at the same rates, where the layer
@@ -2793,12 +2806,13 @@ def _release_decode(st: dict, rel_w: dict, cand: dict, slice_w: int, r: _Rates) 
 
 
 def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | None = DEFAULT_REFERENCE,
-            cold: Path | None = None) -> dict:
+            cold: Path | None = None, groups: Path | None = None) -> dict:
     """Each measured stage scaled to the release per layer type (3 KDA+dense, 31 KDA+MoE, 11 DSA+MoE, the NextN
     block uncalibrated, embed/head/vision once), 288 experts per MoE layer. What this run measured at 288
     experts is used as measured; a layer cut mid-way is completed at its own per-unit rate; what the run lacks
     comes from `reference`, each borrowing named in `scaled`; `cold`: a run's JSON whose first rounded tensors
-    give the kernels' one-time warm-up (this run's kernels were compiled beforehand)."""
+    give the kernels' one-time warm-up (this run's kernels were compiled beforehand); `groups`: a run's JSON whose
+    expert groups give their seconds per step where this run measured none."""
     st = res["stages"]
     layers = parse_layers(layers)
     counts = _release_counts(experts, layers)
@@ -2826,7 +2840,8 @@ def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | No
         if "hours_108GB" in out["gguf_108GB"]:
             out["gguf_108GB_hours"] = out["gguf_108GB"]["hours_108GB"]
     if any((st.get(k) or {}).get("phases") for k in ("gguf-hessian", "gguf-tune")):
-        h = project_gguf_hessian(st, layers, ref, out.get("gguf_108GB", {}), cold_warmup(cold))
+        h = project_gguf_hessian(st, layers, ref, out.get("gguf_108GB", {}), cold_warmup(cold),
+                                 measured_groups(groups))
         if "gguf_108GB" not in out:
             h.setdefault("missing", []).append("the exact path's projection (imatrix, read/write/seal, ggml's encode "
                                                "rates): run the gguf stage, or start from its JSON (--seed-json)")
@@ -2987,6 +3002,9 @@ def main() -> None:
     ap.add_argument("--warmup-json", type=Path, default=None,
                     help="project: each rounded type's one-time kernel warm-up from this run's JSON (one with a cold "
                          "kernel cache) instead of this run's first tensors")
+    ap.add_argument("--groups-json", type=Path, default=None,
+                    help="project: the expert groups' seconds per step from this run's JSON where this run measured "
+                         "none")
     ap.add_argument("--seed-json", type=Path, default=None,
                     help="start the results from this earlier run's JSON (its stages kept unless run again)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -3044,7 +3062,7 @@ def main() -> None:
         if stage == "project":
             b = res["stages"].get("build", {})
             out = project(res, b.get("experts", a.experts), tuple(b.get("layers", layers)), a.reference,
-                          cold=a.warmup_json)
+                          cold=a.warmup_json, groups=a.groups_json)
         elif stage in CHILD_STAGES:
             kill_at, why = end, "deadline"
             if stage in limits and (kill_at is None or t + limits[stage] < kill_at):

@@ -217,6 +217,22 @@ def test_a_cold_runs_warm_up_is_read_from_its_file(tmp_path):
     assert mod.cold_warmup(None) is None
 
 
+def test_an_earlier_runs_groups_price_a_run_that_measured_none(tmp_path):
+    """--groups-json: every expert-group stage an earlier run measured (its layer stages left out), named by its
+    file; a file without a measured group gives none."""
+    mod = _module()
+    tune = {"stages": [{"what": "the layer's tensors", "s_per_step": 0.19, "steps_done": 200},
+                       {"what": "group", "s_per_step": 0.33, "steps_done": 25},
+                       {"what": "group", "s_per_step": None, "steps_done": 0}]}
+    f = tmp_path / "earlier.json"
+    f.write_text(json.dumps({"stages": {"gguf-hessian": {"phases": {"stages": {"layer.1": {"tune": tune}}}}}}))
+    where, groups = mod.measured_groups(f)
+    assert where.endswith("earlier.json") and [g["s_per_step"] for g in groups] == [0.33]
+    tune["stages"] = tune["stages"][:1]
+    f.write_text(json.dumps({"stages": {"gguf-hessian": {"phases": {"stages": {"layer.1": {"tune": tune}}}}}}))
+    assert mod.measured_groups(f) is None and mod.measured_groups(None) is None
+
+
 def test_the_streams_around_a_layers_tuning_are_split():
     """The tuner's time outside its stages (streams_other_s), split by part: a layer call inside a stage is a step,
     one outside it is the quantized pass."""

@@ -261,7 +261,7 @@ def _even_entries(db: torch.Tensor, metric: torch.Tensor, t: torch.Tensor,
     k, c, neg, flip_cost = _shortlist(db, metric, t, grid, True)
     a = (metric.unsqueeze(-2) * t.abs()).unsqueeze(-2)                        # (E, rows, 1, 8)
     m = metric.unsqueeze(-2).unsqueeze(-2)
-    score = db * db * (m * c * c).sum(-1) - 2 * db * (a * c).sum(-1)          # (E, rows, K)
+    score = diagonal_score(db, (m * c * c).sum(-1), (a * c).sum(-1))         # (E, rows, K)
     best = (score + flip_cost).argmin(-1, keepdim=True)                       # (E, rows, 1)
     chosen = neg.gather(-2, best.unsqueeze(-1).expand(*best.shape, 8)).squeeze(-2)
     return k.gather(-1, best).squeeze(-1), chosen
@@ -481,6 +481,12 @@ def smallest_by_argmin(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(out, -1)
 
 
+def diagonal_score(scale: torch.Tensor, mcc: torch.Tensor, mtc: torch.Tensor) -> torch.Tensor:
+    """An entry's error in the diagonal metric, less the constant Σm·t²: s²·Σm·c² − 2s·Σm·|t|·c, from its two sums
+    (`mcc` = Σm·c², `mtc` = Σm·|t|·c) at scale s."""
+    return scale * scale * mcc - 2 * scale * mtc
+
+
 def nearest_iq2_entries(scale: torch.Tensor, metric: torch.Tensor, target: torch.Tensor, grid: torch.Tensor,
                         k: int) -> torch.Tensor:
     """Indices (E, rows, k), ascending, of the IQ2 codebook entries (grid (entries, 8)) nearest to the groups'
@@ -489,8 +495,8 @@ def nearest_iq2_entries(scale: torch.Tensor, metric: torch.Tensor, target: torch
     elsewhere."""
     if use_fused(target):
         return triton_iq2s.nearest_entries(scale, metric, target, grid, k)
-    score = scale * scale * ((grid * grid) @ metric.unsqueeze(-1)).transpose(-1, -2) \
-        - 2 * scale * ((metric.unsqueeze(-2) * target.abs()) @ grid.T)     # (E, rows, entries)
+    score = diagonal_score(scale, ((grid * grid) @ metric.unsqueeze(-1)).transpose(-1, -2),
+                           (metric.unsqueeze(-2) * target.abs()) @ grid.T)  # (E, rows, entries)
     if k == 1:
         return score.argmin(-1, keepdim=True)
     if score.device.type == "cpu":

@@ -653,6 +653,9 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
     out = np.empty((E, R, n // bs * ts), dtype=np.uint8)
     lazy = max(LAZY_COLUMNS, bs)
     inv_diag = (1.0 / torch.diagonal(u, dim1=-2, dim2=-1)).unsqueeze(-1).unsqueeze(-1).unbind(1)  # n x (E|1,1,1)
+    if g > 1:  # U's g x g diagonal blocks inverted in one call, not one call (and its host work) per group
+        at = torch.arange(n, device=dev).view(n // g, g)
+        block_inv = torch.linalg.inv_ex(u[:, at[:, :, None], at[:, None, :]])[0]  # (E|1, n/g, g, g)
     for c0 in range(0, n, lazy):
         c1 = min(n, c0 + lazy)
         err = torch.zeros(E, R, c1 - c0, device=dev)
@@ -660,7 +663,7 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
             blocks = _encode_block(targets[..., b0:b0 + bs], qtype, importance[:, b0:b0 + bs])
             rounder.start(blocks)
             for j in range(b0, b0 + bs, g):
-                ub_inv = inv_diag[j] if g == 1 else torch.linalg.inv_ex(u[:, j:j + g, j:j + g])[0]  # (E|1, g, g)
+                ub_inv = inv_diag[j] if g == 1 else block_inv[:, j // g]  # (E|1, g, g)
                 metric = (ub_inv * ub_inv).sum(-1)                          # diag of U⁻¹U⁻ᵀ: (E|1, g)
                 t = targets[..., j:j + g]
                 e = (t - rounder.round(t, j - b0, metric)) @ ub_inv         # (E, rows, g)

@@ -523,12 +523,15 @@ def refine_iq2(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.T
     if qtype == "IQ2_S" and use_fused(w) and fused_sweep_ok("iq2s", dev):
         return _fused_iq2s(w, blocks, hessian.contiguous(), grid, db, index, signs, val, passes)
     fb = _Feedback((w - val) @ hessian, hessian, _window(dev, w.shape[-1]))       # (E, rows, n)
+    # every group's H_BB factorised once, in one call (its solves as solve_ex's: the same LU, then lu_solve)
+    at = torch.arange(w.shape[-1], device=dev).view(-1, 8)
+    lu, pivots = torch.linalg.lu_factor(hessian[:, at[:, :, None], at[:, None, :]])  # (E|1, groups, 8, 8)
     for _ in range(passes):
         for g in range(w.shape[-1] // 8):
             cols = slice(8 * g, 8 * g + 8)
             hbb = hessian[:, cols, cols]                                           # (E|1, 8, 8)
             v, gb, d = val[..., cols], fb.at(cols), db[..., g:g + 1]
-            ideal = v + torch.linalg.solve_ex(hbb, gb.transpose(-1, -2))[0].transpose(-1, -2)
+            ideal = v + torch.linalg.lu_solve(lu[:, g], pivots[:, g], gb.transpose(-1, -2)).transpose(-1, -2)
             k, mags, neg, _ = _shortlist(d, torch.diagonal(hbb, dim1=-2, dim2=-1), ideal, grid, parity)
             cand = d.unsqueeze(-1) * mags * torch.where(neg, -1.0, 1.0)            # (E, rows, K, 8)
             delta = v.unsqueeze(-2) - cand                                         # error change per candidate

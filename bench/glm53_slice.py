@@ -1151,12 +1151,12 @@ def summarise_hessian(events: list[dict], t_end: float | None = None) -> dict:
             fwd = next((e for e in closed if e["k"] == f"forward/{st}" and _in(e, conv)), None)
             if fwd is not None:
                 d["capture_forward_s"] = round(fwd["t1"] - fwd["t0"], 2)
+                d["hessian_accumulate_s"] = round(_within(done, "hessian_add", fwd["t0"], fwd["t1"]), 2)
+                d["state"] = "cut in the capture forward" if "elapsed" in fwd else "done"
             # the calibration's own copy of the source layer: read, built and moved to the device, then given back
             moved = [e for e in closed if e["k"] in (f"materialize/{st}", f"release/{st}") and _in(e, conv)]
             if moved:
                 d["source_layer_s"] = round(sum(e["t1"] - e["t0"] for e in moved), 2)
-                d["hessian_accumulate_s"] = round(_within(done, "hessian_add", fwd["t0"], fwd["t1"]), 2)
-                d["state"] = "cut in the capture forward" if "elapsed" in fwd else "done"
             if st in todo:
                 t = _round_summary(done, closed, todo[st], t_end)
                 spans = [e for e in closed if e["k"].startswith("round/") and e["k"][6:] in t]

@@ -202,6 +202,21 @@ def test_a_stacks_first_slice_call_carries_its_types_warm_up():
     assert abs(rates["IQ2_S/stack"]["seconds"] - 27.0) < 1e-6 and abs(rates["Q2_K/stack"]["seconds"] - 28.0) < 1e-6
 
 
+def test_a_stage_without_the_source_layers_events_keeps_its_capture_forward():
+    """A log with no materialise/release events (before that probe, or a stage that builds no layer) still gives
+    the stage's capture forward, its Hessian accumulation and its state; with them, the source layer's seconds."""
+    mod = _module()
+    conv = [{"k": "convert/x", "t0": 0.0, "begin": 1}, {"k": "convert/x", "t0": 0.0, "t1": 30.0}]
+    fwd = [{"k": "forward/layer.0", "t0": 1.0, "begin": 1}, {"k": "hessian_add", "t0": 2.0, "t1": 3.5},
+           {"k": "forward/layer.0", "t0": 1.0, "t1": 6.0}]
+    d = mod.summarise_hessian(conv + fwd)["stages"]["layer.0"]
+    assert d["state"] == "done" and d["capture_forward_s"] == 5.0 and d["hessian_accumulate_s"] == 1.5
+    assert "source_layer_s" not in d
+    moved = [{"k": "materialize/layer.0", "t0": 0.5, "begin": 1}, {"k": "materialize/layer.0", "t0": 0.5, "t1": 0.9}]
+    d = mod.summarise_hessian(conv + moved + fwd)["stages"]["layer.0"]
+    assert d["source_layer_s"] == 0.4 and d["hessian_accumulate_s"] == 1.5 and d["state"] == "done"
+
+
 def test_a_cold_runs_warm_up_is_read_from_its_file(tmp_path):
     """--warmup-json: the warm-ups come from that run's rounded tensors (a cold kernel cache), named by its file."""
     mod = _module()

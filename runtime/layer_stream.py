@@ -67,44 +67,37 @@ def module_to_hf(layer: int, local: str) -> str:
     return name
 
 
-def _row(parts: list[str], values: Mapping[str, torch.Tensor], fetch: Callable[[str], torch.Tensor],
-         device: torch.device | None = None) -> torch.Tensor:
+def _row(parts: list[str], values: Mapping[str, torch.Tensor], fetch: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """One row of a module tensor: its checkpoint tensors `parts` concatenated on dim 0, each from `values` where
-    it is there, else from `fetch` (and moved to `device` when given)."""
+    it is there, else from `fetch`."""
     got = [values[n] if n in values else fetch(n) for n in parts]
-    if device is not None:
-        got = [t.to(device) for t in got]
     return torch.cat(got, 0) if len(got) > 1 else got[0]
 
 
-def layer_state_dict(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Assemble the module's state dict from checkpoint tensors (fetch: HF name -> tensor)."""
-    sd: dict[str, torch.Tensor] = {}
-    for key, ref in module.state_dict(keep_vars=True).items():
-        rows = [_row(parts, {}, fetch) for parts in module_sources(layer, key, ref.shape[0] if ref.dim() else 0)]
-        sd[key] = (torch.stack(rows) if len(rows) > 1 else rows[0]).reshape(ref.shape)
-    return sd
-
+def _fill_row(row: torch.Tensor, parts: list[str], get: Callable[[str], torch.Tensor]) -> None:
+    """Copy the checkpoint tensors `parts` (get: HF name -> tensor, on any device) into a module row that holds them
+    concatenated on dim 0 (a whole tensor, or one routed expert's row of a stack): each straight into its slice,
+    the row never assembled, unless the parts' shapes only fit once concatenated."""
+    got = {n: get(n) for n in parts}
+    if len(got) == 1:
+        row.copy_(got[parts[0]].reshape(row.shape))
+    elif all(t.shape[1:] == row.shape[1:] for t in got.values()):
+        for n, view in _part_views(row, parts, lambda n: got[n].shape[0]):
+            view.copy_(got[n])
+    else:
+        row.copy_(torch.cat([t.to(row.device) for t in got.values()], 0).reshape(row.shape))
 
 
 @torch.no_grad()
 def fill_module(module: nn.Module, layer: int, fetch: Callable[[str], torch.Tensor]) -> None:
     """Write every tensor of the module (materialised, uninitialised) from its checkpoint tensors (fetch: HF name
-    -> tensor), each copied straight into its slice: the values :func:`layer_state_dict` assembles, without
-    assembling them (at 288 routed experts that is a host copy of the layer's experts, twice, and a third
-    through load_state_dict)."""
+    -> tensor), each copied straight into its slice: no state dict is assembled (at 288 routed experts that is a
+    host copy of the layer's experts, twice, and a third through load_state_dict)."""
     for key, ref in module.state_dict(keep_vars=True).items():
         src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
         rows = [ref[r] for r in range(len(src))] if len(src) > 1 else [ref]
         for row, parts in zip(rows, src):
-            got = {n: fetch(n) for n in parts}
-            if len(got) == 1:
-                row.copy_(got[parts[0]].reshape(row.shape))
-            elif all(t.shape[1:] == row.shape[1:] for t in got.values()):
-                for n, view in _part_views(row, parts, lambda n: got[n].shape[0]):
-                    view.copy_(got[n])
-            else:
-                row.copy_(torch.cat(list(got.values()), 0).reshape(row.shape))
+            _fill_row(row, parts, fetch)
 
 
 def _part_views(row: torch.Tensor, parts: list[str], length: Callable[[str], int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,8 +132,8 @@ class _RowsInto(torch.autograd.Function):
 
 def layer_params(module: nn.Module, layer: int, values: Mapping[str, torch.Tensor],
                  fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The module's tensors that hold any of `values` (HF name -> tensor), assembled as `layer_state_dict` does,
-    the other parts of such a tensor from `fetch`. A stacked tensor (routed experts) is the module's own, its rows
+    """The module's tensors that hold any of `values` (HF name -> tensor), assembled from their checkpoint tensors
+    (concatenated on dim 0, stacked per routed expert), the other parts of such a tensor from `fetch`. A stacked tensor (routed experts) is the module's own, its rows
     that hold any of `values` written in place and differentiable (the module then holds them): moving a few
     experts neither copies the others nor restacks the layer."""
     out: dict[str, torch.Tensor] = {}
@@ -200,15 +193,15 @@ def write_values(module: nn.Module, layer: int, values: Mapping[str, torch.Tenso
     """Copy `values` (HF name -> tensor) into the module's tensors in place, a stacked tensor row by row (no copy
     of the whole stack); the other parts of a row that holds one of them come from `fetch`. Host or device
     tensors alike: each row goes to the module's device."""
+    def get(n: str) -> torch.Tensor:
+        return values[n] if n in values else fetch(n)
+
     for key, ref in module.state_dict(keep_vars=True).items():
         src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)
-        if len(src) == 1:
-            if any(n in values for n in src[0]):
-                ref.copy_(_row(src[0], values, fetch, ref.device).reshape(ref.shape))
-            continue
-        for r, parts in enumerate(src):
+        rows = [ref[r] for r in range(len(src))] if len(src) > 1 else [ref]
+        for row, parts in zip(rows, src):
             if any(n in values for n in parts):
-                ref[r].copy_(_row(parts, values, fetch, ref.device).reshape(ref.shape[1:]))
+                _fill_row(row, parts, get)
 
 
 class DecoderStream:

@@ -6,11 +6,22 @@ import pytest
 import torch
 
 from mixq.formats.checkpoint import open_checkpoint
-from mixq.runtime.layer_stream import (DecoderStream, layer_params, layer_state_dict, stacked_block, stacked_parts,
+from mixq.runtime.layer_stream import (DecoderStream, layer_params, module_sources, stacked_block, stacked_parts,
                                        stacked_rows, write_values)
 
 LAYER = 1  # a MoE layer of the mini fixture (16 routed experts)
 P = f"model.language_model.layers.{LAYER}.mlp"
+
+
+def layer_state_dict(module, layer: int, fetch) -> dict[str, torch.Tensor]:
+    """The reference the module's tensors are checked against: its state dict assembled from checkpoint tensors
+    (fetch: HF name -> tensor), each row's parts concatenated on dim 0, a routed-expert tensor's rows stacked."""
+    sd: dict[str, torch.Tensor] = {}
+    for key, ref in module.state_dict(keep_vars=True).items():
+        rows = [torch.cat([fetch(n) for n in parts], 0)
+                for parts in module_sources(layer, key, ref.shape[0] if ref.dim() else 0)]
+        sd[key] = (torch.stack(rows) if len(rows) > 1 else rows[0]).reshape(ref.shape)
+    return sd
 
 
 def _layer(mini_model):

@@ -423,7 +423,8 @@ def _fused_sub_scales(w: torch.Tensor, deq: torch.Tensor, hessian: torch.Tensor,
     none = [None] * (2 - len(fields))  # no min: its arguments None
     vals, ranges = [f[0] for f in fields] + none, [f[1] for f in fields] + none
     slopes = [f[2].contiguous() for f in fields]
-    quads = [triton_subscales.sub_block_quads(a, hessian, sub) for a in slopes] + none
+    hss = diagonal_blocks(hessian, sub)
+    quads = [triton_subscales.sub_block_quads(a, hss) for a in slopes] + none
     slopes += none
     for w0, width, pending in fb.windows():
         triton_subscales.sub_scale_window(fb.grad, fb.h, vals[0], vals[1], slopes[0], slopes[1], quads[0], quads[1],
@@ -481,6 +482,13 @@ def smallest_by_argmin(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(out, -1)
 
 
+def diagonal_blocks(m: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` x `size` diagonal blocks of matrices m (E|1, n, n), gathered in one call: (E|1, n / size, size,
+    size)."""
+    at = torch.arange(m.shape[-1], device=m.device).view(-1, size)
+    return m[:, at[:, :, None], at[:, None, :]]
+
+
 def diagonal_score(scale: torch.Tensor, mcc: torch.Tensor, mtc: torch.Tensor) -> torch.Tensor:
     """An entry's error in the diagonal metric, less the constant Σm·t²: s²·Σm·c² − 2s·Σm·|t|·c, from its two sums
     (`mcc` = Σm·c², `mtc` = Σm·|t|·c) at scale s."""
@@ -524,8 +532,7 @@ def refine_iq2(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian: torch.T
         return _fused_iq2s(w, blocks, hessian.contiguous(), grid, db, index, signs, val, passes)
     fb = _Feedback((w - val) @ hessian, hessian, _window(dev, w.shape[-1]))       # (E, rows, n)
     # every group's H_BB factorised once, in one call (its solves as solve_ex's: the same LU, then lu_solve)
-    at = torch.arange(w.shape[-1], device=dev).view(-1, 8)
-    lu, pivots = torch.linalg.lu_factor(hessian[:, at[:, :, None], at[:, None, :]])  # (E|1, groups, 8, 8)
+    lu, pivots = torch.linalg.lu_factor(diagonal_blocks(hessian, 8))             # (E|1, groups, 8, 8)
     for _ in range(passes):
         for g in range(w.shape[-1] // 8):
             cols = slice(8 * g, 8 * g + 8)
@@ -558,7 +565,7 @@ def _fused_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, grid
     the same step per group, up to the order of the sums and an inverse of H_BB made once; the Hessian contiguous)."""
     val = val.contiguous()
     fb = _Feedback((w - val) @ hessian, hessian, _window(w.device, w.shape[-1]))
-    hinv = triton_iq2s_descent.group_inverses(hessian)
+    hinv = triton_iq2s_descent.group_inverses(diagonal_blocks(hessian, 8))
     db, index, signs = db.contiguous(), index.contiguous(), signs.contiguous()
     grid_t = grid.T.contiguous()
     for _ in range(passes):
@@ -657,8 +664,7 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
     lazy = max(LAZY_COLUMNS, bs)
     inv_diag = (1.0 / torch.diagonal(u, dim1=-2, dim2=-1)).unsqueeze(-1).unsqueeze(-1).unbind(1)  # n x (E|1,1,1)
     if g > 1:  # U's g x g diagonal blocks inverted in one call, not one call (and its host work) per group
-        at = torch.arange(n, device=dev).view(n // g, g)
-        block_inv = torch.linalg.inv_ex(u[:, at[:, :, None], at[:, None, :]])[0]  # (E|1, n/g, g, g)
+        block_inv = torch.linalg.inv_ex(diagonal_blocks(u, g))[0]             # (E|1, n/g, g, g)
     for c0 in range(0, n, lazy):
         c1 = min(n, c0 + lazy)
         err = torch.zeros(E, R, c1 - c0, device=dev)

@@ -210,13 +210,10 @@ if triton is not None:
         tl.store(grad_ptr + at[:, None, None] + offs[None, :, :], gw, mask=tile)
 
 
-def group_inverses(hessian: torch.Tensor) -> torch.Tensor:
-    """(E|1, groups, 8, 8) float32 inverses of H's 8 x 8 diagonal blocks (hessian (E|1, n, n), positive definite),
-    made in float64 and symmetrised, for :func:`iq2s_window`."""
-    n = hessian.shape[-1]
-    idx = torch.arange(n, device=hessian.device).view(n // 8, 8)
-    hbb = hessian[:, idx[:, :, None], idx[:, None, :]].to(torch.float64)
-    inv = torch.linalg.inv_ex(hbb)[0]
+def group_inverses(hbb: torch.Tensor) -> torch.Tensor:
+    """(E|1, groups, 8, 8) float32 inverses of H's 8 x 8 diagonal blocks `hbb` (E|1, groups, 8, 8), positive
+    definite, made in float64 and symmetrised, for :func:`iq2s_window`."""
+    inv = torch.linalg.inv_ex(hbb.to(torch.float64))[0]
     return (0.5 * (inv + inv.transpose(-1, -2))).to(torch.float32).contiguous()
 
 

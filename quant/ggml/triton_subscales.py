@@ -85,13 +85,12 @@ if triton is not None:
         tl.store(grad_ptr + at[:, None, None] + offs[None, :, :], gw, mask=tile)
 
 
-def sub_block_quads(slope: torch.Tensor, hessian: torch.Tensor, sub: int) -> torch.Tensor:
+def sub_block_quads(slope: torch.Tensor, hss: torch.Tensor) -> torch.Tensor:
     """a·H_ss·a per sub-block: slope (E, rows, n) float32 (a decoded weight's change per unit of the field),
-    hessian (E|1, n, n) -> (E, rows, n / sub) float32, contiguous; the eager step's products, batched over
-    sub-blocks (a sub-block's slopes and H_ss stay fixed through a sweep)."""
+    hss (E|1, sub-blocks, sub, sub) the Hessian's diagonal blocks -> (E, rows, n / sub) float32, contiguous; the
+    eager step's products, batched over sub-blocks (a sub-block's slopes and H_ss stay fixed through a sweep)."""
     E, R, n = slope.shape
-    idx = torch.arange(n, device=slope.device).view(n // sub, sub)
-    hss = hessian[:, idx[:, :, None], idx[:, None, :]]                  # (E|1, sub-blocks, sub, sub)
+    sub = hss.shape[-1]
     a = slope.unflatten(-1, (n // sub, sub)).transpose(1, 2)            # (E, sub-blocks, rows, sub)
     return ((a @ hss) * a).sum(-1).transpose(1, 2).contiguous()
 

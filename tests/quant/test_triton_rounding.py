@@ -125,8 +125,8 @@ index, signs = (t.contiguous() for t in gl.iq2_groups_on(blocks, "IQ2_S", dev))
 val0 = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape).contiguous()
 val, grad = val0.clone(), ((w - val0) @ h).contiguous()
 pending = torch.zeros(E, R, 256, device=dev)
-td.iq2s_window(grad, h, td.group_inverses(h), val, db, index, signs, grid, grid.T.contiguous(), pending, w0, 256,
-               kh.IQ2_SHORTLIST)
+td.iq2s_window(grad, h, td.group_inverses(kh.diagonal_blocks(h, 8)), val, db, index, signs, grid, grid.T.contiguous(),
+               pending, w0, 256, kh.IQ2_SHORTLIST)
 dec = gl.decode_blocks(gl.set_iq2_groups_on(blocks, "IQ2_S", index, signs), "IQ2_S", dev).reshape(w.shape)
 want = ((w - val0) @ h)[..., w0:] + (val0 - val)[..., w0:] @ h[:, w0:, w0:]
 res["window"] = {"fused_ran": bool(fused(w)), "decoded": bool(torch.equal(dec, val)),
@@ -189,7 +189,7 @@ for sub, sc_range, mn_range, shared, w0, width in ((32, (0, 63), (0, 63), False,
         slopes.append((torch.randn(E, R, n, generator=g) * 0.01).to(dev))
     if mn_range:
         slopes[1][:, :6] = slopes[0][:, :6]
-    quads = [ts.sub_block_quads(a, h, sub) for a in slopes]
+    quads = [ts.sub_block_quads(a, kh.diagonal_blocks(h, sub)) for a in slopes]
     grad0 = ((torch.randn(E, R, n, generator=g) * 0.05).to(dev) @ h).contiguous()
     grad, vals = grad0.clone(), [v.clone() for v in vals0]
     pending = torch.zeros(E, R, width, device=dev)

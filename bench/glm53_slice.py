@@ -1630,6 +1630,19 @@ def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 5
     return out
 
 
+def _write_profile(path: Path, title: str, prof, host_rows: int) -> None:
+    """Append a finished profile's tables to `path` under `title`: by device time (40 rows, where there is a GPU),
+    then by host time (`host_rows`)."""
+    import torch
+
+    table = prof.key_averages()
+    with open(path, "a") as f:
+        f.write(f"== {title}\n")
+        if torch.cuda.is_available():
+            f.write(table.table(sort_by="cuda_time_total", row_limit=40) + "\n")
+        f.write(table.table(sort_by="cpu_time_total", row_limit=host_rows) + "\n")
+
+
 @contextmanager
 def _profiled_rounding(path: Path | None, qtype: str = "IQ2_S", call: int = 2):
     """With `path`, torch's profiler from the end of `qtype`'s first stacked (expert-slice) rounding call to the
@@ -1661,13 +1674,8 @@ def _profiled_rounding(path: Path | None, qtype: str = "IQ2_S", call: int = 2):
                 torch.cuda.synchronize()
             prof = seen["prof"]
             prof.__exit__(None, None, None)
-            table = prof.key_averages()
-            with open(path, "a") as f:
-                f.write(f"== {qtype} stacked rounding call {call} ({w.shape[0]} experts), with its fetch and "
-                        f"Hessians\n")
-                if torch.cuda.is_available():
-                    f.write(table.table(sort_by="cuda_time_total", row_limit=40) + "\n")
-                f.write(table.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+            _write_profile(path, f"{qtype} stacked rounding call {call} ({w.shape[0]} experts), with its fetch and "
+                                 f"Hessians", prof, 40)
         return out
 
     kh.quantize_hessian = rounded
@@ -1717,12 +1725,8 @@ def _profiled_tuning(path: Path | None, stages: tuple[int, ...] = (0, 1)):
             out = saved["descent"](params, timed_loss, batches, iters, lr, **kw)
             if cuda:
                 torch.cuda.synchronize()
-        table = prof.key_averages()
-        with open(path, "a") as f:
-            f.write(f"== tuning stage {k}: {iters} steps, {sum(p.numel() for p in params):,} parameters\n")
-            if cuda:
-                f.write(table.table(sort_by="cuda_time_total", row_limit=40) + "\n")
-            f.write(table.table(sort_by="cpu_time_total", row_limit=30) + "\n")
+        _write_profile(path, f"tuning stage {k}: {iters} steps, {sum(p.numel() for p in params):,} parameters",
+                       prof, 30)
         return out
 
     bt.sign_descent = descent
@@ -2538,22 +2542,28 @@ def _exact_rate(exact: dict, qtype: str, r: _Rates) -> float:
     return sum(rates.values()) / len(rates) if rates else 1.0
 
 
+def _hessian_stages(path: Path) -> tuple[str, dict]:
+    """(the file, as the repo names it; the per-stage phases of its gguf-hessian run)."""
+    stages = json.loads(Path(path).read_text())["stages"]["gguf-hessian"]["phases"]["stages"]
+    return str(repo_relative(str(Path(path).resolve()))), stages
+
+
 def measured_groups(path: Path | None) -> tuple[str, list[dict]] | None:
     """(the file, every expert-group stage its gguf-hessian run measured), or None (no file, or no group in it)."""
     if path is None:
         return None
-    stages = json.loads(Path(path).read_text())["stages"]["gguf-hessian"]["phases"]["stages"]
+    name, stages = _hessian_stages(path)
     groups = [g for d in stages.values() for g in ((d.get("tune") or {}).get("stages") or [])[1:]
               if g.get("s_per_step")]
-    return (str(repo_relative(str(Path(path).resolve()))), groups) if groups else None
+    return (name, groups) if groups else None
 
 
 def cold_warmup(path: Path | None) -> tuple[str, dict] | None:
     """(the file, :func:`rounding_warmup` of its gguf-hessian stage) of a run with a cold kernel cache, or None."""
     if path is None:
         return None
-    stages = json.loads(Path(path).read_text())["stages"]["gguf-hessian"]["phases"]["stages"]
-    return str(repo_relative(str(Path(path).resolve()))), rounding_warmup(stages)
+    name, stages = _hessian_stages(path)
+    return name, rounding_warmup(stages)
 
 
 def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,

@@ -62,6 +62,18 @@ prewarm_rounding() {
     done
 }
 
+# The hessian conversion of the slice run as far as DEADLINE (560 s) allows, its kernels built beside it, into
+# $OUT/glm53_slice_288_hessian$1.json; the other arguments go to glm53_slice.py
+hessian_long() {
+    local tag=$1
+    shift
+    prewarm_rounding
+    python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" "$@" \
+        --json "$OUT/glm53_slice_288_hessian$tag.json" --deadline-s "${DEADLINE:-560}" \
+        --stages build,gguf-hessian,project
+    wait
+}
+
 for step in "$@"; do
     echo "== $step ($(date +%T))"
     case "$step" in
@@ -80,11 +92,7 @@ for step in "$@"; do
                             --trellis-profile --stages build,exl3,project ;;
         gguf-hessian) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --json "$OUT/glm53_slice_288_hessian.json" \
                           --deadline-s 500 --stages build,gguf-hessian,project ;;
-        gguf-hessian-long) prewarm_rounding
-                           python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
-                               --json "$OUT/glm53_slice_288_hessian.json" --deadline-s "${DEADLINE:-560}" \
-                               --stages build,gguf-hessian,project
-                           wait ;;
+        gguf-hessian-long) hessian_long "" ;;
         gguf-round-profile) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
                                 --json "$OUT/glm53_slice_288_round_profile.json" --deadline-s 300 \
                                 --round-profile "$OUT/round_profile.txt" --stages build,gguf-hessian ;;
@@ -94,16 +102,8 @@ for step in "$@"; do
                      python3 bench/kda_kernels.py --model "$WORK/bf16" --fla-path /tmp/site-fla \
                          --json "$OUT/kda_kernels.json" ;;
         gguf-hessian-long-fla) with_fla
-                               prewarm_rounding
-                               PYTHONPATH=/tmp/site-fla:$PYTHONPATH python3 bench/glm53_slice.py "${SLICE[@]}" \
-                                   "${EXACT[@]}" "${COLD[@]}" --json "$OUT/glm53_slice_288_hessian_fla.json" \
-                                   --deadline-s "${DEADLINE:-560}" --stages build,gguf-hessian,project
-                               wait ;;
-        gguf-hessian-long-groups) prewarm_rounding
-                                  python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" \
-                                      --json "$OUT/glm53_slice_288_hessian_groups.json" --tune-budget 1300000000 \
-                                      --deadline-s "${DEADLINE:-560}" --stages build,gguf-hessian,project
-                                  wait ;;
+                               PYTHONPATH=/tmp/site-fla:$PYTHONPATH hessian_long _fla ;;
+        gguf-hessian-long-groups) hessian_long _groups --tune-budget 1300000000 ;;
         gguf-factor) python3 bench/hessian_factor.py --json "$OUT/hessian_factor.json" ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \

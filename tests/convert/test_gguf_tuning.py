@@ -186,6 +186,14 @@ def test_an_expert_group_no_token_reaches_in_a_batch_is_stepped_over(setup, moe)
     assert len([r for r in tuner.reports if r.layer == 1]) == 1 + stacks[0].shape[0]
 
 
+def _counted_builds(tuner) -> list:
+    """A list that gains an entry each time the tuner builds a layer of its own (its stream's materialise)."""
+    built = []
+    real = tuner.stream.materialize
+    tuner.stream.materialize = lambda *a, **k: built.append(1) or real(*a, **k)
+    return built
+
+
 def test_a_lent_source_layer_gives_the_same_codes(setup, moe):
     """Tuning a layer on a lent copy of the source layer (the calibration's) gives the bytes and streams of the
     tuner's own copy; the tuner builds none of its own then, leaves the lent module where it was (not released)
@@ -200,9 +208,7 @@ def test_a_lent_source_layer_gives_the_same_codes(setup, moe):
         tuner.layer(0, {})
         lent = DecoderStream(ck.config).materialize(1, lambda n: ck.get(n, dtype=torch.float32)) if lend else None
         source = None if lent is None else lent.mlp.experts.down_proj.detach().clone()
-        built = []
-        real = tuner.stream.materialize
-        tuner.stream.materialize = lambda *a, **k: built.append(1) or real(*a, **k)
+        built = _counted_builds(tuner)
         out = tuner.layer(1, encoded, lent)
         runs.append((out, tuner.quant.clone(), built))
         if lent is not None:
@@ -224,9 +230,7 @@ def test_the_lent_layer_is_borrowed_whatever_the_device_spelling(setup, moe):
     tuner = gt.LayerTuner(ck, ids, specs, types, iters=2, max_weights=4 * per_expert, group_iters=2, device="cpu:0")
     tuner.layer(0, {})
     lent = DecoderStream(ck.config).materialize(1, lambda n: ck.get(n, dtype=torch.float32))
-    built = []
-    real = tuner.stream.materialize
-    tuner.stream.materialize = lambda *a, **k: built.append(1) or real(*a, **k)
+    built = _counted_builds(tuner)
     tuner.layer(1, encoded, lent)
     assert built == []
 

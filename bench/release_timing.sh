@@ -18,7 +18,8 @@
 #   bash bench/release_timing.sh OUT kda-kernels              # 1.5 min: a KDA layer, reference path against fla's
 #   bash bench/release_timing.sh OUT gguf-hessian-long-fla    # 9.5 min: gguf-hessian-long with fla's KDA kernels
 #   bash bench/release_timing.sh OUT gguf-hessian-long-groups # 9.5 min: the same with 1.3 G-weight expert groups
-#                                                             (6 groups of 52 experts, not 9 of 33)
+#                                                             (6 groups of 51 experts; an H200's memory: on an
+#                                                             80 GB H100 the first group runs out of it)
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
@@ -62,16 +63,19 @@ prewarm_rounding() {
     done
 }
 
-# The hessian conversion of the slice run as far as DEADLINE (560 s) allows, its kernels built beside it, into
-# $OUT/glm53_slice_288_hessian$1.json; the other arguments go to glm53_slice.py
+# The hessian conversion of the slice, its kernels built beside the slice's build, into
+# $OUT/glm53_slice_288_hessian$1.json; the other arguments go to glm53_slice.py. The conversion starts once the side
+# processes have ended (the tuner sizes its expert groups from the free GPU memory, and their memory once cut the
+# groups from 17 experts to 10) and runs until DEADLINE (560 s) from the step's start
 hessian_long() {
-    local tag=$1
+    local tag=$1 start=$SECONDS
     shift
     prewarm_rounding
-    python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" "$@" \
-        --json "$OUT/glm53_slice_288_hessian$tag.json" --deadline-s "${DEADLINE:-560}" \
-        --stages build,gguf-hessian,project
+    python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/slice_build$tag.json" --stages build
     wait
+    python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" "$@" \
+        --json "$OUT/glm53_slice_288_hessian$tag.json" --deadline-s "$(( ${DEADLINE:-560} - (SECONDS - start) ))" \
+        --stages gguf-hessian,project
 }
 
 for step in "$@"; do

@@ -20,6 +20,8 @@
 #   bash bench/release_timing.sh OUT gguf-hessian-long-groups # 9.5 min: the same with 1.3 G-weight expert groups
 #                                                             (6 groups of 51 experts; an H200's memory: on an
 #                                                             80 GB H100 the first group runs out of it)
+#   bash bench/release_timing.sh OUT iq2-decode               # 1 min: the tuner's IQ2 decode at an expert's shape,
+#                                                             the neighbour search beside the full one
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
@@ -109,6 +111,8 @@ for step in "$@"; do
                                PYTHONPATH=/tmp/site-fla:$PYTHONPATH hessian_long _fla ;;
         gguf-hessian-long-groups) hessian_long _groups --tune-budget 1300000000 ;;
         gguf-factor) python3 bench/hessian_factor.py --json "$OUT/hessian_factor.json" ;;
+        iq2-decode) python3 bench/iq2_tuning_decode.py --device cuda --experts 4 --rows 2048 --cols 4096 \
+                        --json "$OUT/iq2_tuning_decode.json" ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \
                                   --stages build,gguf-hessian,project ;;

@@ -45,6 +45,15 @@ START_REACH = 0.499            # how far towards the source weight a code's rela
 # too fine for its scale to matter)
 SCALE_TUNED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 IQ2_SEARCH_GROUPS = 1 << 15    # groups per codebook search: a (groups, 1024) float32 score table of 128 MiB at most
+# the IQ2 types whose decode searches the codebook near each group's best tuple first (IQ2Codes.neighbour_entries):
+# on 2 CPU cores it took IQ2_S's decode from 0.44 s to 0.25 s (bench/iq2_tuning_decode.py). IQ2_XS's codebook
+# (512 entries) is cheaper to score whole, and the bound leaves a third of its groups to that full search (0.28 s
+# either way), so it scores them
+IQ2_NEIGHBOUR_TYPES = ("IQ2_S",)
+IQ2_NEIGHBOUR_GROUPS = 1 << 19  # groups per neighbour search: about a kilobyte of transients a group at most
+# how far below the bound of the entries two or more magnitudes away the best neighbour must score to be taken
+# without the full search (the scores are sums of squares up to about 8·43²: float32 rounds them to about 1e-3)
+IQ2_NEIGHBOUR_MARGIN = 1e-2
 
 
 class LevelCodes:
@@ -164,6 +173,8 @@ class IQ2Codes:
         self.grid, self.levels, self.entry = _iq2_tables(qtype, dev)
         self.mags = self.levels.shape[0] // 2   # magnitudes per sign (3); positions below it are negative
         self.rank_weight = (self.mags ** torch.arange(8, device=dev)).float()
+        self.rank_key = self.mags ** torch.arange(8, device=dev)             # the same as int64: a tuple's key
+        self.magnitudes = self.levels[self.mags:]                          # (8, 25, 43), ascending
         self.bits = 2 ** torch.arange(8, device=dev)
         self.index0, self.signs0 = gl.iq2_groups_on(self.source, qtype, dev)
         self.db = gl.iq2_group_scales_on(self.source, qtype, dev).unsqueeze(-1)        # (..., groups, 1)
@@ -190,14 +201,61 @@ class IQ2Codes:
     def _grouped(self) -> torch.Tensor:
         return self.u.view(*self.db.shape[:-1], 8)
 
-    def _nearest_entries(self, target: torch.Tensor) -> torch.Tensor:
+    def nearest_entries(self, target: torch.Tensor) -> torch.Tensor:
         """Codebook index (n,) nearest to |target| (n, 8): smallest Σc² − 2·Σ|t|·c (the unit-metric case of
-        ``hessian_rounding.nearest_iq2_entries``, as one addmm per chunk: on the CPU a third of its time), in
-        chunks that bound the score table. Most groups take it at every step once the codes move (their rounded
-        magnitudes are no codebook tuple); on an H200 a search through registers was no faster."""
+        ``hessian_rounding.nearest_iq2_entries``). Most groups take it at every step once the codes move (their
+        rounded magnitudes are no codebook tuple), and scoring every entry was most of the decode: the types of
+        ``IQ2_NEIGHBOUR_TYPES`` search near each group's best tuple first (:meth:`neighbour_entries`), the
+        others score every entry (:meth:`scored_entries`)."""
+        return self.neighbour_entries(target) if self.qtype in IQ2_NEIGHBOUR_TYPES else self.scored_entries(target)
+
+    def neighbour_entries(self, target: torch.Tensor) -> torch.Tensor:
+        """:meth:`nearest_entries` searched near each group's best tuple, in chunks. The score is a sum over the 8
+        weights, so the tuple of each weight's nearest magnitude scores least, and every other tuple scores more by
+        the sum of its weights' excesses. The codebook entries that differ from that tuple in at most one weight's
+        magnitude are scored from those excesses; every other entry scores at least the two smallest excesses
+        more, so where the best near entry scores below that bound (by ``IQ2_NEIGHBOUR_MARGIN``) it is the
+        nearest entry; the groups that bound leaves open are scored against every entry. Ties go to the lower
+        index, as in a full search; the answer differs from :meth:`scored_entries` only where two entries' scores
+        tie within float32 rounding. (Searching the open groups again two magnitudes out took longer on the CPU
+        than scoring them.)"""
+        if not target.shape[0]:
+            return torch.zeros(0, dtype=torch.long, device=target.device)
+        return torch.cat([self._neighbour_chunk(t) for t in target.split(IQ2_NEIGHBOUR_GROUPS)])
+
+    def _neighbour_chunk(self, target: torch.Tensor) -> torch.Tensor:
+        score = self.magnitudes * self.magnitudes - 2 * target.abs().unsqueeze(-1) * self.magnitudes  # (n, 8, 3)
+        low, rank = score.min(-1)
+        excess = score - low.unsqueeze(-1)                               # 0 at each weight's best magnitude
+        key = (rank * self.rank_key).sum(-1)                             # the best tuple's
+        ranks = torch.arange(self.mags, device=target.device)
+        near = self.entry[key[:, None, None] + (ranks - rank.unsqueeze(-1)) * self.rank_key[:, None]]
+        index, best = _lowest(excess.flatten(1), near.flatten(1), self.grid.shape[0])
+        others = excess.masked_fill(ranks == rank.unsqueeze(-1), float("inf")).min(-1).values
+        open_ = ~(best < others.topk(2, -1, largest=False).values.sum(-1) - IQ2_NEIGHBOUR_MARGIN)
+        if bool(open_.any()):
+            index[open_] = self.scored_entries(target[open_])
+        return index
+
+    def scored_entries(self, target: torch.Tensor) -> torch.Tensor:
+        """:meth:`nearest_entries` by scoring every entry, as one addmm per chunk that bounds the score table."""
         norms = (self.grid * self.grid).sum(-1)
         return torch.cat([torch.addmm(norms, t.abs(), self.grid.T, alpha=-2).argmin(-1)
                           for t in target.split(IQ2_SEARCH_GROUPS)])
+
+    def _rounded_entries(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codebook index (..., groups) of the rounded positions of `u` (-1 where their magnitudes form no
+        codebook tuple) and their negative weights (..., groups, 8)."""
+        r = torch.round(u).clamp_(0, self.levels.shape[0] - 1)
+        neg = r < self.mags
+        rank = torch.where(neg, self.mags - 1 - r, r - self.mags)
+        return self.entry[(rank * self.rank_weight).sum(-1).long()], neg
+
+    @torch.no_grad()
+    def missing(self) -> torch.Tensor:
+        """(..., groups) bool: the groups whose rounded positions are no codebook tuple, which the decode searches
+        the codebook for (:meth:`nearest_entries`) at every step."""
+        return self._rounded_entries(self._grouped())[0] < 0
 
     def _groups(self, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The codebook index (..., groups) int64, the negative weights (..., groups, 8) and the entries'
@@ -205,14 +263,11 @@ class IQ2Codes:
         signed levels of ``u`` when the caller has them (detached), else computed here where needed."""
         with torch.no_grad():
             u = self._grouped()
-            r = torch.round(u).clamp_(0, self.levels.shape[0] - 1)
-            neg = r < self.mags
-            rank = torch.where(neg, self.mags - 1 - r, r - self.mags)
-            index = self.entry[(rank * self.rank_weight).sum(-1).long()]
+            index, neg = self._rounded_entries(u)
             miss = index < 0
             if bool(miss.any()):  # the rounded magnitudes are no codebook tuple: the entry nearest to the relaxation
-                index[miss] = self._nearest_entries(gl.table_values(u[miss], self.levels) if values is None
-                                                    else values[miss])
+                index[miss] = self.nearest_entries(gl.table_values(u[miss], self.levels) if values is None
+                                                   else values[miss])
             mags = self.grid[index]
             if self.parity:
                 neg = gl.even_sign_flip(neg, (gl.table_values(u, self.levels) if values is None else values).abs()
@@ -241,6 +296,15 @@ class IQ2Codes:
     def blocks(self) -> np.ndarray:
         """The encoded tensor with the current groups (scales and size unchanged)."""
         return gl.set_iq2_groups_on(self.source, self.qtype, *self.codes())
+
+
+def _lowest(cost: torch.Tensor, entries: torch.Tensor, none: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the lowest entry index among the candidates of least cost, and that cost; candidates whose entry is
+    -1 (no codebook tuple) do not count (index `none`, cost inf where a row has none)."""
+    cost = torch.where(entries >= 0, cost, torch.full_like(cost, float("inf")))
+    best = cost.min(-1, keepdim=True).values
+    index = torch.where((cost == best) & (entries >= 0), entries, torch.full_like(entries, none)).min(-1).values
+    return index, best.squeeze(-1)
 
 
 def tunable_codes(blocks: np.ndarray, qtype: str, weights: torch.Tensor, device: str | torch.device = "cpu", *,

@@ -152,6 +152,34 @@ def test_iq2_groups_off_the_codebook_take_the_nearest_entry(weights, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
+def test_iq2_neighbour_search_finds_the_nearest_entries(weights, qtype):
+    """The search near each group's best tuple answers as scoring every entry does, on values around codebook
+    entries (as a descent leaves them) and anywhere on the table, except where the two answers' exact scores
+    tie within float32 rounding; it settles most groups near the magnitudes without scoring every entry."""
+    c = bt.IQ2Codes(_iq2(weights, qtype), qtype, weights)
+    g = torch.Generator().manual_seed(2)
+    n = 60000
+    grid = torch.from_numpy(gl.iq2_grid(qtype)).double()
+    around = grid.float()[torch.randint(0, grid.shape[0], (n,), generator=g)] + torch.randn(n, 8, generator=g) * 4
+    anywhere = (torch.rand(n, 8, generator=g) - 0.5) * 100
+    for target in (around, anywhere):
+        scored, seen = c.scored_entries(target), []
+        full = c.scored_entries
+        c.scored_entries = lambda t: (seen.append(t.shape[0]), full(t))[1]
+        near = c.neighbour_entries(target)
+        del c.scored_entries
+        differ = near != scored
+        t = target[differ].abs().double()
+        gap = [((grid[i] ** 2).sum(-1) - 2 * (t * grid[i]).sum(-1)) for i in (near[differ], scored[differ])]
+        assert int(differ.sum()) <= 20 and bool(((gap[0] - gap[1]).abs() < 1e-2).all())
+        if target is around:
+            assert 0 < sum(seen) < n / 2
+    assert c.nearest_entries(around).equal(c.neighbour_entries(around) if qtype in bt.IQ2_NEIGHBOUR_TYPES
+                                           else c.scored_entries(around))
+    assert c.neighbour_entries(around[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
 def test_iq2_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights, qtype):
     """An IQ2 type's codebook groups tuned for a Linear's output: the held-out loss falls, some groups move, the
     fp16 d and the 4-bit scales stay byte for byte, and the written blocks decode (gguf-py) to exactly the weights

@@ -931,6 +931,8 @@ def _tune_summary(done: list[dict], closed: list[dict], st: str) -> dict | None:
     grp = next((e for e in done if e["k"] == "tune_groups" and _in(e, lay)), None)
     groups = grp["ranges"] if grp else []
     stages = _tune_stages(done, closed, lay, st, groups)
+    inline = [e for e in done if e.get("thread") != "behind"]
+    behind = [e for e in done if e.get("thread") == "behind"]
     stored = {t: x for t, x in _weights_seconds(closed, "stored_values/", lay).items()
               if t not in ("F32", "F16", "BF16")}  # floats are only rounded
     d = {"seconds": round(lay["t1"] - lay["t0"], 2), "state": "cut" if "elapsed" in lay else "done",
@@ -939,9 +941,11 @@ def _tune_summary(done: list[dict], closed: list[dict], st: str) -> dict | None:
          "stored_values": stored,
          "stored_values_encode": _weights_seconds(done, "encode/", lay),
          "host_dequant_s": round(_secs(done, "host_dequant/", lay), 2),
-         "streams_parts_s": {k: round(_secs(done, f"tune_streams/{k}", lay), 2)
+         "streams_parts_s": {k: round(_secs(inline, f"tune_streams/{k}", lay), 2)
                              for k in ("materialize", "source_pass", "source_weights", "decode_rounded",
                                        "write_values", "blocks")}}
+    # the expert groups' source weights, read on a worker thread while the group before is tuned: listed, not a part
+    d["source_weights_behind_s"] = round(_secs(behind, "tune_streams/source_weights", lay), 2)
     d["streams_parts_s"]["ggml_encode"] = round(sum(x["seconds"] for x in d["stored_values_encode"].values()), 2)
     # the layer's calls outside its stages: the quantized pass that makes the next layer's input
     in_stage = [e for e in closed if e["k"] == f"tune_stage/{st}" and _in(e, lay)]

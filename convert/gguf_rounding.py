@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -37,6 +36,7 @@ from mixq.formats.partials import make_partial_dir
 from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.device import device_kind, pick_device
 from mixq.runtime.calibration import calibration_rows, load_tokenizer
+from mixq.runtime.overlap import ahead
 
 # damping of H (relative to its mean diagonal) and coordinate-descent passes after the feedback walk: measured on
 # k256 with held-out Hessians (bench/gguf_quality.py), 0.1 and 3 generalise better than GPTQ's usual 0.01 and none
@@ -88,23 +88,18 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
         step = expert_slice(spec.shape[-2], n, dev)
         slices = [(e0, min(E, e0 + step)) for e0 in range(0, E, step)]
 
-        def read(e0: int, e1: int) -> torch.Tensor:
-            return torch.stack([fetch(spec.hf_names[e]) for e in range(e0, e1)])
+        def read(r: tuple[int, int]) -> torch.Tensor:
+            return torch.stack([fetch(spec.hf_names[e]) for e in range(*r)])
         arr = None
-        with ThreadPoolExecutor(max_workers=1) as reader:
-            ahead = reader.submit(read, *slices[0])
-            for i, (e0, e1) in enumerate(slices):
-                h = stage.experts(spec, e0, e1)
-                if h is None:
-                    return False
-                w = ahead.result()
-                if i + 1 < len(slices):
-                    ahead = reader.submit(read, *slices[i + 1])
-                im = None if imatrix is None else imatrix.reshape(E, n)[e0:e1]
-                b = kh.quantize_hessian(w, h, qtype, im, damp=DAMP, refine=refine, device=dev)
-                if arr is None:
-                    arr = np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=(E,) + b.shape[1:])
-                arr[e0:e1] = b
+        for (e0, e1), w in ahead(slices, read):
+            h = stage.experts(spec, e0, e1)
+            if h is None:
+                return False
+            im = None if imatrix is None else imatrix.reshape(E, n)[e0:e1]
+            b = kh.quantize_hessian(w, h, qtype, im, damp=DAMP, refine=refine, device=dev)
+            if arr is None:
+                arr = np.lib.format.open_memmap(out, mode="w+", dtype=np.uint8, shape=(E,) + b.shape[1:])
+            arr[e0:e1] = b
         arr.flush()
         del arr
         return True

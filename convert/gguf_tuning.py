@@ -42,7 +42,7 @@ from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml import levels as gl
 from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stack_rows,
                                        stacked_block, stacked_parts, write_values)
-from mixq.runtime.overlap import host_empty
+from mixq.runtime.overlap import ahead, host_empty
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
 SCALE_LR = 0.2          # total reach of a block scale's relative change (types in SCALE_TUNED): scale_lr / 2
@@ -327,16 +327,20 @@ class LayerTuner:
             return []
         return [(e0, min(experts, e0 + size)) for e0 in range(0, experts, size)]
 
-    def _group(self, over: list, encoded: Mapping[str, np.ndarray], e0: int, e1: int) -> list[tuple]:
-        """[(full spec, (e0, e1), tuned codes of experts e0..e1)] of every stack in `over`: one group's codes, made
-        when its stage starts so that one group at a time is in memory."""
-        group = []
-        for spec, qtype in over:
-            part = replace(spec, hf_names=spec.hf_names[e0:e1], shape=(e1 - e0, *spec.shape[1:]))
-            blocks = np.asarray(encoded[spec.name])[e0:e1]
-            group.append((spec, (e0, e1), bt.tunable_codes(blocks, qtype, build_tensor(part, self._fetch), self.device,
-                                                           scales=self._scales(qtype))))
-        return group
+    def _group_sources(self, over: list, e0: int, e1: int) -> list[torch.Tensor]:
+        """The source weights of every stack in `over` over experts e0..e1, in the order of `over` (the codes of a
+        group start from them): read on a worker thread while the group before is tuned."""
+        return [build_tensor(replace(spec, hf_names=spec.hf_names[e0:e1], shape=(e1 - e0, *spec.shape[1:])),
+                             self._fetch) for spec, _ in over]
+
+    def _group(self, over: list, encoded: Mapping[str, np.ndarray], e0: int, e1: int,
+               sources: Sequence[torch.Tensor]) -> list[tuple]:
+        """[(full spec, (e0, e1), tuned codes of experts e0..e1)] of every stack in `over` (`sources`: their source
+        weights, :meth:`_group_sources`): one group's codes, made when its stage starts so that one group at a time
+        is in memory."""
+        return [(spec, (e0, e1), bt.tunable_codes(np.asarray(encoded[spec.name])[e0:e1], qtype, source, self.device,
+                                                  scales=self._scales(qtype)))
+                for (spec, qtype), source in zip(over, sources)]
 
     def _scales(self, qtype: str) -> bool:
         """Whether a tensor of `qtype` has its block scales learned with its codes."""
@@ -461,8 +465,8 @@ class LayerTuner:
         ranges = self._expert_ranges(over) if self.group_iters > 0 else []
         if ranges:
             with attention:  # from here only routed experts move
-                for e0, e1 in ranges:
-                    group = self._group(over, encoded, e0, e1)
+                for (e0, e1), sources in ahead(ranges, lambda r: self._group_sources(over, *r)):
+                    group = self._group(over, encoded, e0, e1, sources)
 
                     def weights(e0=e0, e1=e1, group=group) -> tuple[torch.Tensor, torch.Tensor]:
                         stacks = self._group_stacks(group)

@@ -14,6 +14,12 @@ from mixq.eval import evaluate
 from .conftest import write_noisy_copy
 
 BASELINE = Path(__file__).resolve().parents[1] / "data" / "eval_inmemory_baseline.json"
+# relative tolerance per number. On the CPU the baseline was made on they agreed to 1e-6; another CPU's vectorised
+# float paths round the forward differently, which moved means and maxima by up to 5e-6 and the median and 99th
+# percentile of the per-token KLD (tokens near the quantile trade places) by up to 1.5e-4 (top-1 and positions stay
+# exact); a window or scoring change moves them by far more
+TOLERANCE = {"kld_mean": 5e-5, "kld_median": 1e-3, "kld_p99": 1e-3, "kld_max": 5e-5, "ppl": 1e-6, "ppl_ref": 1e-6,
+             "rms_dp": 5e-5}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +55,8 @@ def test_streaming_equals_in_memory_numbers(model, baseline, heldout_text, tmp_p
     assert [Path(c["path"]).name for c in rep["candidates"]] == [p.name for p in cands]
     for (name, old), new in zip(b["candidates"].items(), rep["candidates"]):
         assert new["top1"] == old["top1"] and new["positions"] == old["positions"], name
-        for k in ("kld_mean", "kld_median", "kld_p99", "kld_max", "ppl", "ppl_ref", "rms_dp"):
-            assert new[k] == pytest.approx(old[k], rel=1e-6, abs=1e-12), (name, k)
+        for k, rel in TOLERANCE.items():
+            assert new[k] == pytest.approx(old[k], rel=rel, abs=1e-12), (name, k)
     assert rep["candidates"][0]["kld_mean"] < 0.02 and rep["peak_rss_mib"] > 0 and rep["peak_gpu_mib"] is None
 
 

@@ -133,9 +133,10 @@ class _RowsInto(torch.autograd.Function):
 def layer_params(module: nn.Module, layer: int, values: Mapping[str, torch.Tensor],
                  fetch: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     """The module's tensors that hold any of `values` (HF name -> tensor), assembled from their checkpoint tensors
-    (concatenated on dim 0, stacked per routed expert), the other parts of such a tensor from `fetch`. A stacked tensor (routed experts) is the module's own, its rows
-    that hold any of `values` written in place and differentiable (the module then holds them): moving a few
-    experts neither copies the others nor restacks the layer."""
+    (concatenated on dim 0, stacked per routed expert), the other parts of such a tensor from `fetch`. A stacked
+    tensor (routed experts) is the module's own, its rows that hold any of `values` written in place and
+    differentiable (the module then holds them): moving a few experts neither copies the others nor restacks the
+    layer."""
     out: dict[str, torch.Tensor] = {}
     for key, ref in module.state_dict(keep_vars=True).items():
         src = module_sources(layer, key, ref.shape[0] if ref.dim() else 0)

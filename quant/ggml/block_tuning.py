@@ -172,8 +172,7 @@ class IQ2Codes:
         self.parity = gl.IQ2_LAYOUTS[qtype].parity
         self.grid, self.levels, self.entry = _iq2_tables(qtype, dev)
         self.mags = self.levels.shape[0] // 2   # magnitudes per sign (3); positions below it are negative
-        self.rank_weight = (self.mags ** torch.arange(8, device=dev)).float()
-        self.rank_key = self.mags ** torch.arange(8, device=dev)             # the same as int64: a tuple's key
+        self.rank_key = self.mags ** torch.arange(8, device=dev)             # a tuple's key: Σ rank_i·3^i
         self.magnitudes = self.levels[self.mags:]                          # (8, 25, 43), ascending
         self.bits = 2 ** torch.arange(8, device=dev)
         self.index0, self.signs0 = gl.iq2_groups_on(self.source, qtype, dev)
@@ -249,7 +248,7 @@ class IQ2Codes:
         r = torch.round(u).clamp_(0, self.levels.shape[0] - 1)
         neg = r < self.mags
         rank = torch.where(neg, self.mags - 1 - r, r - self.mags)
-        return self.entry[(rank * self.rank_weight).sum(-1).long()], neg
+        return self.entry[(rank.long() * self.rank_key).sum(-1)], neg
 
     @torch.no_grad()
     def missing(self) -> torch.Tensor:
@@ -301,9 +300,10 @@ class IQ2Codes:
 def _lowest(cost: torch.Tensor, entries: torch.Tensor, none: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the lowest entry index among the candidates of least cost, and that cost; candidates whose entry is
     -1 (no codebook tuple) do not count (index `none`, cost inf where a row has none)."""
-    cost = torch.where(entries >= 0, cost, torch.full_like(cost, float("inf")))
+    valid = entries >= 0
+    cost = torch.where(valid, cost, torch.full_like(cost, float("inf")))
     best = cost.min(-1, keepdim=True).values
-    index = torch.where((cost == best) & (entries >= 0), entries, torch.full_like(entries, none)).min(-1).values
+    index = torch.where((cost == best) & valid, entries, torch.full_like(entries, none)).min(-1).values
     return index, best.squeeze(-1)
 
 

@@ -622,8 +622,8 @@ def _tuning_probe(p: Probe) -> None:
     p.wrap([gt.LayerTuner], "__init__", lambda *a, **k: "tune_init")
     p.wrap([gt.LayerTuner], "layer", lambda self, layer, enc, *a: f"tune_layer/{_stage_name(layer)}")
     p.wrap([gt.LayerTuner], "head", lambda self, enc: "tune_layer/head")
-    p.wrap([gt.LayerTuner], "_tune", lambda self, layer, tuned, loss, iters: f"tune_stage/{_stage_name(layer)}",
-           info=lambda self, layer, tuned, loss, iters: {"w": sum(int(c.u.numel()) for _, c in tuned),
+    p.wrap([gt.LayerTuner], "_tune", lambda self, layer, tuned, loss, iters, **k: f"tune_stage/{_stage_name(layer)}",
+           info=lambda self, layer, tuned, loss, iters, **k: {"w": sum(int(c.u.numel()) for _, c in tuned),
                                                          "iters": iters, "tensors": len(tuned)})
     _log_result(p, gt.LayerTuner, "_expert_ranges",
                 lambda res, self, over: {"k": "tune_groups", "ranges": [list(r) for r in res],
@@ -2452,16 +2452,17 @@ def _budget(st: dict) -> int | None:
     return None
 
 
-def _checks(iters: int, checks: int = 4) -> int:
-    """Held-out checks of a descent of `iters` steps (block_tuning.sign_descent: the start and `checks` marks)."""
-    return 1 + len({round(iters * k / checks) for k in range(1, checks + 1)})
+def _checks(iters: int, checks: int = 4, start: bool = True) -> int:
+    """Held-out checks of a descent of `iters` steps (block_tuning.sign_descent: the `checks` marks, and the start
+    unless the stage before ended there: LayerTuner's expert groups after the layer's first stage)."""
+    return int(start) + len({round(iters * k / checks) for k in range(1, checks + 1)})
 
 
-def _stage_cost(stage: dict, iters: int) -> float:
+def _stage_cost(stage: dict, iters: int, start: bool = True) -> float:
     """One tuning stage at `iters` steps: the steps at their measured rate, its held-out checks (at their measured
-    seconds each) and set-up."""
+    seconds each; `start`: the start is checked too) and set-up."""
     check = stage.get("check_s", 0.0) / stage["checks"] if stage.get("checks") else 0.0
-    return iters * stage["s_per_step"] + _checks(iters) * check + max(0.0, stage.get("setup_s", 0.0))
+    return iters * stage["s_per_step"] + _checks(iters, start=start) * check + max(0.0, stage.get("setup_s", 0.0))
 
 
 def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | None,
@@ -2498,7 +2499,8 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
             r.note("tuning expert groups", f"none measured in this run: at the steps of {groups_from[0]}'s groups")
         elif not groups:
             r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
-        out["steps"] += n_groups * _stage_cost(g, max(1, iters // gt.GROUP_ITERS_SHARE))  # the tuner's group steps
+        # the tuner's group steps; each group starts where the stage before ended, so its start is not checked
+        out["steps"] += n_groups * _stage_cost(g, max(1, iters // gt.GROUP_ITERS_SHARE), start=not chosen)
     tuned_w = sum(x.get("weights") or 0 for x in tune["stages"])
     if tuned_w:
         out["codes_init"] = tune.get("codes_init_s", 0.0) / tuned_w * sum(math.prod(s.shape) for s, _ in tun)

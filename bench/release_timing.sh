@@ -20,6 +20,8 @@
 #   bash bench/release_timing.sh OUT gguf-hessian-long-groups # 9.5 min: the same with 1.3 G-weight expert groups
 #                                                             (6 groups of 51 experts; an H200's memory: on an
 #                                                             80 GB H100 the first group runs out of it)
+#   bash bench/release_timing.sh OUT gguf-tune-fla            # 6 min: gguf-tune with fla's KDA kernels, 200 steps (the
+#                                                             groups' 25 each), the first group profiled
 #   bash bench/release_timing.sh OUT iq2-decode               # 1 min: the tuner's IQ2 decode at an expert's shape,
 #                                                             the neighbour search beside the full one
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
@@ -123,6 +125,10 @@ for step in "$@"; do
                            --types IQ2_S,Q4_K --kinds stack,stack_down ;;
         gguf-tune) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_tune.json" \
                        --deadline-s 500 --stages build,gguf-tune,project --tune-profile "$OUT/tune_profile.txt" ;;
+        gguf-tune-fla) with_fla
+                       PYTHONPATH=/tmp/site-fla:$PYTHONPATH python3 bench/glm53_slice.py "${SLICE[@]}" \
+                           --json "$OUT/glm53_slice_288_tune_fla.json" --deadline-s 500 --stages build,gguf-tune \
+                           --tune-probe-iters 200 --tune-profile "$OUT/tune_profile_fla.txt" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

@@ -249,6 +249,9 @@ class LayerTuner:
         self.topk_source = self.topk_quant = None
         self.embed: tuple | None = None           # (spec, tuned codes) of token_embd, tuned with the first layer
         self.reports: list[StageReport] = []
+        # the codes' decoded values while a held-out check runs (id of the codes -> values): its batches read the
+        # same values, and at 288 experts the decode is most of a group's forward
+        self.check_values: dict[int, torch.Tensor] | None = None
         # ggml blocks this tuner encoded for tensors Hessian rounding leaves to ggml: the file's own bytes, handed
         # to the writer (take_encoded) so that it does not encode them a second time
         self.encoded: dict[str, np.ndarray] = {}
@@ -346,23 +349,28 @@ class LayerTuner:
         """Whether a tensor of `qtype` has its block scales learned with its codes."""
         return self.scale_lr > 0 and qtype in bt.SCALE_TUNED
 
-    @staticmethod
-    def _tuned_values(tuned) -> dict[str, torch.Tensor]:
+    def _decoded(self, codes) -> torch.Tensor:
+        """The codes' current values: decoded once per held-out check (its batches read the same values)."""
+        if self.check_values is None:
+            return codes.dequantized()
+        if id(codes) not in self.check_values:
+            self.check_values[id(codes)] = codes.dequantized()
+        return self.check_values[id(codes)]
+
+    def _tuned_values(self, tuned) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for spec, codes in tuned:
-            out.update(unbuild_tensor(spec, codes.dequantized().reshape(spec.shape)))
+            out.update(unbuild_tensor(spec, self._decoded(codes).reshape(spec.shape)))
         return out
 
-    @staticmethod
-    def _group_stacks(group) -> dict[tuple[str, ...], torch.Tensor]:
+    def _group_stacks(self, group) -> dict[tuple[str, ...], torch.Tensor]:
         """{the checkpoint names of a stack's experts e0..e1: their values (e1 - e0, ...)} of a group."""
-        return {tuple(spec.hf_names[e0:e1]): codes.dequantized().reshape(e1 - e0, *spec.shape[1:])
+        return {tuple(spec.hf_names[e0:e1]): self._decoded(codes).reshape(e1 - e0, *spec.shape[1:])
                 for spec, (e0, e1), codes in group}
 
-    @classmethod
-    def _group_values(cls, group) -> dict[str, torch.Tensor]:
+    def _group_values(self, group) -> dict[str, torch.Tensor]:
         """HF name -> value of the experts a group tunes (each stack's experts e0..e1)."""
-        return stack_rows(cls._group_stacks(group))
+        return stack_rows(self._group_stacks(group))
 
     # -- the stages
     def _start(self, encoded: Mapping[str, np.ndarray]) -> None:
@@ -375,25 +383,32 @@ class LayerTuner:
             self.embed_fixed = (fixed[EMBED_NAME] if EMBED_NAME in fixed else self._fetch(EMBED_NAME)).to(self.device)
 
     def _embedded(self, sl: slice) -> torch.Tensor:
-        w = self.embed[1].dequantized() if self.embed is not None else self.embed_fixed
+        w = self._decoded(self.embed[1]) if self.embed is not None else self.embed_fixed
         e = F.embedding(self.ids[sl].to(self.device), w)
         return e.unsqueeze(2).expand(-1, -1, self.stream.hc_mult, -1).contiguous()
 
-    def _tune(self, layer, tuned, loss, iters: int) -> None:
+    def _tune(self, layer, tuned, loss, iters: int, start: float | None = None) -> float | None:
+        """Tune `tuned` ([(spec, codes)]) for `loss`; `start`: the held-out loss of the start when the stage before
+        ended at this point (not checked again). Returns the held-out loss where the codes end (None: no stage)."""
         if not tuned or iters <= 0:
-            return
+            return None
 
         def held_out() -> float:
-            with torch.no_grad():
-                return sum(float(loss(sl)) for sl in self.check)
+            self.check_values = {}
+            try:
+                with torch.no_grad():
+                    return sum(float(loss(sl)) for sl in self.check)
+            finally:
+                self.check_values = None
 
         t0 = time.perf_counter()
         params = [(p, self.lr if k == 0 else self.scale_lr) for _, c in tuned for k, p in enumerate(c.params)]
         before, after = bt.sign_descent([p for p, _ in params], loss, self.fit, iters, [r for _, r in params],
-                                        score=held_out)  # the score reads losses back: the device has finished
+                                        score=held_out, start=start)  # the score reads losses back
         self.reports.append(StageReport(layer, before, after, after < before,
                                         float(np.mean([c.changed() for _, c in tuned])), self.held,
                                         time.perf_counter() - t0))
+        return after
 
     def layer(self, layer: int, encoded: Mapping[str, np.ndarray], source: torch.nn.Module | None = None
               ) -> dict[str, np.ndarray]:
@@ -456,7 +471,9 @@ class LayerTuner:
             out, _ = run(sl, layer_params(mod, layer, self._tuned_values(live), current) if live else None)
             return F.mse_loss(out, target[sl].to(self.device))
 
-        self._tune(layer, tuned_all, loss, self.iters)
+        # each stage after the first starts where the one before ended: the module holds those values, and a group's
+        # codes start at their encoded values, which the module holds for the experts not yet tuned
+        reached = self._tune(layer, tuned_all, loss, self.iters)
         with torch.no_grad():
             frozen.update({k: v.detach() for k, v in self._tuned_values(tuned).items()})
         write_values(mod, layer, frozen, value)
@@ -473,7 +490,8 @@ class LayerTuner:
                         return tuple(stacked_block(mod, layer, f"mlp.experts.{k}", range(e0, e1), stacks, current)
                                      for k in ("gate_up_proj", "down_proj"))
                     with ExpertGroupMoE(mod.mlp, e0, e1, weights) as group_moe:
-                        self._tune(layer, [(spec, codes) for spec, _, codes in group], loss, self.group_iters)
+                        reached = self._tune(layer, [(spec, codes) for spec, _, codes in group], loss,
+                                             self.group_iters, start=reached)
                     group_moe = None
                     write_values(mod, layer, self._group_values(group), value)  # (without a graph)
                     for spec, _, codes in group:
@@ -524,7 +542,7 @@ class LayerTuner:
             with torch.no_grad():
                 p = F.log_softmax(self.stream.final_hidden(self.source[sl], norm) @ w_source.T, -1)
                 h = self.stream.final_hidden(self.quant[sl], norm)
-            q = F.log_softmax(h @ codes.dequantized().reshape(spec.shape).T, -1)
+            q = F.log_softmax(h @ self._decoded(codes).reshape(spec.shape).T, -1)
             return F.kl_div(q.flatten(0, 1), p.flatten(0, 1), log_target=True, reduction="batchmean")
 
         self._tune(None, tuned, loss, self.iters)

@@ -318,15 +318,17 @@ def tunable_codes(blocks: np.ndarray, qtype: str, weights: torch.Tensor, device:
 
 def sign_descent(params: Sequence[torch.Tensor], loss: Callable[[object], torch.Tensor], batches: Sequence,
                  iters: int, lr: float | Sequence[float], *, score: Callable[[], float] | None = None,
-                 checks: int = 4) -> tuple[float, float] | None:
+                 checks: int = 4, start: float | None = None) -> tuple[float, float] | None:
     """``iters`` steps of u -= lr_t·sign(∂loss/∂u) over `batches` in turn, lr_t decaying linearly from
     ``lr / iters`` to 0 (so no parameter moves more than ``lr / 2`` in all). `lr`: one rate, or one per parameter.
 
     With `score` (a held-out loss of the current parameters, no gradient), it is taken at the start and after
     every ``iters / checks`` steps, and the parameters end at the point that scored best (the start included:
-    a descent that over-fits the batches is undone). Returns (score at the start, best score) then."""
+    a descent that over-fits the batches is undone). `start`: the start's score when the caller has it (a stage
+    that begins where the one before ended), in place of the first call. Returns (score at the start, best score)
+    then."""
     marks = {round(iters * k / checks) for k in range(1, checks + 1)} if score is not None else set()
-    best = first = score() if score is not None else None
+    best = first = (score() if start is None else float(start)) if score is not None else None
     kept = [p.detach().clone() for p in params] if score is not None else None
     rates = [float(lr)] * len(params) if np.ndim(lr) == 0 else [float(r) for r in lr]
     for it in range(iters):

@@ -86,6 +86,20 @@ def test_sign_descent_returns_to_the_start_when_nothing_scores_better(weights):
     assert torch.equal(codes.u.detach(), u0) and np.array_equal(codes.blocks(), blocks)
 
 
+def test_sign_descent_takes_a_known_start_score(weights):
+    """A stage that starts where the one before ended passes that score: the start is not scored again, and a
+    start that scores best still ends the descent there."""
+    blocks = kquants.quantize(weights.numpy(), "Q4_K")
+    codes = bt.LevelCodes(blocks, "Q4_K", weights)
+    u0 = codes.u.detach().clone()
+    loss = lambda _sl: (codes.dequantized() - 1.0).square().mean()  # noqa: E731
+    calls = []
+    score = lambda: calls.append(1) or 1.0 + float((codes.u.detach() - u0).abs().sum())  # noqa: E731
+    first, best = bt.sign_descent([codes.u], loss, [None], 8, 1.0, score=score, checks=4, start=0.5)
+    assert len(calls) == 4 and first == best == 0.5
+    assert torch.equal(codes.u.detach(), u0)
+
+
 def _iq2(weights, qtype):
     """IQ2 blocks of `weights` by ggml's encoder (IQ2_XS needs an importance: the weights' mean square per column)."""
     return kquants.quantize(weights.numpy(), qtype, (weights * weights).mean(0).numpy() + 1e-8)

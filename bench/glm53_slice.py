@@ -2564,6 +2564,18 @@ def measured_groups(path: Path | None) -> tuple[str, list[dict]] | None:
     return (name, groups) if groups else None
 
 
+def warm_encode_rates(path: Path | None) -> tuple[str, dict[str, float]] | None:
+    """(the file, {type: M weights/s}) of ggml's encoders on the GPU without an imatrix at a GLM-5.3 routed
+    expert's shape, warm (bench/kquant_speed.py's mixq CUDA column: host arrays in and out), or None. The NextN
+    block has no imatrix entry (llama-imatrix's forward never reaches it), so it is encoded without one."""
+    if path is None:
+        return None
+    rows = json.loads(Path(path).read_text())["results"]
+    rates = {r["type"]: r["mixq_cuda_wps"] / 1e6 for r in rows
+             if not r["imatrix"] and r.get("mixq_cuda_wps") and r["tensor"].startswith("GLM-5.3")}
+    return str(repo_relative(str(Path(path).resolve()))), rates
+
+
 def cold_warmup(path: Path | None) -> tuple[str, dict] | None:
     """(the file, :func:`rounding_warmup` of its gguf-hessian stage) of a run with a cold kernel cache, or None."""
     if path is None:
@@ -2574,14 +2586,17 @@ def cold_warmup(path: Path | None) -> tuple[str, dict] | None:
 
 def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
                          cold: tuple[str, dict] | None = None,
-                         groups_from: tuple[str, list[dict]] | None = None) -> dict:
+                         groups_from: tuple[str, list[dict]] | None = None,
+                         warm_encode: tuple[str, dict[str, float]] | None = None) -> dict:
     """GGUF 108 GB `--gguf-ladder iq --rounding hessian` release hours on one device: every release layer from
     its planned tensors (the 108 GB plan) at the rates this run measured: the capture forward per layer kind,
     Hessian rounding per type (s per M weights, its per-expert Hessians and spill included), block-output tuning
     (the stage of the layer's tensors and the expert groups over the tuner's budget, at the measured seconds per
     step x `tune_iters`), the tuner's host paths (numpy encodes of the types Hessian rounding leaves to ggml, gguf-py
     decodes of the encoded tensors it does not tune), then ggml's encoders for the rest (NextN included), the
-    write; imatrix and read/write/seal from the exact projection. Every borrowing is in `scaled`."""
+    write; imatrix and read/write/seal from the exact projection; `warm_encode`: ggml's encoders' warm rates
+    (:func:`warm_encode_rates`) for the NextN block, whose exact-run rates may hold a kernel's first build. Every
+    borrowing is in `scaled`."""
     hs = st.get("gguf-hessian") or {}
     hp = hs.get("phases") or {}
     iters = int(hs.get("tune_iters") or (st.get("gguf-tune") or {}).get("tune_iters") or 200)
@@ -2621,7 +2636,13 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
     if not rates:
         missing.append("Hessian rounding (no tensor finished)")
     layer_s = sum(d["seconds"] for d in per_layer.values())
-    nextn = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in groups.get("nextn", [])
+    def nextn_rate(t: str) -> float:
+        if warm_encode is not None and t in warm_encode[1]:
+            r.note(f"nextn encode {t}", f"ggml's encoder warm on the GPU, no imatrix, {warm_encode[1][t]:.0f} M "
+                                        f"weights/s ({warm_encode[0]})")
+            return warm_encode[1][t]
+        return _exact_rate(exact, t, r)
+    nextn = sum(math.prod(s.shape) / 1e6 / nextn_rate(t) for s, t, c in groups.get("nextn", [])
                 if t not in ("F32", "F16", "BF16"))
     head = _head_seconds(groups.get("head", []), hp, tunes["kda-dense"], iters, rates, r)
     read_rate = ((st.get("load") or {}).get("bf16") or {}).get("gb_per_s") or 3.5
@@ -2822,13 +2843,14 @@ def _release_decode(st: dict, rel_w: dict, cand: dict, slice_w: int, r: _Rates) 
 
 
 def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | None = DEFAULT_REFERENCE,
-            cold: Path | None = None, groups: Path | None = None) -> dict:
+            cold: Path | None = None, groups: Path | None = None, encode: Path | None = None) -> dict:
     """Each measured stage scaled to the release per layer type (3 KDA+dense, 31 KDA+MoE, 11 DSA+MoE, the NextN
     block uncalibrated, embed/head/vision once), 288 experts per MoE layer. What this run measured at 288
     experts is used as measured; a layer cut mid-way is completed at its own per-unit rate; what the run lacks
     comes from `reference`, each borrowing named in `scaled`; `cold`: a run's JSON whose first rounded tensors
     give the kernels' one-time warm-up (this run's kernels were compiled beforehand); `groups`: a run's JSON whose
-    expert groups give their seconds per step where this run measured none."""
+    expert groups give their seconds per step where this run measured none; `encode`: bench/kquant_speed.py's JSON,
+    ggml's encoders' warm rates for the NextN block."""
     st = res["stages"]
     layers = parse_layers(layers)
     counts = _release_counts(experts, layers)
@@ -2857,7 +2879,7 @@ def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | No
             out["gguf_108GB_hours"] = out["gguf_108GB"]["hours_108GB"]
     if any((st.get(k) or {}).get("phases") for k in ("gguf-hessian", "gguf-tune")):
         h = project_gguf_hessian(st, layers, ref, out.get("gguf_108GB", {}), cold_warmup(cold),
-                                 measured_groups(groups))
+                                 measured_groups(groups), warm_encode_rates(encode))
         if "gguf_108GB" not in out:
             h.setdefault("missing", []).append("the exact path's projection (imatrix, read/write/seal, ggml's encode "
                                                "rates): run the gguf stage, or start from its JSON (--seed-json)")
@@ -3021,6 +3043,9 @@ def main() -> None:
     ap.add_argument("--groups-json", type=Path, default=None,
                     help="project: the expert groups' seconds per step from this run's JSON where this run measured "
                          "none")
+    ap.add_argument("--encode-rates-json", type=Path, default=None,
+                    help="project: the NextN block's encode at these warm rates (bench/kquant_speed.py's JSON) "
+                         "instead of the exact run's")
     ap.add_argument("--seed-json", type=Path, default=None,
                     help="start the results from this earlier run's JSON (its stages kept unless run again)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -3078,7 +3103,7 @@ def main() -> None:
         if stage == "project":
             b = res["stages"].get("build", {})
             out = project(res, b.get("experts", a.experts), tuple(b.get("layers", layers)), a.reference,
-                          cold=a.warmup_json, groups=a.groups_json)
+                          cold=a.warmup_json, groups=a.groups_json, encode=a.encode_rates_json)
         elif stage in CHILD_STAGES:
             kill_at, why = end, "deadline"
             if stage in limits and (kill_at is None or t + limits[stage] < kill_at):

@@ -22,6 +22,9 @@
 #                                                             80 GB H100 the first group runs out of it)
 #   bash bench/release_timing.sh OUT gguf-tune-fla            # 6 min: gguf-tune with fla's KDA kernels, 200 steps (the
 #                                                             groups' 25 each), the first group profiled
+#   bash bench/release_timing.sh OUT encode-q4k               # 1 min: ggml's Q4_K encoder warm on the GPU at an
+#                                                             expert's shape (the NextN block's rate; a step run
+#                                                             before gguf-hessian-long* prices the NextN block at it)
 #   bash bench/release_timing.sh OUT iq2-decode               # 1 min: the tuner's IQ2 decode at an expert's shape,
 #                                                             the neighbour search beside the full one
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
@@ -77,6 +80,7 @@ hessian_long() {
     prewarm_rounding
     python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/slice_build$tag.json" --stages build
     wait
+    if [ -f "$OUT/kquant_speed_q4k.json" ]; then set -- "$@" --encode-rates-json "$OUT/kquant_speed_q4k.json"; fi
     python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" "$@" \
         --json "$OUT/glm53_slice_288_hessian$tag.json" --deadline-s "$(( ${DEADLINE:-560} - (SECONDS - start) ))" \
         --stages gguf-hessian,project
@@ -113,6 +117,8 @@ for step in "$@"; do
                                PYTHONPATH=/tmp/site-fla:$PYTHONPATH hessian_long _fla ;;
         gguf-hessian-long-groups) hessian_long _groups --tune-budget 1300000000 ;;
         gguf-factor) python3 bench/hessian_factor.py --json "$OUT/hessian_factor.json" ;;
+        encode-q4k) python3 bench/kquant_speed.py --device cuda --types Q4_K --imatrix both \
+                        --json "$OUT/kquant_speed_q4k.json" ;;
         iq2-decode) python3 bench/iq2_tuning_decode.py --device cuda --experts 4 --rows 2048 --cols 4096 \
                         --json "$OUT/iq2_tuning_decode.json" ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \

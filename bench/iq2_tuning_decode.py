@@ -1,11 +1,11 @@
 """The IQ2 codes' decode in block-output tuning (quant/ggml/block_tuning.IQ2Codes): per step of a descent at the
 tuner's rate, the share of groups whose rounded positions form no codebook tuple (the decode searches the codebook
 for those at every step); then, side by side, the decode's forward + backward and the codebook search alone with
-the neighbour search (`neighbour_entries`, the tuner's for the types of IQ2_NEIGHBOUR_TYPES) and with every entry
-scored (`scored_entries`, the other types'),
-how many groups the neighbour search left to the full one, and how many groups the two answer differently (ties
-within float32 rounding: the lower exact score is counted), on a random stack of expert-shaped matrices encoded by
-ggml's encoder.
+the neighbour search (`neighbour_entries`, the tuner's on the CPU for the types of IQ2_NEIGHBOUR_TYPES), with every
+entry scored (`scored_entries`) and, where the Triton kernels run, with the fused search (`fused_entries`, the
+tuner's there); how many groups the neighbour search left to the full one, and how many groups each search answers
+differently from the full one (ties within float32 rounding: the lower exact score is counted), on a random stack
+of expert-shaped matrices encoded by ggml's encoder.
 
     python bench/iq2_tuning_decode.py [--types IQ2_S,IQ2_XS] [--experts 2] [--rows 256] [--cols 4096] [--iters 25]
         [--device cpu] [--json OUT.json]
@@ -78,22 +78,26 @@ def measure(qtype: str, experts: int, rows: int, cols: int, iters: int, dev: tor
     res = {"type": qtype, "weights": experts * rows * cols, "groups": int(miss.numel()),
            "missing_share_per_step": shares}
     neighbour, full = codes.neighbour_entries, codes.scored_entries
-    for name, search in (("scored", full), ("neighbour", neighbour)):
+    searches = [("scored", full), ("neighbour", neighbour)]
+    if bt.use_fused(soft):
+        searches.append(("fused", codes.fused_entries))
+    for name, search in searches:
         codes.nearest_entries = search  # the decode's search, for this row
         res[name] = {"decode_forward_backward_s": round(_best_of(decode, dev, repeat), 4),
                      "search_s": round(_best_of(lambda: search(soft), dev, repeat), 4)}
     del codes.nearest_entries
+    res.update(searched=int(soft.shape[0]), left_to_full_search=_count_open(codes, soft))
     with torch.no_grad():
-        a, b = full(soft), neighbour(soft)
-        differ = a != b
-        mag, t = codes.grid.double(), soft[differ].abs().double()
-
-        def score(index: torch.Tensor) -> torch.Tensor:
-            return (mag[index] ** 2).sum(-1) - 2 * (t * mag[index]).sum(-1)
-        gap = score(b[differ]) - score(a[differ])
-    res.update(searched=int(soft.shape[0]), left_to_full_search=_count_open(codes, soft), differ=int(differ.sum()),
-               neighbour_lower_where_differ=int((gap < 0).sum()),
-               largest_gap_where_differ=float(gap.abs().max()) if gap.numel() else 0.0)
+        a = full(soft)
+        mag = codes.grid.double()
+        for name, search in searches[1:]:
+            b = search(soft)
+            differ = a != b
+            t = soft[differ].abs().double()
+            gap = [(mag[i] ** 2).sum(-1) - 2 * (t * mag[i]).sum(-1) for i in (b[differ], a[differ])]
+            gap = gap[0] - gap[1]
+            res[name].update(differ=int(differ.sum()), lower_where_differ=int((gap < 0).sum()),
+                             largest_gap_where_differ=float(gap.abs().max()) if gap.numel() else 0.0)
     return res
 
 
@@ -128,11 +132,16 @@ def main() -> None:
         s = r["missing_share_per_step"]
         print(f"{r['type']}: {r['groups']:,} groups; no codebook tuple after step 1 / {len(s)}: {s[0]:.2f} / "
               f"{s[-1]:.2f}; {r['left_to_full_search']:,} of {r['searched']:,} searched groups left to the full "
-              f"search, {r['differ']} answered differently ({r['neighbour_lower_where_differ']} of them lower by "
-              f"the neighbour search, gap <= {r['largest_gap_where_differ']:.2g})")
-        for name in ("scored", "neighbour"):
-            print(f"  {name:9s}: decode forward+backward {r[name]['decode_forward_backward_s']:.3f} s, the search "
-                  f"alone {r[name]['search_s']:.3f} s")
+              f"search by the neighbour search")
+        for name in ("scored", "neighbour", "fused"):
+            if name not in r:
+                continue
+            x = r[name]
+            same = "" if "differ" not in x else (f"; {x['differ']} answered differently from the full search "
+                                                 f"({x['lower_where_differ']} lower, gap <= "
+                                                 f"{x['largest_gap_where_differ']:.2g})")
+            print(f"  {name:9s}: decode forward+backward {x['decode_forward_backward_s']:.3f} s, the search "
+                  f"alone {x['search_s']:.3f} s{same}")
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
 

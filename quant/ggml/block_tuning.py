@@ -35,6 +35,8 @@ import torch
 
 from ...errors import InputError
 from . import levels as gl
+from . import triton_iq2s
+from .triton_search import use_fused
 
 # one level per weight (affine or the IQ4 table), and the IQ2 types' codebook groups; the other lattice i-quants
 # keep their codes
@@ -45,10 +47,12 @@ START_REACH = 0.499            # how far towards the source weight a code's rela
 # too fine for its scale to matter)
 SCALE_TUNED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 IQ2_SEARCH_GROUPS = 1 << 15    # groups per codebook search: a (groups, 1024) float32 score table of 128 MiB at most
-# the IQ2 types whose decode searches the codebook near each group's best tuple first (IQ2Codes.neighbour_entries):
-# on 2 CPU cores it took IQ2_S's decode from 0.44 s to 0.25 s (bench/iq2_tuning_decode.py). IQ2_XS's codebook
-# (512 entries) is cheaper to score whole, and the bound leaves a third of its groups to that full search (0.28 s
-# either way), so it scores them
+# the IQ2 types whose decode searches the codebook near each group's best tuple first on the CPU
+# (IQ2Codes.neighbour_entries): on 2 CPU cores it took IQ2_S's decode from 0.44 s to 0.25 s
+# (bench/iq2_tuning_decode.py). IQ2_XS's codebook (512 entries) is cheaper to score whole, and the bound leaves a
+# third of its groups to that full search (0.28 s either way), so it scores them. On a GPU the neighbour search was
+# slower than the score table (an H100: 0.024 s against 0.018 s for 4 experts' IQ2_S decode), and the fused search
+# streams the codebook through registers instead (IQ2Codes.fused_entries)
 IQ2_NEIGHBOUR_TYPES = ("IQ2_S",)
 IQ2_NEIGHBOUR_GROUPS = 1 << 19  # groups per neighbour search: about a kilobyte of transients a group at most
 # how far below the bound of the entries two or more magnitudes away the best neighbour must score to be taken
@@ -175,6 +179,7 @@ class IQ2Codes:
         self.rank_key = self.mags ** torch.arange(8, device=dev)             # a tuple's key: Σ rank_i·3^i
         self.magnitudes = self.levels[self.mags:]                          # (8, 25, 43), ascending
         self.bits = 2 ** torch.arange(8, device=dev)
+        self.unit_metric = torch.ones(1, 8, device=dev)
         self.index0, self.signs0 = gl.iq2_groups_on(self.source, qtype, dev)
         self.db = gl.iq2_group_scales_on(self.source, qtype, dev).unsqueeze(-1)        # (..., groups, 1)
         self.shape = tuple(self.db.shape[:-2]) + (self.db.shape[-2] * 8,)
@@ -203,10 +208,25 @@ class IQ2Codes:
     def nearest_entries(self, target: torch.Tensor) -> torch.Tensor:
         """Codebook index (n,) nearest to |target| (n, 8): smallest Σc² − 2·Σ|t|·c (the unit-metric case of
         ``hessian_rounding.nearest_iq2_entries``). Most groups take it at every step once the codes move (their
-        rounded magnitudes are no codebook tuple), and scoring every entry was most of the decode: the types of
-        ``IQ2_NEIGHBOUR_TYPES`` search near each group's best tuple first (:meth:`neighbour_entries`), the
-        others score every entry (:meth:`scored_entries`)."""
-        return self.neighbour_entries(target) if self.qtype in IQ2_NEIGHBOUR_TYPES else self.scored_entries(target)
+        rounded magnitudes are no codebook tuple), and scoring every entry was most of the decode. Where the fused
+        Triton kernels run, one kernel streams the codebook (:meth:`fused_entries`); on the CPU the types of
+        ``IQ2_NEIGHBOUR_TYPES`` search near each group's best tuple first (:meth:`neighbour_entries`); elsewhere
+        every entry is scored (:meth:`scored_entries`)."""
+        if use_fused(target):
+            return self.fused_entries(target)
+        if target.device.type == "cpu" and self.qtype in IQ2_NEIGHBOUR_TYPES:
+            return self.neighbour_entries(target)
+        return self.scored_entries(target)
+
+    def fused_entries(self, target: torch.Tensor) -> torch.Tensor:
+        """:meth:`nearest_entries` in one Triton kernel that keeps each group's best entry in registers as it
+        streams the codebook (``triton_iq2s``, the Hessian rounding's search in a unit metric): no score table.
+        Its sums run in index order, so near-ties (within float32 rounding) may go to the other entry."""
+        if not target.shape[0]:
+            return torch.zeros(0, dtype=torch.long, device=target.device)
+        n = target.shape[0]
+        one = torch.ones(1, n, 1, dtype=torch.float32, device=target.device)
+        return triton_iq2s.nearest_entries(one, self.unit_metric, target.reshape(1, n, 8), self.grid, 1).view(n)
 
     def neighbour_entries(self, target: torch.Tensor) -> torch.Tensor:
         """:meth:`nearest_entries` searched near each group's best tuple, in chunks. The score is a sum over the 8

@@ -2,6 +2,11 @@
 (glm5next-k256 weights, encoded by mixq's exact ggml encoders)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -191,6 +196,75 @@ def test_iq2_neighbour_search_finds_the_nearest_entries(weights, qtype):
     assert c.nearest_entries(around).equal(c.neighbour_entries(around) if qtype in bt.IQ2_NEIGHBOUR_TYPES
                                            else c.scored_entries(around))
     assert c.neighbour_entries(around[:0]).shape == (0,)
+
+
+def _search_gaps(c, target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    """How many groups two searches answer differently, and the largest gap of their exact scores there."""
+    grid = c.grid.double()
+    differ = a != b
+    t = target[differ].abs().double()
+    gap = [((grid[i] ** 2).sum(-1) - 2 * (t * grid[i]).sum(-1)) for i in (a[differ], b[differ])]
+    return int(differ.sum()), float((gap[0] - gap[1]).abs().max()) if int(differ.sum()) else 0.0
+
+
+_FUSED_CHECK = """
+import json, sys
+import numpy as np, torch
+from mixq.quant.ggml import block_tuning as bt, encoders as kquants
+g = torch.Generator().manual_seed(3)
+w = torch.randn(16, 256, generator=g) * 0.02
+out = {}
+for qtype in ("IQ2_S", "IQ2_XS"):
+    c = bt.IQ2Codes(kquants.quantize(w.numpy(), qtype, (w * w).mean(0).numpy() + 1e-8), qtype, w)
+    grid = c.grid
+    t = grid[torch.randint(0, grid.shape[0], (192,), generator=g)] + torch.randn(192, 8, generator=g) * 4
+    t = torch.cat([t, (torch.rand(64, 8, generator=g) - 0.5) * 100])
+    out[qtype] = [bt.use_fused(t), c.nearest_entries(t).tolist(), c.scored_entries(t).tolist(),
+                  c.fused_entries(t[:0]).shape[0]]
+print(json.dumps(out))
+"""
+
+
+def test_iq2_fused_search_finds_the_nearest_entries_in_the_interpreter():
+    """The fused codebook search (Triton, here in its interpreter on the CPU) is the decode's search where it
+    runs, and answers as scoring every entry does."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _FUSED_CHECK], env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for qtype, (fused, nearest, scored, empty) in res.items():
+        assert fused and empty == 0, qtype
+        assert nearest == scored, qtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
+def test_iq2_decode_searches_with_the_fused_kernel_on_the_gpu(weights, qtype, monkeypatch):
+    """On a GPU the decode's codebook search is the fused kernel: it answers as scoring every entry does except
+    where the two exact scores tie within float32 rounding, and the decode's values follow."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device("cuda")
+    c = bt.IQ2Codes(_iq2(weights, qtype), qtype, weights, dev)
+    g = torch.Generator().manual_seed(4)
+    n = 400000
+    grid = c.grid.cpu()
+    target = (grid[torch.randint(0, grid.shape[0], (n,), generator=g)] + torch.randn(n, 8, generator=g) * 4).to(dev)
+    fused, scored = c.fused_entries(target), c.scored_entries(target)
+    differ, gap = _search_gaps(c, target, fused, scored)
+    assert differ <= n * 1e-4 and gap < 1e-2
+    calls = []
+    monkeypatch.setattr(c, "fused_entries", lambda t, real=c.fused_entries: calls.append(1) or real(t))
+    with torch.no_grad():
+        c.u.add_(torch.randn(c.u.shape, generator=g).to(dev) * 0.6)
+        decoded = c.dequantized()
+    assert calls
+    monkeypatch.setattr(c, "nearest_entries", c.scored_entries)
+    with torch.no_grad():
+        eager = c.dequantized()
+    assert float((decoded != eager).float().mean()) < 1e-4
 
 
 @pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])

@@ -46,7 +46,23 @@ def _best_of(fn, dev: torch.device, repeat: int) -> float:
     return min(times)
 
 
-def measure(qtype: str, experts: int, rows: int, cols: int, iters: int, dev: torch.device, repeat: int) -> dict:
+def _profile(decode, dev: torch.device, title: str, path: Path) -> None:
+    """torch's profiler table (by device time where there is one) of one decode, appended to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    decode()
+    _sync(dev)
+    with profile(activities=acts) as prof:
+        decode()
+        _sync(dev)
+    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    with path.open("a") as f:
+        f.write(f"== {title}\n{prof.key_averages().table(sort_by=key, row_limit=25)}\n")
+
+
+def measure(qtype: str, experts: int, rows: int, cols: int, iters: int, dev: torch.device, repeat: int,
+            profile_to: Path | None = None) -> dict:
     """Miss shares along a descent of `iters` steps, then the decode's and the search's seconds at its end."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(experts, rows, cols, generator=g) * 0.02
@@ -86,6 +102,9 @@ def measure(qtype: str, experts: int, rows: int, cols: int, iters: int, dev: tor
         res[name] = {"decode_forward_backward_s": round(_best_of(decode, dev, repeat), 4),
                      "search_s": round(_best_of(lambda: search(soft), dev, repeat), 4)}
     del codes.nearest_entries
+    if profile_to is not None:
+        _profile(decode, dev, f"{qtype} decode forward + backward ({experts} x {rows} x {cols}), the tuner's search",
+                 profile_to)
     res.update(searched=int(soft.shape[0]), left_to_full_search=_count_open(codes, soft))
     with torch.no_grad():
         a = full(soft)
@@ -123,11 +142,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="append torch's profiler table of each type's decode (the tuner's own search) here")
     a = ap.parse_args()
     dev = torch.device(a.device)
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "threads": torch.get_num_threads(), "experts": a.experts, "rows": a.rows, "cols": a.cols, "iters": a.iters,
-           "types": [measure(t, a.experts, a.rows, a.cols, a.iters, dev, a.repeat) for t in a.types.split(",")]}
+           "types": [measure(t, a.experts, a.rows, a.cols, a.iters, dev, a.repeat, a.profile)
+                     for t in a.types.split(",")]}
     for r in res["types"]:
         s = r["missing_share_per_step"]
         print(f"{r['type']}: {r['groups']:,} groups; no codebook tuple after step 1 / {len(s)}: {s[0]:.2f} / "

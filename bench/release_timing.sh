@@ -26,7 +26,9 @@
 #                                                             expert's shape (the NextN block's rate; a step run
 #                                                             before gguf-hessian-long* prices the NextN block at it)
 #   bash bench/release_timing.sh OUT iq2-decode               # 1 min: the tuner's IQ2 decode at an expert's shape,
-#                                                             the neighbour search beside the full one
+#                                                             the fused and neighbour searches beside the full one,
+#                                                             and a profile of the decode
+#   bash bench/release_timing.sh OUT tuning-gpu-tests         # 1 min: the tuner's gpu tests
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
@@ -120,7 +122,9 @@ for step in "$@"; do
         encode-q4k) python3 bench/kquant_speed.py --device cuda --types Q4_K --imatrix both \
                         --json "$OUT/kquant_speed_q4k.json" ;;
         iq2-decode) python3 bench/iq2_tuning_decode.py --device cuda --experts 4 --rows 2048 --cols 4096 \
-                        --json "$OUT/iq2_tuning_decode.json" ;;
+                        --json "$OUT/iq2_tuning_decode.json" --profile "$OUT/iq2_decode_profile.txt" ;;
+        tuning-gpu-tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_block_tuning.py \
+                              tests/convert/test_gguf_tuning.py 2>&1 | tail -15 ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \
                                   --stages build,gguf-hessian,project ;;

@@ -27,6 +27,7 @@ Numerics in torch on the device of the weights; nothing here reads or writes fil
 """
 from __future__ import annotations
 
+import warnings
 from functools import lru_cache
 from typing import Callable, Sequence
 
@@ -35,7 +36,7 @@ import torch
 
 from ...errors import InputError
 from . import levels as gl
-from . import triton_iq2s
+from . import triton_iq2_decode, triton_iq2s
 from .triton_search import use_fused
 
 # one level per weight (affine or the IQ4 table), and the IQ2 types' codebook groups; the other lattice i-quants
@@ -58,6 +59,13 @@ IQ2_NEIGHBOUR_GROUPS = 1 << 19  # groups per neighbour search: about a kilobyte 
 # how far below the bound of the entries two or more magnitudes away the best neighbour must score to be taken
 # without the full search (the scores are sums of squares up to about 8·43²: float32 rounds them to about 1e-3)
 IQ2_NEIGHBOUR_MARGIN = 1e-2
+# (IQ2 type, device) -> whether the one-kernel decode (triton_iq2_decode) serves there: decided on first use, by
+# checking it beside the eager decode on random groups (IQ2Codes.fused_decode_ok)
+FUSED_DECODE: dict[tuple[str, str], bool] = {}
+FUSED_DECODE_CHECK_GROUPS = 1 << 14
+# how far a group's squared distance to its interpolated values may lie from the eager decode's (float32 rounding of
+# sums up to about 8·43²; an exact tie between codebook entries gives the same distance either way)
+FUSED_DECODE_TOLERANCE = 1e-2
 
 
 class LevelCodes:
@@ -279,9 +287,22 @@ class IQ2Codes:
     def _groups(self, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The codebook index (..., groups) int64, the negative weights (..., groups, 8) and the entries'
         magnitudes (..., groups, 8) of the current ``u``, as the file will hold them. `values`: the interpolated
-        signed levels of ``u`` when the caller has them (detached), else computed here where needed."""
+        signed levels of ``u`` when the caller has them (detached), else computed here where needed. Where the
+        one-kernel decode serves, the groups are read off its values, so that the file holds what the loss saw."""
+        u = self._grouped().detach()
+        if use_fused(u) and self.fused_decode_ok():
+            with torch.no_grad():
+                hard = self._fused_hard(u, gl.table_values(u, self.levels) if values is None else values)
+                mags = hard.abs()
+                rank = (mags.unsqueeze(-1) > self.magnitudes[:-1]).sum(-1)       # 0, 1, 2: 8, 25, 43
+                return self.entry[(rank * self.rank_key).sum(-1)], hard < 0, mags
+        return self._eager_groups(u, values)
+
+    def _eager_groups(self, u: torch.Tensor, values: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_groups` of relaxed positions `u` (..., groups, 8) in torch ops."""
         with torch.no_grad():
-            u = self._grouped()
+            u = u.detach()
             index, neg = self._rounded_entries(u)
             miss = index < 0
             if bool(miss.any()):  # the rounded magnitudes are no codebook tuple: the entry nearest to the relaxation
@@ -295,12 +316,55 @@ class IQ2Codes:
 
     def dequantized(self) -> torch.Tensor:
         """The decoded weights of the current groups (..., row); gradients reach ``u`` straight through, along the
-        interpolated signed levels. The values are exactly the file's: the relaxation enters as soft − soft."""
-        soft = gl.table_values(self._grouped(), self.levels)
+        interpolated signed levels. The values are exactly the file's: the relaxation enters as soft − soft. Where
+        the fused Triton kernels run and pass their check, one kernel decodes the groups
+        (:mod:`triton_iq2_decode`)."""
+        u = self._grouped()
+        soft = gl.table_values(u, self.levels)
         detached = soft.detach()
-        _, neg, mags = self._groups(detached)
-        hard = torch.where(neg, -mags, mags)
+        if use_fused(detached) and self.fused_decode_ok():
+            hard = self._fused_hard(u.detach(), detached)
+        else:
+            _, neg, mags = self._eager_groups(u, detached)
+            hard = torch.where(neg, -mags, mags)
         return (self.db * (hard + (soft - detached))).reshape(self.shape)
+
+    def _fused_hard(self, u: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return triton_iq2_decode.decode(u.reshape(-1, 8), values.reshape(-1, 8), self.entry, self.grid, self.mags,
+                                        self.parity).view(values.shape)
+
+    def fused_decode_ok(self) -> bool:
+        """Whether the one-kernel decode serves this type on this device: decided on its first use there, beside
+        the eager decode on random groups (about half of them codebook tuples, the rest searched): each group's
+        decoded values must lie as near its interpolated values as the eager decode's (within
+        ``FUSED_DECODE_TOLERANCE``: tied entries may differ). A compile error or a farther group keeps the eager
+        decode (with a warning)."""
+        key = (self.qtype, str(self.u.device))
+        if key not in FUSED_DECODE:
+            FUSED_DECODE[key] = False
+            try:
+                with torch.no_grad():
+                    g = torch.Generator().manual_seed(0)
+                    n = FUSED_DECODE_CHECK_GROUPS
+                    tuples = self._positions(torch.randint(0, self.grid.shape[0], (n,), generator=g).to(self.u.device),
+                                             torch.randint(0, 256, (n,), generator=g).to(self.u.device))
+                    anywhere = torch.rand(n, 8, generator=g).to(self.u.device) * (2 * self.mags) - 0.5
+                    u = torch.cat([tuples + (torch.rand(n, 8, generator=g).to(tuples.device) - 0.5) * 0.9, anywhere])
+                    values = gl.table_values(u, self.levels)
+                    _, neg, mags = self._eager_groups(u, values)
+                    eager = torch.where(neg, -mags, mags)
+                    fused = self._fused_hard(u, values)
+                    gap = float(((values.double() - fused.double()).square().sum(-1)
+                                 - (values.double() - eager.double()).square().sum(-1)).abs().max())
+                ok = gap <= FUSED_DECODE_TOLERANCE
+                if not ok:
+                    warnings.warn(f"block tuning: the fused {self.qtype} decode lies {gap:.3g} farther from a group's "
+                                  f"values than the eager one on {self.u.device}; using the eager decode")
+                FUSED_DECODE[key] = ok
+            except Exception as exc:  # noqa: BLE001 - a compile or launch failure: the eager decode is always right
+                warnings.warn(f"block tuning: the fused {self.qtype} decode is unavailable on {self.u.device} "
+                              f"({exc!r}); using the eager decode")
+        return FUSED_DECODE[key]
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codebook index, sign byte) (..., groups) of the current ``u``."""

@@ -210,61 +210,88 @@ def _search_gaps(c, target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> t
 _FUSED_CHECK = """
 import json, sys
 import numpy as np, torch
-from mixq.quant.ggml import block_tuning as bt, encoders as kquants
+from mixq.quant.ggml import block_tuning as bt, encoders as kquants, levels as gl
+bt.FUSED_DECODE_CHECK_GROUPS = 128  # the interpreter runs one op at a time
 g = torch.Generator().manual_seed(3)
-w = torch.randn(16, 256, generator=g) * 0.02
+w = torch.randn(8, 256, generator=g) * 0.02
 out = {}
 for qtype in ("IQ2_S", "IQ2_XS"):
-    c = bt.IQ2Codes(kquants.quantize(w.numpy(), qtype, (w * w).mean(0).numpy() + 1e-8), qtype, w)
+    blocks = kquants.quantize(w.numpy(), qtype, (w * w).mean(0).numpy() + 1e-8)
+    c = bt.IQ2Codes(blocks, qtype, w)
     grid = c.grid
     t = grid[torch.randint(0, grid.shape[0], (192,), generator=g)] + torch.randn(192, 8, generator=g) * 4
     t = torch.cat([t, (torch.rand(64, 8, generator=g) - 0.5) * 100])
-    out[qtype] = [bt.use_fused(t), c.nearest_entries(t).tolist(), c.scored_entries(t).tolist(),
-                  c.fused_entries(t[:0]).shape[0]]
+    res = [bt.use_fused(t), c.nearest_entries(t).tolist() == c.scored_entries(t).tolist(),
+           c.fused_entries(t[:0]).shape[0]]
+    start = c.dequantized()
+    res.append(bt.FUSED_DECODE[(qtype, "cpu")] and torch.equal(start, torch.from_numpy(
+        gl.decode_blocks(blocks, qtype, "cpu").numpy()).reshape(start.shape)))
+    with torch.no_grad():
+        c.u.add_(torch.randn(c.u.shape, generator=g) * 0.7)
+    fused = c.dequantized()
+    written = gl.decode_blocks(c.blocks(), qtype, "cpu").reshape(fused.shape)
+    fused.sum().backward()
+    grad = c.u.grad.clone()
+    c.u.grad = None
+    bt.FUSED_DECODE[(qtype, "cpu")] = False
+    eager = c.dequantized()
+    eager.sum().backward()
+    res += [torch.equal(fused.detach(), written), float((fused != eager).view(-1, 8).any(-1).float().mean()),
+            torch.equal(grad, c.u.grad), float((c.blocks() != blocks).mean()) > 0]
+    out[qtype] = res
 print(json.dumps(out))
 """
 
 
-def test_iq2_fused_search_finds_the_nearest_entries_in_the_interpreter():
-    """The fused codebook search (Triton, here in its interpreter on the CPU) is the decode's search where it
-    runs, and answers as scoring every entry does."""
+def test_iq2_fused_search_and_decode_in_the_interpreter():
+    """The fused codebook search and the one-kernel decode (Triton, here in its interpreter on the CPU) serve
+    where they run: the search answers as scoring every entry does; the decode passes its first-use check, starts
+    at the encoded values, decodes moved codes as the eager decode does (ties aside) with the same gradient, and
+    the written blocks hold exactly the values the decode gave."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _FUSED_CHECK], env=env, capture_output=True, text=True,
                          timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    for qtype, (fused, nearest, scored, empty) in res.items():
-        assert fused and empty == 0, qtype
-        assert nearest == scored, qtype
+    for qtype, (fused, same_search, empty, start, written, differ, same_grad, moved) in res.items():
+        assert fused and same_search and empty == 0, qtype
+        assert start and written and differ <= 0.01 and same_grad and moved, (qtype, differ)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])
-def test_iq2_decode_searches_with_the_fused_kernel_on_the_gpu(weights, qtype, monkeypatch):
-    """On a GPU the decode's codebook search is the fused kernel: it answers as scoring every entry does except
-    where the two exact scores tie within float32 rounding, and the decode's values follow."""
+def test_iq2_fused_search_and_decode_on_the_gpu(weights, qtype):
+    """On a GPU the fused codebook search answers as scoring every entry does except where the two exact scores
+    tie within float32 rounding; the one-kernel decode passes its first-use check and decodes moved codes as the
+    eager decode does (ties aside), with the same gradient; the written blocks hold exactly its values."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     dev = torch.device("cuda")
-    c = bt.IQ2Codes(_iq2(weights, qtype), qtype, weights, dev)
+    blocks = _iq2(weights, qtype)
+    c = bt.IQ2Codes(blocks, qtype, weights, dev)
     g = torch.Generator().manual_seed(4)
     n = 400000
     grid = c.grid.cpu()
     target = (grid[torch.randint(0, grid.shape[0], (n,), generator=g)] + torch.randn(n, 8, generator=g) * 4).to(dev)
-    fused, scored = c.fused_entries(target), c.scored_entries(target)
-    differ, gap = _search_gaps(c, target, fused, scored)
+    differ, gap = _search_gaps(c, target, c.fused_entries(target), c.scored_entries(target))
     assert differ <= n * 1e-4 and gap < 1e-2
-    calls = []
-    monkeypatch.setattr(c, "fused_entries", lambda t, real=c.fused_entries: calls.append(1) or real(t))
+    assert c.fused_decode_ok() and bt.use_fused(c.u)
     with torch.no_grad():
         c.u.add_(torch.randn(c.u.shape, generator=g).to(dev) * 0.6)
-        decoded = c.dequantized()
-    assert calls
-    monkeypatch.setattr(c, "nearest_entries", c.scored_entries)
-    with torch.no_grad():
+    fused = c.dequantized()
+    fused.sum().backward()
+    grad, c.u.grad = c.u.grad.clone(), None
+    assert torch.equal(fused.detach(), gl.decode_blocks(c.blocks(), qtype, dev).reshape(fused.shape))
+    key = (qtype, str(c.u.device))
+    bt.FUSED_DECODE[key] = False
+    try:
         eager = c.dequantized()
-    assert float((decoded != eager).float().mean()) < 1e-4
+        eager.sum().backward()
+    finally:
+        bt.FUSED_DECODE[key] = True
+    assert float((fused != eager).view(-1, 8).any(-1).float().mean()) < 1e-3
+    assert torch.equal(grad, c.u.grad)
 
 
 @pytest.mark.parametrize("qtype", ["IQ2_S", "IQ2_XS"])

@@ -11,7 +11,9 @@
 #   bash bench/release_timing.sh OUT gguf-hessian             # 8.5 min: a whole --rounding hessian conversion
 #   bash bench/release_timing.sh OUT gguf-hessian-long        # 9.5 min: the same, further into the expert groups
 #                                                             (kernels compiled beside the build; warm-up from COLD;
-#                                                             DEADLINE=S seconds instead of 560)
+#                                                             DEADLINE=S seconds instead of 560; SIDE_STEPS="STEP..."
+#                                                             runs those short steps beside the kernel builds, after
+#                                                             the slice's build, each logged to OUT/side_STEP.log)
 #   bash bench/release_timing.sh OUT gguf-round-profile       # 5 min: one stacked IQ2_S rounding call in the
 #                                                             conversion, profiled (--round-profile)
 #   bash bench/release_timing.sh OUT gguf-factor              # 1 min: the rounding's factor, two ways side by side
@@ -81,6 +83,10 @@ hessian_long() {
     shift
     prewarm_rounding
     python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/slice_build$tag.json" --stages build
+    local side
+    for side in ${SIDE_STEPS:-}; do
+        bash bench/release_timing.sh "$OUT" "$side" > "$OUT/side_$side.log" 2>&1 &
+    done
     wait
     if [ -f "$OUT/kquant_speed_q4k.json" ]; then set -- "$@" --encode-rates-json "$OUT/kquant_speed_q4k.json"; fi
     python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" "${COLD[@]}" "$@" \
@@ -119,8 +125,8 @@ for step in "$@"; do
                                PYTHONPATH=/tmp/site-fla:$PYTHONPATH hessian_long _fla ;;
         gguf-hessian-long-groups) hessian_long _groups --tune-budget 1300000000 ;;
         gguf-factor) python3 bench/hessian_factor.py --json "$OUT/hessian_factor.json" ;;
-        encode-q4k) python3 bench/kquant_speed.py --device cuda --types Q4_K --imatrix both \
-                        --json "$OUT/kquant_speed_q4k.json" ;;
+        encode-q4k) python3 bench/kquant_speed.py --device cuda --types Q4_K --imatrix both --cpu-threads 1 \
+                        --ggml-threads 4 --target-s 0.5 --json "$OUT/kquant_speed_q4k.json" ;;
         iq2-decode) python3 bench/iq2_tuning_decode.py --device cuda --experts 4 --rows 2048 --cols 4096 \
                         --json "$OUT/iq2_tuning_decode.json" --profile "$OUT/iq2_decode_profile.txt" ;;
         tuning-gpu-tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_block_tuning.py \

@@ -2636,11 +2636,22 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
     if not rates:
         missing.append("Hessian rounding (no tensor finished)")
     layer_s = sum(d["seconds"] for d in per_layer.values())
+    encode_warmup: dict[str, float] = {}  # ggml's encoders' first builds, once a type, where NextN is at warm rates
+    exact_calls = {}
+    for d in ((st.get("gguf") or {}).get("phases") or {}).values():
+        for t, x in ((d.get("encode") or {}) if isinstance(d, dict) else {}).items():
+            exact_calls.setdefault(t, x)
+
     def nextn_rate(t: str) -> float:
         if warm_encode is not None and t in warm_encode[1]:
-            r.note(f"nextn encode {t}", f"ggml's encoder warm on the GPU, no imatrix, {warm_encode[1][t]:.0f} M "
-                                        f"weights/s ({warm_encode[0]})")
-            return warm_encode[1][t]
+            rate, first = warm_encode[1][t], exact_calls.get(t) or {}
+            # the exact run's first call of the type less its weights at the warm rate: the kernel's build
+            build = max(0.0, first.get("seconds", 0.0) - first.get("weights", 0) / 1e6 / rate)
+            encode_warmup[t] = build
+            r.note(f"nextn encode {t}", f"ggml's encoder warm on the GPU, no imatrix, {rate:.0f} M weights/s "
+                                        f"({warm_encode[0]}); its first build once, in start: {build:.0f} s (the "
+                                        f"exact run's first {t} call less its weights at that rate)")
+            return rate
         return _exact_rate(exact, t, r)
     nextn = sum(math.prod(s.shape) / 1e6 / nextn_rate(t) for s, t, c in groups.get("nextn", [])
                 if t not in ("F32", "F16", "BF16"))
@@ -2659,7 +2670,7 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
     for t, v in warm.items():
         r.note(f"rounding warm-up {t}", f"{v['seconds']} s once (its first tensor less {v['from']}' rate{where}), "
                                         f"in start")
-    start += sum(v["seconds"] for v in warm.values())
+    start += sum(v["seconds"] for v in warm.values()) + sum(encode_warmup.values())
     parts_h = {"imatrix (exact path's)": exact.get("imatrix_hours", 0.0),
                "decoder layers": round(layer_s / 3600, 3), "nextn (ggml encoders)": round(nextn / 3600, 3),
                "head (rounding + tuning)": round(head / 3600, 3),

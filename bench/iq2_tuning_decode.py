@@ -2,10 +2,11 @@
 tuner's rate, the share of groups whose rounded positions form no codebook tuple (the decode searches the codebook
 for those at every step); then, side by side, the decode's forward + backward and the codebook search alone with
 the neighbour search (`neighbour_entries`, the tuner's on the CPU for the types of IQ2_NEIGHBOUR_TYPES), with every
-entry scored (`scored_entries`) and, where the Triton kernels run, with the fused search (`fused_entries`, the
-tuner's there); how many groups the neighbour search left to the full one, and how many groups each search answers
-differently from the full one (ties within float32 rounding: the lower exact score is counted), on a random stack
-of expert-shaped matrices encoded by ggml's encoder.
+entry scored (`scored_entries`) and, where the Triton kernels run, with the fused search (`fused_entries`), each
+in the eager decode, then the one-kernel decode (the tuner's there, `triton_iq2_decode`); how many groups the
+neighbour search left to the full one, and how many groups each search answers differently from the full one
+(ties within float32 rounding: the lower exact score is counted), on a random stack of expert-shaped matrices
+encoded by ggml's encoder.
 
     python bench/iq2_tuning_decode.py [--types IQ2_S,IQ2_XS] [--experts 2] [--rows 256] [--cols 4096] [--iters 25]
         [--device cpu] [--json OUT.json]
@@ -97,13 +98,20 @@ def measure(qtype: str, experts: int, rows: int, cols: int, iters: int, dev: tor
     searches = [("scored", full), ("neighbour", neighbour)]
     if bt.use_fused(soft):
         searches.append(("fused", codes.fused_entries))
+    one_kernel = bt.use_fused(soft) and codes.fused_decode_ok()
+    key = (qtype, str(codes.u.device))
+    if one_kernel:  # the eager decode with each search first; the one-kernel decode (the tuner's there) after
+        bt.FUSED_DECODE[key] = False
     for name, search in searches:
         codes.nearest_entries = search  # the decode's search, for this row
         res[name] = {"decode_forward_backward_s": round(_best_of(decode, dev, repeat), 4),
                      "search_s": round(_best_of(lambda: search(soft), dev, repeat), 4)}
     del codes.nearest_entries
+    if one_kernel:
+        bt.FUSED_DECODE[key] = True
+        res["one_kernel"] = {"decode_forward_backward_s": round(_best_of(decode, dev, repeat), 4)}
     if profile_to is not None:
-        _profile(decode, dev, f"{qtype} decode forward + backward ({experts} x {rows} x {cols}), the tuner's search",
+        _profile(decode, dev, f"{qtype} decode forward + backward ({experts} x {rows} x {cols}), the tuner's decode",
                  profile_to)
     res.update(searched=int(soft.shape[0]), left_to_full_search=_count_open(codes, soft))
     with torch.no_grad():
@@ -155,15 +163,15 @@ def main() -> None:
         print(f"{r['type']}: {r['groups']:,} groups; no codebook tuple after step 1 / {len(s)}: {s[0]:.2f} / "
               f"{s[-1]:.2f}; {r['left_to_full_search']:,} of {r['searched']:,} searched groups left to the full "
               f"search by the neighbour search")
-        for name in ("scored", "neighbour", "fused"):
+        for name in ("scored", "neighbour", "fused", "one_kernel"):
             if name not in r:
                 continue
             x = r[name]
             same = "" if "differ" not in x else (f"; {x['differ']} answered differently from the full search "
                                                  f"({x['lower_where_differ']} lower, gap <= "
                                                  f"{x['largest_gap_where_differ']:.2g})")
-            print(f"  {name:9s}: decode forward+backward {x['decode_forward_backward_s']:.3f} s, the search "
-                  f"alone {x['search_s']:.3f} s{same}")
+            alone = f", the search alone {x['search_s']:.3f} s" if "search_s" in x else " (one kernel)"
+            print(f"  {name:10s}: decode forward+backward {x['decode_forward_backward_s']:.3f} s{alone}{same}")
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
 

@@ -1745,14 +1745,14 @@ def _profiled_tuning(path: Path | None, stages: tuple[int, ...] = (0, 1)):
 
 
 def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512, tune_iters: int = 200,
-                    probe_iters: int = 20, profile: Path | None = None) -> dict:
+                    probe_iters: int = 20, profile: Path | None = None, tune_budget: int | None = None) -> dict:
     """Block-output tuning of the slice's first MoE layer as `--rounding hessian` runs it (mixq's LayerTuner with
     the hessian stage's plan, its memory budget and expert groups), `probe_iters` steps per tuning stage, started
     from ggml's encoding of the layer's tunable tensors (the same types and bytes as their Hessian rounding: a
     step's cost does not depend on the codes), a routed-expert stack's from its first expert's encoding repeated
     for every expert (encoding all 288 would take most of a call). The layer's other tensors keep their source values (the hessian
     stage costs their encode and host decode); the layers before it only carry the streams. `project` scales the
-    seconds per step to `tune_iters`."""
+    seconds per step to `tune_iters`. `tune_budget`: the tuner's budget in weights (default: from the free memory)."""
     import numpy as np
     import torch
 
@@ -1788,7 +1788,8 @@ def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512,
     with probe.span("start_codes", w=sum(math.prod(s.shape) for s, _ in sel)):
         encoded = {s.name: start_codes(s, t) for s, t in sel}
     with probe.span(f"probe/tune {probe_iters} steps"), _profiled_tuning(profile):
-        tuner = LayerTuner(ckpt, ids, [s for s, _ in sel], [t for _, t in sel], iters=probe_iters, device=dev)
+        tuner = LayerTuner(ckpt, ids, [s for s, _ in sel], [t for _, t in sel], iters=probe_iters, device=dev,
+                           max_weights=tune_budget)
         for i in range(moe):
             tuner.layer(i, {})  # the streams into the MoE layer: nothing of these layers is tuned here
         stream = tuner.source   # the source streams entering the MoE layer (the Hessians' stand-in below)
@@ -2469,7 +2470,7 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
                   r: _Rates, groups_from: tuple[str, list[dict]] | None = None) -> dict[str, float]:
     """Seconds of block-output tuning of one release layer (its (spec, type, covered) list): the stage of the
     layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step (where
-    this run measured no group: `groups_from`'s, else the layer stage's), the codes' set-up, the tuner's numpy
+    `groups_from` where given, else this run's, else the layer stage's), the codes' set-up, the tuner's numpy
     encodes of what Hessian rounding leaves to ggml, and the streams (materialise, source and quantized passes)."""
     import mixq.convert.gguf_tuning as gt
     from mixq.quant.ggml import block_tuning as bt
@@ -2494,9 +2495,9 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
         per_expert = sum(math.prod(s.shape[1:]) for s, _ in over)
         size = max(1, budget // per_expert)
         n_groups = math.ceil(min(int(s.shape[0]) for s, _ in over) / size)
-        g = _pooled_groups(groups) if groups else _pooled_groups(groups_from[1]) if groups_from else st0
-        if not groups and groups_from:
-            r.note("tuning expert groups", f"none measured in this run: at the steps of {groups_from[0]}'s groups")
+        g = _pooled_groups(groups_from[1]) if groups_from else _pooled_groups(groups) if groups else st0
+        if groups_from:
+            r.note("tuning expert groups", f"at the steps and checks of {groups_from[0]}'s groups")
         elif not groups:
             r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
         # the tuner's group steps; each group starts where the stage before ended, so its start is not checked
@@ -2549,8 +2550,9 @@ def _exact_rate(exact: dict, qtype: str, r: _Rates) -> float:
 
 
 def _hessian_stages(path: Path) -> tuple[str, dict]:
-    """(the file, as the repo names it; the per-stage phases of its gguf-hessian run)."""
-    stages = json.loads(Path(path).read_text())["stages"]["gguf-hessian"]["phases"]["stages"]
+    """(the file, as the repo names it; the per-stage phases of its gguf-hessian run, else of its gguf-tune run)."""
+    st = json.loads(Path(path).read_text())["stages"]
+    stages = (st.get("gguf-hessian") or st["gguf-tune"])["phases"]["stages"]
     return str(repo_relative(str(Path(path).resolve()))), stages
 
 
@@ -2860,7 +2862,7 @@ def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | No
     experts is used as measured; a layer cut mid-way is completed at its own per-unit rate; what the run lacks
     comes from `reference`, each borrowing named in `scaled`; `cold`: a run's JSON whose first rounded tensors
     give the kernels' one-time warm-up (this run's kernels were compiled beforehand); `groups`: a run's JSON whose
-    expert groups give their seconds per step where this run measured none; `encode`: bench/kquant_speed.py's JSON,
+    expert groups give their seconds per step and checks instead of this run's; `encode`: bench/kquant_speed.py's JSON,
     ggml's encoders' warm rates for the NextN block."""
     st = res["stages"]
     layers = parse_layers(layers)
@@ -2987,7 +2989,8 @@ def _child_main(a) -> None:
         kw.update(tune_iters=a.tune_iters, imatrix_rows=a.imatrix_rows, eager_types=a.eager_types,
                   refine_passes=a.refine_passes, round_profile=a.round_profile, tune_budget=a.tune_budget)
     elif a.child == "gguf-tune":
-        kw.update(tune_iters=a.tune_iters, probe_iters=a.tune_probe_iters, profile=a.tune_profile)
+        kw.update(tune_iters=a.tune_iters, probe_iters=a.tune_probe_iters, profile=a.tune_profile,
+                  tune_budget=a.tune_budget)
     elif a.child == "dequant":
         kw = {"rounds": a.dequant_rounds}
     if a.child == "build":
@@ -3052,8 +3055,8 @@ def main() -> None:
                     help="project: each rounded type's one-time kernel warm-up from this run's JSON (one with a cold "
                          "kernel cache) instead of this run's first tensors")
     ap.add_argument("--groups-json", type=Path, default=None,
-                    help="project: the expert groups' seconds per step from this run's JSON where this run measured "
-                         "none")
+                    help="project: the expert groups' seconds per step and checks from this run's JSON (a gguf-hessian "
+                         "or gguf-tune run) instead of this run's")
     ap.add_argument("--encode-rates-json", type=Path, default=None,
                     help="project: the NextN block's encode at these warm rates (bench/kquant_speed.py's JSON) "
                          "instead of the exact run's")

@@ -24,6 +24,8 @@
 #                                                             80 GB H100 the first group runs out of it)
 #   bash bench/release_timing.sh OUT gguf-tune-fla            # 6 min: gguf-tune with fla's KDA kernels, 200 steps (the
 #                                                             groups' 25 each), the first group profiled
+#   bash bench/release_timing.sh OUT gguf-tune-groups         # 5 min: the tuning probe without fla, 200 steps (the
+#                                                             groups' 25 each; TUNE_BUDGET=W weights a stage)
 #   bash bench/release_timing.sh OUT encode-q4k               # 1 min: ggml's Q4_K encoder warm on the GPU at an
 #                                                             expert's shape (the NextN block's rate; a step run
 #                                                             before gguf-hessian-long* prices the NextN block at it)
@@ -145,6 +147,9 @@ for step in "$@"; do
                        PYTHONPATH=/tmp/site-fla:$PYTHONPATH python3 bench/glm53_slice.py "${SLICE[@]}" \
                            --json "$OUT/glm53_slice_288_tune_fla.json" --deadline-s 500 --stages build,gguf-tune \
                            --tune-probe-iters 200 --tune-profile "$OUT/tune_profile_fla.txt" ;;
+        gguf-tune-groups) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_tune_groups.json" \
+                              --deadline-s "${DEADLINE:-420}" --stages build,gguf-tune --tune-probe-iters 200 \
+                              ${TUNE_BUDGET:+--tune-budget "$TUNE_BUDGET"} ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

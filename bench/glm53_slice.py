@@ -2566,15 +2566,17 @@ def measured_groups(path: Path | None) -> tuple[str, list[dict]] | None:
     return (name, groups) if groups else None
 
 
-def warm_encode_rates(path: Path | None) -> tuple[str, dict[str, float]] | None:
-    """(the file, {type: M weights/s}) of ggml's encoders on the GPU without an imatrix at a GLM-5.3 routed
+def warm_encode_rates(path: Path | None) -> tuple[str, dict[str, tuple[float, bool]]] | None:
+    """(the file, {type: (M weights/s, with an imatrix)}) of ggml's encoders on the GPU at a GLM-5.3 routed
     expert's shape, warm (bench/kquant_speed.py's mixq CUDA column: host arrays in and out), or None. The NextN
-    block has no imatrix entry (llama-imatrix's forward never reaches it), so it is encoded without one."""
+    block has no imatrix entry (llama-imatrix's forward never reaches it), so it is encoded without one: a type's
+    rate without an imatrix where the file has it, else its rate with one."""
     if path is None:
         return None
-    rows = json.loads(Path(path).read_text())["results"]
-    rates = {r["type"]: r["mixq_cuda_wps"] / 1e6 for r in rows
-             if not r["imatrix"] and r.get("mixq_cuda_wps") and r["tensor"].startswith("GLM-5.3")}
+    rows = [r for r in json.loads(Path(path).read_text())["results"]
+            if r.get("mixq_cuda_wps") and r["tensor"].startswith("GLM-5.3")]
+    rates = {r["type"]: (r["mixq_cuda_wps"] / 1e6, True) for r in rows if r["imatrix"]}
+    rates.update({r["type"]: (r["mixq_cuda_wps"] / 1e6, False) for r in rows if not r["imatrix"]})
     return str(repo_relative(str(Path(path).resolve()))), rates
 
 
@@ -2589,7 +2591,7 @@ def cold_warmup(path: Path | None) -> tuple[str, dict] | None:
 def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
                          cold: tuple[str, dict] | None = None,
                          groups_from: tuple[str, list[dict]] | None = None,
-                         warm_encode: tuple[str, dict[str, float]] | None = None) -> dict:
+                         warm_encode: tuple[str, dict[str, tuple[float, bool]]] | None = None) -> dict:
     """GGUF 108 GB `--gguf-ladder iq --rounding hessian` release hours on one device: every release layer from
     its planned tensors (the 108 GB plan) at the rates this run measured: the capture forward per layer kind,
     Hessian rounding per type (s per M weights, its per-expert Hessians and spill included), block-output tuning
@@ -2646,11 +2648,12 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
 
     def nextn_rate(t: str) -> float:
         if warm_encode is not None and t in warm_encode[1]:
-            rate, first = warm_encode[1][t], exact_calls.get(t) or {}
+            (rate, with_imatrix), first = warm_encode[1][t], exact_calls.get(t) or {}
             # the exact run's first call of the type less its weights at the warm rate: the kernel's build
             build = max(0.0, first.get("seconds", 0.0) - first.get("weights", 0) / 1e6 / rate)
             encode_warmup[t] = build
-            r.note(f"nextn encode {t}", f"ggml's encoder warm on the GPU, no imatrix, {rate:.0f} M weights/s "
+            how = "its rate with an imatrix (none measured without)" if with_imatrix else "no imatrix"
+            r.note(f"nextn encode {t}", f"ggml's encoder warm on the GPU, {how}, {rate:.0f} M weights/s "
                                         f"({warm_encode[0]}); its first build once, in start: {build:.0f} s (the "
                                         f"exact run's first {t} call less its weights at that rate)")
             return rate

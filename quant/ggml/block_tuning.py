@@ -23,7 +23,8 @@ IQ4_NL's levels; a group decodes to its rounded positions where they form a
 codebook tuple, else to the codebook entry nearest to its relaxed values; an IQ2_XS group with an odd count of
 negatives flips the weight whose relaxed value lies nearest to zero (weighted by its magnitude).
 
-Numerics in torch on the device of the weights; nothing here reads or writes files.
+Numerics in torch on the device of the weights (the IQ2 decode in one Triton kernel where it serves:
+:mod:`triton_iq2_decode`); nothing here reads or writes files.
 """
 from __future__ import annotations
 

@@ -15,6 +15,9 @@ import torch
 
 from .triton_search import launch_opts, triton, tl
 
+if triton is not None:
+    from .triton_iq2s import load8
+
 GROUPS = 128    # groups per program
 
 
@@ -44,11 +47,17 @@ if triton is not None:
         a = tl.abs(tl.load(soft_ptr + at, mask=m2, other=0.0))
         miss = (index < 0) & rm
         if tl.max(miss.to(tl.int32), axis=0) > 0:  # a group here is no codebook tuple: the nearest entry
+            # each group's 8 values as scalars of its own (the sum over them then needs no exchange between lanes)
+            a0, a1, a2, a3, a4, a5, a6, a7 = load8(soft_ptr + rows.to(tl.int64) * 8, rm)
+            a0, a1, a2, a3 = tl.abs(a0), tl.abs(a1), tl.abs(a2), tl.abs(a3)
+            a4, a5, a6, a7 = tl.abs(a4), tl.abs(a5), tl.abs(a6), tl.abs(a7)
             best = tl.full([GROUPS], float("inf"), tl.float32)
             pick = tl.zeros([GROUPS], tl.int64)
             for k in range(ENTRIES):
-                c = tl.load(grid_ptr + k * 8 + cols)
-                score = tl.load(norm_ptr + k) - 2.0 * tl.sum(a * c[None, :], axis=1)
+                c = grid_ptr + k * 8
+                y = a0 * tl.load(c + 0) + a1 * tl.load(c + 1) + a2 * tl.load(c + 2) + a3 * tl.load(c + 3) \
+                    + a4 * tl.load(c + 4) + a5 * tl.load(c + 5) + a6 * tl.load(c + 6) + a7 * tl.load(c + 7)
+                score = tl.load(norm_ptr + k) - 2.0 * y
                 take = score < best
                 best = tl.where(take, score, best)
                 pick = tl.where(take, k, pick)

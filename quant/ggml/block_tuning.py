@@ -186,6 +186,7 @@ class IQ2Codes:
         self.grid, self.levels, self.entry = _iq2_tables(qtype, dev)
         self.mags = self.levels.shape[0] // 2   # magnitudes per sign (3); positions below it are negative
         self.rank_key = self.mags ** torch.arange(8, device=dev)             # a tuple's key: Σ rank_i·3^i
+        self.norms = (self.grid * self.grid).sum(-1)                       # Σc² of each entry, for the searches
         self.magnitudes = self.levels[self.mags:]                          # (8, 25, 43), ascending
         self.bits = 2 ** torch.arange(8, device=dev)
         self.unit_metric = torch.ones(1, 8, device=dev)
@@ -267,8 +268,7 @@ class IQ2Codes:
 
     def scored_entries(self, target: torch.Tensor) -> torch.Tensor:
         """:meth:`nearest_entries` by scoring every entry, as one addmm per chunk that bounds the score table."""
-        norms = (self.grid * self.grid).sum(-1)
-        return torch.cat([torch.addmm(norms, t.abs(), self.grid.T, alpha=-2).argmin(-1)
+        return torch.cat([torch.addmm(self.norms, t.abs(), self.grid.T, alpha=-2).argmin(-1)
                           for t in target.split(IQ2_SEARCH_GROUPS)])
 
     def _rounded_entries(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,7 +291,7 @@ class IQ2Codes:
         signed levels of ``u`` when the caller has them (detached), else computed here where needed. Where the
         one-kernel decode serves, the groups are read off its values, so that the file holds what the loss saw."""
         u = self._grouped().detach()
-        if use_fused(u) and self.fused_decode_ok():
+        if self._one_kernel(u):
             with torch.no_grad():
                 hard = self._fused_hard(u, gl.table_values(u, self.levels) if values is None else values)
                 mags = hard.abs()
@@ -323,16 +323,20 @@ class IQ2Codes:
         u = self._grouped()
         soft = gl.table_values(u, self.levels)
         detached = soft.detach()
-        if use_fused(detached) and self.fused_decode_ok():
+        if self._one_kernel(detached):
             hard = self._fused_hard(u.detach(), detached)
         else:
             _, neg, mags = self._eager_groups(u, detached)
             hard = torch.where(neg, -mags, mags)
         return (self.db * (hard + (soft - detached))).reshape(self.shape)
 
+    def _one_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the one-kernel decode serves the groups (on the device of `x`)."""
+        return use_fused(x) and self.fused_decode_ok()
+
     def _fused_hard(self, u: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return triton_iq2_decode.decode(u.reshape(-1, 8), values.reshape(-1, 8), self.entry, self.grid, self.mags,
-                                        self.parity).view(values.shape)
+        return triton_iq2_decode.decode(u.reshape(-1, 8), values.reshape(-1, 8), self.entry, self.grid, self.norms,
+                                        self.mags, self.parity).view(values.shape)
 
     def fused_decode_ok(self) -> bool:
         """Whether the one-kernel decode serves this type on this device: decided on its first use there, beside

@@ -44,7 +44,6 @@ if triton is not None:
             weight = tl.where(cols >= i, weight * MAGS, weight)           # MAGS ** col
         key = tl.sum(rank * weight[None, :], axis=1)
         index = tl.load(entry_ptr + key, mask=rm, other=0)
-        a = tl.abs(tl.load(soft_ptr + at, mask=m2, other=0.0))
         miss = (index < 0) & rm
         if tl.max(miss.to(tl.int32), axis=0) > 0:  # a group here is no codebook tuple: the nearest entry
             # each group's 8 values as scalars of its own (the sum over them then needs no exchange between lanes)
@@ -65,26 +64,25 @@ if triton is not None:
         index = tl.maximum(index, 0)
         mags = tl.load(grid_ptr + index[:, None] * 8 + cols[None, :], mask=m2, other=0.0)
         if PARITY:  # an odd count of negatives: the weight of least |value|·magnitude flips
-            cost = a * mags
+            cost = tl.abs(tl.load(soft_ptr + at, mask=m2, other=0.0)) * mags
             low = tl.argmin(cost, axis=1, tie_break_left=True)
             flips = ((tl.sum(neg.to(tl.int32), axis=1) % 2) == 1)[:, None] & (cols[None, :] == low[:, None])
             neg = neg ^ flips
         tl.store(out_ptr + at, tl.where(neg, -mags, mags), mask=m2)
 
 
-def decode(u: torch.Tensor, soft: torch.Tensor, entry: torch.Tensor, grid: torch.Tensor, mags: int,
-           parity: bool) -> torch.Tensor:
+def decode(u: torch.Tensor, soft: torch.Tensor, entry: torch.Tensor, grid: torch.Tensor, norms: torch.Tensor,
+           mags: int, parity: bool) -> torch.Tensor:
     """The signed codebook magnitudes (G, 8) float32 of the groups' relaxed positions u (G, 8) and their
     interpolated values soft (G, 8) on the signed table of 2·`mags` positions: entry (mags^8,) int64 maps a
-    magnitude tuple's key (Σ rank_i·mags^i) to its codebook index or -1, grid (entries, 8) float32 the codebook;
-    `parity`: IQ2_XS's even count of negatives. All on one device."""
+    magnitude tuple's key (Σ rank_i·mags^i) to its codebook index or -1, grid (entries, 8) float32 the codebook,
+    norms (entries,) its Σc²; `parity`: IQ2_XS's even count of negatives. All on one device."""
     G = u.shape[0]
     out = torch.empty(G, 8, dtype=torch.float32, device=u.device)
     if G == 0:
         return out
-    g = grid.float().contiguous()
-    norms = (g * g).sum(-1).contiguous()
     _decode_kernel[(triton.cdiv(G, GROUPS),)](u.float().contiguous(), soft.float().contiguous(), entry.contiguous(),
-                                              g, norms, out, G, MAGS=mags, PARITY=parity, GROUPS=GROUPS,
-                                              ENTRIES=g.shape[0], **launch_opts(u.device))
+                                              grid.float().contiguous(), norms.float().contiguous(), out, G,
+                                              MAGS=mags, PARITY=parity, GROUPS=GROUPS, ENTRIES=grid.shape[0],
+                                              **launch_opts(u.device))
     return out

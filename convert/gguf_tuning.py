@@ -154,18 +154,52 @@ class AttentionCache:
         self.outputs.clear()
 
 
+class RoutedSums:
+    """Per calibration batch, what a MoE block's expert-group stages share: its input, the router's choice, the
+    shared expert's output and the routed experts' weighted sum at their current values. Nothing the block reads
+    moves while only its routed experts do, so these are formed once per batch for the layer, not once per group
+    (at 288 experts, every group ran all 288 experts over every batch for its others' sum); as a group ends
+    (:meth:`ExpertGroupMoE.commit`), the sum takes its experts' tuned terms in place of their start terms."""
+
+    def __init__(self, moe: torch.nn.Module) -> None:
+        self.moe = moe
+        self.batches: dict[tuple, tuple] = {}  # batch -> (x, weight, index, shared, total)
+
+    @torch.no_grad()
+    def get(self, batch: tuple, hidden: torch.Tensor) -> tuple:
+        """(x, weight, index, shared, total) of `batch` (its MoE input `hidden`), formed by the block's own modules
+        from the weights it holds when the batch is first asked for (or again after :meth:`drop`)."""
+        if batch not in self.batches:
+            moe = self.moe
+            _, weight, index = moe.gate(hidden)
+            x = hidden.view(-1, hidden.shape[-1])
+            self.batches[batch] = (x, weight, index, moe.shared_experts(hidden), moe.experts(x, index, weight))
+        return self.batches[batch]
+
+    def set_total(self, batch: tuple, total: torch.Tensor) -> None:
+        """The routed sum of `batch` after a group's experts changed."""
+        x, weight, index, shared, _ = self.batches[batch]
+        self.batches[batch] = (x, weight, index, shared, total)
+
+    def drop(self, batch: tuple) -> None:
+        """Forget `batch`'s routed sum (formed again from the block's weights when next asked for)."""
+        self.batches.pop(batch, None)
+
+
 class ExpertGroupMoE:
     """A MoE block while only its routed experts e0..e1 move (an expert-group stage of block-output tuning).
 
-    Per calibration batch the router's choice, the shared expert's output and the other experts' weighted sum are
-    formed once, by the block's own modules. A step then runs only the moving experts, on the token slots routed to
-    them, through the block's own expert implementation over those experts. At GLM-5.3-Flash's count a group of
-    about 40 of 288 experts sees a seventh of the slots, and no step copies or differentiates the other experts'
-    weights. The output is the same terms as the block's own, summed in another order. `batch` names the batch of
-    the next call; `weights()` gives the moving experts' (gate_up, down) stacks, (e1 - e0, ...) each."""
+    Per calibration batch the moving experts' token slots and the other experts' weighted sum (the layer's routed
+    sum, `sums`, less the moving experts' start terms) are formed once. A step then runs only the moving experts,
+    on the token slots routed to them, through the block's own expert implementation over those experts. At
+    GLM-5.3-Flash's count a group of about 40 of 288 experts sees a seventh of the slots, and no step copies or
+    differentiates the other experts' weights. The output is the same terms as the block's own, summed in another
+    order. `batch` names the batch of the next call; `weights()` gives the moving experts' (gate_up, down) stacks,
+    (e1 - e0, ...) each; the block holds their start values until the group is committed."""
 
-    def __init__(self, moe: torch.nn.Module, e0: int, e1: int, weights) -> None:
+    def __init__(self, moe: torch.nn.Module, e0: int, e1: int, weights, sums: RoutedSums | None = None) -> None:
         self.moe, self.e0, self.e1, self.weights = moe, e0, e1, weights
+        self.sums = RoutedSums(moe) if sums is None else sums
         self.batch: tuple | None = None
         self.fixed: dict[tuple, tuple] = {}
 
@@ -177,25 +211,9 @@ class ExpertGroupMoE:
         del self.moe.forward
         self.fixed.clear()
 
-    @torch.no_grad()
-    def _fixed(self, hidden: torch.Tensor) -> tuple:
-        moe = self.moe
-        _, weight, index = moe.gate(hidden)
-        x = hidden.view(-1, hidden.shape[-1])
-        moving = (index >= self.e0) & (index < self.e1)
-        rest = moe.experts(x, index, weight.masked_fill(moving, 0))  # the moving experts' slots weigh nothing
-        shared = moe.shared_experts(hidden)
-        slots = moving.flatten().nonzero().squeeze(1)  # token * top_k + k
-        return (x, rest, shared, slots, index.shape[-1], (index.flatten()[slots] - self.e0)[:, None],
-                weight.flatten()[slots][:, None])
-
-    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.batch not in self.fixed:
-            self.fixed[self.batch] = self._fixed(hidden)
-        x, rest, shared, slots, top_k, index, weight = self.fixed[self.batch]
-        if slots.numel() == 0:  # no token of this batch chose a moving expert
-            return rest.view(hidden.shape) + shared
-        gate_up, down = self.weights()
+    def _moving(self, fixed: tuple, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """(tokens, hidden) weighted sum of the moving experts' terms, at the given weights."""
+        x, _, _, slots, top_k, index, weight = fixed
         experts = self.moe.experts
         count = experts.num_experts
         experts.num_experts = self.e1 - self.e0  # the expert implementation sizes its groups by this
@@ -205,7 +223,41 @@ class ExpertGroupMoE:
         finally:
             experts.num_experts = count
         per_slot = x.new_zeros(x.shape[0] * top_k, x.shape[1]).index_put((slots,), out)  # unique slots: no atomics
-        return (rest + per_slot.view(x.shape[0], top_k, -1).sum(1)).view(hidden.shape) + shared
+        return per_slot.view(x.shape[0], top_k, -1).sum(1)
+
+    @torch.no_grad()
+    def _fixed(self, hidden: torch.Tensor) -> tuple:
+        x, weight, index, shared, total = self.sums.get(self.batch, hidden)
+        moving = (index >= self.e0) & (index < self.e1)
+        slots = moving.flatten().nonzero().squeeze(1)  # token * top_k + k
+        fixed = (x, total, shared, slots, index.shape[-1], (index.flatten()[slots] - self.e0)[:, None],
+                 weight.flatten()[slots][:, None])
+        if slots.numel() == 0:
+            return fixed
+        experts = self.moe.experts  # the block holds the moving experts' start values
+        start = self._moving(fixed, experts.gate_up_proj[self.e0:self.e1], experts.down_proj[self.e0:self.e1])
+        return (x, total - start, *fixed[2:])
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.batch not in self.fixed:
+            self.fixed[self.batch] = self._fixed(hidden)
+        fixed = self.fixed[self.batch]
+        rest, shared, slots = fixed[1], fixed[2], fixed[3]
+        if slots.numel() == 0:  # no token of this batch chose a moving expert
+            return rest.view(hidden.shape) + shared
+        return (rest + self._moving(fixed, *self.weights())).view(hidden.shape) + shared
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """The group's experts end at their current weights: the layer's routed sums take their terms at those
+        (a batch this group never ran is formed again from the block's weights, once they hold them)."""
+        gate_up, down = self.weights()
+        for batch in list(self.sums.batches):
+            fixed = self.fixed.get(batch)
+            if fixed is None:
+                self.sums.drop(batch)
+            elif fixed[3].numel():
+                self.sums.set_total(batch, fixed[1] + self._moving(fixed, gate_up, down))
 
 
 class LayerTuner:
@@ -481,6 +533,7 @@ class LayerTuner:
         grouped: dict[str, np.ndarray] = {}  # the stacks tuned a group of experts at a time
         ranges = self._expert_ranges(over) if self.group_iters > 0 else []
         if ranges:
+            sums = RoutedSums(mod.mlp)
             with attention:  # from here only routed experts move
                 for (e0, e1), sources in ahead(ranges, lambda r: self._group_sources(over, *r)):
                     group = self._group(over, encoded, e0, e1, sources)
@@ -489,9 +542,10 @@ class LayerTuner:
                         stacks = self._group_stacks(group)
                         return tuple(stacked_block(mod, layer, f"mlp.experts.{k}", range(e0, e1), stacks, current)
                                      for k in ("gate_up_proj", "down_proj"))
-                    with ExpertGroupMoE(mod.mlp, e0, e1, weights) as group_moe:
+                    with ExpertGroupMoE(mod.mlp, e0, e1, weights, sums) as group_moe:
                         reached = self._tune(layer, [(spec, codes) for spec, _, codes in group], loss,
                                              self.group_iters, start=reached)
+                        group_moe.commit()
                     group_moe = None
                     write_values(mod, layer, self._group_values(group), value)  # (without a graph)
                     for spec, _, codes in group:

@@ -337,11 +337,61 @@ def test_expert_group_block_matches_the_whole_block(setup):
             out, _ = stream.call_layer(mod, hidden, None)
             loss = torch.nn.functional.mse_loss(out, target)
             grads = torch.autograd.grad(loss, list(moved.values()))
-    assert seen == [16, 4, 4]  # all experts once (the others' sum), then the 4 moving ones per step
+    # all experts once (the routed sum), the 4 moving ones at their start (taken out of it), then per step
+    assert seen == [16, 4, 4, 4]
     torch.testing.assert_close(out, out_whole, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, grads_whole):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
     assert "forward" not in vars(mod.mlp)
+
+
+def test_routed_sums_follow_the_groups_as_they_end(setup):
+    """The layer's routed sums, formed once per batch and shared by its expert groups: after one group ends at new
+    weights (committed, then written into the block as the tuner writes them), the next group's block gives the
+    whole block's output with both groups' new weights, on the batch both ran and on one only the second ran (its
+    sum formed again from the block's weights); no expert outside a group runs again for a batch already formed."""
+    from mixq.runtime.layer_stream import DecoderStream, layer_params, stacked_rows, write_values
+
+    ck = setup[0]
+    layer = 1
+    fetch = lambda n: ck.get(n, dtype=torch.float32)  # noqa: E731
+    stream = DecoderStream(ck.config, batch_rows=2)
+    g = torch.Generator().manual_seed(1)
+    p = f"model.language_model.layers.{layer}.mlp.experts"
+    moved = {f"{p}.{e}.{part}.weight": fetch(f"{p}.{e}.{part}.weight") + 0.05 * torch.randn(
+        ck.shape(f"{p}.{e}.{part}.weight"), generator=g) for e in range(16) for part in ("gate_proj", "up_proj",
+                                                                                     "down_proj")}
+    hidden = {b: torch.randn(2, 32, stream.hc_mult, int(ck.text_config["hidden_size"]), generator=g)
+              for b in ((0, 2), (2, 4))}
+    mod = DecoderStream(ck.config).materialize(layer, fetch).requires_grad_(False)
+    seen = []
+    experts_forward = type(mod.mlp.experts).forward
+    mod.mlp.experts.forward = (lambda self, x, index, weight: seen.append(int(self.num_experts))
+                               or experts_forward(self, x, index, weight)).__get__(mod.mlp.experts)
+    sums = gt.RoutedSums(mod.mlp)
+    done: dict[str, torch.Tensor] = {}
+    for (e0, e1), batches in (((0, 8), [(0, 2)]), ((8, 16), [(0, 2), (2, 4)])):
+        def weights(e0=e0, e1=e1):
+            return tuple(stacked_rows(mod, layer, f"mlp.experts.{k}", range(e0, e1), moved, fetch)
+                         for k in ("gate_up_proj", "down_proj"))
+        with torch.no_grad(), gt.ExpertGroupMoE(mod.mlp, e0, e1, weights, sums) as moe:
+            for b in batches:
+                moe.batch = b
+                out, _ = stream.call_layer(mod, hidden[b], None)
+                if e0 == 8:  # the whole block with both groups' new weights
+                    want, _ = stream.call_layer(mod_whole, hidden[b], None,
+                                                params=layer_params(mod_whole, layer, moved, fetch))
+                    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+            moe.commit()
+        group = {n: v for n, v in moved.items() if e0 <= int(n.split(".")[-3]) < e1}
+        done.update(group)
+        write_values(mod, layer, group, fetch)
+        if e0 == 0:
+            mod_whole = DecoderStream(ck.config).materialize(layer, fetch).requires_grad_(False)
+            assert seen == [16, 8, 8, 8] and set(sums.batches) == {(0, 2)}  # formed, start, step, commit
+    # the second group: its start out of the kept sum of (0, 2) and a step, then (2, 4) formed whole, its start and
+    # a step, then its commit on each
+    assert seen[4:] == [8, 8, 16, 8, 8, 8, 8]
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q4_K", "IQ2_S", "IQ4_XS", "Q5_0"])

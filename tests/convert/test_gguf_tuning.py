@@ -369,7 +369,7 @@ def test_routed_sums_follow_the_groups_as_they_end(setup):
     mod.mlp.experts.forward = (lambda self, x, index, weight: seen.append(int(self.num_experts))
                                or experts_forward(self, x, index, weight)).__get__(mod.mlp.experts)
     sums = gt.RoutedSums(mod.mlp)
-    done: dict[str, torch.Tensor] = {}
+    mod_whole = None  # the block with the first group's new weights, made once that group is written
     for (e0, e1), batches in (((0, 8), [(0, 2)]), ((8, 16), [(0, 2), (2, 4)])):
         def weights(e0=e0, e1=e1):
             return tuple(stacked_rows(mod, layer, f"mlp.experts.{k}", range(e0, e1), moved, fetch)
@@ -384,7 +384,6 @@ def test_routed_sums_follow_the_groups_as_they_end(setup):
                     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
             moe.commit()
         group = {n: v for n, v in moved.items() if e0 <= int(n.split(".")[-3]) < e1}
-        done.update(group)
         write_values(mod, layer, group, fetch)
         if e0 == 0:
             mod_whole = DecoderStream(ck.config).materialize(layer, fetch).requires_grad_(False)

@@ -1097,11 +1097,12 @@ def _extrapolate_stage(d: dict, rates: dict, t_end: float) -> dict:
     if tune is None:
         not_reached.append("block-output tuning")
     else:
-        for s in tune["stages"]:
+        for k, s in enumerate(tune["stages"]):
             if s["state"] == "cut" and s.get("s_per_step") and s.get("iters"):
                 per_check = s["check_s"] / s["checks"] if s["checks"] else 0.0
-                left += max(0, s["iters"] - s["steps_done"]) * s["s_per_step"] \
-                    + max(0, _checks(s["iters"]) - s["checks"]) * per_check
+                # the layer's first stage checks its start and DEFAULT_CHECKS marks; a group only its GROUP_CHECKS
+                marks = _checks(s["iters"]) if k == 0 else _checks(s["iters"], _group_checks(), start=False)
+                left += max(0, s["iters"] - s["steps_done"]) * s["s_per_step"] + max(0, marks - s["checks"]) * per_check
         n_groups = len(tune["groups"])
         started = max(0, len(tune["stages"]) - 1)
         per = [s for s in tune["stages"][1:] if s.get("s_per_step")]
@@ -2456,17 +2457,29 @@ def _budget(st: dict) -> int | None:
     return None
 
 
-def _checks(iters: int, checks: int = 4, start: bool = True) -> int:
-    """Held-out checks of a descent of `iters` steps (block_tuning.sign_descent: the `checks` marks, and the start
-    unless the stage before ended there: LayerTuner's expert groups after the layer's first stage)."""
+def _checks(iters: int, checks: int | None = None, start: bool = True) -> int:
+    """Held-out checks of a descent of `iters` steps (block_tuning.sign_descent: the `checks` marks, default its
+    DEFAULT_CHECKS, and the start unless the stage before ended there: LayerTuner's expert groups after the layer's
+    first stage)."""
+    from mixq.quant.ggml import block_tuning as bt
+
+    checks = bt.DEFAULT_CHECKS if checks is None else checks
     return int(start) + len({round(iters * k / checks) for k in range(1, checks + 1)})
 
 
-def _stage_cost(stage: dict, iters: int, start: bool = True) -> float:
-    """One tuning stage at `iters` steps: the steps at their measured rate, its held-out checks (at their measured
-    seconds each; `start`: the start is checked too) and set-up."""
+def _group_checks() -> int:
+    """Held-out checks of an expert group's stage (the tuner's GROUP_CHECKS)."""
+    import mixq.convert.gguf_tuning as gt
+
+    return gt.GROUP_CHECKS
+
+
+def _stage_cost(stage: dict, iters: int, start: bool = True, checks: int | None = None) -> float:
+    """One tuning stage at `iters` steps: the steps at their measured rate, its held-out checks (`checks` marks,
+    at their measured seconds each; `start`: the start is checked too) and set-up."""
     check = stage.get("check_s", 0.0) / stage["checks"] if stage.get("checks") else 0.0
-    return iters * stage["s_per_step"] + _checks(iters, start=start) * check + max(0.0, stage.get("setup_s", 0.0))
+    return (iters * stage["s_per_step"] + _checks(iters, checks, start=start) * check
+            + max(0.0, stage.get("setup_s", 0.0)))
 
 
 def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | None,
@@ -2504,7 +2517,8 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
         elif not groups:
             r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
         # the tuner's group steps; each group starts where the stage before ended, so its start is not checked
-        out["steps"] += n_groups * _stage_cost(g, max(1, iters // gt.GROUP_ITERS_SHARE), start=not chosen)
+        out["steps"] += n_groups * _stage_cost(g, max(1, iters // gt.GROUP_ITERS_SHARE), start=not chosen,
+                                               checks=gt.GROUP_CHECKS)
     tuned_w = sum(x.get("weights") or 0 for x in tune["stages"])
     if tuned_w:
         out["codes_init"] = tune.get("codes_init_s", 0.0) / tuned_w * sum(math.prod(s.shape) for s, _ in tun)

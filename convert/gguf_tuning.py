@@ -50,6 +50,10 @@ CHECK_SHARE = 8         # one row in CHECK_SHARE is held out for the keep-the-be
 # an expert group's stage takes iters / GROUP_ITERS_SHARE steps unless told: at 288 experts on an H200 a group of
 # 1.2 G weights took 0.6-0.7 s a step, and a 108 GB plan's MoE layer, its IQ2_S experts tuned, has 6 groups
 GROUP_ITERS_SHARE = 8
+# held-out checks of an expert group's stage: its end only, against its start. On k256's 16 experts in 8 groups of
+# 25 steps (IQ2_S), the end scored best of 4 checks in 7 groups and within 0.3% of the best in the other; at 288
+# experts a check costs as much as about 8 steps of its group
+GROUP_CHECKS = 1
 # per tuned weight: u, its gradient, the best point, the grid (step, base), the start, the decoded value and the
 # rounding's transients, float32 each; a weight whose block scale is learned too counts twice (the grid of each
 # scale alone, and the grid rebuilt at every step)
@@ -439,9 +443,11 @@ class LayerTuner:
         e = F.embedding(self.ids[sl].to(self.device), w)
         return e.unsqueeze(2).expand(-1, -1, self.stream.hc_mult, -1).contiguous()
 
-    def _tune(self, layer, tuned, loss, iters: int, start: float | None = None) -> float | None:
-        """Tune `tuned` ([(spec, codes)]) for `loss`; `start`: the held-out loss of the start when the stage before
-        ended at this point (not checked again). Returns the held-out loss where the codes end (None: no stage)."""
+    def _tune(self, layer, tuned, loss, iters: int, start: float | None = None,
+              checks: int = bt.DEFAULT_CHECKS) -> float | None:
+        """Tune `tuned` ([(spec, codes)]) for `loss`, `checks` held-out checks on the way; `start`: the held-out loss
+        of the start when the stage before ended at this point (not checked again). Returns the held-out loss
+        where the codes end (None: no stage)."""
         if not tuned or iters <= 0:
             return None
 
@@ -456,7 +462,7 @@ class LayerTuner:
         t0 = time.perf_counter()
         params = [(p, self.lr if k == 0 else self.scale_lr) for _, c in tuned for k, p in enumerate(c.params)]
         before, after = bt.sign_descent([p for p, _ in params], loss, self.fit, iters, [r for _, r in params],
-                                        score=held_out, start=start)  # the score reads losses back
+                                        score=held_out, start=start, checks=checks)  # the score reads losses back
         self.reports.append(StageReport(layer, before, after, after < before,
                                         float(np.mean([c.changed() for _, c in tuned])), self.held,
                                         time.perf_counter() - t0))
@@ -544,7 +550,7 @@ class LayerTuner:
                                      for k in ("gate_up_proj", "down_proj"))
                     with ExpertGroupMoE(mod.mlp, e0, e1, weights, sums) as group_moe:
                         reached = self._tune(layer, [(spec, codes) for spec, _, codes in group], loss,
-                                             self.group_iters, start=reached)
+                                             self.group_iters, start=reached, checks=GROUP_CHECKS)
                         group_moe.commit()
                     group_moe = None
                     write_values(mod, layer, self._group_values(group), value)  # (without a graph)

@@ -43,6 +43,7 @@ from .triton_search import use_fused
 # one level per weight (affine or the IQ4 table), and the IQ2 types' codebook groups; the other lattice i-quants
 # keep their codes
 TUNABLE = gl.SCALAR_TYPES + gl.IQ2_TYPES
+DEFAULT_CHECKS = 4             # held-out checks of a descent with a score, evenly spaced, the last at its end
 START_REACH = 0.499            # how far towards the source weight a code's relaxation starts (in steps)
 # types whose fp16 scale is the only scale of a 32-weight block, at 4-5 bits: learning it moves every weight of the
 # block (the K-quants' super-scale is shared by sub-blocks whose own scales the Hessian refit chose; Q8_0's steps are
@@ -407,7 +408,7 @@ def tunable_codes(blocks: np.ndarray, qtype: str, weights: torch.Tensor, device:
 
 def sign_descent(params: Sequence[torch.Tensor], loss: Callable[[object], torch.Tensor], batches: Sequence,
                  iters: int, lr: float | Sequence[float], *, score: Callable[[], float] | None = None,
-                 checks: int = 4, start: float | None = None) -> tuple[float, float] | None:
+                 checks: int = DEFAULT_CHECKS, start: float | None = None) -> tuple[float, float] | None:
     """``iters`` steps of u -= lr_t·sign(∂loss/∂u) over `batches` in turn, lr_t decaying linearly from
     ``lr / iters`` to 0 (so no parameter moves more than ``lr / 2`` in all). `lr`: one rate, or one per parameter.
 

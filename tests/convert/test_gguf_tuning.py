@@ -187,7 +187,7 @@ def test_a_held_out_check_decodes_each_tensor_once(setup, moe, monkeypatch):
     tuner.layer(1, encoded)
     groups = len([r for r in tuner.reports if r.layer == 1]) - 1
     assert groups == 4
-    assert len(checks) == 5 + 4 * groups
+    assert len(checks) == 5 + gt.GROUP_CHECKS * groups
     assert all(c and len(c) == len(set(c)) for c in checks)
 
 

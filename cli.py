@@ -277,7 +277,7 @@ def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
                    "--rows, --seq-len).  [default: exact]")
 @click.option("--tune-iters", type=int, default=None, help="GGUF --rounding hessian: descent steps per decoder layer that tune the codes (and the one fp16 scale of Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL blocks) for the layer's output on the quantized model's streams (0 = Hessian rounding alone).  [default: 200]")
 @click.option("--tune-group-iters", type=int, default=None, help="GGUF --rounding hessian: descent steps per group of routed experts, where a layer's experts do not fit the tuning memory at once and are tuned a group at a time (0 = those experts keep their Hessian rounding).  [default: --tune-iters / 8]")
-@click.option("--refine-passes", type=int, default=None, help="GGUF --rounding hessian: descent passes over the codes and scales after the rounding's feedback walk (0 = the walk alone).  [default: 1 for Q2_K, IQ2_S and IQ2_XS where tuning follows, else 3]")
+@click.option("--refine-passes", type=int, default=None, help="GGUF --rounding hessian: descent passes over the codes and scales after the rounding's feedback walk (0 = the walk alone).  [default: 0 for IQ2_S and 1 for Q2_K and IQ2_XS where tuning follows, else 3]")
 @click.option("--type", "qtype", default=None, help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).")
 @click.option("--imatrix", type=click.Path(), default=None, help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).")
 @click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default=None, help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  [default: k]")

@@ -2483,7 +2483,7 @@ def _stage_cost(stage: dict, iters: int, start: bool = True, checks: int | None 
 
 
 def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | None,
-                  r: _Rates, groups_from: tuple[str, list[dict]] | None = None) -> dict[str, float]:
+                  r: _Rates, groups_from: tuple[str, list[dict], float | None] | None = None) -> dict[str, float]:
     """Seconds of block-output tuning of one release layer (its (spec, type, covered) list): the stage of the
     layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step (where
     `groups_from` where given, else this run's, else the layer stage's), the codes' set-up, the tuner's numpy
@@ -2494,6 +2494,7 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
     out = {"steps": 0.0, "codes_init": 0.0, "host_decode": 0.0, "streams": 0.0}
     if tune is None:
         return out
+    commit = 0.0  # the routed sums' commits of a groups run taken in for this run's groups (see below)
     tun = [(s, t) for s, t, c in tensors if c and t in bt.TUNABLE]
     room = budget if budget is not None else float("inf")
     chosen, over = [], []
@@ -2514,6 +2515,10 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
         g = _pooled_groups(groups_from[1]) if groups_from else _pooled_groups(groups) if groups else st0
         if groups_from:
             r.note("tuning expert groups", f"at the steps and checks of {groups_from[0]}'s groups")
+            if groups_from[2] is not None and not (tune.get("streams_parts_s") or {}).get("commit"):
+                # that run's tuner commits each group's routed sums after it; this run's did not
+                commit = n_groups * groups_from[2]
+                r.note("routed-sum commits", f"{groups_from[2]:.3f} s a group, as {groups_from[0]} measured")
         elif not groups:
             r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
         # the tuner's group steps; each group starts where the stage before ended, so its start is not checked
@@ -2525,7 +2530,7 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
     # what the tuner does not move is decoded on its device by the torch decoder (the GPU's decode rates make that
     # seconds a layer: not priced, "host_decode" stays 0); what Hessian rounding leaves to ggml the tuner encodes on
     # its device too (priced by the caller at the exact path's rates)
-    out["streams"] = max(0.0, tune.get("streams_other_s", 0.0))
+    out["streams"] = max(0.0, tune.get("streams_other_s", 0.0)) + commit
     # the source weights read for the codes and the blocks written back happen per stage: a cut run reached only
     # some of the layer's groups, so those two parts scale to all its tuned weights
     reached = sum(x.get("weights") or 0 for x in tune["stages"])
@@ -2573,14 +2578,57 @@ def _hessian_stages(path: Path) -> tuple[str, dict]:
     return str(repo_relative(str(Path(path).resolve()))), stages
 
 
-def measured_groups(path: Path | None) -> tuple[str, list[dict]] | None:
-    """(the file, every expert-group stage its gguf-hessian run measured), or None (no file, or no group in it)."""
+def measured_groups(path: Path | None) -> tuple[str, list[dict], float | None] | None:
+    """(the file, every expert-group stage its gguf-hessian run measured, seconds per finished group of the routed
+    sums' commit after it, None where that run's tuner had none), or None (no file, or no group in it)."""
     if path is None:
         return None
     name, stages = _hessian_stages(path)
-    groups = [g for d in stages.values() for g in ((d.get("tune") or {}).get("stages") or [])[1:]
-              if g.get("s_per_step")]
-    return (name, groups) if groups else None
+    tunes = [d["tune"] for d in stages.values() if d.get("tune")]
+    groups = [g for t in tunes for g in (t.get("stages") or [])[1:] if g.get("s_per_step")]
+    if not groups:
+        return None
+    finished = sum(g.get("state") == "done" for g in groups)
+    commits = [(t.get("streams_parts_s") or {}).get("commit") for t in tunes]
+    commit = sum(c for c in commits if c) / finished if finished and any(c is not None for c in commits) else None
+    return name, groups, commit
+
+
+def round_call_ratios(paths: list[Path] | None) -> tuple[str, dict[str, float]] | None:
+    """(the two files, {"TYPE/KIND": seconds per weight of the second / of the first}) of two
+    bench/hessian_rounding_speed.py runs on one machine (a run's rounding, then a changed one: other descent
+    passes), for the rows both hold; None without files."""
+    if not paths:
+        return None
+    a, b = (json.loads(Path(x).read_text()) for x in paths)
+    per = [{f"{r['type']}/{r['kind']}": r["seconds"] / r["weights"] for r in d["rows"]} for d in (a, b)]
+    names = " / ".join(str(repo_relative(str(Path(x).resolve()))) for x in reversed(paths))
+    return names, {k: per[1][k] / per[0][k] for k in per[0].keys() & per[1].keys()}
+
+
+def _repriced_rounding(rates: dict, stages: dict, ratios: tuple[str, dict[str, float]] | None, r: _Rates) -> dict:
+    """The run's rounding rates with each stacked type that `ratios` holds (:func:`round_call_ratios`, kind
+    "stack") re-priced: the steady seconds of its expert-slice calls scaled by the ratio, its per-expert
+    Hessians, fetch and spill as measured. A "TYPE/stack" ratio serves every stack of that type (gate, up, down)."""
+    if ratios is None:
+        return rates
+    src, ratio = ratios
+    calls: dict[str, list[float]] = {}
+    for t, kind, _, _, cl in _timed_tensors(stages):
+        c = calls.setdefault(f"{t}/{kind}", [0.0, 0.0])
+        for sec, w in cl[1:]:  # the first call of a stack may hold a kernel's build
+            c[0] += sec
+            c[1] += w
+    out = dict(rates)
+    for k, f in ratio.items():
+        if not k.endswith("/stack") or k not in out or not calls.get(k, [0, 0])[1]:
+            continue
+        call = calls[k][0] / calls[k][1] * 1e6
+        new = out[k]["s_per_mweight"] - call * (1.0 - f)
+        out[k] = {**out[k], "s_per_mweight": round(new, 4), "seconds": round(new * out[k]["weights"] / 1e6, 2)}
+        r.note(f"rounding {k}", f"this run's rate with its expert-slice calls ({call:.4f} s per M weights) scaled by "
+                                f"x{f:.3f}, the ratio of {src} (one machine)")
+    return out
 
 
 def warm_encode_rates(path: Path | None) -> tuple[str, dict[str, tuple[float, bool]]] | None:
@@ -2607,8 +2655,9 @@ def cold_warmup(path: Path | None) -> tuple[str, dict] | None:
 
 def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
                          cold: tuple[str, dict] | None = None,
-                         groups_from: tuple[str, list[dict]] | None = None,
-                         warm_encode: tuple[str, dict[str, tuple[float, bool]]] | None = None) -> dict:
+                         groups_from: tuple[str, list[dict], float | None] | None = None,
+                         warm_encode: tuple[str, dict[str, tuple[float, bool]]] | None = None,
+                         round_ratios: tuple[str, dict[str, float]] | None = None) -> dict:
     """GGUF 108 GB `--gguf-ladder iq --rounding hessian` release hours on one device: every release layer from
     its planned tensors (the 108 GB plan) at the rates this run measured: the capture forward per layer kind,
     Hessian rounding per type (s per M weights, its per-expert Hessians and spill included), block-output tuning
@@ -2622,7 +2671,8 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
     hp = hs.get("phases") or {}
     iters = int(hs.get("tune_iters") or (st.get("gguf-tune") or {}).get("tune_iters") or 200)
     r = _Rates()
-    rates = _with_probe_rates(hp, st.get("gguf-tune") or {}, r)
+    rates = _repriced_rounding(_with_probe_rates(hp, st.get("gguf-tune") or {}, r), hp.get("stages") or {},
+                               round_ratios, r)
     host = hp.get("host_rates") or hs.get("host_rates_mweights_per_s") or {}
     capture = _capture_seconds(st, layers, ref, r)
     source_layer = _source_layer_seconds(st, layers, r)
@@ -2876,14 +2926,16 @@ def _release_decode(st: dict, rel_w: dict, cand: dict, slice_w: int, r: _Rates) 
 
 
 def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | None = DEFAULT_REFERENCE,
-            cold: Path | None = None, groups: Path | None = None, encode: Path | None = None) -> dict:
+            cold: Path | None = None, groups: Path | None = None, encode: Path | None = None,
+            round_calls: list[Path] | None = None) -> dict:
     """Each measured stage scaled to the release per layer type (3 KDA+dense, 31 KDA+MoE, 11 DSA+MoE, the NextN
     block uncalibrated, embed/head/vision once), 288 experts per MoE layer. What this run measured at 288
     experts is used as measured; a layer cut mid-way is completed at its own per-unit rate; what the run lacks
     comes from `reference`, each borrowing named in `scaled`; `cold`: a run's JSON whose first rounded tensors
     give the kernels' one-time warm-up (this run's kernels were compiled beforehand); `groups`: a run's JSON whose
     expert groups give their seconds per step and checks instead of this run's; `encode`: bench/kquant_speed.py's JSON,
-    ggml's encoders' warm rates for the NextN block."""
+    ggml's encoders' warm rates for the NextN block; `round_calls`: two bench/hessian_rounding_speed.py JSONs of
+    one machine whose ratio re-prices this run's stacked rounding calls (:func:`round_call_ratios`)."""
     st = res["stages"]
     layers = parse_layers(layers)
     counts = _release_counts(experts, layers)
@@ -2912,7 +2964,7 @@ def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | No
             out["gguf_108GB_hours"] = out["gguf_108GB"]["hours_108GB"]
     if any((st.get(k) or {}).get("phases") for k in ("gguf-hessian", "gguf-tune")):
         h = project_gguf_hessian(st, layers, ref, out.get("gguf_108GB", {}), cold_warmup(cold),
-                                 measured_groups(groups), warm_encode_rates(encode))
+                                 measured_groups(groups), warm_encode_rates(encode), round_call_ratios(round_calls))
         if "gguf_108GB" not in out:
             h.setdefault("missing", []).append("the exact path's projection (imatrix, read/write/seal, ggml's encode "
                                                "rates): run the gguf stage, or start from its JSON (--seed-json)")
@@ -3077,6 +3129,9 @@ def main() -> None:
     ap.add_argument("--groups-json", type=Path, default=None,
                     help="project: the expert groups' seconds per step and checks from this run's JSON (a gguf-hessian "
                          "or gguf-tune run) instead of this run's")
+    ap.add_argument("--round-calls-json", type=Path, nargs=2, default=None, metavar=("FROM", "TO"),
+                    help="project: this run's stacked rounding calls re-priced by the ratio of two "
+                         "bench/hessian_rounding_speed.py runs on one machine (this run's passes, then the new ones)")
     ap.add_argument("--encode-rates-json", type=Path, default=None,
                     help="project: the NextN block's encode at these warm rates (bench/kquant_speed.py's JSON) "
                          "instead of the exact run's")
@@ -3137,7 +3192,8 @@ def main() -> None:
         if stage == "project":
             b = res["stages"].get("build", {})
             out = project(res, b.get("experts", a.experts), tuple(b.get("layers", layers)), a.reference,
-                          cold=a.warmup_json, groups=a.groups_json, encode=a.encode_rates_json)
+                          cold=a.warmup_json, groups=a.groups_json, encode=a.encode_rates_json,
+                          round_calls=a.round_calls_json)
         elif stage in CHILD_STAGES:
             kill_at, why = end, "deadline"
             if stage in limits and (kill_at is None or t + limits[stage] < kill_at):

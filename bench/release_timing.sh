@@ -35,6 +35,7 @@
 #   bash bench/release_timing.sh OUT tuning-gpu-tests         # 1 min: the tuner's gpu tests
 #   bash bench/release_timing.sh OUT gguf-hessian-refine1     # 8.5 min: the same with --refine-passes 1
 #   bash bench/release_timing.sh OUT gguf-rounding-refine1    # 1 min: the stacked calls with one descent pass
+#   bash bench/release_timing.sh OUT gguf-rounding-passes     # 1 min: IQ2_S stacks, 0 and 1 descent passes
 #   bash bench/release_timing.sh OUT copy-back                # 1.5 min: pinned copies beside pageable ones
 #
 # OUT receives the JSON results. Wheels in .whl/ (transformers, gguf, exllamav3 and its needs) are installed into
@@ -139,6 +140,10 @@ for step in "$@"; do
         gguf-rounding-refine1) python3 bench/hessian_rounding_speed.py --refine 1 \
                                    --json "$OUT/hessian_rounding_speed_refine1.json" --types IQ2_S,Q4_K \
                                    --kinds stack,stack_down ;;
+        gguf-rounding-passes) for n in 0 1; do
+                                  python3 bench/hessian_rounding_speed.py --refine $n --types IQ2_S \
+                                      --kinds stack --json "$OUT/hessian_rounding_speed_refine$n.json"
+                              done ;;
         gguf-rounding) python3 bench/hessian_rounding_speed.py --json "$OUT/hessian_rounding_speed.json" \
                            --types IQ2_S,Q4_K --kinds stack,stack_down ;;
         gguf-tune) python3 bench/glm53_slice.py "${SLICE[@]}" --json "$OUT/glm53_slice_288_tune.json" \

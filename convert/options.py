@@ -204,7 +204,7 @@ class GGUFOptions(_Options):
     tuned for each decoder layer's output on the quantized model's streams: `tune_iters` steps, 0 = none; routed
     experts that do not fit the tuning memory with the rest are tuned a group at a time, `tune_group_iters` steps
     a group, None = `tune_iters` / 8); `refine_passes`: the rounding's descent passes over codes and scales after
-    its feedback walk (None = per type: 1 for Q2_K, IQ2_S and IQ2_XS where tuning follows, else 3).
+    its feedback walk (None = per type: 0 for IQ2_S and 1 for Q2_K and IQ2_XS where tuning follows, else 3).
     `measure`: GGUF error curves (`mixq plan --format gguf --measure --measure-out FILE`) for a --bpw/--size
     plan. `overwrite`: replace an existing OUT (and --mmproj file) instead of refusing."""
 

@@ -241,8 +241,13 @@ def test_an_earlier_runs_groups_price_a_run_that_measured_none(tmp_path):
                        {"what": "group", "s_per_step": None, "steps_done": 0}]}
     f = tmp_path / "earlier.json"
     f.write_text(json.dumps({"stages": {"gguf-hessian": {"phases": {"stages": {"layer.1": {"tune": tune}}}}}}))
-    where, groups = mod.measured_groups(f)
-    assert where.endswith("earlier.json") and [g["s_per_step"] for g in groups] == [0.33]
+    where, groups, commit = mod.measured_groups(f)
+    assert where.endswith("earlier.json") and [g["s_per_step"] for g in groups] == [0.33] and commit is None
+    # a tuner that commits each group's routed sums: their seconds per finished group
+    tune["stages"][1]["state"] = "done"
+    tune["streams_parts_s"] = {"commit": 0.3}
+    f.write_text(json.dumps({"stages": {"gguf-hessian": {"phases": {"stages": {"layer.1": {"tune": tune}}}}}}))
+    assert mod.measured_groups(f)[2] == 0.3
     tune["stages"] = tune["stages"][:1]
     f.write_text(json.dumps({"stages": {"gguf-hessian": {"phases": {"stages": {"layer.1": {"tune": tune}}}}}}))
     assert mod.measured_groups(f) is None and mod.measured_groups(None) is None
@@ -275,3 +280,27 @@ def test_measured_groups_are_pooled_by_their_steps():
     g = mod._pooled_groups(groups)
     assert abs(g["s_per_step"] - (25 * 0.33 + 3 * 0.24) / 28) < 1e-12
     assert g["checks"] == 6 and abs(g["check_s"] / g["checks"] - 0.4) < 1e-12
+
+
+def test_rounding_calls_are_re_priced_by_a_measured_ratio(tmp_path):
+    """--round-calls-json FROM TO: a stacked type both runs hold has its steady expert-slice calls scaled by TO / FROM
+    (per weight), its other seconds (per-expert Hessians, fetch, spill) kept; other types and matrices unchanged."""
+    mod = _module()
+    rows = lambda sec: {"rows": [{"type": "IQ2_S", "kind": "stack", "weights": 1_000_000, "seconds": sec},  # noqa: E731
+                                 {"type": "Q4_K", "kind": "matrix", "weights": 1_000_000, "seconds": sec}]}
+    a, b = tmp_path / "one.json", tmp_path / "none.json"
+    a.write_text(json.dumps(rows(2.0)))
+    b.write_text(json.dumps(rows(0.5)))
+    ratios = mod.round_call_ratios([a, b])
+    assert ratios[1] == {"IQ2_S/stack": 0.25, "Q4_K/matrix": 0.25}
+    # the run: 3 calls of 1 M weights (the first with a build), 10 s in all for 3 M weights (1 s outside the calls)
+    stages = {"layer.1": {"round": {"tensors": {"x": {"type": "IQ2_S", "experts": 8, "weights_done": 3_000_000,
+                                                      "s_per_mweight": 10 / 3, "calls": [[5, 1e6], [2, 1e6],
+                                                                                         [2, 1e6]]}}}}}
+    rates = {"IQ2_S/stack": {"weights": 3_000_000, "seconds": 10.0, "s_per_mweight": 10 / 3},
+             "Q4_K/matrix": {"weights": 1_000_000, "seconds": 1.0, "s_per_mweight": 1.0}}
+    r = mod._Rates()
+    out = mod._repriced_rounding(rates, stages, ratios, r)
+    assert out["IQ2_S/stack"]["s_per_mweight"] == round(10 / 3 - 2 * 0.75, 4)  # 2 s per M weights of calls, x0.25
+    assert out["Q4_K/matrix"] == rates["Q4_K/matrix"] and "rounding IQ2_S/stack" in r.notes
+    assert mod._repriced_rounding(rates, stages, None, r) is rates and mod.round_call_ratios(None) is None

@@ -40,7 +40,7 @@ def test_the_cache_key_names_the_passes():
 
 def test_the_default_is_per_type_where_tuning_follows():
     assert {t: gr.passes_for(t) for t in ("Q2_K", "IQ2_S", "IQ2_XS", "Q3_K", "Q4_K", "IQ4_NL")} == \
-        {"Q2_K": 1, "IQ2_S": 1, "IQ2_XS": 1, "Q3_K": 3, "Q4_K": 3, "IQ4_NL": 3}
+        {"Q2_K": 1, "IQ2_S": 0, "IQ2_XS": 1, "Q3_K": 3, "Q4_K": 3, "IQ4_NL": 3}
     assert {gr.passes_for(t, tuned=False) for t in ("Q2_K", "IQ2_S", "Q4_K")} == {gr.REFINE_PASSES}
     assert {gr.passes_for(t, 2) for t in ("Q2_K", "IQ2_S", "Q4_K")} == {2}
 

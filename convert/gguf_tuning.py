@@ -52,7 +52,7 @@ CHECK_SHARE = 8         # one row in CHECK_SHARE is held out for the keep-the-be
 GROUP_ITERS_SHARE = 8
 # held-out checks of an expert group's stage: its end only, against its start. On k256's 16 experts in 8 groups of
 # 25 steps (IQ2_S), the end scored best of 4 checks in 7 groups and within 0.3% of the best in the other; at 288
-# experts a check costs as much as about 8 steps of its group
+# experts a check costs as much as one or two of its group's 25 steps
 GROUP_CHECKS = 1
 # per tuned weight: u, its gradient, the best point, the grid (step, base), the start, the decoded value and the
 # rounding's transients, float32 each; a weight whose block scale is learned too counts twice (the grid of each

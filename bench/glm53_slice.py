@@ -2483,7 +2483,8 @@ def _stage_cost(stage: dict, iters: int, start: bool = True, checks: int | None 
 
 
 def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | None,
-                  r: _Rates, groups_from: tuple[str, list[dict], float | None] | None = None) -> dict[str, float]:
+                  r: _Rates, groups_from: tuple[str, list[dict], float | None] | None = None,
+                  decode: tuple[str, dict[str, float], list[tuple[str, int]]] | None = None) -> dict[str, float]:
     """Seconds of block-output tuning of one release layer (its (spec, type, covered) list): the stage of the
     layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step (where
     `groups_from` where given, else this run's, else the layer stage's), the codes' set-up, the tuner's numpy
@@ -2521,6 +2522,16 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
                 r.note("routed-sum commits", f"{groups_from[2]:.3f} s a group, as {groups_from[0]} measured")
         elif not groups:
             r.note("tuning expert groups", "no expert group measured: at the layer stage's seconds per step")
+        if decode is not None:
+            # the measured groups decoded the slice's stacks; this layer's may be other types. A step's decodes are
+            # re-priced per expert at the decode file's rates (a type it lacks counts as free, so where the slice's
+            # stacks hold such a type the difference is an upper bound)
+            src, rate, sliced = decode
+            extra = (sum(rate.get(t, 0.0) * math.prod(sp.shape[1:]) for sp, t in over)
+                     - sum(rate.get(t, 0.0) * w for t, w in sliced))
+            g = {**g, "s_per_step": g["s_per_step"] + size * extra}
+            r.note("tuning expert groups' decodes", f"each step's decodes re-priced per expert for the layer's types at "
+                                                    f"{src}'s rates (types it lacks count as free)")
         # the tuner's group steps; each group starts where the stage before ended, so its start is not checked
         out["steps"] += n_groups * _stage_cost(g, max(1, iters // gt.GROUP_ITERS_SHARE), start=not chosen,
                                                checks=gt.GROUP_CHECKS)
@@ -2594,6 +2605,27 @@ def measured_groups(path: Path | None) -> tuple[str, list[dict], float | None] |
     return name, groups, commit
 
 
+def decode_rates(path: Path | None) -> tuple[str, dict[str, float]] | None:
+    """(the file, {type: seconds per weight of the tuner's IQ2 decode, forward + backward}) of a
+    bench/iq2_tuning_decode.py run (its one-kernel decode where it ran, else its score-table one), or None."""
+    if path is None:
+        return None
+    d = json.loads(Path(path).read_text())
+    rates = {t["type"]: (t.get("one_kernel") or t["scored"])["decode_forward_backward_s"] / t["weights"]
+             for t in d["types"]}
+    return str(repo_relative(str(Path(path).resolve()))), rates
+
+
+def _slice_stacks(stages: dict) -> list[tuple[str, int]]:
+    """(type, weights per expert) of the routed-expert stacks the run rounded in its first MoE layer."""
+    for d in stages.values():
+        stacks = [(x["type"], x["weights"] // x["experts"]) for x in (d.get("round") or {}).get("tensors", {}).values()
+                  if x.get("experts")]
+        if stacks:
+            return stacks
+    return []
+
+
 def round_call_ratios(paths: list[Path] | None) -> tuple[str, dict[str, float]] | None:
     """(the two files, {"TYPE/KIND": seconds per weight of the second / of the first}) of two
     bench/hessian_rounding_speed.py runs on one machine (a run's rounding, then a changed one: other descent
@@ -2657,7 +2689,8 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
                          cold: tuple[str, dict] | None = None,
                          groups_from: tuple[str, list[dict], float | None] | None = None,
                          warm_encode: tuple[str, dict[str, tuple[float, bool]]] | None = None,
-                         round_ratios: tuple[str, dict[str, float]] | None = None) -> dict:
+                         round_ratios: tuple[str, dict[str, float]] | None = None,
+                         decode: tuple[str, dict[str, float]] | None = None) -> dict:
     """GGUF 108 GB `--gguf-ladder iq --rounding hessian` release hours on one device: every release layer from
     its planned tensors (the 108 GB plan) at the rates this run measured: the capture forward per layer kind,
     Hessian rounding per type (s per M weights, its per-expert Hessians and spill included), block-output tuning
@@ -2688,7 +2721,8 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
         parts = {"capture_forward": capture.get(kind, 0.0), "source_layer": source_layer.get(kind, 0.0),
                  "hessian_rounding": sum(math.prod(s.shape) / 1e6 * _round_rate(rates, t, s.transform == "stack", r)
                                          for s, t, c in tensors if c)}
-        parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, r, groups_from))
+        parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, r, groups_from,
+                                   None if decode is None else (*decode, _slice_stacks(hp.get("stages") or {}))))
         encode_s = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in tensors
                        if not c and t not in ("F32", "F16", "BF16"))
         # ggml's encode of those tensors runs once: in the tuner, on its device at the same rates, where the layer
@@ -2927,7 +2961,7 @@ def _release_decode(st: dict, rel_w: dict, cand: dict, slice_w: int, r: _Rates) 
 
 def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | None = DEFAULT_REFERENCE,
             cold: Path | None = None, groups: Path | None = None, encode: Path | None = None,
-            round_calls: list[Path] | None = None) -> dict:
+            round_calls: list[Path] | None = None, decode: Path | None = None) -> dict:
     """Each measured stage scaled to the release per layer type (3 KDA+dense, 31 KDA+MoE, 11 DSA+MoE, the NextN
     block uncalibrated, embed/head/vision once), 288 experts per MoE layer. What this run measured at 288
     experts is used as measured; a layer cut mid-way is completed at its own per-unit rate; what the run lacks
@@ -2935,7 +2969,9 @@ def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | No
     give the kernels' one-time warm-up (this run's kernels were compiled beforehand); `groups`: a run's JSON whose
     expert groups give their seconds per step and checks instead of this run's; `encode`: bench/kquant_speed.py's JSON,
     ggml's encoders' warm rates for the NextN block; `round_calls`: two bench/hessian_rounding_speed.py JSONs of
-    one machine whose ratio re-prices this run's stacked rounding calls (:func:`round_call_ratios`)."""
+    one machine whose ratio re-prices this run's stacked rounding calls (:func:`round_call_ratios`); `decode`:
+    bench/iq2_tuning_decode.py's JSON, whose decode rates re-price the expert groups' steps per release layer's
+    types (:func:`decode_rates`)."""
     st = res["stages"]
     layers = parse_layers(layers)
     counts = _release_counts(experts, layers)
@@ -2964,7 +3000,8 @@ def project(res: dict, experts: int, layers=DEFAULT_LAYERS, reference: Path | No
             out["gguf_108GB_hours"] = out["gguf_108GB"]["hours_108GB"]
     if any((st.get(k) or {}).get("phases") for k in ("gguf-hessian", "gguf-tune")):
         h = project_gguf_hessian(st, layers, ref, out.get("gguf_108GB", {}), cold_warmup(cold),
-                                 measured_groups(groups), warm_encode_rates(encode), round_call_ratios(round_calls))
+                                 measured_groups(groups), warm_encode_rates(encode), round_call_ratios(round_calls),
+                                 decode_rates(decode))
         if "gguf_108GB" not in out:
             h.setdefault("missing", []).append("the exact path's projection (imatrix, read/write/seal, ggml's encode "
                                                "rates): run the gguf stage, or start from its JSON (--seed-json)")
@@ -3132,6 +3169,9 @@ def main() -> None:
     ap.add_argument("--round-calls-json", type=Path, nargs=2, default=None, metavar=("FROM", "TO"),
                     help="project: this run's stacked rounding calls re-priced by the ratio of two "
                          "bench/hessian_rounding_speed.py runs on one machine (this run's passes, then the new ones)")
+    ap.add_argument("--decode-json", type=Path, default=None,
+                    help="project: the expert groups' steps re-priced for each release layer's stack types at this "
+                         "bench/iq2_tuning_decode.py run's decode rates (the slice's stacks are other types)")
     ap.add_argument("--encode-rates-json", type=Path, default=None,
                     help="project: the NextN block's encode at these warm rates (bench/kquant_speed.py's JSON) "
                          "instead of the exact run's")
@@ -3193,7 +3233,7 @@ def main() -> None:
             b = res["stages"].get("build", {})
             out = project(res, b.get("experts", a.experts), tuple(b.get("layers", layers)), a.reference,
                           cold=a.warmup_json, groups=a.groups_json, encode=a.encode_rates_json,
-                          round_calls=a.round_calls_json)
+                          round_calls=a.round_calls_json, decode=a.decode_json)
         elif stage in CHILD_STAGES:
             kill_at, why = end, "deadline"
             if stage in limits and (kill_at is None or t + limits[stage] < kill_at):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "glm53_slice.py"
 
@@ -304,3 +306,34 @@ def test_rounding_calls_are_re_priced_by_a_measured_ratio(tmp_path):
     assert out["IQ2_S/stack"]["s_per_mweight"] == round(10 / 3 - 2 * 0.75, 4)  # 2 s per M weights of calls, x0.25
     assert out["Q4_K/matrix"] == rates["Q4_K/matrix"] and "rounding IQ2_S/stack" in r.notes
     assert mod._repriced_rounding(rates, stages, None, r) is rates and mod.round_call_ratios(None) is None
+
+
+def test_group_steps_are_re_priced_for_the_layers_stack_types(tmp_path):
+    """--decode-json: an expert group's step pays each stack's decode per expert at the decode file's rates, so a
+    release layer whose stacks are all IQ2_S steps slower than the slice's IQ2_S / IQ2_XS / Q2_K mix; a type the
+    file lacks (Q2_K) counts as free."""
+    from types import SimpleNamespace
+
+    mod = _module()
+    f = tmp_path / "decode.json"
+    f.write_text(json.dumps({"types": [
+        {"type": "IQ2_S", "weights": 1000, "scored": {"decode_forward_backward_s": 9.0},
+         "one_kernel": {"decode_forward_backward_s": 2.0}},
+        {"type": "IQ2_XS", "weights": 1000, "scored": {"decode_forward_backward_s": 1.0}}]}))
+    src, rates = mod.decode_rates(f)
+    assert rates == {"IQ2_S": 0.002, "IQ2_XS": 0.001} and mod.decode_rates(None) is None
+    stages = {"layer.0": {"round": {"tensors": {"a": {"type": "Q4_K", "experts": 0, "weights": 50}}}},
+              "layer.1": {"round": {"tensors": {"g": {"type": "IQ2_S", "experts": 4, "weights": 400},
+                                                "u": {"type": "IQ2_XS", "experts": 4, "weights": 400},
+                                                "d": {"type": "Q2_K", "experts": 4, "weights": 400}}}}}
+    sliced = mod._slice_stacks(stages)
+    assert sliced == [("IQ2_S", 100), ("IQ2_XS", 100), ("Q2_K", 100)]
+    stack = lambda: SimpleNamespace(shape=(8, 10, 10), transform="stack")  # noqa: E731
+    tensors = [(stack(), "IQ2_S", True) for _ in range(3)]
+    tune = {"stages": [{"s_per_step": 0.1, "steps_done": 200, "checks": 5, "check_s": 0.5},
+                       {"s_per_step": 0.2, "steps_done": 25, "checks": 1, "check_s": 0.1, "state": "done"}]}
+    # a budget under one stack: no stack joins the layer stage, the experts go in 4 groups of 2
+    plain = mod._layer_tuning(tensors, tune, 200, 2 * 300, mod._Rates())
+    priced = mod._layer_tuning(tensors, tune, 200, 2 * 300, mod._Rates(), decode=(src, rates, sliced))
+    # 4 groups x 25 steps x 2 experts x (3 x 100 x 0.002 - (100 x 0.002 + 100 x 0.001))
+    assert priced["steps"] - plain["steps"] == pytest.approx(4 * 25 * 2 * (0.6 - 0.3))

@@ -639,8 +639,7 @@ def _tuning_probe(p: Probe) -> None:
     p.wrap([gt], "write_values", lambda *a, **k: "tune_streams/write_values", begin=False)
     p.wrap([gt], "build_tensor", lambda *a, **k: "tune_streams/source_weights", begin=False)
     p.wrap([gt.DecoderStream], "call_layer", lambda *a, **k: "tune_streams/layer_call", begin=False)
-    # each expert group's tuned values written into the block, and its routed sums brought up to them
-    p.wrap([gt.LayerTuner], "_group_values", lambda *a, **k: "tune_streams/group_values", begin=False)
+    # each expert group's routed sums brought up to its tuned values
     p.wrap([gt.ExpertGroupMoE], "commit", lambda *a, **k: "tune_streams/commit", begin=False)
     for codes in (bt.LevelCodes, bt.IQ2Codes):  # one wrap per class: a wrap calls its first owner's method
         p.wrap([codes], "blocks", lambda *a, **k: "tune_streams/blocks", begin=False)
@@ -946,7 +945,7 @@ def _tune_summary(done: list[dict], closed: list[dict], st: str) -> dict | None:
          "host_dequant_s": round(_secs(done, "host_dequant/", lay), 2),
          "streams_parts_s": {k: round(_secs(inline, f"tune_streams/{k}", lay), 2)
                              for k in ("materialize", "source_pass", "source_weights", "decode_rounded",
-                                       "write_values", "blocks", "group_values", "commit")}}
+                                       "write_values", "blocks", "commit")}}
     # the expert groups' source weights, read on a worker thread while the group before is tuned: listed, not a part
     d["source_weights_behind_s"] = round(_secs(behind, "tune_streams/source_weights", lay), 2)
     d["streams_parts_s"]["ggml_encode"] = round(sum(x["seconds"] for x in d["stored_values_encode"].values()), 2)

@@ -252,10 +252,10 @@ class ExpertGroupMoE:
         return (rest + self._moving(fixed, *self.weights())).view(hidden.shape) + shared
 
     @torch.no_grad()
-    def commit(self) -> None:
-        """The group's experts end at their current weights: the layer's routed sums take their terms at those
-        (a batch this group never ran is formed again from the block's weights, once they hold them)."""
-        gate_up, down = self.weights()
+    def commit(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """The group's experts end at these weights (as `weights()` gives them): the layer's routed sums take their
+        terms at those (a batch this group never ran is formed again from the block's weights, once they hold
+        them)."""
         for batch in list(self.sums.batches):
             fixed = self.fixed.get(batch)
             if fixed is None:
@@ -424,10 +424,6 @@ class LayerTuner:
         return {tuple(spec.hf_names[e0:e1]): self._decoded(codes).reshape(e1 - e0, *spec.shape[1:])
                 for spec, (e0, e1), codes in group}
 
-    def _group_values(self, group) -> dict[str, torch.Tensor]:
-        """HF name -> value of the experts a group tunes (each stack's experts e0..e1)."""
-        return stack_rows(self._group_stacks(group))
-
     # -- the stages
     def _start(self, encoded: Mapping[str, np.ndarray]) -> None:
         self.source = self.stream.embed(self.ids, self._fetch)
@@ -544,16 +540,18 @@ class LayerTuner:
                 for (e0, e1), sources in ahead(ranges, lambda r: self._group_sources(over, *r)):
                     group = self._group(over, encoded, e0, e1, sources)
 
-                    def weights(e0=e0, e1=e1, group=group) -> tuple[torch.Tensor, torch.Tensor]:
-                        stacks = self._group_stacks(group)
+                    def block(stacks, e0=e0, e1=e1) -> tuple[torch.Tensor, torch.Tensor]:
                         return tuple(stacked_block(mod, layer, f"mlp.experts.{k}", range(e0, e1), stacks, current)
                                      for k in ("gate_up_proj", "down_proj"))
-                    with ExpertGroupMoE(mod.mlp, e0, e1, weights, sums) as group_moe:
+                    with ExpertGroupMoE(mod.mlp, e0, e1, lambda group=group: block(self._group_stacks(group)),
+                                        sums) as group_moe:
                         reached = self._tune(layer, [(spec, codes) for spec, _, codes in group], loss,
                                              self.group_iters, start=reached, checks=GROUP_CHECKS)
-                        group_moe.commit()
+                        with torch.no_grad():  # the group's end values, decoded once for its sums and the block
+                            ended = self._group_stacks(group)
+                        group_moe.commit(*block(ended))
                     group_moe = None
-                    write_values(mod, layer, self._group_values(group), value)  # (without a graph)
+                    write_values(mod, layer, stack_rows(ended), value)
                     for spec, _, codes in group:
                         grouped.setdefault(spec.name, np.array(encoded[spec.name], copy=True))[e0:e1] = \
                             codes.blocks()

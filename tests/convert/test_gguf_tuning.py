@@ -382,7 +382,7 @@ def test_routed_sums_follow_the_groups_as_they_end(setup):
                     want, _ = stream.call_layer(mod_whole, hidden[b], None,
                                                 params=layer_params(mod_whole, layer, moved, fetch))
                     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-            moe.commit()
+            moe.commit(*weights())
         group = {n: v for n, v in moved.items() if e0 <= int(n.split(".")[-3]) < e1}
         write_values(mod, layer, group, fetch)
         if e0 == 0:

@@ -11,18 +11,17 @@ loaded on first use so that `import mixq` stays light.
 __version__ = "0.1.0"
 
 from mixq.errors import FormatError, InputError, MixqError, PlanError  # noqa: E402
-from mixq import convert  # noqa: E402  (the package is callable: mixq.convert(model, out, options))
-from mixq.convert import ConvertResult, Exl3Options, GGUFOptions, verify  # noqa: E402
 
-_API = ("inspect", "plan", "measure", "evaluate", "compare", "imatrix", "output_format", "options_for", "family",
-        "card")
+# the names of mixq.api.__all__ that are not the errors above (tests check the two lists agree)
+_API = ("inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "card", "imatrix",
+        "demo", "output_format", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
+        "format_report", "format_plan", "render_markdown", "format_demo")
 
-__all__ = ["convert", "verify", "Exl3Options", "GGUFOptions", "ConvertResult", "MixqError", "InputError",
-           "PlanError", "FormatError", "__version__", *_API]
+__all__ = ["MixqError", "InputError", "PlanError", "FormatError", "__version__", *_API]
 
 
 def __getattr__(name: str):
-    """The façade's functions (mixq.api), imported when first asked for (it brings torch and transformers)."""
+    """The façade's names (mixq.api), imported when first asked for (it brings torch and transformers)."""
     if name in _API:
         from mixq import api
 

@@ -15,22 +15,22 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from mixq.convert import api as convert_api
-from mixq.convert.api import output_format, verify
-from mixq.convert.imatrix import make_imatrix
-from mixq.convert.measure import resolve_measure, save_curves
-from mixq.convert.exl3_family import run_exl3_family
-from mixq.convert.family import FamilyResult, run_family
-from mixq.convert.options import Exl3Options, GGUFOptions, family_options, options_for
-from mixq.convert.outputs import check_outputs, writing
+from mixq.conversion import api as convert_api
+from mixq.conversion.api import output_format, verify
+from mixq.conversion.gguf.imatrix import make_imatrix
+from mixq.measurement.trellis import resolve_measure, save_curves
+from mixq.conversion.exl3.family import run_exl3_family
+from mixq.conversion.gguf.family import FamilyResult, run_family
+from mixq.conversion.options import Exl3Options, GGUFOptions, family_options, options_for
+from mixq.formats.outputs import check_outputs, writing
 from mixq.planning.display import format_plan
-from mixq.convert.result import ConvertResult
-from mixq.demo import format_demo, run_demo
+from mixq.conversion.result import ConvertResult
+from mixq.demo_run import format_demo, run_demo
 from mixq.errors import FormatError, InputError, MixqError, PlanError
 from mixq.eval.api import DEFAULT_WINDOWS
 from mixq.eval.card import write_card
 from mixq.eval.api import evaluate as _evaluate_streamed
-from mixq.eval.plan_kld import measure_kld, run_plan
+from mixq.measurement.kld import measure_kld, run_plan
 from mixq.eval.report import compare, render_markdown
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import validate_checkpoint
@@ -92,7 +92,7 @@ def _curves_meta(ckpt, method: str) -> dict:
 
 def _gguf_family_curves(ckpt, out, *, calibration, imatrix, ladder: str, rounding: str, device, cache,
                         progress: bool) -> None:
-    """A GGUF family's `measure="kld"` (convert/family.CurveMeasurer): the curves `measure(..., method="kld")`
+    """A GGUF family's `measure="kld"` (conversion/gguf/family.CurveMeasurer): the curves `measure(..., method="kld")`
     makes, saved at `out`, the exact encodes kept in the family's `cache`."""
     curves = measure_kld(ckpt, "gguf", calibration or (), device=device, rounding=rounding, imatrix=imatrix,
                          gguf_ladder=ladder, cache=cache, progress=progress)
@@ -100,7 +100,7 @@ def _gguf_family_curves(ckpt, out, *, calibration, imatrix, ladder: str, roundin
 
 
 def convert(model: str | os.PathLike, out: str | os.PathLike, options=None, **kwargs):
-    """Convert `model` to `out` (mixq.convert.api.convert: the options, result and errors there); a GGUF family
+    """Convert `model` to `out` (mixq.conversion.api.convert: the options, result and errors there); a GGUF family
     given `measure="kld"` measures its curves end to end here, once."""
     return convert_api.convert(model, out, options, measure_curves=_gguf_family_curves, **kwargs)
 

@@ -57,7 +57,7 @@ def main() -> int:
     args = ap.parse_args()
     targets = args.bpw or [4.0, 2.0]
 
-    from mixq.convert.api import verify
+    from mixq.conversion.api import verify
     from mixq.planning.planner import plan_model
     from mixq.eval.api import evaluate
     from mixq.formats.checkpoint import open_checkpoint

@@ -26,7 +26,7 @@ DSA_BLOCK = ("linear_attention", "linear_attention", "linear_attention", "deepse
 
 
 def _candidates(model: str, work: Path) -> list[Path]:
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     ref = SHARED / "models" / f"glm5next-{model}"
     g = work / f"{model}-Q4_K_M.gguf"

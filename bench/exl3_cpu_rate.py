@@ -1,5 +1,5 @@
 """Trellis encode rate on the CPU, in weights per CPU-second (= per core): the figure behind `mixq convert`'s
-up-front time estimate for EXL3 on a machine without a GPU (convert/exl3_estimate.py, CPU_WEIGHTS_PER_CORE_S).
+up-front time estimate for EXL3 on a machine without a GPU (conversion/exl3/estimate.py, CPU_WEIGHTS_PER_CORE_S).
 
     python bench/exl3_cpu_rate.py --json bench/results/exl3_cpu_rate.json [--bits 2,3,4] [--shape 128x256]
 

@@ -54,7 +54,7 @@ def exl3_logits(exl3_dir: Path, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def hf_logits(model_dir: Path, weights: dict, ids: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-    from mixq.eval.reference import build_model
+    from mixq.runtime.reference import build_model
 
     model = build_model(model_dir, weights, device)
     out = []
@@ -80,7 +80,7 @@ def check(model_dir: Path, exl3_dir: Path, *, bpw: float, ctx: int, n_windows: i
 
     dev = torch.device("cuda")
     if not (exl3_dir / "config.json").exists():
-        from mixq.convert.api import convert
+        from mixq.conversion.api import convert
 
         t = time.time()
         res = convert(model_dir, exl3_dir, "exl3", bpw=bpw, device="cuda",

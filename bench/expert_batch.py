@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mixq.convert.pipeline import MAX_BATCH, MAX_BATCH_ELEMS
+from mixq.conversion.exl3.pipeline import MAX_BATCH, MAX_BATCH_ELEMS
 from mixq.quant.trellis.encoder import quantize_with_stats
 
 SHAPES = {"gate_up": (2048, 4096), "down": (4096, 2048)}  # (out, in) of one routed expert

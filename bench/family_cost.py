@@ -45,9 +45,9 @@ from paths import REPO, SHARED, repo_relative
 import torch
 
 from mixq.api import convert, imatrix, measure
-from mixq.convert.family import CURVES_SUFFIX as GGUF_CURVES_SUFFIX
+from mixq.conversion.gguf.family import CURVES_SUFFIX as GGUF_CURVES_SUFFIX
 from mixq.planning.sizes import parse_size
-from mixq.convert.measure import load_curves
+from mixq.measurement.trellis import load_curves
 from mixq.formats.exl3_layout import RATES
 from mixq.formats.safetensors_io import sha256_file
 from mixq.planning.planner import plan_model

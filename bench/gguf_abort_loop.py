@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TESTS = ["tests/convert/test_gguf_pipeline.py::test_non_finite_weight_is_one_line_naming_the_tensor",
-         "tests/convert/test_gguf_threads.py::test_worker_error_is_the_same_one_line_and_leaves_no_file"]
+TESTS = ["tests/conversion/test_gguf_pipeline.py::test_non_finite_weight_is_one_line_naming_the_tensor",
+         "tests/conversion/test_gguf_threads.py::test_worker_error_is_the_same_one_line_and_leaves_no_file"]
 
 
 def _busy(n: int) -> list[subprocess.Popen]:

@@ -55,7 +55,7 @@ def made(path: Path, make) -> float | None:
 
 
 def convert(model: Path, out: Path, **kw) -> None:
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     convert_gguf(model, out, progress=False, overwrite=True, **kw)
 
@@ -80,7 +80,7 @@ class Bench:
         self.n_layers = int(json.loads((self.model / "config.json").read_text()).get("text_config", {})
                             .get("num_hidden_layers", 0))
         self.seconds: dict[str, float] = {}
-        from mixq.convert.options import DEFAULT_TUNE_ITERS
+        from mixq.conversion.options import DEFAULT_TUNE_ITERS
 
         self.tune_iters = DEFAULT_TUNE_ITERS if a.tune_iters is None else a.tune_iters
 
@@ -93,7 +93,7 @@ class Bench:
 
     def imatrix(self) -> Path:
         def make(tmp):
-            from mixq.convert.gguf_pipeline import collect_imatrix
+            from mixq.conversion.gguf.pipeline import collect_imatrix
             from mixq.formats.imatrix_file import write_imatrix
 
             write_imatrix(tmp, collect_imatrix(self.model, self.cal, rows=self.a.rows, seq_len=512,
@@ -149,7 +149,7 @@ class Bench:
     def run(self) -> dict:
         rows = self.rows()
         ref = self.reference()
-        from mixq.convert.api import verify
+        from mixq.conversion.api import verify
         from mixq.eval.api import evaluate
 
         for r in rows:
@@ -177,8 +177,8 @@ def layout_parity(a: Path, b: Path) -> dict:
 
 
 def measure(model: Path, out: Path, imx: Path, cal: list[str], device: str | None) -> None:
-    from mixq.eval.gguf_kld import gguf_kld_curves
-    from mixq.convert.measure import save_curves
+    from mixq.measurement.gguf_kld import gguf_kld_curves
+    from mixq.measurement.trellis import save_curves
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.imatrix_file import read_imatrix
 

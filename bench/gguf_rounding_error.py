@@ -7,7 +7,7 @@ converter uses them, and without refinement) divided by that of ggml's own encod
 the all-token diagonal, as `mixq imatrix` stores it). "in": H from the calibration text the rounding used (--rows x
 512 tokens of calibration.txt); "out": H from held-out text (--heldout-rows x 512 tokens of heldout.txt), i.e.
 what the rounding gains on inputs it never saw. Routed experts: the routing-weighted Hessians of
-convert/gguf_hessians.py, summed over experts.
+measurement/hessians.py, summed over experts.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weigh
 def hessians(ckpt, specs, text: Path, rows: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{GGUF name: (rounding/loss Hessian, all-token Hessian)} of the wanted tensors from one calibration walk."""
     from mixq.runtime.calibration import calibration_rows, load_tokenizer
-    from mixq.convert.gguf_hessians import layer_hessians
+    from mixq.measurement.hessians import layer_hessians
 
     ids = calibration_rows(load_tokenizer(ckpt.path), [text], rows=rows, seq_len=512,
                            vocab_size=int(ckpt.text_config["vocab_size"]))
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tensors", default=",".join(TENSORS))
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from mixq.convert.gguf_rounding import DAMP, REFINE_PASSES
+    from mixq.conversion.gguf.rounding import DAMP, REFINE_PASSES
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.quant.ggml import encoders as kquants

@@ -47,7 +47,7 @@ def ensure_imatrix(path: Path, rows: int) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name("partial-" + path.name)
-    code = ("import sys; from mixq.convert.gguf_pipeline import collect_imatrix; "
+    code = ("import sys; from mixq.conversion.gguf.pipeline import collect_imatrix; "
             "from mixq.formats.imatrix_file import write_imatrix; "
             "write_imatrix(sys.argv[4], collect_imatrix(sys.argv[1], [sys.argv[2]], rows=int(sys.argv[3]), seq_len=512))")
     log(f"making the imatrix {path}")

@@ -1,4 +1,4 @@
-"""Cost of the GGUF block-output tuning (`--rounding hessian`, convert/gguf_tuning.py): seconds per descent step
+"""Cost of the GGUF block-output tuning (`--rounding hessian`, conversion/gguf/tuning.py): seconds per descent step
 and memory, per stage of a real model, with what a stage tunes.
 
     python bench/gguf_tuning_cost.py --model k256 --steps 10 --json bench/results/gguf-tuning-cost-k256.json
@@ -29,10 +29,10 @@ MODELS = {"k256": "glm5next-k256", "mini": "glm5next-mini"}
 
 
 def run(a: argparse.Namespace) -> dict:
-    from mixq.convert import gguf_tuning as gt
+    from mixq.conversion.gguf import tuning as gt
     from mixq.runtime.calibration import calibration_rows, load_tokenizer
-    from mixq.convert.gguf_pipeline import assign_types
-    from mixq.convert.gguf_workers import encode
+    from mixq.conversion.gguf.pipeline import assign_types
+    from mixq.conversion.gguf.workers import encode
     from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors

@@ -496,14 +496,14 @@ def summarise_trellis(events: list[dict]) -> dict:
 
 
 def _exl3_probe(log_path: Path | None = None) -> Probe:
-    import mixq.convert.exl3_output as xo
-    import mixq.convert.job as job
-    import mixq.convert.pipeline as pl
+    import mixq.conversion.exl3.output as xo
+    import mixq.conversion.job as job
+    import mixq.conversion.exl3.pipeline as pl
     from mixq.formats import checkpoint_check, exl3_writer
 
     mods = [xo, pl]
     try:
-        import mixq.convert.exl3_ranks as xr
+        import mixq.conversion.exl3.ranks as xr
         mods.append(xr)
     except ImportError:
         pass
@@ -557,7 +557,7 @@ def _block_weights(blocks, qtype: str) -> int:
 def _rounding_plan(ckpt, specs, types, *a, **k) -> dict:
     """{"todo": {stage: [[GGUF name, type, weights, experts]]}}: what Hessian rounding will encode (the M of
     'N of M'), logged when it starts."""
-    from mixq.convert.gguf_rounding import covered
+    from mixq.conversion.gguf.rounding import covered
 
     todo: dict[str, list] = {}
     for s, t in zip(specs, types):
@@ -611,11 +611,11 @@ def _descent_probe(p: Probe) -> None:
 
 
 def _tuning_probe(p: Probe) -> None:
-    """Block-output tuning (convert/gguf_tuning.py): per layer, its stages (the layer's tensors, then each group of
+    """Block-output tuning (conversion/gguf/tuning.py): per layer, its stages (the layer's tensors, then each group of
     experts: weights, steps), the groups it cut the stacks into, the codes' set-up, the tuner's own encodes of the
     tensors Hessian rounding leaves to ggml (`stored_values`) and its host decodes."""
-    import mixq.convert.gguf_rounding as gr
-    import mixq.convert.gguf_tuning as gt
+    import mixq.conversion.gguf.rounding as gr
+    import mixq.conversion.gguf.tuning as gt
     from mixq.quant.ggml import block_tuning as bt
 
     p.wrap([gr], "_tune_stage", lambda tuner, layer, paths, *a: f"tune/{_stage_name(layer)}")
@@ -653,10 +653,10 @@ def _hessian_probe(log_path: Path | None = None) -> Probe:
     the Hessian accumulation), per-expert Hessians, Hessian rounding per tensor and per call (expert slices) with
     its parts (factorisation, ggml's encoder, the refinement passes, host decodes), block-output tuning
     (_tuning_probe), ggml's exact encoders, the write."""
-    import mixq.convert.gguf_hessians as gh
-    import mixq.convert.gguf_pipeline as gp
-    import mixq.convert.gguf_rounding as gr
-    import mixq.convert.gguf_tuning as gt
+    import mixq.measurement.hessians as gh
+    import mixq.conversion.gguf.pipeline as gp
+    import mixq.conversion.gguf.rounding as gr
+    import mixq.conversion.gguf.tuning as gt
     from mixq.quant.ggml import block_tuning as bt
     from mixq.quant.ggml import hessian_rounding as kh
     from mixq.quant.ggml import levels as gl
@@ -1329,7 +1329,8 @@ def stage_exl3(work: Path, device: str, bpw: float = 3.05, rows: int = 64, seq_l
     """mixq's EXL3 conversion of the slice (calibration with every expert, trellis, write), then `verify` when the
     time left allows (about half the conversion's seconds). `trellis_profile`: each trellis call split by phase
     (_trellis_profile)."""
-    from mixq.convert import Exl3Options, convert, verify
+    from mixq.conversion.api import convert, verify
+    from mixq.conversion.options import Exl3Options
 
     out = work / "mixq-exl3"
     shutil.rmtree(out, ignore_errors=True)
@@ -1407,7 +1408,8 @@ def _eval_probe(p: Probe) -> None:
 def _cheap_candidate(work: Path, device: str, qtype: str, probe: Probe) -> dict:
     """`convert --type QTYPE` of the slice (a type ggml encodes fast): a candidate for the eval when the conversion
     stages left none."""
-    from mixq.convert import GGUFOptions, convert
+    from mixq.conversion.api import convert
+    from mixq.conversion.options import GGUFOptions
 
     _encode_probe(probe)
     enc = {"device": device} if device != "cpu" else {"threads": 1}
@@ -1478,8 +1480,9 @@ GGUF_TYPES = {"Q4_K_M": {"qtype": "Q4_K_M"}, "iq-2.6bpw": {"bpw": 2.6, "gguf_lad
 def stage_gguf(work: Path, device: str, rows: int = 64, seq_len: int = 512, eager_types: str = "",
                types: str = "Q4_K_M,iq-2.6bpw") -> dict:
     """imatrix, then each of `types`: Q4_K_M with it, the 108 GB plan's i-quant ladder at its bpw."""
-    from mixq.convert import GGUFOptions, convert
-    from mixq.convert.imatrix import make_imatrix
+    from mixq.conversion.api import convert
+    from mixq.conversion.options import GGUFOptions
+    from mixq.conversion.gguf.imatrix import make_imatrix
 
     from mixq.quant.ggml import encoders as kquants
 
@@ -1532,7 +1535,7 @@ SAMPLE_ROWS = 32  # rows of one real matrix encoded and decoded per type on the 
 
 def _slice_imatrix(work: Path, device: str, probe: Probe, rows: int, seq_len: int) -> Path:
     """The gguf stage's imatrix when it is there, else one made here from `rows` x `seq_len` tokens."""
-    from mixq.convert.imatrix import make_imatrix
+    from mixq.conversion.gguf.imatrix import make_imatrix
 
     shared = work / "slice.imatrix.gguf"
     if shared.is_file():
@@ -1563,7 +1566,7 @@ def host_rates(work: Path, types: list[str]) -> dict[str, dict]:
     rounding's host decodes) and the level grid of the tunable types (the codes' set-up)."""
     import numpy as np
 
-    from mixq.convert.gguf_workers import encode
+    from mixq.conversion.gguf.workers import encode
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.quant.ggml import hessian_rounding as kh
     from mixq.quant.ggml import levels as gl
@@ -1589,7 +1592,7 @@ def host_rates(work: Path, types: list[str]) -> dict[str, dict]:
 
 def _hessian_types(work: Path) -> list[str]:
     """Quantized types of the slice's hessian plan and of the release's 108 GB plan (the host rates sampled)."""
-    from mixq.convert.gguf_pipeline import assign_types
+    from mixq.conversion.gguf.pipeline import assign_types
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
 
@@ -1609,10 +1612,11 @@ def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 5
     block-output tuning (`tune_iters` steps per stage, expert groups), then ggml's encoders and the write.
     `round_profile`: a file for the profile of one stacked rounding call (_profiled_rounding). `tune_budget`: the
     tuner's weights per stage instead of its share of the free memory (larger expert groups, fewer of them)."""
-    from mixq.convert import GGUFOptions, convert
+    from mixq.conversion.api import convert
+    from mixq.conversion.options import GGUFOptions
 
     if tune_budget:
-        import mixq.convert.gguf_tuning as gt
+        import mixq.conversion.gguf.tuning as gt
 
         gt.tuning_budget = lambda device: int(tune_budget)
 
@@ -1705,7 +1709,7 @@ def _profiled_tuning(path: Path | None, stages: tuple[int, ...] = (0, 1)):
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import mixq.convert.gguf_tuning as gt
+    import mixq.conversion.gguf.tuning as gt
     from mixq.quant.ggml import block_tuning as bt
 
     saved = {"descent": bt.sign_descent, "stacked": gt.stacked_block,
@@ -1759,10 +1763,10 @@ def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512,
     import numpy as np
     import torch
 
-    from mixq.convert.gguf_pipeline import assign_types
-    from mixq.convert.gguf_rounding import covered
-    from mixq.convert.gguf_tuning import LayerTuner
-    from mixq.convert.gguf_workers import encode
+    from mixq.conversion.gguf.pipeline import assign_types
+    from mixq.conversion.gguf.rounding import covered
+    from mixq.conversion.gguf.tuning import LayerTuner
+    from mixq.conversion.gguf.workers import encode
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.quant.device import pick_device
@@ -1811,7 +1815,7 @@ def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512,
 def _probe_stacks(specs: list, layer: int) -> list:
     """(slice stack spec, type) per routed-expert stack type Hessian rounding covers in the release's 108 GB plan,
     most weights first: the slice's stack of `layer` as wide as the release's widest-by-weights stack of the type."""
-    from mixq.convert.gguf_rounding import covered
+    from mixq.conversion.gguf.rounding import covered
 
     by: dict[str, dict[int, int]] = {}
     for s, t in _release_gguf_specs():
@@ -1839,7 +1843,7 @@ def round_probe(stacks: list, stream, fetch, dev, probe: Probe) -> dict[str, dic
     formation is not in it (the gguf-hessian stage measures that)."""
     import torch
 
-    import mixq.convert.gguf_rounding as gr
+    import mixq.conversion.gguf.rounding as gr
     from mixq.quant.ggml import hessian_rounding as kh
 
     x = stream[..., 0, :].reshape(-1, stream.shape[-1]).to(dev, torch.float32)
@@ -2468,7 +2472,7 @@ def _checks(iters: int, checks: int | None = None, start: bool = True) -> int:
 
 def _group_checks() -> int:
     """Held-out checks of an expert group's stage (the tuner's GROUP_CHECKS)."""
-    import mixq.convert.gguf_tuning as gt
+    import mixq.conversion.gguf.tuning as gt
 
     return gt.GROUP_CHECKS
 
@@ -2488,7 +2492,7 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
     layer's tensors and the expert groups of the stacks over the budget at the measured seconds per step (where
     `groups_from` where given, else this run's, else the layer stage's), the codes' set-up, the tuner's numpy
     encodes of what Hessian rounding leaves to ggml, and the streams (materialise, source and quantized passes)."""
-    import mixq.convert.gguf_tuning as gt
+    import mixq.conversion.gguf.tuning as gt
     from mixq.quant.ggml import block_tuning as bt
 
     out = {"steps": 0.0, "codes_init": 0.0, "host_decode": 0.0, "streams": 0.0}
@@ -2563,7 +2567,7 @@ def _pooled_groups(groups: list[dict]) -> dict:
 
 def _release_layers(specs: tuple) -> dict:
     """Release tensors grouped: decoder layer -> [(spec, type, covered)], plus "nextn" and "head"."""
-    from mixq.convert.gguf_rounding import covered
+    from mixq.conversion.gguf.rounding import covered
 
     out: dict = {}
     for s, t in specs:

@@ -29,7 +29,7 @@ import torch
 
 from paths import SHARED
 
-from mixq.convert import gguf_rounding as gr
+from mixq.conversion.gguf import rounding as gr
 from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.ggml import levels as gl
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mixq.convert.gguf_tuning import GROUP_ITERS_SHARE, TUNE_LR, stored_blocks
-from mixq.convert.options import DEFAULT_TUNE_ITERS
+from mixq.conversion.gguf.tuning import GROUP_ITERS_SHARE, TUNE_LR, stored_blocks
+from mixq.conversion.options import DEFAULT_TUNE_ITERS
 from mixq.quant.ggml import block_tuning as bt
 from mixq.quant.ggml import levels as gl
 

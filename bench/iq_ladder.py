@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         log("llama-quantize not found: build it with bench/llamacpp_tools.py")
         return 2
 
-    code = ("import sys; from mixq.convert.gguf_pipeline import collect_imatrix; "
+    code = ("import sys; from mixq.conversion.gguf.pipeline import collect_imatrix; "
             "from mixq.formats.imatrix_file import write_imatrix; "
             "write_imatrix(sys.argv[4], collect_imatrix(sys.argv[1], [sys.argv[2]], rows=int(sys.argv[3]), seq_len=512))")
     imx, _ = ensure(base / f"imatrix-r{a.imatrix_rows}.gguf",

@@ -128,7 +128,7 @@ def transformers_model(config: dict, seed: int) -> torch.nn.Module:
 
 def token_stream(source_dir: Path, text: Path, need: int | None = None) -> torch.Tensor:
     """Token ids of a text file with the source model's tokenizer (no special tokens), 1-D int64."""
-    from mixq.eval.reference import tokenize_text
+    from mixq.runtime.reference import tokenize_text
     from mixq.formats.checkpoint import load_tokenizer
 
     return torch.tensor(tokenize_text(load_tokenizer(source_dir), text, need), dtype=torch.long)

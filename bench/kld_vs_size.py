@@ -168,7 +168,7 @@ class Bench:
     def ensure_imatrix(self, model: str) -> Path:
         f = self.wdir(model) / f"imatrix-r{self.a.imatrix_rows}.gguf"
         if not f.is_file():
-            code = ("import sys; from mixq.convert.gguf_pipeline import collect_imatrix; "
+            code = ("import sys; from mixq.conversion.gguf.pipeline import collect_imatrix; "
                     "from mixq.formats.imatrix_file import write_imatrix; "
                     "im = collect_imatrix(sys.argv[1], [sys.argv[2]], rows=int(sys.argv[3]), seq_len=512, "
                     "device=sys.argv[4] or None); write_imatrix(sys.argv[5], im)")

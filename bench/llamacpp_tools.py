@@ -80,7 +80,7 @@ def read_tools(path: Path = TOOLS_TXT) -> dict[str, Path]:
 
 def find_tool(name: str) -> Path | None:
     """Path of a built llama.cpp tool: TOOLS.txt, the default build dir, then ~/.cache/mixq/NAME (the quick build
-    linked against llama-cpp-python's libllama that tests/convert/test_gguf_llamacpp.py makes)."""
+    linked against llama-cpp-python's libllama that tests/conversion/test_gguf_llamacpp.py makes)."""
     p = read_tools().get(name)
     if p:
         return p

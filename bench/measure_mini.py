@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT.parent))
 
-from mixq.convert import measure as cs  # noqa: E402
+from mixq.measurement import trellis as cs  # noqa: E402
 from mixq.planning.exl3 import allocator_unit  # noqa: E402
 from mixq.planning.planner import plan_model
 from mixq.formats.glm5next import global_hf_name  # noqa: E402

@@ -102,8 +102,8 @@ for step in "$@"; do
     case "$step" in
         build-exllamav3) python3 -c "import exllamav3; from exllamav3.ext import exllamav3_ext" ;;
         gpu-tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_viterbi_gluon.py \
-                       tests/quant/test_viterbi_fused.py tests/convert/test_overlap.py \
-                       tests/convert/test_layer_stream.py 2>&1 | tail -15
+                       tests/quant/test_viterbi_fused.py tests/runtime/test_overlap.py \
+                       tests/runtime/test_layer_stream.py 2>&1 | tail -15
                    python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_kquants_hessian.py \
                        -k synthetic 2>&1 | tail -15 ;;
         trellis) python3 bench/trellis_vs_exllamav3.py --json "$OUT/trellis_vs_exllamav3.json" --budget 300 ;;
@@ -133,7 +133,7 @@ for step in "$@"; do
         iq2-decode) python3 bench/iq2_tuning_decode.py --device cuda --experts 4 --rows 2048 --cols 4096 \
                         --json "$OUT/iq2_tuning_decode.json" --profile "$OUT/iq2_decode_profile.txt" ;;
         tuning-gpu-tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_block_tuning.py \
-                              tests/convert/test_gguf_tuning.py 2>&1 | tail -15 ;;
+                              tests/conversion/test_gguf_tuning.py 2>&1 | tail -15 ;;
         gguf-hessian-refine1) python3 bench/glm53_slice.py "${SLICE[@]}" "${EXACT[@]}" --refine-passes 1 \
                                   --json "$OUT/glm53_slice_288_hessian_refine1.json" --deadline-s 500 \
                                   --stages build,gguf-hessian,project ;;

@@ -1,4 +1,4 @@
-"""Block-output tuning of a MoE layer whose routed experts are over the tuning budget (convert/gguf_tuning.py): the
+"""Block-output tuning of a MoE layer whose routed experts are over the tuning budget (conversion/gguf/tuning.py): the
 experts tuned a group at a time, seconds per step and peak memory per stage, on a random checkpoint with many
 experts (the routed experts are most of the layer, as in GLM-5.3-Flash), and a digest of the tuned blocks (to check
 that a change to the tuning loop leaves its codes as they were). A stage's peak is the device allocator's on CUDA,
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mixq.convert import gguf_tuning as gt
+from mixq.conversion.gguf import tuning as gt
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.gguf_names import build_tensor, gguf_tensors
 from mixq.formats.tiny import write_tiny_checkpoint

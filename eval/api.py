@@ -18,18 +18,18 @@ from tqdm import tqdm
 
 from mixq.runtime.dequant import CheckpointSource, DequantSource
 from mixq.runtime.distributed import RankContext, launch, needs_launch, parse_devices, rank_context
-from mixq.convert.outputs import check_outputs
+from mixq.formats.outputs import check_outputs
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import write_text
 from mixq.eval import candidates as cands
 from mixq.eval.family import expand_families, record_scores
 from mixq.eval import exllamav3_engine
-from mixq.eval import reference as refm
+from mixq.runtime import reference as refm
 from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
 from mixq.eval.reflogits import REF_DTYPES, RefLogitsReader, RefLogitsWriter, roundtrip
 from mixq.eval.report import render_markdown
-from mixq.eval.stats import KLAccumulator, log_probs, token_quantities
+from mixq.runtime.kl_stats import KLAccumulator, log_probs, token_quantities
 from mixq.eval.streamed import STATE_DTYPES, StreamedModel, StreamedModels, state_bytes
 from mixq.eval.window_split import gather_in_order, rank_window_ids
 from mixq.formats.checkpoint_check import validate_checkpoint

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from mixq.convert.outputs import check_output_file, writing
+from mixq.formats.outputs import check_output_file, writing
 from mixq.errors import InputError
 from mixq.eval.family import FAMILY_JSON, read_family
 from mixq.eval.report import plot_kld_vs_size

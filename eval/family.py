@@ -1,4 +1,4 @@
-"""Families in `mixq eval`: a candidate directory holding family.json (convert/family.py, convert/exl3_family.py)
+"""Families in `mixq eval`: a candidate directory holding family.json (conversion/gguf/family.py, conversion/exl3/family.py)
 stands for its members: GGUF files, or EXL3 directories (family.json "format": "exl3"; a member is a directory
 holding config.json).
 
@@ -21,7 +21,7 @@ from mixq.formats.gguf_reader import read_gguf
 from mixq.formats.receipt import read_receipt, read_receipt_json, write_receipt_json
 from mixq.formats.safetensors_io import sha256_file
 
-FAMILY_JSON = "family.json"  # the name convert/family.py writes (eval may not import convert's family module)
+FAMILY_JSON = "family.json"  # the name conversion/gguf/family.py writes (eval imports no conversion module)
 FORMATS = ("gguf", "exl3")
 SCORE_KEYS = ("kld_mean", "kld_mean_err", "kld_p99", "top1", "top1_err", "ppl", "ppl_ref", "dppl", "positions")
 

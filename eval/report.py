@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mixq.convert.outputs import check_outputs, writing
+from mixq.formats.outputs import check_outputs, writing
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import atomic_path, write_text
 

@@ -3,7 +3,7 @@
 Each rank runs the reference and the candidates over its own windows only. Windows are dealt in whole batches of
 `batch_windows` (contiguous blocks of batches, rank 0 first), so every window runs in the same batch as in one
 process and gives the same logits bit for bit. Per window, a rank keeps only the per-token quantities
-(eval/stats.token_quantities: a few float64 per scored position); rank 0 gathers them and adds them in window
+(runtime/kl_stats.token_quantities: a few float64 per scored position); rank 0 gathers them and adds them in window
 order, so its report holds the one-process numbers (timings aside: seconds are summed over the ranks).
 """
 from __future__ import annotations

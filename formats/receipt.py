@@ -19,11 +19,12 @@ they go to `<file>.receipt.json` beside it (`write_receipt_json`) and to the fam
 An EXL3 directory's receipt has the same fields, in `<dir>.receipt.json` beside the directory (inside it every
 file is sealed by mixq_manifest.json, and an unsealed JSON file there fails `mixq verify`): its plan gives the
 trellis rates ({"tensor_bytes", "bpw", "rates": {bits: units}}), its calibration {"layers": {"files", "rows",
-"seq_len"}, "curves": {"file", "sha256", "method"}} (convert/exl3_family.py writes it for every member).
+"seq_len"}, "curves": {"file", "sha256", "method"}} (conversion/exl3/family.py writes it for every member).
 """
 from __future__ import annotations
 
 import json
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -36,6 +37,14 @@ FIELDS = ("version", "mixq", "source", "target", "plan", "calibration", "options
 JSON_FIELDS = ("target", "plan", "calibration", "options")
 RECEIPT_SUFFIX = ".receipt.json"
 
+
+
+def mixq_version() -> str:
+    """The installed mixq's version, as receipts and the encode cache record it."""
+    try:
+        return version("mixq")
+    except PackageNotFoundError:
+        return "unknown"
 
 def _dumps(v: Any) -> str:
     """Canonical JSON (sorted keys, no spaces): the same receipt gives the same bytes."""

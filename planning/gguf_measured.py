@@ -1,5 +1,5 @@
 """GGUF planning from measured curves: the ladder type per tensor that minimises the summed predicted error
-within the budget (curves from convert/gguf_measure and eval/gguf_kld; this module only consumes them)."""
+within the budget (curves from measurement/gguf_errors and measurement/gguf_kld; this module only consumes them)."""
 from __future__ import annotations
 
 import math

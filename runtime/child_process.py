@@ -1,5 +1,9 @@
-"""Processes mixq spawns (GGUF encoder workers, distributed ranks) end with the process that spawned them.
+"""Processes mixq spawns (GGUF encoder workers, distributed ranks): started without the caller's main module, ended
+with the process that spawned them.
 
+A spawned child normally runs its parent's `__main__` again before it takes its task. mixq's children need nothing
+from it, and a caller's script may not survive a second run (top-level code without `if __name__ == "__main__":`,
+or a script read from standard input), so `without_callers_main()` spawns them with an empty one.
 A parent killed outright (SIGKILL, the OOM killer) runs no cleanup, so a child must notice by itself: on Linux the
 kernel kills it with its parent (PR_SET_PDEATHSIG), elsewhere a watch thread sees it re-parented.
 """
@@ -11,9 +15,27 @@ import signal
 import sys
 import threading
 import time
+import types
+from contextlib import contextmanager
+from typing import Iterator
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_POLL_S = 0.5  # how often a child looks whether its parent is still there (the portable fallback)
+
+
+@contextmanager
+def without_callers_main() -> Iterator[None]:
+    """Processes spawned (multiprocessing's "spawn") while this is held start with an empty `__main__` instead of
+    re-running the caller's script or module. Only for children whose tasks are defined in importable modules."""
+    callers = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if callers is None:
+            del sys.modules["__main__"]
+        else:
+            sys.modules["__main__"] = callers
 
 
 def die_with_parent(parent: int) -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mixq import errors
-from mixq.runtime.child_process import die_with_parent
+from mixq.runtime.child_process import die_with_parent, without_callers_main
 from mixq.errors import InputError, MixqError
 from mixq.quant.device import resolve_device
 
@@ -300,8 +300,9 @@ def launch(target: Callable, args: tuple, devices: Sequence[str], kwargs: dict |
     procs = [ctx.Process(target=_worker, args=(r, tuple(devices), port, target, args, kwargs or {}, queue, os.getpid()),
                          daemon=False)
              for r in range(len(devices))]
-    for p in procs:
-        p.start()
+    with without_callers_main():
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     try:
         while len(results) < len(procs):

@@ -156,7 +156,7 @@ def cheap_trellis(weight, bits, hessian=None, codebook="mul1", seed=0):
 @pytest.fixture(scope="session")
 def tiny_exl3_cheap(tiny_model, tmp_path_factory) -> Path:
     """tiny_model converted to EXL3 at 4 bpw with `cheap_trellis` codes (the decoder is the real one)."""
-    from mixq.convert.api import convert
+    from mixq.conversion.api import convert
     from mixq.quant import trellis
 
     out = tmp_path_factory.mktemp("exl3-cheap") / "tiny-4.0"
@@ -169,7 +169,7 @@ def tiny_exl3_cheap(tiny_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_model, tmp_path_factory) -> Path:
     """tiny_model as a GGUF, --type Q4_K_M (widths of 128: llama.cpp's fallback types)."""
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     out = tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M.gguf"
     convert_gguf(tiny_model, out, qtype="Q4_K_M", progress=False)

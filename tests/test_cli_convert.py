@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cli_helpers import run_cli as _cli
-from mixq.convert.api import output_format
+from mixq.conversion.api import output_format
 
 
 def _one_error_line(r) -> str:
@@ -56,7 +56,7 @@ def no_cuda(monkeypatch):
 
 
 def test_cpu_exl3_is_refused_with_an_estimate(mini_model, tmp_path, no_cuda):
-    from mixq.convert.exl3_estimate import CPU_LIMIT_S, cpu_seconds
+    from mixq.conversion.exl3.estimate import CPU_LIMIT_S, cpu_seconds
     from mixq.planning.planner import plan_model
 
     out = tmp_path / "mini-exl3"
@@ -69,7 +69,7 @@ def test_cpu_exl3_is_refused_with_an_estimate(mini_model, tmp_path, no_cuda):
 
 
 def test_device_cpu_insists(mini_model, tmp_path, no_cuda, monkeypatch):
-    import mixq.convert.pipeline as pipeline
+    import mixq.conversion.exl3.pipeline as pipeline
 
     started = []
 
@@ -109,7 +109,7 @@ def test_one_bpw_from_plan_to_convert_to_eval(mini_model, mini_q8, heldout_text,
 
 
 def test_readable_summary_prints_the_one_bpw(mini_q8):
-    from mixq.convert.result import ConvertResult
+    from mixq.conversion.result import ConvertResult
 
     out, d = mini_q8
     res = ConvertResult(**{k: v for k, v in d.items() if k != "file_bpw"})

@@ -1,4 +1,4 @@
-"""`mixq demo` from the command line: every step but EXL3 (tests/convert/test_demo.py runs that one, slow)."""
+"""`mixq demo` from the command line: every step but EXL3 (tests/conversion/test_demo.py runs that one, slow)."""
 from __future__ import annotations
 
 import json
@@ -36,7 +36,7 @@ def test_demo_runs_every_step_but_exl3(tmp_path):
 
 def test_demo_summary_is_readable(tmp_path):
     # the summary the command prints without --json: every step, what the numbers mean, what to try next
-    from mixq.demo import format_demo
+    from mixq.demo_run import format_demo
 
     report = {"out": "mixq-demo", "seconds": 100.0, "steps": {
         "model": {"path": "mixq-demo/tiny-glm5next", "seconds": 3.0},
@@ -62,7 +62,7 @@ def test_demo_summary_is_readable(tmp_path):
 
 
 def test_demo_refuses_unknown_steps_to_skip(tmp_path):
-    from mixq.demo import run_demo
+    from mixq.demo_run import run_demo
     from mixq.errors import InputError
 
     with pytest.raises(InputError, match="'exl4'"):

@@ -1,11 +1,11 @@
-"""demo.py: the demo's own tokenizer, and the whole demo with its EXL3 step (slow: the trellis on a CPU)."""
+"""demo_run.py: the demo's own tokenizer, and the whole demo with its EXL3 step (slow: the trellis on a CPU)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from mixq.demo import DEMO_EXL3_BPW, DEMO_MODEL, SPECIAL_TOKENS, run_demo, write_demo_tokenizer
+from mixq.demo_run import DEMO_EXL3_BPW, DEMO_MODEL, SPECIAL_TOKENS, run_demo, write_demo_tokenizer
 
 
 def test_demo_tokenizer_loads_and_exports_to_gguf(tmp_path):

@@ -1,7 +1,7 @@
 """The rooms import downwards only and no module reaches into another's private names.
 
 Every import statement of the package is read from the source (module level and inside functions alike):
-formats <- quant <- runtime <- planning <- convert <- eval <- demo <- api <- cli. `mixq/__init__.py` and `__main__.py` sit on top.
+formats <- quant <- runtime <- planning <- measurement <- conversion <- eval <- demo_run <- api <- cli. `mixq/__init__.py` and `__main__.py` sit on top.
 Imports sit at the top of their module: a function-local one is an optional heavy dependency or a listed exception.
 """
 from __future__ import annotations
@@ -10,8 +10,9 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROOMS = ["errors", "formats", "quant", "runtime", "planning", "convert", "eval", "demo", "api", "cli", "__main__", "__init__"]
-PACKAGES = ("formats", "quant", "runtime", "planning", "convert", "eval")
+ROOMS = ["errors", "formats", "quant", "runtime", "planning", "measurement", "conversion", "eval", "demo_run", "api",
+         "cli", "__main__", "__init__"]
+PACKAGES = ("formats", "quant", "runtime", "planning", "measurement", "conversion", "eval")
 
 
 def _absolute(node: ast.ImportFrom, package: str) -> str:
@@ -89,10 +90,35 @@ def test_the_command_line_imports_only_the_api():
     assert names == {"api"}, names
 
 
-def test_the_facade_verbs_are_names_of_mixq():
+def test_eval_imports_no_conversion_module():
+    """Scoring reads files and runs the reference forward; it never needs the code that writes them."""
+    mods = _module_files()
+    found = [f"{p.relative_to(REPO)}:{line} imports {target}" for m, p in mods.items() if _room(m) == "eval"
+             for target, _, line in _imports(m, p) if target.startswith("mixq.conversion")]
+    assert found == []
+
+
+def test_every_api_name_is_a_name_of_mixq_after_any_import():
+    """`mixq.X` is the façade's X for every name of mixq.api.__all__, also once the rooms are imported (no room
+    shares a name with a verb, so an imported package never shadows one)."""
+    import subprocess
+    import sys
+
+    code = ("import mixq, sys\n"
+            "light = not any(m == 'torch' or m.startswith('torch.') for m in sys.modules)\n"
+            "first = {n: getattr(mixq, n) for n in mixq.__all__}\n"
+            "import mixq.api, mixq.measurement.trellis, mixq.conversion.api, mixq.demo_run, mixq.eval.api\n"
+            "bad = [n for n in mixq.api.__all__ if getattr(mixq, n) is not getattr(mixq.api, n)]\n"
+            "bad += [n for n, v in first.items() if n in mixq.api.__all__ and v is not getattr(mixq.api, n)]\n"
+            "extra = sorted(set(mixq.__all__) - set(mixq.api.__all__) - {'__version__'})\n"
+            "print(light, bad, extra)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "[]", "[]"], r.stdout
     import mixq
 
-    for verb in ("inspect", "plan", "measure", "convert", "verify", "evaluate", "compare", "imatrix"):
+    for verb in ("inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "imatrix",
+                 "card", "demo"):
         assert callable(getattr(mixq, verb)), verb
 
 
@@ -161,22 +187,8 @@ LOCAL_IMPORT_PREFIXES = ("triton", "llama_cpp", "exllamav3", "matplotlib",  # op
 KEPT_LOCAL_IMPORTS = {
     # (file, imported module): why it stays inside its function
     ("__init__.py", "mixq.api"): "the lazy __getattr__ of the facade: `import mixq` stays light",
-    # `import mixq` imports mixq.convert (the callable package), hence convert/api.py and convert/options.py;
-    # these bring torch (~1 s) or gguf, so they load when a conversion / verify / option check needs them
-    ("convert/api.py", "mixq.convert.pipeline"): "`import mixq` stays light",
-    ("convert/api.py", "mixq.convert.gguf_pipeline"): "`import mixq` stays light",
-    ("convert/api.py", "mixq.convert.family"): "`import mixq` stays light",
-    ("convert/api.py", "mixq.convert.exl3_family"): "`import mixq` stays light",
-    ("convert/api.py", "mixq.formats.gguf_reader"): "`import mixq` stays light",
-    ("convert/api.py", "mixq.formats.exl3_reader"): "`import mixq` stays light",
-    ("convert/api.py", "mixq.formats.exl3_seal"): "`import mixq` stays light",
-    ("convert/api.py", "mixq.runtime.dequant"): "`import mixq` stays light",
-    ("convert/options.py", "mixq.quant.device"): "`import mixq` stays light",
-    ("convert/options.py", "mixq.runtime.distributed"): "`import mixq` stays light",
-    ("convert/options.py", "mixq.formats.gguf_tokenizer"): "`import mixq` stays light",
-    ("convert/options.py", "mixq.planning.gguf_mix"): "`import mixq` stays light",
-    ("eval/__init__.py", "mixq.eval.api"): "the package's lazy facade: `import mixq.eval.stats` stays light",
-    ("eval/__init__.py", "mixq.eval.report"): "the package's lazy facade: `import mixq.eval.stats` stays light",
+    ("eval/__init__.py", "mixq.eval.api"): "the package's lazy facade: `import mixq.runtime.kl_stats` stays light",
+    ("eval/__init__.py", "mixq.eval.report"): "the package's lazy facade: `import mixq.runtime.kl_stats` stays light",
     ("formats/checkpoint.py", "huggingface_hub"): "its download stack (httpx, ~0.13 s at CLI start-up), for hub "
                                                   "repo ids only; a failed import reads as 'could not download'",
     ("quant/trellis/viterbi.py", "mixq.quant.trellis.viterbi_triton"): "imports triton (optional) at its top",

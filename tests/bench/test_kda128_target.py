@@ -1,6 +1,6 @@
 """bench/kda128_target.py on the CPU: a 2-step build at a tiny sequence length (the config, the losses, the files,
 transformers' reload), and bench/drafter_check.py against the built target with the fake exllamav3 of
-tests/convert/test_drafter_check.py (the Generator path is taken, and its failure is an error for such a target)."""
+tests/conversion/test_drafter_check.py (the Generator path is taken, and its failure is an error for such a target)."""
 from __future__ import annotations
 
 import json

@@ -40,7 +40,7 @@ def test_exllamav3_engine_scores_like_the_torch_engine(k256_model, heldout_text,
     why = _exllamav3_ready()
     if why:
         pytest.skip(why)
-    from mixq.convert.api import convert
+    from mixq.conversion.api import convert
     from mixq.eval import evaluate
 
     out = tmp_path / "k256-4.0"

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_kld_falls_as_size_rises(k256_model, heldout_text, tmp_path):
-    gp = pytest.importorskip("mixq.convert.gguf_pipeline")
+    gp = pytest.importorskip("mixq.conversion.gguf.pipeline")
     from mixq.eval import compare, evaluate
 
     files = []

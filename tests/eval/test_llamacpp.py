@@ -13,7 +13,7 @@ pytest.importorskip("llama_cpp")
 
 @pytest.fixture(scope="module")
 def k256_q4km(k256_model, tmp_path_factory):
-    gp = pytest.importorskip("mixq.convert.gguf_pipeline")
+    gp = pytest.importorskip("mixq.conversion.gguf.pipeline")
     out = tmp_path_factory.mktemp("gguf") / "k256-Q4_K_M.gguf"
     gp.convert_gguf(k256_model, out, qtype="Q4_K_M", progress=False)
     return out

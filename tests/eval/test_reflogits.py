@@ -7,7 +7,7 @@ from safetensors import safe_open
 
 from mixq.errors import FormatError, InputError
 from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter, ref_file_bytes, roundtrip
-from mixq.eval.stats import log_probs
+from mixq.runtime.kl_stats import log_probs
 
 
 def _write(path, dtype, n=3, ctx=10, first=5, vocab=17):

@@ -29,7 +29,7 @@ def baseline() -> dict:
 
 def _candidates(model: str, ref: Path, root: Path, shared_models: Path) -> list[Path]:
     """The baseline's candidates, rebuilt (the GGUF writer and the noisy copy are deterministic)."""
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     out = []
     for name in {"mini": ["self", "Q4_K_M.gguf", "noise-0.05"], "k256": ["glm5next-k256-fp8", "Q4_K_M.gguf"]}[model]:
@@ -104,8 +104,8 @@ def test_quantized_candidate_equals_whole_model_forward(fmt, tiny_model, tiny_ex
     import torch
 
     from mixq.runtime.dequant import read_exl3
-    from mixq.eval import reference as refm
-    from mixq.eval.stats import KLAccumulator, log_probs, token_quantities
+    from mixq.runtime import reference as refm
+    from mixq.runtime.kl_stats import KLAccumulator, log_probs, token_quantities
     from mixq.formats.checkpoint import open_checkpoint
 
     if fmt == "exl3":

@@ -63,7 +63,7 @@ def test_render_difference_is_an_error():
 
 
 def test_gguf_carries_fixed_template(mini_model, tmp_path):
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     tmpl = tmp_path / "t.jinja"
     tmpl.write_text(GLM_LIKE)

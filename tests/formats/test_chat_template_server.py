@@ -92,7 +92,7 @@ class _Server:
 
 
 def _gguf_with_template(model: Path, out: Path, template: str, fix: bool) -> Path:
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     t = out.with_suffix(".jinja")
     t.write_text(template)

@@ -32,7 +32,7 @@ PLAIN_KEY = f"{L}.3.self_attn.q_b_proj"
 
 def _convert(model: Path, out: Path, **kw) -> Path:
     from conftest import cheap_trellis
-    from mixq.convert.api import convert
+    from mixq.conversion.api import convert
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trellis, "quantize", cheap_trellis)

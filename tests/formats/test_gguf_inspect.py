@@ -6,7 +6,7 @@ import json
 from click.testing import CliRunner
 
 from mixq.cli import main
-from mixq.convert.gguf_pipeline import convert_gguf
+from mixq.conversion.gguf.pipeline import convert_gguf
 from mixq.formats.gguf_inspect import inspect_gguf
 
 

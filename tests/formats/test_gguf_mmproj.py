@@ -69,7 +69,7 @@ def test_mmproj_loads_and_encodes_in_llamacpp(mini_model, tmp_path):
 
     L = pytest.importorskip("llama_cpp")
     M = pytest.importorskip("llama_cpp.mtmd_cpp")
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     text = tmp_path / "m.gguf"
     convert_gguf(mini_model, text, qtype="BF16", no_mtp=True, mmproj=tmp_path / "mm-f16.gguf", progress=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mixq.convert.gguf_pipeline import convert_gguf
+from mixq.conversion.gguf.pipeline import convert_gguf
 from mixq.errors import InputError
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.gguf_reader import read_gguf, read_gguf_weights, verify_gguf

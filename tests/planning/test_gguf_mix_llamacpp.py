@@ -16,7 +16,7 @@ FTYPES = {"Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_
 @pytest.fixture(scope="module", params=["glm5next-mini", "glm5next-k256"])
 def bf16_gguf(request, mini_model, tmp_path_factory):
     pytest.importorskip("llama_cpp")
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     model = mini_model.parent / request.param
     out = tmp_path_factory.mktemp(request.param) / "bf16.gguf"

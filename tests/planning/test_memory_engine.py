@@ -47,7 +47,7 @@ def _logged_sizes(gguf: str, n_ctx: int, n_seq: int, ggml_type: int) -> dict[str
 @pytest.fixture(scope="module")
 def k256_gguf(k256_model, tmp_path_factory):
     pytest.importorskip("llama_cpp")
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     out = tmp_path_factory.mktemp("k256") / "k256-bf16.gguf"
     convert_gguf(k256_model, out, qtype="BF16", progress=False)

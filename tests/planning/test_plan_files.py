@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("model", ["glm5next-mini", "glm5next-k256"])
 def test_gguf_q4_k_m_file_matches_plan(model, tmp_path, mini_model):
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     path = Path(mini_model).parent / model
     res = convert_gguf(path, tmp_path / "m.gguf", qtype="Q4_K_M", progress=False)
@@ -25,7 +25,7 @@ def test_gguf_q4_k_m_file_matches_plan(model, tmp_path, mini_model):
 def test_exl3_file_matches_plan(tmp_path, mini_model):
     import struct
 
-    from mixq.convert.api import convert
+    from mixq.conversion.api import convert
 
     convert(mini_model, tmp_path / "out", "exl3", bpw=3.05, rows=4, seq_len=64, progress=False)
     plan = plan_model(mini_model, "exl3", bpw=3.05)

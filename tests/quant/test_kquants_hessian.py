@@ -21,7 +21,7 @@ EXPERTS = 4
 def k256_real(k256_model, calibration_text):
     """(ckpt, q_proj W, its H, gate W of 4 layer-1 experts, their routing-weighted Hessians)."""
     from mixq.runtime.calibration import calibration_rows, load_tokenizer
-    from mixq.convert.gguf_hessians import layer_hessians
+    from mixq.measurement.hessians import layer_hessians
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
 

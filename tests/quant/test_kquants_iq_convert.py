@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mixq.convert.gguf_pipeline import NEEDS_IMATRIX, convert_gguf
+from mixq.conversion.gguf.pipeline import NEEDS_IMATRIX, convert_gguf
 from mixq.errors import InputError
 from mixq.formats.imatrix_file import IMatrix
 

@@ -21,8 +21,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from mixq.convert import gguf_workers
-from mixq.convert.gguf_workers import STOP_SIGNALS, TensorEncoder
+from mixq.conversion.gguf import workers as gguf_workers
+from mixq.conversion.gguf.workers import STOP_SIGNALS, TensorEncoder
 from mixq.formats.atomic import atomic_path
 
 from cli_helpers import error_line as _error_line
@@ -40,7 +40,7 @@ SLOW_MIXQ = f"""
 import os, signal, sys, time
 if os.environ.get("SIGINT_IGNORED"):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-from mixq.convert import gguf_workers
+from mixq.conversion.gguf import workers as gguf_workers
 get = gguf_workers.TensorEncoder.get
 def slow_get(self, name):
     time.sleep({PAUSE_S})
@@ -148,14 +148,14 @@ def test_workers_die_with_a_parent_killed_outright(when, tiny_model, tmp_path):
 def test_a_worker_that_outlived_its_parent_at_start_leaves():
     """The parent's pid comes from the parent: a worker whose parent is not that pid (it died before the worker
     ran its initializer) exits at once instead of watching its new parent."""
-    code = "from mixq.convert.gguf_workers import _worker_init\n_worker_init(-1)\nprint('still here')"
+    code = "from mixq.conversion.gguf.workers import _worker_init\n_worker_init(-1)\nprint('still here')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S)
     assert r.returncode == 1 and "still here" not in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_worker_asks_the_kernel_to_end_it_with_its_parent():
-    code = ("import ctypes, os, signal\nfrom mixq.convert.gguf_workers import _worker_init\n"
+    code = ("import ctypes, os, signal\nfrom mixq.conversion.gguf.workers import _worker_init\n"
             "_worker_init(os.getppid())\nv = ctypes.c_int()\n"
             "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0)\n"  # PR_GET_PDEATHSIG
             "print(v.value == signal.SIGKILL, [signal.getsignal(s) == signal.SIG_IGN for s in "
@@ -264,7 +264,7 @@ def test_an_interrupt_mid_write_is_one_line_and_leaves_nothing(case, tiny_model,
 def test_an_interrupt_in_process_is_exit_130_and_the_handlers_come_back(tiny_model, tmp_path, monkeypatch):
     """Through click's runner (as a program embedding mixq): Ctrl-C -> 130, SIGTERM -> 143, one line each, and the
     signal handlers are the caller's again afterwards."""
-    from mixq.convert import gguf_pipeline
+    from mixq.conversion.gguf import pipeline as gguf_pipeline
 
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
 
@@ -355,7 +355,7 @@ def cheap_exl3(monkeypatch):
 
 def _after_stages(monkeypatch, n: int, then: Callable[[], None]) -> None:
     """Run `then()` once the EXL3 job has recorded `n` finished stages."""
-    from mixq.convert.job import Job
+    from mixq.conversion.job import Job
 
     real = Job.record
     calls = []
@@ -439,7 +439,7 @@ PLOT_FAULTS = [
     ("disk-full", lambda mp, d: _savefig_fails(mp, errno.ENOSPC, "No space left on device"), "no space left"),
     ("read-only-at-write", lambda mp, d: _savefig_fails(mp, errno.EROFS, "Read-only file system"),
      "read-only filesystem"),
-    ("read-only-up-front", lambda mp, d: mp.setattr("mixq.convert.outputs.tempfile.mkstemp", _erofs),
+    ("read-only-up-front", lambda mp, d: mp.setattr("mixq.formats.outputs.tempfile.mkstemp", _erofs),
      "read-only filesystem"),
     ("folder-removed", lambda mp, d: _savefig_fails(mp, errno.ENOENT, "No such file or directory"),
      "removed during the run"),

@@ -16,7 +16,7 @@ SHARD = "2MB"  # glm5next-mini Q4_K_M in three shards: token_embd..blk.2 | blk.2
 
 
 def _convert(model, out: Path) -> list[Path]:
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     res = convert_gguf(model, out, qtype="Q4_K_M", threads=1, progress=False, shard_size=SHARD)
     return [Path(f) for f in res["files"]]
@@ -209,7 +209,7 @@ def fake_trellis():
 
 
 def _convert_exl3(model: Path, out: Path) -> Path:
-    from mixq.convert.pipeline import convert_exl3
+    from mixq.conversion.exl3.pipeline import convert_exl3
 
     convert_exl3(model, out, bpw=4.0, rows=FAKE_ROWS, seq_len=32, device="cpu", shard_size="3MiB", progress=False)
     return out
@@ -286,7 +286,7 @@ def test_llamacpp_loads_sealed_files_with_the_same_logits(sealed, mini_model, tm
     import gguf
 
     import mixq.formats.gguf_writer as gw
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     single = Path(convert_gguf(mini_model, tmp_path / "one.gguf", qtype="Q4_K_M", threads=1,
                                progress=False)["files"][0])

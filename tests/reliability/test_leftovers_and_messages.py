@@ -191,7 +191,7 @@ def test_exl3_refused_for_its_tokenizer_leaves_no_out(tiny_model, tmp_path):
 
 def test_exl3_failing_before_its_first_stage_is_done_leaves_nothing(tiny_model, tmp_path, monkeypatch):
     """Nothing finished means nothing to resume: the job directory goes, and OUT if this run made it."""
-    from mixq.convert import pipeline
+    from mixq.conversion.exl3 import pipeline
     from mixq.errors import InputError
 
     def fail(*a, **k):

@@ -122,7 +122,7 @@ def test_cuda_without_cuda_is_one_line(cmd, tiny_model, tmp_path):
 def _read_only(monkeypatch):
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr("mixq.convert.outputs.tempfile.mkstemp", refuse)
+    monkeypatch.setattr("mixq.formats.outputs.tempfile.mkstemp", refuse)
 
 
 def _full_disk(monkeypatch):
@@ -131,7 +131,7 @@ def _full_disk(monkeypatch):
     def tiny(path):
         u = real(path)
         return type(u)(u.total, u.total - 4096, 4096)
-    monkeypatch.setattr("mixq.convert.outputs.shutil.disk_usage", tiny)
+    monkeypatch.setattr("mixq.formats.outputs.shutil.disk_usage", tiny)
 
 
 WHEN_UP_FRONT = [

@@ -64,7 +64,7 @@ def test_imatrix_matching_some_tensors_passes_the_name_check():
 
 
 def test_in_memory_imatrix_naming_nothing_is_refused(tiny_model, tmp_path):
-    from mixq.convert.gguf_pipeline import convert_gguf
+    from mixq.conversion.gguf.pipeline import convert_gguf
 
     im = IMatrix()
     im.add("nothing.weight", np.ones((1, 128)), 1.0)
@@ -114,7 +114,7 @@ def test_tensor_type_rule_without_effect_is_refused(case, tiny_model, tmp_path, 
 
 def test_tensor_type_rule_that_also_matches_excluded_tensors_is_kept(tiny_model):
     """A rule that decides one tensor is fine, whatever else it matches (llama-quantize leaves those alone)."""
-    from mixq.convert.gguf_pipeline import assign_types
+    from mixq.conversion.gguf.pipeline import assign_types
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
 

@@ -1,0 +1,1 @@
+"""GGUF conversion: the pipeline, encoder workers, Hessian rounding and tuning, imatrix, receipts and families."""

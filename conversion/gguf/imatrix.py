@@ -1,0 +1,85 @@
+"""`mixq imatrix`: an importance matrix from a calibration forward, in llama.cpp's GGUF imatrix format.
+
+`collect_imatrix(model, calibration)` runs runtime/calibration layer by layer and keys Σx² per input column (and
+the row counts) by GGUF tensor name; `make_imatrix(model, out, ...)` checks OUT first, then collects and writes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import validate_checkpoint
+from mixq.formats.gguf_names import TOKEN_EMBD, gguf_tensors
+from mixq.formats.imatrix_file import IMatrix, write_imatrix
+from mixq.quant.device import resolve_device
+from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+
+from mixq.formats.outputs import check_free_space, check_outputs, writing
+
+
+def imatrix_bytes(model) -> int:
+    """An upper bound of the imatrix file's size: a float32 sum and a count per input column of every matrix
+    (per expert for stacked experts), plus 1 MiB of names and metadata (GLM-5.3: ~0.8 GB)."""
+    n = 0
+    for s in gguf_tensors(open_checkpoint(model), include_mtp=False):
+        if len(s.shape) >= 2:
+            n += (s.shape[0] if len(s.shape) == 3 else 1) * (int(s.shape[-1]) + 1) * 4
+    return n + 2**20
+
+
+def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
+                    datasets: list[str] | None = None, progress: bool = True):
+    """Importance matrix of `model` from a calibration forward (runtime/calibration, layer by layer), keyed by
+    GGUF tensor name as llama-imatrix keys it: Σx² per input column and the row count, one vector per expert
+    for `*_exps`. Differences to llama-imatrix: every calibration token passes through every routed expert
+    (so expert counts equal the token count, none is left at 0), and output.weight is always included.
+    Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix."""
+    dev = resolve_device(device)  # before the checkpoint is read: a missing CUDA is a one-line error
+    ckpt = open_checkpoint(model)
+    validate_checkpoint(ckpt)
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                           vocab_size=int(ckpt.text_config["vocab_size"]))
+    specs = [s for s in gguf_tensors(ckpt, include_mtp=False)
+             if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != TOKEN_EMBD]
+    by_hf: dict[str, list] = {}
+    for s in specs:
+        for e, h in enumerate(s.hf_names):
+            by_hf.setdefault(h, []).append((s, e))
+    im = IMatrix(datasets=list(datasets or [str(c) for c in (calibration or ["builtin"])]),
+                 chunk_count=int(ids.shape[0]), chunk_size=int(ids.shape[1]))
+    pending: dict[str, dict[int, tuple]] = {}
+    cal = LayerCalibrator(ckpt, ids, device=dev, full=False)
+    for stage in tqdm(cal.stages(), total=ckpt.num_hidden_layers + 1, desc="imatrix", disable=not progress):
+        for hf, acc in stage.stats.items():
+            for s, e in by_hf.get(hf, []):
+                if acc.count == 0 or acc.dim != s.shape[-1]:
+                    continue
+                pending.setdefault(s.name, {})[e] = (acc.sum_sq.cpu().numpy(), acc.count)
+    for s in specs:
+        got = pending.get(s.name)
+        if not got or len(got) != len(s.hf_names):
+            continue
+        im.add(s.name, np.stack([got[e][0] for e in range(len(s.hf_names))]),
+               np.array([got[e][1] for e in range(len(s.hf_names))], dtype=np.float64))
+    return im
+
+
+def make_imatrix(model, out, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
+                 progress: bool = True, overwrite: bool = False) -> dict:
+    """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format. OUT may
+    not be an input, nor an existing file unless `overwrite`."""
+    check_outputs({"OUT": out}, {"MODEL": model, **{f"--calibration {i + 1}": c
+                                                   for i, c in enumerate(calibration or [])}}, overwrite=overwrite)
+    out = Path(out)
+    check_free_space(out, imatrix_bytes(model), "the importance matrix")
+    im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with writing(out):
+        path = write_imatrix(out, im)
+    return {"file": str(path), "entries": len(im.sums), "chunks": im.chunk_count, "chunk_size": im.chunk_size,
+            "datasets": im.datasets}
+
+

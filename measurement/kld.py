@@ -1,0 +1,138 @@
+"""`mixq plan --measure kld`: each budgeted unit's end-to-end KLD, the trellis curves rescaled to it, and the plan
+command that uses them.
+
+The per-Linear trellis loss alone mis-ranks units (on glm5next-mini o_proj/down_proj have a tiny proxy loss and a
+large end-to-end KLD), so ``--measure kld`` perturbs one unit at a time with noise of the trellis's weight-space
+error at ``ref_bits`` and scores the model against the source with the reference forward (runtime/reference.py) and
+`mixq eval`'s KL statistics (runtime/kl_stats.py). ``run_plan`` is what ``mixq plan`` runs, resolving
+``--measure kld`` here and everything else in ``measurement.plan_run.run_plan``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from mixq.measurement.trellis import budget_units, measure_curves, parse_sample, save_curves
+from mixq.formats.outputs import check_outputs
+from mixq.measurement.plan_run import run_plan as plan
+from mixq.errors import InputError
+from mixq.measurement import gguf_kld  # gguf_kld.gguf_kld_curves looked up per call (tests replace it)
+from mixq.runtime.reference import PerturbedKLD
+from mixq.formats.checkpoint import open_checkpoint
+from mixq.formats.checkpoint_check import validate_checkpoint
+from mixq.formats.gguf_names import gguf_tensors
+from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
+
+TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
+
+
+def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibration: Sequence[str] = (),
+             measure_out: str | None = None, measure_sample: str = "auto", device: str | None = None,
+             from_config: str | None = None, rounding: str = "exact", imatrix=None, progress: bool = True,
+             overwrite: bool = False, **plan_kw):
+    """What ``mixq plan`` runs: ``convert.fit.run_plan`` (same arguments), with ``--measure kld`` measured here
+    first (EXL3: ``kld_curves``; GGUF: ``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and
+    ``imatrix``; saved to ``measure_out`` when given). MODEL is checked against its config first, as convert
+    checks it (``--from-config`` has no weights to check)."""
+    check_outputs({"--measure-out": measure_out},
+                  {"MODEL": model, "--from-config": from_config, "--imatrix": _path_or_none(imatrix),
+                   "--measure": _path_or_none(measure), **{f"--calibration {i + 1}": c for i, c in enumerate(calibration)}},
+                  overwrite=overwrite)
+    if (rounding != "exact" or imatrix is not None) and not (fmt == "gguf" and measure == "kld"):
+        raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure them)")
+    if fmt == "gguf" and measure in ("trellis", "proxy"):
+        raise InputError(f"--measure {measure} is EXL3's trellis measurement; GGUF measures with --measure alone")
+    ckpt = None
+    if model is not None:  # (with --from-config too, convert.fit.run_plan refuses the pair)
+        ckpt = open_checkpoint(model)
+        validate_checkpoint(ckpt)  # what convert refuses, plan refuses, before planning or measuring
+    if measure == "kld":
+        if fmt not in ("exl3", "gguf"):
+            raise InputError(f"--format {fmt!r}: exl3 or gguf")
+        if model is None:
+            raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
+        t0 = time.time()
+        curves = measure_kld(ckpt, fmt, calibration, sample=measure_sample, device=device, rounding=rounding,
+                             imatrix=imatrix, gguf_ladder=plan_kw.get("gguf_ladder") or "k", progress=progress)
+        if measure_out:
+            save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
+                                                   "seconds": round(time.time() - t0, 1)})
+        measure, measure_out = curves, None
+    # the checkpoint opened and checked here, not opened a second time
+    return plan(model if ckpt is None else ckpt, fmt, from_config=from_config, measure=measure, calibration=calibration,
+                measure_out=measure_out, measure_sample=measure_sample, device=device, **plan_kw)
+
+
+def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = "auto", device: str | None = None,
+                rounding: str = "exact", imatrix=None, gguf_ladder: str = "k", cache=None,
+                progress: bool = True) -> dict[str, dict[float, float]]:
+    """End-to-end KLD curves {unit: {bits or type: KLD}} of every budgeted unit: EXL3 (``kld_curves``) or GGUF
+    (``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and ``imatrix``, a file, an IMatrix or
+    means; ``cache``: a family's EncodeCache, given the exact encodes)."""
+    if fmt == "gguf":
+        if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
+            im = check_names(read_imatrix(imatrix), [s.name for s in gguf_tensors(ckpt)], f"--imatrix {imatrix}")
+            imatrix = im.means()
+        elif isinstance(imatrix, IMatrix):
+            imatrix = imatrix.means()
+        return gguf_kld.gguf_kld_curves(ckpt, calibration or None, ladder=gguf_ladder, rounding=rounding,
+                                        imatrix=imatrix, device=device, cache=cache, progress=progress)
+    return kld_curves(ckpt, calibration or None, device=device, sample=sample, progress=progress)
+
+
+def _path_or_none(value):
+    """A value that names a file (str or path-like), else None (a mode name such as 'kld', a mapping, None)."""
+    if isinstance(value, str) and value in ("kld", "trellis", "proxy"):
+        return None
+    return value if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__") else None
+
+
+def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | None = None, sample: str = "auto",
+               progress: bool = True) -> dict[str, dict[float, float]]:
+    """The measured trellis curves of every budgeted unit (``convert.measure.measure_curves``) in KLD units."""
+    strips, experts = parse_sample(sample)
+    curves = measure_curves(ckpt, calibration, device=device, strips=strips, experts=experts, progress=progress)
+    gains = kld_gains(ckpt, list(curves), calibration, device=device, progress=progress)
+    return kld_weighted(curves, gains)
+
+
+def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = None, *, rows: int = 8,
+              seq_len: int = 256, ref_bits: float = 3.0, device: str | None = None, seed: int = 0,
+              progress: bool = True) -> dict[str, float]:
+    """Each unit's end-to-end cost: the KLD (model with that unit perturbed ‖ source model, mean over calibration
+    tokens, `mixq eval`'s KLD) after adding i.i.d. Gaussian noise of the trellis's weight-space error at ``ref_bits``
+    (TRELLIS_D·2^(−2·ref_bits)·mean(W²) per tensor) to that unit alone. Holds the whole model in memory: for
+    models that fit (fixtures, drafters); a per-layer variant for 320B models is not built."""
+    groups = budget_units(ckpt)
+    scorer = PerturbedKLD(ckpt, calibration, rows=rows, seq_len=seq_len, seed=seed, device=device)
+    base = scorer.base
+    gen = torch.Generator().manual_seed(seed)
+    gains: dict[str, float] = {}
+    for key in tqdm(list(units), desc="kld gains", unit="unit", disable=not progress):
+        w = dict(base)
+        for u in groups[key]:
+            for n in u.hf_names:
+                t = base[n]
+                sigma = (TRELLIS_D * 2.0 ** (-2 * ref_bits) * float(t.square().mean())) ** 0.5
+                w[n] = t + sigma * torch.randn(t.shape, generator=gen)
+        gains[key] = scorer.kld(w)
+    return gains
+
+
+def kld_weighted(curves: Mapping[str, Mapping[float, float]], gains: Mapping[str, float],
+                 ref_bits: float = 3.0) -> dict[str, dict[float, float]]:
+    """Curves in KLD units: each unit's measured trellis curve keeps its shape and is scaled so that its value at
+    ``ref_bits`` is the unit's measured end-to-end KLD (``kld_gains``)."""
+    out = {}
+    for k, c in curves.items():
+        if k.startswith("_"):
+            continue
+        c = {float(b): float(v) for b, v in c.items()}
+        if k not in gains or ref_bits not in c or c[ref_bits] <= 0:
+            raise InputError(f"--measure kld: no gain or no {ref_bits}-bit point for unit {k!r}")
+        s = gains[k] / c[ref_bits]
+        out[k] = {b: v * s for b, v in c.items()}
+    return out

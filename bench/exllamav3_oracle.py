@@ -73,7 +73,7 @@ WEIGHTS = {
     f"{L}.0.self_attn.qkv_proj": 32,       # the fused KDA q | k | v (384 x 128)
     f"{L}.0.self_attn.o_proj": None,
     f"{L}.1.mlp.experts.1.down_proj": None,  # a routed expert of the NextN block (NextN rate, uncalibrated)
-    "lm_head": None,                          # the head at its own rate
+    "lm_head": 64,                            # the head at its own rate (384 x 128)
 }
 ROTATED = (f"{L}.1.mlp.experts.1.down_proj", f"{L}.0.self_attn.o_proj")
 N_TOKENS = 32
@@ -207,7 +207,6 @@ def mixq_agreement(d: Path, codebook: str, values: dict[str, torch.Tensor]) -> d
     """What the tests assert, measured here: mixq's verify, its decode against exllamav3's weights (max abs
     difference / max abs weight), its rotated decode (exact?), its torch forward against exllamav3's logits."""
     import mixq
-    from mixq.eval.reference import build_model
     from mixq.formats.exl3_reader import Exl3Dir
     from mixq.quant.trellis import from_tensors
     from mixq.runtime.dequant import read_exl3
@@ -230,13 +229,39 @@ def mixq_agreement(d: Path, codebook: str, values: dict[str, torch.Tensor]) -> d
         k, n = t["trellis"].shape[0] * 16, t["trellis"].shape[1] * 16
         exact[key] = bool(torch.equal(from_tensors(t, (n, k)).rotated(), values[f"{codebook}/rotated/{key}"].float()))
     rep["rotated_exact"] = exact
-    ids = values["input_ids"].view(1, -1)
-    with torch.no_grad():
-        lg = build_model(d, hf, torch.device("cpu"))(ids).logits[0].float()
+    lg = torch_logits(d, hf, values["input_ids"])
     ref = values[f"{codebook}/logits"].float()
     rep["logits_kld"] = kld(ref, lg)
     rep["logits_rel_diff"] = centered_rel_diff(ref, lg)
     return rep
+
+
+def mixq_eval(src: Path, dirs: list[Path], work: Path) -> dict:
+    """`mixq eval` of the directories against the source, one 32-token window of the built-in text, with the
+    torch engine (what the tests run on the CPU) and the exllamav3 engine: {engine: {dir: scores} or error}."""
+    import mixq
+
+    text = work / "eval.txt"
+    text.write_text(BUILTIN_TEXT)
+    out: dict = {}
+    for engine, device in (("torch", "cpu"), ("exllamav3", "cuda")):
+        try:
+            rep = mixq.evaluate(src, dirs, text, windows=1, ctx=32, device=device, engine=engine, progress=False)
+            out[engine] = {Path(c["path"]).name: {k: c[k] for k in ("engine", "kld_mean", "top1")}
+                           for c in rep["candidates"]}
+        except Exception:
+            out[engine] = {"error": traceback.format_exc(limit=4)}
+    return out
+
+
+def torch_logits(model_dir: Path, weights: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Logits (T, vocab) of the reference architecture (transformers, fp32, CPU) holding `weights` on `ids`.
+    No cache: transformers' cache cannot report a length for a model without attention layers (one KDA layer)."""
+    from mixq.eval.reference import build_model
+
+    with torch.no_grad():
+        model = build_model(Path(model_dir), weights, torch.device("cpu"))
+        return model(ids.view(1, -1), use_cache=False).logits[0].float()
 
 
 def kld(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -328,15 +353,13 @@ def main() -> int:
             report["mixq"][cb] = {"error": traceback.format_exc(limit=4)}
     if "source/logits" in values:
         try:
-            from mixq.eval.reference import build_model
-
-            with torch.no_grad():
-                lg = build_model(src, load_file(str(src / "model.safetensors")),
-                                 torch.device("cpu"))(ids.view(1, -1)).logits[0].float()
+            lg = torch_logits(src, load_file(str(src / "model.safetensors")), ids)
             report["mixq"]["source"] = {"logits_kld": kld(values["source/logits"].float(), lg),
                                         "logits_rel_diff": centered_rel_diff(values["source/logits"], lg)}
         except Exception:
             report["mixq"]["source"] = {"error": traceback.format_exc(limit=4)}
+
+    report["mixq"]["eval"] = mixq_eval(src, [out / f"tiny-{cb}" for cb in report["dirs"]], work)
 
     report["timings"]["total"] = round(time.time() - t0, 1)
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())

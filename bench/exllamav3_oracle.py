@@ -295,6 +295,11 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     report: dict = {"timings": {}, "errors": {}}
+    import exllamav3  # first: its extension's JIT build (when not cached) shows here, not inside a conversion
+
+    report["timings"]["import_exllamav3"] = round(time.time() - t0, 1)
+    print(f"-- exllamav3 {exllamav3.__version__} imported in {report['timings']['import_exllamav3']} s", flush=True)
+    t0 = time.time()
 
     src = build_source(work / "src")
     ids = input_ids(src)
@@ -321,8 +326,6 @@ def main() -> int:
         entry["command"] = [str(c).replace(str(src), "SRC").replace(str(dst), "DST").replace(str(job), "WORK")
                             for c in entry["command"]]
         report["dirs"][cb] = entry
-
-    import exllamav3
 
     report["versions"] = {"exllamav3": exllamav3.__version__, "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name(0)}

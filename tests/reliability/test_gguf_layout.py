@@ -8,51 +8,17 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Callable
 
 import gguf
 import numpy as np
 import pytest
 
-from cli_helpers import run_cli
+from cli_helpers import rewrite_gguf as rewrite, run_cli
 from mixq.formats.glm5next import gguf_sources
 from mixq.formats.gguf_integrity import PREFIX
 from mixq.formats.gguf_layout import ROWS
 
 STRIPPED_BLOCK = "blk.2."  # a KDA block with a MoE FFN in glm5next-mini (block_count 5: 4 trunk + NextN)
-
-
-def rewrite(src: Path, dst: Path, *, drop: Callable[[str], bool] = lambda n: False,
-            tensors: dict[str, np.ndarray] | None = None, kv: dict[str, object] | None = None) -> Path:
-    """`src` copied through gguf-py's GGUFWriter without mixq's seal: tensors for which `drop` is true left out,
-    `tensors` {name: array} written in place of (or beside) the file's own, `kv` {key: value or None to drop}
-    replacing keys of the same type."""
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
-    kv = kv or {}
-    for name, f in r.fields.items():
-        if name.startswith(("GGUF.", PREFIX)) or name == "general.architecture":
-            continue
-        value = kv[name] if name in kv else f.contents()
-        if value is None:
-            continue
-        vtype = f.types[0]
-        w.add_key_value(name, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    extra = dict(tensors or {})
-    for t in r.tensors:
-        if drop(t.name):
-            continue
-        if t.name in extra:
-            w.add_tensor(t.name, extra.pop(t.name))
-        else:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    for name, arr in extra.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 def verify(path: Path, *args: str) -> tuple[int, list[str]]:
@@ -131,8 +97,10 @@ def test_layer_kinds_come_from_the_files_metadata(unsealed, tmp_path):
 
 
 @pytest.mark.parametrize("key,value,needle", [
-    ("glm5-next.attention.head_count_kv", [0, 0, 1], "glm5-next.attention.head_count_kv: 3 entries, the loader expects 5"),
-    ("glm5-next.attention.indexer.types", [True] * 5, "glm5-next.attention.indexer.types: the loader expects 4 entries"),
+    ("glm5-next.attention.head_count_kv", [0, 0, 1],
+     "glm5-next.attention.head_count_kv: 3 entries, the loader expects 5"),
+    ("glm5-next.attention.indexer.types", [True] * 5,
+     "glm5-next.attention.indexer.types: the loader expects 4 entries"),
     ("glm5-next.embedding_length", None, "glm5-next.embedding_length: missing"),
 ])
 def test_metadata_the_loader_cannot_use_is_named(unsealed, tmp_path, key, value, needle):

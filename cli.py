@@ -188,7 +188,7 @@ def inspect(model: str, as_json: bool) -> None:
 @click.option("--ref-logits", type=click.Path(), help="Reuse reference log-probs (and tokens) from a --save-ref FILE.")
 @click.option("--ref-dtype", type=click.Choice(["float32", "float16", "uint16"]), default="float32", show_default=True, help="Storage of --save-ref log-probs (uint16: quantized as llama.cpp's KL base, half the size; docs/eval.md).")
 @click.option("--engine", type=click.Choice(["torch", "llamacpp", "exllamav3"]), default="torch", show_default=True, help="llamacpp: GGUF candidates take logits from llama.cpp itself; exllamav3: EXL3 candidates from exllamav3's own forward (CUDA).")
-@click.option("--cache-type", type=click.Choice(["f32", "f16", "q8_0"]), default="f32", show_default=True, help="llama.cpp KV cache type (--engine llamacpp).")
+@click.option("--cache-type", type=click.Choice(["f32", "f16", "q8_0"]), default=None, help="llama.cpp KV cache type of GGUF candidates under --engine llamacpp.  [default: f32]")
 @click.option("--device", default=None, help="torch device [default: cuda when present, else cpu].")
 @click.option("--devices", default=None, help="Deal the windows over several devices of one type (0,1 or cpu,cpu; or run under torchrun); the same numbers.")
 @click.option("--state-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="Storage of the hidden states of all windows (bfloat16 halves them; float32 gives a whole-model forward's numbers).")

@@ -257,7 +257,7 @@ def mixq_eval(src: Path, dirs: list[Path], work: Path) -> dict:
 def torch_logits(model_dir: Path, weights: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """Logits (T, vocab) of the reference architecture (transformers, fp32, CPU) holding `weights` on `ids`.
     No cache: transformers' cache cannot report a length for a model without attention layers (one KDA layer)."""
-    from mixq.eval.reference import build_model
+    from mixq.runtime.reference import build_model
 
     with torch.no_grad():
         model = build_model(Path(model_dir), weights, torch.device("cpu"))

@@ -25,7 +25,7 @@ from mixq.eval import candidates as cands
 from mixq.eval.family import expand_families, record_scores
 from mixq.eval import exllamav3_engine
 from mixq.runtime import reference as refm
-from mixq.eval.llamacpp import LlamaCppScorer
+from mixq.eval.llamacpp import CACHE_TYPES, LlamaCppScorer
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
 from mixq.eval.reflogits import REF_DTYPES, RefLogitsReader, RefLogitsWriter, roundtrip
 from mixq.eval.report import render_markdown
@@ -88,7 +88,7 @@ def evaluate(
     ref_logits: str | Path | None = None,
     ref_dtype: str = "float32",
     engine: str = "torch",
-    cache_type: str = "f32",
+    cache_type: str | None = None,
     device: str | None = None,
     devices: str | list[str] | None = None,
     state_dtype: str = "float32",
@@ -103,9 +103,10 @@ def evaluate(
     Windows of `ctx` tokens (default 512) are cut as llama-perplexity does and the second half of each
     (or all positions with score='all') is scored. With `ref_logits`, reference log-probs and tokens come
     from that file (no reference forward, no text needed); `save_ref` writes them for later runs (`ref_dtype`
-    float32, float16 or uint16). The models run layer by layer over all windows at once: peak memory is about
-    one layer of the reference plus one of a candidate plus the hidden streams (`state_dtype` float32 or
-    bfloat16), independent of the number of layers. `batch_windows` > 1 runs several windows per layer call
+    float32, float16 or uint16). `cache_type` (f32 when not given, f16, q8_0): llama.cpp's KV cache, for GGUF
+    candidates scored with engine "llamacpp" only. The models run layer by layer over all windows at once: peak
+    memory is about one layer of the reference plus one of a candidate plus the hidden streams (`state_dtype`
+    float32 or bfloat16), independent of the number of layers. `batch_windows` > 1 runs several windows per layer call
     (faster on a GPU; float rounding then differs from a one-window forward in the last bits). `devices`
     ("0,1", "cpu,cpu"; or a torchrun launch): the windows dealt over one rank per device, the same numbers.
     `json_out` "-" prints the JSON report to stdout. `windows`: at most that many windows (the first ones);
@@ -193,7 +194,7 @@ def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_
     ref = CheckpointSource(ref_dir)
     validate_checkpoint(ref.ckpt)  # a reference whose config disagrees with its weights: refused
     dev = refm.pick_device(device)
-    reader, win, text_name = None, None, ""
+    reader, win, text_name, tokenizer = None, None, "", None
     if ref_logits:
         reader = RefLogitsReader(Path(ref_logits))
         if ctx is not None and ctx != reader.ctx:
@@ -201,17 +202,24 @@ def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_
         n = reader.count if windows is None else min(windows, reader.count)
         if windows is not None and windows < 1:
             raise InputError(f"--windows must be at least 1, not {windows}")
+        _check_context(reader.ctx, ref_dir, ref.ckpt.config, f"{ref_logits}'s windows of")
+        reader.check_values(n)
         win = refm.Windows(tokens=reader.tokens[:n], first=reader.first)
         text_name = reader.meta.get("text", "")
     else:
         if text is None:
             raise InputError("--text is required unless --ref-logits is given")
         ctx = DEFAULT_CTX if ctx is None else ctx
-        ids = refm.tokenize_text(refm.load_tokenizer(ref_dir), Path(text),
-                                 need_tokens=None if windows is None else windows * ctx)
+        _check_context(ctx, ref_dir, ref.ckpt.config, "--ctx")
+        tokenizer = refm.load_tokenizer(ref_dir)
+        ids = refm.tokenize_text(tokenizer, Path(text), need_tokens=None if windows is None else windows * ctx)
         win = refm.make_windows(ids, ctx, windows, score, source=text)
         text_name = str(text)
     cand_list = [cands.open_candidate(c) for c in candidates]
+    cache_type = _cache_type(cache_type, engine, cand_list)
+    ref_tokens = cands.reference_tokens(ref_dir, _vocab(ref.ckpt.config), tokenizer) if cand_list else None
+    for c in cand_list:
+        cands.check_candidate(c, ref_tokens, ref_dir, win.ctx)
     n_layers = ref.ckpt.num_hidden_layers
     native = [ENGINE_FORMATS.get(engine) == c.format for c in cand_list]
     if engine == exllamav3_engine.ENGINE and any(native):
@@ -219,6 +227,28 @@ def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_
     sources = [None if own else cands.open_weights(c, n_layers, dev) for c, own in zip(cand_list, native)]
     return EvalRun(ref_dir, ref.ckpt.config, ref, dev, win, text_name, cand_list, sources, reader, engine,
                    cache_type, Path(save_ref) if save_ref else None, ref_dtype, state_dtype, batch_windows)
+
+
+def _check_context(ctx: int, ref_dir: Path, config: dict, what: str) -> None:
+    """Windows no longer than the reference was built for (config.json's max_position_embeddings)."""
+    limit = config.get("text_config", config).get("max_position_embeddings")
+    if isinstance(limit, int) and ctx > limit:
+        raise InputError(f"{what} {ctx} tokens: longer than {ref_dir}/config.json's max_position_embeddings {limit}")
+
+
+def _cache_type(cache_type: str | None, engine: str, candidates: list[cands.Candidate]) -> str:
+    """The llama.cpp KV cache type (f32 unless given); refused where no candidate runs in llama.cpp, where it
+    would change nothing."""
+    if cache_type is None:
+        return "f32"
+    if cache_type not in CACHE_TYPES:
+        raise InputError(f"--cache-type must be one of {sorted(CACHE_TYPES)}, not {cache_type!r}")
+    if engine != "llamacpp":
+        raise InputError(f"--cache-type {cache_type} applies to --engine llamacpp only; --engine {engine} keeps "
+                         "no llama.cpp KV cache")
+    if not any(c.format == ENGINE_FORMATS["llamacpp"] for c in candidates):
+        raise InputError(f"--cache-type {cache_type} applies to GGUF candidates, and none is given")
+    return cache_type
 
 
 # --- validate ------------------------------------------------------------------------------------------------------

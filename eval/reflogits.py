@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.finite import has_non_finite
 
 FORMAT_TAG = "mixq-ref-logits-1"
 U16_FLOOR = -16.0  # code 0; the KLD ignores reference log-probs at or below it
@@ -158,7 +159,55 @@ class RefLogitsReader:
         self.dtype = md.get("dtype", "float32")
         if self.dtype not in REF_DTYPES:
             raise FormatError(f"{path}: unknown log-prob dtype {self.dtype!r}")
+        self._check_layout()
         self.tokens = self._f.get_tensor("tokens").to(torch.int64)
+        self._check_tokens()
+
+    def _shape(self, name: str) -> tuple[int, ...] | None:
+        try:
+            return tuple(self._f.get_slice(name).get_shape())
+        except (SafetensorError, KeyError):
+            return None
+
+    def _check_layout(self) -> None:
+        """The metadata against the tensors the file holds (headers only): a token row per window of ctx tokens,
+        and per window the scored rows of the vocabulary's width."""
+        p, ctx, first, vocab, n = self.path, self.ctx, self.first, self.vocab, self.count
+        if ctx < 2 or not 0 <= first <= ctx - 2 or vocab < 1 or n < 1:
+            raise FormatError(f"{p}: metadata ctx {ctx}, first {first}, vocab {vocab}, windows {n} do not describe "
+                              "a reference log-prob file")
+        if self._shape("tokens") != (n, ctx):
+            raise FormatError(f"{p}: metadata says {n} windows of {ctx} tokens, the tokens tensor is "
+                              f"{list(self._shape('tokens') or [])}")
+        rows = ctx - 1 - first
+        parts = [("logprobs", (rows, vocab))]
+        if self.dtype == "uint16":
+            parts += [("logprob_max", (rows,)), ("target_logprob", (rows,))]
+        for w in range(n):
+            for part, want in parts:
+                got = self._shape(f"{part}.{w:06d}")
+                if got != want:
+                    raise FormatError(f"{p}: {part}.{w:06d} is {'missing' if got is None else list(got)}, the "
+                                      f"metadata (ctx {ctx}, first {first}, vocab {vocab}) implies {list(want)}")
+
+    def _check_tokens(self) -> None:
+        """Every token id inside the vocabulary (the scores index the log-probs by them)."""
+        bad = (self.tokens < 0) | (self.tokens >= self.vocab)
+        if bool(bad.any()):
+            w, i = (int(x) for x in bad.nonzero()[0])
+            raise FormatError(f"{self.path}: token id {int(self.tokens[w, i])} (window {w}, position {i}) is outside "
+                              f"the file's vocabulary of {self.vocab}")
+
+    def check_values(self, windows: int) -> None:
+        """The first `windows` windows' log-probs are finite: read once before any forward, so a corrupt file is
+        refused before the candidates run, not after."""
+        for w in range(min(windows, self.count)):
+            lp = self.logprobs(w)
+            if has_non_finite(lp.reshape(-1)):
+                n_nan, n_inf = int(torch.isnan(lp).sum()), int(torch.isinf(lp).sum())
+                r, c = (int(x) for x in (~torch.isfinite(lp)).nonzero()[0])
+                raise FormatError(f"{self.path}: window {w} holds non-finite log-probs ({n_nan} NaN, {n_inf} Inf "
+                                  f"of {lp.numel()}; first at row {r}, token {c}): the file is corrupt")
 
     def logprobs(self, w: int) -> torch.Tensor:
         lp = self._f.get_tensor(f"logprobs.{w:06d}")

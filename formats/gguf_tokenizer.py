@@ -115,19 +115,11 @@ def choose_pre(tokenizer, model_dir: Path, override: str | None = None) -> tuple
     )
 
 
-def tokenizer_metadata(model_dir: str | Path, n_vocab: int, tokenizer_pre: str | None = None) -> TokenizerMeta:
-    """Build the GGUF tokenizer metadata from a model directory's tokenizer.json / tokenizer_config.json.
-
-    `n_vocab` is the embedding row count: ids the tokenizer lacks become `[PAD<id>]` (UNUSED)."""
-    model_dir = Path(model_dir)
-    if not (model_dir / "tokenizer.json").is_file():
-        raise InputError(f"{model_dir}: no tokenizer.json (only byte-level BPE tokenizers are supported)")
-    tok = _load_tokenizer(model_dir)
-    pre, h = choose_pre(tok, model_dir, tokenizer_pre)
-    vocab = tok.get_vocab()
-    if max(vocab.values()) >= n_vocab:
-        raise InputError(f"{model_dir}: tokenizer has id {max(vocab.values())} >= embedding rows {n_vocab}")
-    rev = {i: t for t, i in vocab.items()}
+def gguf_token_strings(tok, n_vocab: int) -> tuple[list[str], list[int]]:
+    """Token string and type of every id 0..n_vocab-1 as a GGUF's tokenizer.ggml.tokens / token_type hold them
+    (llama.cpp's converter convention): ids the tokenizer lacks become `[PAD<id>]`, non-normalized added tokens
+    are stored in their decoded form."""
+    rev = {i: t for t, i in tok.get_vocab().items()}
     added = tok.added_tokens_decoder  # id -> AddedToken
     tokens: list[str] = []
     types: list[int] = []
@@ -147,6 +139,31 @@ def tokenizer_metadata(model_dir: str | Path, n_vocab: int, tokenizer_pre: str |
         else:
             types.append(TOKEN_NORMAL)
         tokens.append(t)
+    return tokens, types
+
+
+def first_token_difference(ours: list[str], theirs: list[str]) -> int | None:
+    """The first id whose token string differs between two vocabularies (id = the shorter length when one is a
+    prefix of the other); None when they are the same, token id by token id."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return i
+    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
+
+
+def tokenizer_metadata(model_dir: str | Path, n_vocab: int, tokenizer_pre: str | None = None) -> TokenizerMeta:
+    """Build the GGUF tokenizer metadata from a model directory's tokenizer.json / tokenizer_config.json.
+
+    `n_vocab` is the embedding row count: ids the tokenizer lacks become `[PAD<id>]` (UNUSED)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise InputError(f"{model_dir}: no tokenizer.json (only byte-level BPE tokenizers are supported)")
+    tok = _load_tokenizer(model_dir)
+    pre, h = choose_pre(tok, model_dir, tokenizer_pre)
+    vocab = tok.get_vocab()
+    if max(vocab.values()) >= n_vocab:
+        raise InputError(f"{model_dir}: tokenizer has id {max(vocab.values())} >= embedding rows {n_vocab}")
+    tokens, types = gguf_token_strings(tok, n_vocab)
     if len(set(tokens)) != len(tokens):
         raise InputError(f"{model_dir}: token strings are not unique; llama.cpp would reject the vocabulary")
 

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Callable
 
+import gguf
+import numpy as np
 from click.testing import CliRunner
 
 from mixq.cli import main
+from mixq.formats.gguf_integrity import PREFIX as SEAL_PREFIX
 
 
 def run_cli(*args):
@@ -28,4 +32,37 @@ def copy_model(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     for p in [dst, *dst.iterdir()]:
         p.chmod(0o755 if p.is_dir() else 0o644)
+    return dst
+
+
+def rewrite_gguf(src: Path, dst: Path, *, drop: Callable[[str], bool] = lambda n: False,
+                 tensors: dict[str, np.ndarray] | None = None, kv: dict[str, object] | None = None) -> Path:
+    """`src` copied through gguf-py's GGUFWriter without mixq's seal: tensors for which `drop` is true left out,
+    `tensors` {name: array} written in place of (or beside) the file's own, `kv` {key: value or None to drop}
+    replacing keys of the same type."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+    kv = kv or {}
+    for name, f in r.fields.items():
+        if name.startswith(("GGUF.", SEAL_PREFIX)) or name == "general.architecture":
+            continue
+        value = kv[name] if name in kv else f.contents()
+        if value is None:
+            continue
+        vtype = f.types[0]
+        w.add_key_value(name, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    extra = dict(tensors or {})
+    for t in r.tensors:
+        if drop(t.name):
+            continue
+        if t.name in extra:
+            w.add_tensor(t.name, extra.pop(t.name))
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, arr in extra.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return dst

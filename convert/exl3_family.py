@@ -31,7 +31,7 @@ from mixq.convert.measure import curves_meta, load_curves, resolve_measure
 from mixq.convert.options import FamilyOptions, FamilyTarget
 from mixq.convert.outputs import check_output_dir
 from mixq.convert.pipeline import run_exl3
-from mixq.errors import InputError, MixqError
+from mixq.errors import InputError, MixqError, escape
 from mixq.formats.atomic import write_json
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.exl3_reader import Exl3Dir, verify_exl3
@@ -79,7 +79,7 @@ def run_exl3_family(model, out_dir, fam: FamilyOptions) -> FamilyResult:
                 _write_receipt(path, name, t, done[t.label], calibration, curves_info, options)
             continue
         if base.progress:
-            tqdm.write(f"family member {i + 1}/{len(members)}: {path.name}")
+            tqdm.write(f"family member {i + 1}/{len(members)}: {escape(path.name)}")
         res = run_exl3(model, path, fam.member(t, measure=curves, resume=state == "resume"))
         done[t.label] = _row(res.to_dict(), path, t, options, calibration, curves_info)
         _write_receipt(path, name, t, done[t.label], calibration, curves_info, options)

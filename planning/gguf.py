@@ -11,6 +11,7 @@ from mixq.planning import allocator as al
 from mixq.planning import gguf_mix as gm
 from mixq.planning.budget import budget_bits, target_label
 from mixq.planning.overrides import check_unused, first_override
+from mixq.planning.substitutions import Substitutions
 from mixq.planning.types import Plan, PlannedTensor, numel, role_summary
 
 BUDGET_ROLES = ("attn", "routed_expert", "shared_expert", "dense_mlp")  # the roles a GGUF --bpw/--size budget sets
@@ -64,11 +65,13 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
     quantizable = [s.policy in ("quant", "q8_floor") and gm.allows_quantization(s.name, s.shape, s.policy)
                    for s in specs]
     manual: dict[int, str] = {}
+    asked_by: dict[int, str] = {}  # the --override that set manual[i], named when its type cannot be written
     for i, s in enumerate(specs):
         if quantizable[i]:
             o = first_override(overrides, s.role, [s.name] + list(s.hf_names))
             if o:
                 manual[i] = gm.ggml_type(o.value).name
+                asked_by[i] = f"--override {o.pattern}={o.value}"
     check_unused(overrides)
     kv = gguf_metadata_bytes(ckpt, ctx.n_layer_all)
     in_budget = [quantizable[i] and not s.mtp and s.role not in ("lm_head", "embed") for i, s in enumerate(specs)]
@@ -116,6 +119,10 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
                 lv = levels[s.name]
                 t = unit_types[s.name].get(lv) or gm.fallback(gm.GGUF_ROLE_TYPES[s.role], int(s.shape[-1]))
                 types[i] = t
+    subs = Substitutions()
+    for i, asked in manual.items():
+        subs.note(specs[i].name, asked_by[i], asked, types[i], int(specs[i].shape[-1]))
+    subs.warn()
     tensors = [PlannedTensor(s.name, s.role, list(s.hf_names), tuple(s.shape), None, types[i],
                              gm.tensor_nbytes(types[i], s.shape)) for i, s in enumerate(specs)]
     total, _ = gm.gguf_file_bytes([(t.name, t.shape, t.type) for t in tensors], kv)

@@ -18,7 +18,6 @@ quantized layers (as exllamav3 does), so its Hessians, and every trellis encode,
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from mixq.formats.exl3_reader import Exl3Dir, verify_exl3
 from mixq.formats.exl3_seal import CONFIG, MANIFEST, units_per_rate
 from mixq.formats.receipt import read_receipt_json, receipt_json_path, write_receipt_json
 from mixq.planning.planner import plan_model
+from mixq.formats.model_files import read_json
 
 CURVES_SUFFIX = ".exl3-curves.json"
 MEASURE_MODES = ("trellis", "proxy", "kld")
@@ -156,10 +156,10 @@ def _curves(ckpt, base, path: Path | None, info: dict) -> dict:
 def _previous_rows(out: Path) -> dict[str, dict]:
     """The members an earlier run of an EXL3 family in `out` recorded, by label ({} when there is none to read)."""
     try:
-        doc = json.loads((out / FAMILY_JSON).read_text())
+        doc = read_json(out / FAMILY_JSON, FAMILY_JSON)
         return {r["label"]: r for r in doc["members"] if isinstance(r, dict) and "label" in r} \
             if doc.get("format") == "exl3" else {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (InputError, KeyError, TypeError, AttributeError):
         return {}
 
 

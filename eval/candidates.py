@@ -5,7 +5,6 @@ layer at a time (`runtime.dequant`) and run in the reference's architecture.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from mixq.runtime.dequant import DequantSource, in_text_forward, open_dequant
 from mixq.errors import FormatError, InputError
-from mixq.formats.model_files import check_model_dir
+from mixq.formats.model_files import check_model_dir, read_json
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
@@ -40,11 +39,9 @@ def detect_format(path: Path) -> str:
         check_model_dir(path)  # a candidate directory is untrusted: no link may lead out of it
         cfg = path / "config.json"
         if cfg.is_file():
-            try:
-                qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-            except json.JSONDecodeError as e:
-                raise FormatError(f"{cfg}: invalid JSON ({e})") from e
-            if qc.get("quant_method") == "exl3":
+            config = read_json(cfg, "config.json")
+            qc = (config.get("quantization_config") if isinstance(config, dict) else None) or {}
+            if isinstance(qc, dict) and qc.get("quant_method") == "exl3":
                 return "exl3"
         if any(path.glob("*.safetensors")):
             return "hf"

@@ -1,12 +1,12 @@
 """The GGUF planner: llama-quantize's named mixes, or ladder types per tensor to a --bpw or --size target."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 from mixq.formats.glm5next import gguf_policy
 from mixq.formats.gguf_names import gguf_tensors
+from mixq.formats.model_files import read_json
 from mixq.planning import allocator as al
 from mixq.planning import gguf_mix as gm
 from mixq.planning.budget import budget_bits, target_label
@@ -35,7 +35,7 @@ def gguf_metadata_bytes(ckpt, n_layer_all: int) -> int:
     tok = Path(ckpt.path) / "tokenizer.json"
     try:
         if tok.is_file():
-            j = json.loads(tok.read_text())
+            j = read_json(tok, "tokenizer.json")
             model = j.get("model", {})
             v = model.get("vocab") or {}
             toks = list(v) + [a.get("content", "") for a in j.get("added_tokens", [])]
@@ -44,8 +44,8 @@ def gguf_metadata_bytes(ckpt, n_layer_all: int) -> int:
             mb = sum(len((" ".join(m) if isinstance(m, list) else m).encode()) for m in merges)
             tcfg = Path(ckpt.path) / "tokenizer_config.json"
             if tcfg.is_file():
-                tpl = len(str(json.loads(tcfg.read_text()).get("chat_template", "")).encode()) or tpl
-    except (OSError, ValueError):
+                tpl = len(str(read_json(tcfg, "tokenizer_config.json").get("chat_template", "")).encode()) or tpl
+    except (AttributeError, TypeError):  # valid JSON of another shape: no exact counts, the estimate stands
         tb = mb = None
     return gm.estimate_kv_bytes(n_layer_all, vocab, tb, mb, tpl)
 

@@ -43,7 +43,7 @@ class DrafterSource:
         cfg = path / "config.json"
         if not cfg.is_file():
             raise InputError(f"{path}: no config.json (drafters are converted from a local directory)")
-        self.config = read_json(cfg, "config.json")
+        self.config = read_json(cfg, "config.json", FormatError)
         if not isinstance(self.config, dict):
             raise FormatError(f"{cfg}: not a JSON config (not an object)")
         if ARCHITECTURE not in (self.config.get("architectures") or []):

@@ -39,7 +39,7 @@ def detect_format(path: Path) -> str:
         check_model_dir(path)  # a candidate directory is untrusted: no link may lead out of it
         cfg = path / "config.json"
         if cfg.is_file():
-            config = read_json(cfg, "config.json")
+            config = read_json(cfg, "config.json", FormatError)
             qc = (config.get("quantization_config") if isinstance(config, dict) else None) or {}
             if isinstance(qc, dict) and qc.get("quant_method") == "exl3":
                 return "exl3"

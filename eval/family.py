@@ -43,7 +43,7 @@ def read_family(root: str | Path) -> Family:
     """The family in directory `root` (InputError / FormatError naming family.json when it cannot be used)."""
     root = Path(root)
     fj = root / FAMILY_JSON
-    doc = read_json(fj, FAMILY_JSON)
+    doc = read_json(fj, FAMILY_JSON, FormatError)
     members = doc.get("members") if isinstance(doc, dict) else None
     if not isinstance(members, list) or not members or not all(isinstance(m, dict) and m.get("file")
                                                                 for m in members):

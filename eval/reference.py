@@ -43,7 +43,7 @@ def read_config(model_dir: Path) -> dict:
     cfg = Path(model_dir) / "config.json"
     if not cfg.is_file():
         raise InputError(f"{model_dir}: no config.json (not an HF checkpoint directory)")
-    config = read_json(cfg, "config.json")
+    config = read_json(cfg, "config.json", FormatError)
     if not isinstance(config, dict):
         raise FormatError(f"{cfg}: config.json is not a JSON object")
     return config

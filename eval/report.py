@@ -45,7 +45,7 @@ def render_markdown(report: dict) -> str:
 def load_report(path: str | Path) -> dict:
     """A `mixq eval --json` report, checked for the keys `compare` needs."""
     p = Path(path)
-    rep = read_json(p, "report")
+    rep = read_json(p, "report", FormatError)
     if not isinstance(rep, dict) or not isinstance(rep.get("candidates"), list) or "reference" not in rep:
         raise FormatError(f"{path}: not a `mixq eval --json` report (no reference / candidates)")
     for c in rep["candidates"]:

@@ -32,7 +32,7 @@ from mixq.formats.safetensors_io import dtype_tag, load_tensor, tensor_entries
 def _load_json(p: Path, what: str) -> dict:
     if not os.path.lexists(p):
         raise FormatError(f"{p.parent}: not an EXL3 directory ({p.name} missing)")
-    d = read_json(p, what)
+    d = read_json(p, what, FormatError)
     if not isinstance(d, dict):
         raise FormatError(f"{p}: {what} is not a JSON object")
     return d

@@ -14,45 +14,46 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mixq.errors import InputError
+from mixq.errors import InputError, MixqError
 
 
-def read_text(path: str | os.PathLike, what: str) -> str:
+def read_text(path: str | os.PathLike, what: str, error: type[MixqError] = InputError) -> str:
     """The UTF-8 text of a file mixq was given (a model's JSON or template, a report, a curves file): InputError
-    naming ``path`` and ``what`` when it is missing, unreadable (a link that loops, a directory, no permission) or
-    not UTF-8. Every file a user or a model directory hands mixq is read through here or ``read_json``."""
+    naming ``path`` and ``what`` when it is missing or unreadable (a link that loops, a directory, no permission),
+    ``error`` when it is not UTF-8. Every file a user or a model directory hands mixq is read through here or
+    ``read_json``."""
     p = Path(path)
     try:
         return p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError(f"{p}: {what} not found") from None
     except UnicodeDecodeError as e:
-        raise InputError(f"{p}: {what} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})") from None
+        raise error(f"{p}: {what} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise InputError(f"{p}: {what} is a symbolic link that loops (it never reaches a file)") from None
         raise InputError(f"{p}: cannot read {what} ({e.strerror or e})") from None
 
 
-def parse_json(text: str, where: str, what: str) -> Any:
-    """``json.loads(text)``; InputError ``WHERE: WHAT is not valid JSON (...)`` when it is not (truncated, a number
-    too long for Python) or is nested too deeply for the parser."""
+def parse_json(text: str, where: str, what: str, error: type[MixqError] = InputError) -> Any:
+    """``json.loads(text)``; ``error`` (InputError unless given) ``WHERE: WHAT is not valid JSON (...)`` when it is
+    not (truncated, a number too long for Python) or is nested too deeply for the parser."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise InputError(f"{where}: {what} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})") \
+        raise error(f"{where}: {what} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})") \
             from None
     except ValueError as e:  # e.g. an integer beyond Python's digit limit
-        raise InputError(f"{where}: {what} is not valid JSON ({str(e).splitlines()[0]})") from None
+        raise error(f"{where}: {what} is not valid JSON ({str(e).splitlines()[0]})") from None
     except RecursionError:
-        raise InputError(f"{where}: {what} is nested too deeply to be read (not a file mixq or a model "
-                         "writes)") from None
+        raise error(f"{where}: {what} is nested too deeply to be read (not a file mixq or a model writes)") \
+            from None
 
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    """The JSON value of a file (see ``read_text`` and ``parse_json``): one InputError naming ``path`` and
-    ``what`` for any file that cannot be read or parsed."""
-    return parse_json(read_text(path, what), str(path), what)
+def read_json(path: str | os.PathLike, what: str, error: type[MixqError] = InputError) -> Any:
+    """The JSON value of a file (see ``read_text`` and ``parse_json``): one line naming ``path`` and ``what`` for
+    any file that cannot be read (InputError) or parsed (``error``: FormatError where an API promises it)."""
+    return parse_json(read_text(path, what, error), str(path), what, error)
 
 
 def resolved(path: str | os.PathLike) -> Path:

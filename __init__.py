@@ -10,14 +10,14 @@ loaded on first use so that `import mixq` stays light.
 
 __version__ = "0.1.0"
 
-from mixq.errors import FormatError, InputError, MixqError, PlanError  # noqa: E402
+from mixq.errors import FormatError, InputError, MixqError, MixqWarning, PlanError, escape  # noqa: E402
 
 # the names of mixq.api.__all__ that are not the errors above (tests check the two lists agree)
 _API = ("inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "card", "imatrix",
         "demo", "output_format", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
         "format_report", "format_plan", "render_markdown", "format_demo")
 
-__all__ = ["MixqError", "InputError", "PlanError", "FormatError", "__version__", *_API]
+__all__ = ["MixqError", "MixqWarning", "InputError", "PlanError", "FormatError", "escape", "__version__", *_API]
 
 
 def __getattr__(name: str):

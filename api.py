@@ -26,7 +26,7 @@ from mixq.formats.outputs import check_outputs, writing
 from mixq.planning.display import format_plan
 from mixq.conversion.result import ConvertResult
 from mixq.demo_run import format_demo, run_demo
-from mixq.errors import FormatError, InputError, MixqError, PlanError
+from mixq.errors import FormatError, InputError, MixqError, MixqWarning, PlanError, escape
 from mixq.eval.api import DEFAULT_WINDOWS
 from mixq.eval.card import write_card
 from mixq.eval.api import evaluate as _evaluate_streamed
@@ -41,7 +41,7 @@ __all__ = ["inspect", "plan", "measure", "convert", "family", "verify", "evaluat
            "demo",
            "output_format", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
            "format_report", "format_plan", "render_markdown", "format_demo",
-           "MixqError", "InputError", "PlanError", "FormatError"]
+           "MixqError", "InputError", "PlanError", "FormatError", "MixqWarning", "escape"]
 
 MEASURE_METHODS = ("kld", "trellis", "proxy")
 

@@ -62,8 +62,29 @@ def _stop_signals():
 
 def _error_line(message: str) -> None:
     """`mixq: error: MESSAGE` on a line of its own, also when a progress bar of the failed step is still drawn
-    on stderr (tqdm clears it first, instead of the message being appended to the bar's line)."""
-    tqdm.write(f"mixq: error: {message}", file=sys.stderr)
+    on stderr (tqdm clears it first, instead of the message being appended to the bar's line). Names from files
+    in MESSAGE are escaped: a newline or terminal escape in a tensor name cannot forge a line or colour."""
+    tqdm.write(f"mixq: error: {api.escape(message)}", file=sys.stderr)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one escaped stderr line: `mixq: warning: ...` for mixq's own (a type written other than
+    asked), `FILE:LINE: Category: ...` for a library's."""
+    text = api.escape(message)
+    if issubclass(category, api.MixqWarning):
+        tqdm.write(f"mixq: warning: {text}", file=sys.stderr)
+    else:
+        tqdm.write(f"{filename}:{lineno}: {category.__name__}: {text}", file=sys.stderr)
+
+
+@contextmanager
+def _warning_lines():
+    """While a command runs, every warning is printed by `_show_warning`, each of mixq's once per message; the
+    caller's warning settings come back after it (the command may run inside a test or another program)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("default", api.MixqWarning)
+        warnings.showwarning = _show_warning
+        yield
 
 
 def _reports_errors(fn):
@@ -75,7 +96,7 @@ def _reports_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            with _stop_signals():
+            with _stop_signals(), _warning_lines():
                 return fn(*args, **kwargs)
         except api.MixqError as e:
             _error_line(str(e))
@@ -364,8 +385,8 @@ def verify(path, no_decode, as_json) -> None:
     if as_json:
         _print_json(rep)
     else:
-        for p in rep["problems"]:
-            click.echo(f"problem: {p}")
+        for p in rep["problems"]:  # one line each, whatever names a damaged file holds
+            click.echo(f"problem: {api.escape(p)}")
         n = len(rep["problems"])
         status = "OK" if not n else f"{n} problem(s)"
         click.echo(f"{path}: {status} ({rep.get('tensors', '?')} tensors, {rep.get('quantized', '?')} decoded)")

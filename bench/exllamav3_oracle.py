@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mixq.demo import write_demo_tokenizer
+from mixq.demo_run import write_demo_tokenizer
 from mixq.formats.tiny import write_tiny_checkpoint
 from mixq.runtime.calibration import BUILTIN_TEXT
 

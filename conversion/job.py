@@ -28,6 +28,7 @@ except ImportError:  # not POSIX
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.safetensors_io import load_tensors, sha256_file, write_safetensors
+from mixq.formats.model_files import read_json
 
 JOB_DIR = ".mixq-job"
 LOCK_FILE = "lock"
@@ -96,10 +97,9 @@ class Job:
 
     def _continue(self) -> None:
         """Load the interrupted run's state; InputError when its settings differ from ours."""
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"{self.path}: unreadable job state ({e})") from None
+        data = read_json(self.path, "job state")
+        if not isinstance(data, dict):
+            raise InputError(f"{self.path}: unreadable job state (not a JSON object)")
         if data.get("fingerprint") != self.fp:
             old = data.get("settings", {})
             diff = sorted(k for k in set(old) | set(self.settings)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from mixq.runtime.dequant import CheckpointSource, DequantSource
 from mixq.runtime.distributed import RankContext, launch, needs_launch, parse_devices, rank_context
 from mixq.formats.outputs import check_outputs
-from mixq.errors import FormatError, InputError
+from mixq.errors import FormatError, InputError, escape
 from mixq.formats.atomic import write_text
 from mixq.eval import candidates as cands
 from mixq.eval.family import expand_families, record_scores
@@ -394,7 +394,7 @@ def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict | No
             for p, i in enumerate(range(len(run.candidates)) if run.candidates else [None]):
                 cand = None if i is None else _candidate_logits(run, models, i)
                 per_window = []
-                desc = "reference log-probs" if cand is None else f"scoring {run.candidates[i].path.name}"
+                desc = "reference log-probs" if cand is None else f"scoring {escape(run.candidates[i].path.name)}"
                 # the bar as a context: its line ends before an error met while scoring is reported
                 with cand if cand is not None else contextlib.nullcontext(), \
                         tqdm(run.mine, desc=desc, unit="win", disable=not progress) as bar:

@@ -7,7 +7,6 @@ reference's token id by token id, a GGUF trained for a shorter context than the 
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from mixq.formats.checkpoint import load_tokenizer
 from mixq.formats.gguf_integrity import integrity_problems
 from mixq.formats.gguf_reader import read_gguf
 from mixq.formats.gguf_tokenizer import first_token_difference, gguf_token_strings
-from mixq.formats.model_files import check_model_dir
+from mixq.formats.model_files import check_model_dir, read_json
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
@@ -46,11 +45,9 @@ def detect_format(path: Path) -> str:
         check_model_dir(path)  # a candidate directory is untrusted: no link may lead out of it
         cfg = path / "config.json"
         if cfg.is_file():
-            try:
-                qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-            except json.JSONDecodeError as e:
-                raise FormatError(f"{cfg}: invalid JSON ({e})") from e
-            if qc.get("quant_method") == "exl3":
+            config = read_json(cfg, "config.json", FormatError)
+            qc = (config.get("quantization_config") if isinstance(config, dict) else None) or {}
+            if isinstance(qc, dict) and qc.get("quant_method") == "exl3":
                 return "exl3"
         if any(path.glob("*.safetensors")):
             return "hf"

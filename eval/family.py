@@ -10,7 +10,6 @@ an evaluation, and a member is sealed (a GGUF's header, an EXL3 directory's ever
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -20,6 +19,7 @@ from mixq.formats.atomic import write_json
 from mixq.formats.gguf_reader import read_gguf
 from mixq.formats.receipt import read_receipt, read_receipt_json, write_receipt_json
 from mixq.formats.safetensors_io import sha256_file
+from mixq.formats.model_files import read_json
 
 FAMILY_JSON = "family.json"  # the name conversion/gguf/family.py writes (eval imports no conversion module)
 FORMATS = ("gguf", "exl3")
@@ -43,12 +43,7 @@ def read_family(root: str | Path) -> Family:
     """The family in directory `root` (InputError / FormatError naming family.json when it cannot be used)."""
     root = Path(root)
     fj = root / FAMILY_JSON
-    try:
-        doc = json.loads(fj.read_text())
-    except OSError as e:
-        raise InputError(f"{fj}: cannot read ({e.strerror or e})") from None
-    except (ValueError, RecursionError) as e:
-        raise FormatError(f"{fj}: not JSON ({e})") from None
+    doc = read_json(fj, FAMILY_JSON, FormatError)
     members = doc.get("members") if isinstance(doc, dict) else None
     if not isinstance(members, list) or not members or not all(isinstance(m, dict) and m.get("file")
                                                                 for m in members):

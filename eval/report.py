@@ -1,12 +1,12 @@
 """Markdown tables for `mixq eval` reports and `compare`: one table across quants plus a KLD-vs-size plot."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mixq.formats.outputs import check_outputs, writing
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import atomic_path, write_text
+from mixq.formats.model_files import read_json
 
 _REQUIRED = ("path", "format", "bytes", "bpw", "kld_mean", "top1", "dppl")
 
@@ -45,12 +45,7 @@ def render_markdown(report: dict) -> str:
 def load_report(path: str | Path) -> dict:
     """A `mixq eval --json` report, checked for the keys `compare` needs."""
     p = Path(path)
-    try:
-        rep = json.loads(p.read_text())
-    except OSError as e:
-        raise InputError(f"{path}: cannot read report ({e})") from e
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{path}: not a JSON report ({e})") from e
+    rep = read_json(p, "report", FormatError)
     if not isinstance(rep, dict) or not isinstance(rep.get("candidates"), list) or "reference" not in rep:
         raise FormatError(f"{path}: not a `mixq eval --json` report (no reference / candidates)")
     for c in rep["candidates"]:

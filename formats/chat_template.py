@@ -43,6 +43,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mixq.errors import FormatError
+from mixq.formats.model_files import check_tokenizer_files, read_json
 
 UNSUPPORTED_STATEMENTS = ("do", "with", "include", "import", "from", "extends", "block", "raw", "autoescape", "trans")
 # the special tokens the sample conversations are rendered with (GLM's bos / eos)
@@ -127,11 +128,11 @@ def model_template(model_dir: str | Path) -> tuple[str | list | None, str]:
     else chat_template.json."""
     d = Path(model_dir)
     logging.getLogger("gguf.vocab").setLevel(logging.ERROR)  # its notes on special tokens are not about templates
+    check_tokenizer_files(d)  # SpecialVocab's own reads would end a broken file in a traceback
     template = gguf.SpecialVocab(d, load_merges=False).chat_template
-    try:
-        in_config = "chat_template" in json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        in_config = False
+    tcfg = d / "tokenizer_config.json"
+    cfg = read_json(tcfg, "tokenizer_config.json") if tcfg.is_file() else None
+    in_config = isinstance(cfg, dict) and "chat_template" in cfg
     if in_config:
         where = d / "tokenizer_config.json"
     elif (d / "chat_template.jinja").is_file():

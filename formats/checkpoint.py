@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from mixq.errors import FormatError, InputError
+from mixq.formats.config_limits import check_config_limits
 from mixq.formats.finite import check_finite
 from mixq.formats.glm5next import (TEXT_PREFIX, TensorInfo, classify, in_nextn_block, is_vision,
                                    normalise_layer_type, nextn_only_shapes)
-from mixq.formats.model_files import check_model_dir, model_file
+from mixq.formats.model_files import check_model_dir, model_file, read_json
 from mixq.formats.safetensors_io import ST_DTYPES, dtype_name, open_safetensors, tensor_entries
 
 _FP8 = ("F8_E4M3", "F8_E5M2")
@@ -43,17 +44,7 @@ def read_safetensors_header(path: Path) -> dict[str, _Entry]:
 
 
 def _load_json(path: Path, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            d = json.load(fh)
-    except FileNotFoundError:
-        raise InputError(f"{path}: {what} not found") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: {what} is not valid JSON ({e})") from None
-    except RecursionError:
-        raise InputError(f"{path}: {what} is nested too deeply to be a model file") from None
+    d = read_json(path, what)
     if not isinstance(d, dict):
         raise InputError(f"{path}: {what} is not a JSON object")
     return d
@@ -69,6 +60,7 @@ def _text_config(config: dict, path: Path) -> dict:
         raise InputError(f"{path}: model_type {mt!r} is not glm5_next (mixq only handles Glm5Next checkpoints)")
     if not isinstance(text.get("num_hidden_layers"), int) or text["num_hidden_layers"] < 1:
         raise InputError(f"{path}: text config has no valid num_hidden_layers")
+    check_config_limits(config, text, path)  # before anything is built or listed from these sizes
     return text
 
 

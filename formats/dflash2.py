@@ -8,7 +8,6 @@ from the target's lm_head. Every name, shape and EXL3 storage policy below follo
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from mixq.errors import FormatError, InputError
 from mixq.formats.atomic import atomic_dir, write_json
 from mixq.formats.safetensors_io import write_safetensors
+from mixq.formats.model_files import read_json
 
 ARCHITECTURE = "DFlash2DraftModel"
 
@@ -224,6 +224,6 @@ def write_tiny_drafter(out_dir: str | os.PathLike, target: str | os.PathLike | d
         cfg = Path(target) / "config.json"
         if not cfg.is_file():
             raise InputError(f"{target}: no config.json")
-        target = json.loads(cfg.read_text())
+        target = read_json(cfg, "config.json")
     config = drafter_config(target, **config_opts)
     return write_drafter(out_dir, config, random_weights(config, seed))

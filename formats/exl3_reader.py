@@ -12,7 +12,7 @@ a broken index, the JSON files against the tensors); with a manifest it also che
 """
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import torch
@@ -24,18 +24,15 @@ from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.exl3_seal import (CONFIG, INDEX, MANIFEST, consistency_problems, file_problems, integrity_note,
                                     is_sealed, manifest_problems, units_per_rate)
 from mixq.formats.exl3_writer import torch_dtype
-from mixq.formats.model_files import check_model_dir, model_file
+from mixq.formats.model_files import check_model_dir, model_file, read_json
 from mixq.formats.receipt import read_receipt_json, receipt_json_path
 from mixq.formats.safetensors_io import dtype_tag, load_tensor, tensor_entries
 
 
 def _load_json(p: Path, what: str) -> dict:
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise FormatError(f"{p.parent}: not an EXL3 directory ({p.name} missing)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise FormatError(f"{p}: unreadable {what} ({e})") from None
+    if not os.path.lexists(p):
+        raise FormatError(f"{p.parent}: not an EXL3 directory ({p.name} missing)")
+    d = read_json(p, what, FormatError)
     if not isinstance(d, dict):
         raise FormatError(f"{p}: {what} is not a JSON object")
     return d

@@ -23,9 +23,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mixq.errors import InputError
 from mixq.formats.exl3_layout import RATES, trellis_shape
 from mixq.formats.exl3_names import Exl3Unit
 from mixq.formats.safetensors_io import ST_DTYPES, sha256_file
+from mixq.formats.model_files import read_json
 
 MANIFEST = "mixq_manifest.json"
 ALGORITHM = "sha256"
@@ -134,9 +136,9 @@ def _load_quant_config(directory: Path) -> tuple[dict | None, list[str]]:
     if not p.is_file():
         return None, []  # reported by file_problems
     try:
-        d = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        return None, [f"{QUANT_CONFIG}: unreadable ({e})"]
+        d = read_json(p, QUANT_CONFIG)
+    except InputError as e:  # verify lists it as a problem of the directory
+        return None, [str(e)]
     return (d, []) if isinstance(d, dict) else (None, [f"{QUANT_CONFIG}: not a JSON object"])
 
 

@@ -18,6 +18,7 @@ import gguf
 from gguf import TokenType
 
 from mixq.errors import InputError
+from mixq.formats.model_files import check_tokenizer_files, read_json
 from mixq.formats.checkpoint import load_tokenizer as _load_tokenizer
 
 # llama.cpp's fingerprint of a pre-tokenizer: a probe text and the pre ids of known fingerprints, kept as cited
@@ -71,9 +72,8 @@ def probe_hash(tokenizer) -> str:
 
 def _plain_gpt2_pretok(model_dir: Path) -> bool:
     """True when tokenizer.json's pre-tokenizer is byte-level with the GPT-2 split regex and no normalizer."""
-    try:
-        tj = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    tj = read_json(model_dir / "tokenizer.json", "tokenizer.json")
+    if not isinstance(tj, dict):
         return False
     pt = tj.get("pre_tokenizer") or {}
     if tj.get("normalizer") is not None:
@@ -168,6 +168,7 @@ def tokenizer_metadata(model_dir: str | Path, n_vocab: int, tokenizer_pre: str |
         raise InputError(f"{model_dir}: token strings are not unique; llama.cpp would reject the vocabulary")
 
     logging.getLogger("gguf.vocab").setLevel(logging.ERROR)
+    check_tokenizer_files(model_dir)  # SpecialVocab's own reads would end a broken file in a traceback
     sv = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
     special = dict(sv.special_token_ids)
     # glm conventions (gguf-glm5-next.md §1.4): bos = [gMASK], eot = <|user|>, unk = <|endoftext|>, eom = <|observation|>

@@ -24,7 +24,7 @@ from gguf.gguf_writer import SHARD_NAME_FORMAT
 from gguf.quants import quant_shape_to_byte_shape
 from tqdm import tqdm
 
-from mixq.errors import FormatError, InputError
+from mixq.errors import FormatError, InputError, escape
 from mixq.formats.gguf_integrity import data_sha256, seal, sealed_writer
 from mixq.formats.partials import make_partial_dir, publish
 
@@ -278,7 +278,7 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
         w = _headed_writer(tmpdir / path.name, kv, tensors, tokenizer, shard_size, shard_max_tensors, arch)
         n_files = len(w.tensors)
         digests: dict[str, str] = {}
-        for t in tqdm(tensors, desc=f"write {path.name}", unit="tensor", disable=not progress, leave=False):
+        for t in tqdm(tensors, desc=f"write {escape(path.name)}", unit="tensor", disable=not progress, leave=False):
             arr = np.ascontiguousarray(produce(t))
             if arr.nbytes != t.nbytes:
                 raise FormatError(f"{t.name}: produced {arr.nbytes} bytes, {t.qtype} {t.shape} needs {t.nbytes}")

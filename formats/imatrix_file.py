@@ -6,7 +6,8 @@ per input column, one vector per matrix (per expert for `*_exps`), and the token
           imatrix.datasets (string array), imatrix.chunk_count / imatrix.chunk_size (u32); entries sorted by name.
   legacy: int32 n; per entry int32 len, name, int32 ncall, int32 nval, f32[nval] = mean·ncall; optional trailer.
 What quantizers use is the mean: sum / count per matrix, 1.0 for a matrix never seen (count 0).
-`check_names` refuses an imatrix with no entries or none naming a tensor of the model (one for another model).
+`check_names` refuses an imatrix with no entries, none naming a tensor of the model (one for another model), or
+only entries that saw no token.
 """
 from __future__ import annotations
 
@@ -219,4 +220,8 @@ def check_names(im: IMatrix, names: Iterable[str], where: str = "--imatrix") -> 
         raise InputError(f"{where}: none of the imatrix's {len(im.sums)} entries names a tensor of this model "
                          f"(first entry {first!r}; the model's GGUF names are like {example!r}); was it made for "
                          "another model?")
+    ours = [n for n in im.sums if n in wanted]
+    if not any(np.asarray(im.counts[n]).sum() > 0 for n in ours):  # means of 1.0 everywhere: no importance at all
+        raise InputError(f"{where}: the imatrix's {len(ours)} entries for this model's tensors hold no data (every "
+                         "token count is 0)")
     return im

@@ -6,7 +6,6 @@ Matrices are F16 (default) or Q8_0 (when the row length allows), conv kernels F1
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from gguf import Keys
 from mixq.errors import InputError
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.gguf_writer import KV, TensorOut, ggml_type, write_gguf
+from mixq.formats.model_files import read_json
 
 CV = Keys.ClipVision
 
@@ -104,10 +104,7 @@ def _processor_config(model_dir: Path) -> tuple[dict, str]:
     for fname in ("preprocessor_config.json", "processor_config.json"):
         f = model_dir / fname
         if f.is_file():
-            try:
-                d = json.loads(f.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise InputError(f"{f}: not a valid JSON file ({e})") from None
+            d = read_json(f, fname)
             pp = d.get("image_processor", d) if isinstance(d, dict) else d
             if not isinstance(pp, dict):
                 raise InputError(f"{f}: expected a JSON object of image processor settings, got "

@@ -2,17 +2,17 @@
 directory's units and rates (written by mixq or by anyone)."""
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import Counter
 from pathlib import Path
 
+from mixq.errors import InputError
 from mixq.formats.checkpoint import Checkpoint, checkpoint_from_config, open_checkpoint
 from mixq.formats.exl3_reader import Exl3Dir
 from mixq.formats.gguf_inspect import inspect_gguf
 from mixq.formats.glm5next import ROLES
-from mixq.formats.model_files import check_model_dir
+from mixq.formats.model_files import check_model_dir, read_json
 from mixq.formats.receipt import read_receipt_json, receipt_summary
 
 
@@ -69,9 +69,9 @@ def is_exl3_dir(path: str | os.PathLike) -> bool:
         return False
     check_model_dir(p)  # an untrusted directory: its config.json may not lead out of it
     try:
-        qc = json.loads((p / "config.json").read_text()).get("quantization_config")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError):
-        return False  # RecursionError: hostile nesting, named by the checkpoint reader
+        qc = read_json(p / "config.json", "config.json").get("quantization_config")
+    except (InputError, AttributeError):
+        return False  # the checkpoint reader names what is wrong
     return isinstance(qc, dict) and qc.get("quant_method") == "exl3"
 
 

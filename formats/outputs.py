@@ -201,8 +201,38 @@ _GONE_ERRNOS = {errno.ENOENT: "no such file or directory", errno.ENOTDIR: "not a
 _RUST_IO_ERROR = re.compile(r"\(os error (\d+)\)(?: at path \"([^\"]*)\")?")
 
 
+# a write that stopped short without an errno: numpy's tofile / np.save ("52224 requested and 3136 written", from
+# fwrite) and Rust's write_all ("failed to write whole buffer"); on a local disk that is a full filesystem
+_SHORT_WRITE = re.compile(r"^(\d+) requested and (\d+) written$|failed to write whole buffer")
+
+
+class ShortWrite(OSError):
+    """ENOSPC standing for a write that stopped short without an errno; `detail` says how short."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(errno.ENOSPC, "No space left on device")
+        self.detail = detail
+
+
+def short_write(e: BaseException) -> ShortWrite | None:
+    """`e` as a ShortWrite when it reports a write that stopped short without an errno, else None."""
+    if isinstance(e, ShortWrite):
+        return e
+    if isinstance(e, OSError) and e.errno:  # the OS said why: handled by its errno
+        return None
+    m = _SHORT_WRITE.search(str(e))
+    if m is None:
+        return None
+    return ShortWrite(f"a write stopped short: {m.group(2)} of {m.group(1)} bytes written" if m.group(1)
+                      else "a write stopped short")
+
+
 def _as_os_error(e: Exception) -> OSError | None:
-    """The OSError behind `e`: itself, or the one a library reported in its own exception type's message."""
+    """The OSError behind `e`: itself, the one a library reported in its own exception type's message, or a
+    ShortWrite (ENOSPC) for a write that stopped short without saying why."""
+    short = short_write(e)
+    if short is not None:
+        return short
     if isinstance(e, OSError):
         return e
     if isinstance(e, InputError):  # already one line of ours
@@ -228,6 +258,7 @@ def _write_error(e: OSError, paths: tuple, hint: str) -> InputError | None:
     if gone:
         return InputError(f"{target}: {_GONE_ERRNOS[e.errno]} while writing{where}; was it or its directory "
                           "removed during the run?")
+    where += f" ({e.detail})" if isinstance(e, ShortWrite) else ""
     return InputError(f"{target}: {WRITE_ERRNOS[e.errno]} while writing{where}" + (f"; {hint}" if hint else ""))
 
 

@@ -28,8 +28,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
+from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.gguf_writer import KV
+from mixq.formats.model_files import read_json
 
 PREFIX = "mixq.receipt."
 LAYOUT = "1"
@@ -114,8 +116,8 @@ def read_receipt_json(path: str | Path) -> dict | None:
     """The `<file>.receipt.json` beside `path` ({"file", "receipt", "scores"}), None when there is none or it
     cannot be read as such."""
     try:
-        doc = json.loads(receipt_json_path(path).read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        doc = read_json(receipt_json_path(path), "receipt")
+    except InputError:
         return None
     return doc if isinstance(doc, dict) and isinstance(doc.get("receipt"), dict) else None
 

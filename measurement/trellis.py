@@ -18,7 +18,6 @@ estimator, docs/planning.md §3 its accuracy and cost.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from mixq.formats.atomic import write_json
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.exl3_names import exl3_layout
 from mixq.formats.glm5next import global_hf_name
+from mixq.formats.model_files import read_json
 from mixq.planning import allocator as al
 from mixq.planning.exl3 import allocator_unit
 from mixq.quant.trellis import loss as qs
@@ -211,18 +211,18 @@ def save_curves(curves: Mapping[str, Mapping[float, float]], path: str | Path, m
 def curves_meta(path: str | Path) -> dict:
     """The "_meta" record `save_curves` wrote into a curves JSON ({} when there is none or it cannot be read)."""
     try:
-        meta = json.loads(Path(path).read_text()).get("_meta")
-    except (OSError, ValueError, AttributeError, RecursionError):
+        meta = read_json(path, "curves file").get("_meta")
+    except (InputError, AttributeError):
         return {}
     return meta if isinstance(meta, dict) else {}
 
 
 def load_curves(path: str | Path) -> dict[str, dict[float, float]]:
     """Read a curves JSON {unit: {bits: error}} (a "_meta" entry is skipped)."""
+    raw = read_json(path, "--measure curves file")
     try:
-        raw = json.loads(Path(path).read_text())
         return {k: {float(b): float(e) for b, e in v.items()} for k, v in raw.items() if k != "_meta"}
-    except (OSError, ValueError, AttributeError, TypeError) as e:
+    except (ValueError, AttributeError, TypeError) as e:
         raise InputError(f"--measure {path}: expected JSON {{unit: {{bits: error}}}} ({e})") from None
 
 

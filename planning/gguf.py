@@ -1,16 +1,17 @@
 """The GGUF planner: llama-quantize's named mixes, or ladder types per tensor to a --bpw or --size target."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 from mixq.formats.glm5next import gguf_policy
 from mixq.formats.gguf_names import gguf_tensors
+from mixq.formats.model_files import read_json
 from mixq.planning import allocator as al
 from mixq.planning import gguf_mix as gm
 from mixq.planning.budget import budget_bits, target_label
 from mixq.planning.overrides import check_unused, first_override
+from mixq.planning.substitutions import Substitutions
 from mixq.planning.types import Plan, PlannedTensor, numel, role_summary
 
 BUDGET_ROLES = ("attn", "routed_expert", "shared_expert", "dense_mlp")  # the roles a GGUF --bpw/--size budget sets
@@ -34,7 +35,7 @@ def gguf_metadata_bytes(ckpt, n_layer_all: int) -> int:
     tok = Path(ckpt.path) / "tokenizer.json"
     try:
         if tok.is_file():
-            j = json.loads(tok.read_text())
+            j = read_json(tok, "tokenizer.json")
             model = j.get("model", {})
             v = model.get("vocab") or {}
             toks = list(v) + [a.get("content", "") for a in j.get("added_tokens", [])]
@@ -43,8 +44,8 @@ def gguf_metadata_bytes(ckpt, n_layer_all: int) -> int:
             mb = sum(len((" ".join(m) if isinstance(m, list) else m).encode()) for m in merges)
             tcfg = Path(ckpt.path) / "tokenizer_config.json"
             if tcfg.is_file():
-                tpl = len(str(json.loads(tcfg.read_text()).get("chat_template", "")).encode()) or tpl
-    except (OSError, ValueError):
+                tpl = len(str(read_json(tcfg, "tokenizer_config.json").get("chat_template", "")).encode()) or tpl
+    except (AttributeError, TypeError):  # valid JSON of another shape: no exact counts, the estimate stands
         tb = mb = None
     return gm.estimate_kv_bytes(n_layer_all, vocab, tb, mb, tpl)
 
@@ -64,11 +65,13 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
     quantizable = [s.policy in ("quant", "q8_floor") and gm.allows_quantization(s.name, s.shape, s.policy)
                    for s in specs]
     manual: dict[int, str] = {}
+    asked_by: dict[int, str] = {}  # the --override that set manual[i], named when its type cannot be written
     for i, s in enumerate(specs):
         if quantizable[i]:
             o = first_override(overrides, s.role, [s.name] + list(s.hf_names))
             if o:
                 manual[i] = gm.ggml_type(o.value).name
+                asked_by[i] = f"--override {o.pattern}={o.value}"
     check_unused(overrides)
     kv = gguf_metadata_bytes(ckpt, ctx.n_layer_all)
     in_budget = [quantizable[i] and not s.mtp and s.role not in ("lm_head", "embed") for i, s in enumerate(specs)]
@@ -116,6 +119,10 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
                 lv = levels[s.name]
                 t = unit_types[s.name].get(lv) or gm.fallback(gm.GGUF_ROLE_TYPES[s.role], int(s.shape[-1]))
                 types[i] = t
+    subs = Substitutions()
+    for i, asked in manual.items():
+        subs.note(specs[i].name, asked_by[i], asked, types[i], int(specs[i].shape[-1]))
+    subs.warn()
     tensors = [PlannedTensor(s.name, s.role, list(s.hf_names), tuple(s.shape), None, types[i],
                              gm.tensor_nbytes(types[i], s.shape)) for i, s in enumerate(specs)]
     total, _ = gm.gguf_file_bytes([(t.name, t.shape, t.type) for t in tensors], kv)

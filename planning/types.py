@@ -1,7 +1,6 @@
 """The plan contract: every tensor's bits (EXL3) or ggml type (GGUF) and bytes, and its JSON (docs/INTERNALS.md)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -9,6 +8,7 @@ from typing import Mapping, Sequence
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.glm5next import ROLES
+from mixq.formats.model_files import read_json
 
 # bits of lm_head and of the NextN/MTP block when not given: exllamav3's defaults, which mixq's GGUF plans share
 DEFAULT_HEAD_BITS = 6
@@ -103,7 +103,8 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     """A plan JSON written by ``save_plan`` (or ``mixq plan --json``); anything else is an InputError."""
+    d = read_json(path, "plan JSON")
     try:
-        return Plan.from_dict(json.loads(Path(path).read_text()))
-    except (OSError, ValueError, KeyError) as e:
+        return Plan.from_dict(d)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise InputError(f"{path}: not a mixq plan JSON ({e})") from None

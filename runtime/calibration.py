@@ -17,7 +17,6 @@ streams, and saves the down projection of every token through every expert (a th
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported f
 from mixq.quant.hessian import HessianAccumulator
 from mixq.runtime.distributed import block_owner
 from mixq.runtime.layer_stream import DecoderStream, module_sources, module_to_hf
+from mixq.formats.model_files import parse_json
 
 if TYPE_CHECKING:
     from mixq.runtime.distributed import RankContext
@@ -60,10 +60,7 @@ def read_calibration_texts(files: Sequence[str | Path] | None) -> list[str]:
             for ln, line in enumerate(raw.splitlines(), 1):
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"calibration file {p} line {ln}: invalid JSON ({e.msg})") from None
+                obj = parse_json(line, f"calibration file {p} line {ln}", "the line")
                 text = obj.get("text") if isinstance(obj, dict) else obj
                 if not isinstance(text, str):
                     raise InputError(f"calibration file {p} line {ln}: expected a string or an object with 'text'")

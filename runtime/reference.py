@@ -7,7 +7,6 @@ that transformers' own key conversion (stacked experts, renamed mHC tensors, ...
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mixq.formats.glm5next import classify, global_hf_name
 from mixq.quant.device import pick_device  # noqa: F401 - re-exported for callers
 from mixq.runtime.calibration import calibration_rows
 from mixq.runtime.kl_stats import log_probs, token_quantities
+from mixq.formats.model_files import read_json
 
 DEFAULT_ARCH = "Glm5NextForConditionalGeneration"
 
@@ -43,10 +43,10 @@ def read_config(model_dir: Path) -> dict:
     cfg = Path(model_dir) / "config.json"
     if not cfg.is_file():
         raise InputError(f"{model_dir}: no config.json (not an HF checkpoint directory)")
-    try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{cfg}: invalid JSON ({e})") from e
+    config = read_json(cfg, "config.json", FormatError)
+    if not isinstance(config, dict):
+        raise FormatError(f"{cfg}: config.json is not a JSON object")
+    return config
 
 
 def num_hidden_layers(config: dict) -> int:

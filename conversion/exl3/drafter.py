@@ -8,7 +8,6 @@ fp16 (out, in) padded to 128 on both sides, norms / conv base kernels / codebook
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from mixq.planning.sizes import parse_size as parse_bytes
 from mixq.planning.types import DEFAULT_HEAD_BITS
 from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, torch_dtype
 
-from mixq.formats.model_files import check_model_dir
+from mixq.formats.model_files import check_model_dir, read_json
 from mixq.quant.device import pick_device
 from mixq.quant.trellis.codebooks import check_bits
 
@@ -44,10 +43,9 @@ class DrafterSource:
         cfg = path / "config.json"
         if not cfg.is_file():
             raise InputError(f"{path}: no config.json (drafters are converted from a local directory)")
-        try:
-            self.config = json.loads(cfg.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise FormatError(f"{cfg}: not a JSON config ({e})") from None
+        self.config = read_json(cfg, "config.json", FormatError)
+        if not isinstance(self.config, dict):
+            raise FormatError(f"{cfg}: not a JSON config (not an object)")
         if ARCHITECTURE not in (self.config.get("architectures") or []):
             raise InputError(f"{path}: architectures {self.config.get('architectures')} is not {ARCHITECTURE}")
         files = sorted(path.glob("*.safetensors"))

@@ -18,13 +18,12 @@ quantized layers (as exllamav3 does), so its Hessians, and every trellis encode,
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from mixq.conversion.gguf.family import FAMILY_JSON, FAMILY_VERSION, CLOSE, FamilyResult
+from mixq.conversion.gguf.family import CLOSE, FAMILY_JSON, FAMILY_VERSION, FamilyResult
 from mixq.conversion.gguf.receipt import cached_file_sha256, receipt_options
 from mixq.formats.receipt import mixq_version
 from mixq.conversion.job import JOB_DIR
@@ -32,13 +31,14 @@ from mixq.measurement.trellis import curves_meta, load_curves, resolve_measure
 from mixq.conversion.options import FamilyOptions, FamilyTarget
 from mixq.formats.outputs import check_output_dir
 from mixq.conversion.exl3.pipeline import run_exl3
-from mixq.errors import InputError, MixqError
+from mixq.errors import InputError, MixqError, escape
 from mixq.formats.atomic import write_json
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.exl3_reader import Exl3Dir, verify_exl3
 from mixq.formats.exl3_seal import CONFIG, MANIFEST, units_per_rate
 from mixq.formats.receipt import read_receipt_json, receipt_json_path, write_receipt_json
 from mixq.planning.planner import plan_model
+from mixq.formats.model_files import read_json
 
 CURVES_SUFFIX = ".exl3-curves.json"
 MEASURE_MODES = ("trellis", "proxy", "kld")
@@ -80,7 +80,7 @@ def run_exl3_family(model, out_dir, fam: FamilyOptions) -> FamilyResult:
                 _write_receipt(path, name, t, done[t.label], calibration, curves_info, options)
             continue
         if base.progress:
-            tqdm.write(f"family member {i + 1}/{len(members)}: {path.name}")
+            tqdm.write(f"family member {i + 1}/{len(members)}: {escape(path.name)}")
         res = run_exl3(model, path, fam.member(t, measure=curves, resume=state == "resume"))
         done[t.label] = _row(res.to_dict(), path, t, options, calibration, curves_info)
         _write_receipt(path, name, t, done[t.label], calibration, curves_info, options)
@@ -157,10 +157,10 @@ def _curves(ckpt, base, path: Path | None, info: dict) -> dict:
 def _previous_rows(out: Path) -> dict[str, dict]:
     """The members an earlier run of an EXL3 family in `out` recorded, by label ({} when there is none to read)."""
     try:
-        doc = json.loads((out / FAMILY_JSON).read_text())
+        doc = read_json(out / FAMILY_JSON, FAMILY_JSON)
         return {r["label"]: r for r in doc["members"] if isinstance(r, dict) and "label" in r} \
             if doc.get("format") == "exl3" else {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (InputError, KeyError, TypeError, AttributeError):
         return {}
 
 

@@ -12,7 +12,6 @@ statistics and the stacked trellis calls are split over the ranks and their resu
 """
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import sys
@@ -29,7 +28,7 @@ from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
 from mixq.formats.exl3_names import Exl3Unit, exl3_layout, stage_order
 from mixq.formats.exl3_writer import EXL3_VERSION, Exl3Writer, torch_dtype
 from mixq.formats.glm5next import global_hf_name
-from mixq.formats.model_files import check_model_dir
+from mixq.formats.model_files import check_model_dir, read_json
 from mixq.planning.planner import plan_model
 from mixq.planning.sizes import parse_size
 from mixq.quant.device import resolve_device
@@ -59,8 +58,8 @@ def _is_drafter(model) -> bool:
     cfg = Path(str(model)) / "config.json"
     try:
         check_model_dir(cfg.parent)  # a config.json that links out of MODEL is refused, not read
-        return "DFlash2DraftModel" in (json.loads(cfg.read_text()).get("architectures") or [])
-    except (OSError, ValueError):
+        return "DFlash2DraftModel" in (read_json(cfg, "config.json").get("architectures") or [])
+    except (OSError, InputError, AttributeError, TypeError):  # the checkpoint reader names what is wrong
         return False
 
 

@@ -37,7 +37,7 @@ from mixq.conversion.gguf.imatrix import make_imatrix
 from mixq.measurement.trellis import load_curves
 from mixq.conversion.options import FamilyOptions, FamilyTarget
 from mixq.formats.outputs import check_output_file
-from mixq.errors import InputError, MixqError
+from mixq.errors import InputError, MixqError, escape
 from mixq.formats.atomic import write_json
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.gguf_integrity import integrity_problems
@@ -147,7 +147,7 @@ def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer
             rows.append(_row_from_file(path, t, ckpt.params))
             continue
         if base.progress:
-            tqdm.write(f"family member {i + 1}/{len(todo)}: {path.name}")
+            tqdm.write(f"family member {i + 1}/{len(todo)}: {escape(path.name)}")
         res = run_gguf(model, path, opts, cache=cache)
         rows.append(_row(res.to_dict(), path, t))
     doc = {"version": FAMILY_VERSION, "format": "gguf", "model": name, "ref_params": ckpt.params,

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from mixq.errors import InputError
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.formats.gguf_names import TOKEN_EMBD, gguf_tensors
@@ -76,6 +77,8 @@ def make_imatrix(model, out, calibration=None, *, rows: int = 64, seq_len: int =
     out = Path(out)
     check_free_space(out, imatrix_bytes(model), "the importance matrix")
     im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress)
+    if not im.sums:  # a file with no entries would be refused by every conversion that reads it
+        raise InputError(f"OUT {out}: the calibration forward gave no tensor importance data; nothing written")
     out.parent.mkdir(parents=True, exist_ok=True)
     with writing(out):
         path = write_imatrix(out, im)

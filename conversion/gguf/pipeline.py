@@ -43,6 +43,7 @@ from mixq.planning.sizes import parse_size  # one size convention: GB = 10^9, Gi
 from mixq.planning import gguf_mix
 from mixq.planning.gguf import gguf_metadata_bytes, gguf_mix_context
 from mixq.planning.planner import plan_model
+from mixq.planning.substitutions import Substitutions
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.measurement.encode_cache import EncodeCache
 from mixq.conversion.gguf.receipt import conversion_receipt
@@ -130,6 +131,7 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
         if value and name not in names:
             raise InputError(f"{flag} {value}: this model's GGUF has no {name}")
     uses = [_RuleUse(f"--tensor-type {r.pattern}={t}") for r, t in rx]
+    subs = Substitutions()  # what a rule or flag asked and the shape fallback changed: said, not silent
     for i, s in enumerate(specs):
         hits = [k for k, (r, _) in enumerate(rx) if r.search(s.name)]
         if s.policy in ("f32", "keep") or len(s.shape) < 2:
@@ -150,8 +152,11 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
                 uses[k].shadowed = uses[k].shadowed or (s.name, by)
         if want:
             types[i] = fallback_type(want, s.shape[-1])
+            asked_by = by if first is not None else f"{by} {want}"  # a rule names its type, a flag does not
+            subs.note(s.name, asked_by, want, types[i], s.shape[-1])
     for u in uses:
         u.check()
+    subs.warn()
     return types
 
 

@@ -9,14 +9,16 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import shutil
 import signal
 import struct
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -307,6 +309,77 @@ def test_disk_full_mid_write_with_workers_leaves_nothing(tiny_model, tmp_path, m
     line = _error_line(_cli("convert", tiny_model, out, *GGUF, "--threads", "2"))
     assert str(out) in line and "no space left" in line
     assert _leftovers(tmp_path) == [] and multiprocessing.active_children() == []
+
+
+@contextmanager
+def _file_size_limit() -> Iterator[Callable[[int], None]]:
+    """Yields `limit(n)`: files of this process may grow to n bytes only (RLIMIT_FSIZE; Python ignores SIGXFSZ),
+    so that the write crossing n really stops short, as on a disk that fills. The limit is lifted afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        yield lambda n: resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_gguf_short_write_is_one_line_and_leaves_nothing(tiny_model, tmp_path, monkeypatch):
+    """The disk fills in the middle of a tensor's data: numpy's tofile reports the short write without an errno
+    ("N requested and M written"); still one line naming OUT, no OUT, no partial directory."""
+    import gguf
+
+    real = gguf.GGUFWriter.write_tensor_data
+    with _file_size_limit() as limit:
+        def fills_up(self, tensor, *a, **k):
+            if tensor.nbytes >= 1 << 16 and not getattr(self, "limited", False):  # half of this tensor fits
+                fout = next(f for f, ts in zip(self.fout, self.tensors) if ts)
+                fout.flush()
+                start = -(-fout.tell() // self.data_alignment) * self.data_alignment
+                limit(start + tensor.nbytes // 2)
+                self.limited = True
+            return real(self, tensor, *a, **k)
+        monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", fills_up)
+        out = tmp_path / "o.gguf"
+        line = _error_line(_cli("convert", tiny_model, out, *GGUF, "--threads", "1"))
+    assert line.startswith(f"mixq: error: {out}: no space left on the device while writing"), line
+    assert "bytes written" in line  # how short the write stopped
+    assert _leftovers(tmp_path) == []
+
+
+def test_imatrix_short_write_is_one_line_and_leaves_nothing(tiny_model, tmp_path, monkeypatch):
+    """`mixq imatrix` whose file outgrows the disk inside its first (1 MiB) sums tensor: one line, no file and no
+    temporary left."""
+    from mixq.conversion.gguf import imatrix
+    from mixq.formats.imatrix_file import IMatrix
+
+    im = IMatrix(datasets=["t"], chunk_count=1)
+    im.add("blk.0.attn_output.weight", np.ones((64, 4096)), 1.0)
+    monkeypatch.setattr(imatrix, "collect_imatrix", lambda *a, **k: im)
+    out = tmp_path / "o.imatrix.gguf"
+    with _file_size_limit() as limit:
+        limit(1 << 16)  # the header and tensor infos take a few hundred bytes
+        line = _error_line(_cli("imatrix", tiny_model, out))
+    assert line.startswith(f"mixq: error: {out}: no space left on the device while writing"), line
+    assert _leftovers(tmp_path) == []
+
+
+def test_exl3_short_write_in_a_library_is_one_line(tiny_model, tmp_path, monkeypatch, cheap_exl3):
+    """safetensors reports a write the disk cut short as "failed to write whole buffer" (no errno): one line
+    naming OUT with the way on, and nothing that looks finished."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def short(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x00" * 100)  # what reached the disk
+        raise SafetensorError("Error while serializing: I/O error: failed to write whole buffer")
+    _after_stages(monkeypatch, 2, lambda: monkeypatch.setattr(safetensors.torch, "save_file", short))
+    out = tmp_path / "e"
+    r = _cli("convert", tiny_model, out, *EXL3)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output[-2000:]
+    lines = _error_lines(r.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"mixq: error: {out}: no space left on the device"), lines
+    assert "--resume" in lines[0]
+    assert not (out / "config.json").exists() and not list(out.glob("*.safetensors"))
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]  # the cut part file is gone
 
 
 def _remove_mid_write(monkeypatch, victim: Callable[[], Path], after: int = 3) -> None:

@@ -5,7 +5,7 @@
 - `read_gguf_weights(path)` -> {hf_name: float32 tensor}: dequantized with gguf-py and with every glm5-next
   transform undone (experts unstacked, k_b/v_b merged into kv_b, ssm_a -> A_log, conv reshaped back).
 - `verify_gguf(path, model=None)` -> report dict: every tensor the glm5-next loader reads present with its shape
-  (formats/gguf_layout, from the file's own metadata), byte sizes right, data decodes finite, the seal holds.
+  (formats/gguf_loader_tensors, from the file's own metadata), byte sizes right, data decodes finite, the seal holds.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.glm5next import TEXT_PREFIX, gguf_sources
 from mixq.formats.gguf_header_check import open_gguf_reader
 from mixq.formats.gguf_integrity import integrity_note, integrity_problems, is_sealed_set, set_readers
-from mixq.formats.gguf_layout import loader_problems
+from mixq.formats.gguf_loader_tensors import loader_problems
 from mixq.formats.gguf_names import GGUFTensorSpec, gguf_tensors, merge_kv_b, unbuild_tensor
 from mixq.formats.gguf_writer import ARCH, tensor_nbytes
 

@@ -1,6 +1,6 @@
 """A GGUF without mixq's seal is still checked against its architecture: `mixq verify` names every tensor the
 glm5-next loader needs for the file's own block count and layer kinds that is missing or has another shape, and
-every tensor it would not read (formats/gguf_layout). The seal-less files are rewritten from a mixq conversion of
+every tensor it would not read (formats/gguf_loader_tensors). The seal-less files are rewritten from a mixq conversion of
 glm5next-mini with gguf-py's GGUFWriter, the way other tools write them; where llama-cpp-python is installed, the
 real loader is the oracle for the stripped and the intact file."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from cli_helpers import rewrite_gguf as rewrite, run_cli
 from mixq.formats.glm5next import gguf_sources
 from mixq.formats.gguf_integrity import PREFIX
-from mixq.formats.gguf_layout import ROWS
+from mixq.formats.gguf_loader_tensors import ROWS
 
 STRIPPED_BLOCK = "blk.2."  # a KDA block with a MoE FFN in glm5next-mini (block_count 5: 4 trunk + NextN)
 

@@ -2887,6 +2887,15 @@ def project_eval_phases(st: dict, layers: tuple, counts: dict) -> dict:
     cand = next((k for k in models if k != "reference"), None)
     if "reference" not in models or cand is None:
         return {}
+    # an eval stage cut before the slice's last layer has no forward for some layer kinds, and its reads cover only
+    # part of the slice's weights: no projection is made from it (counting the missing forwards as 0 s, and scaling
+    # the partial reads by the whole slice's weights, once gave 0.071 h where the same run prices at about 0.5 h)
+    unmeasured = {name: [f"layer.{i}" for i in range(len(layers))
+                         if f"layer.{i}" not in (models[name].get("forward_per_layer_s") or {})]
+                  for name in ("reference", cand)}
+    if any(unmeasured.values()):
+        return {"incomplete": {k: v for k, v in unmeasured.items() if v},
+                "why": "the eval stage did not run every layer of the slice (cut by its deadline?): no projection"}
     r = _Rates()
     rel, sl = counts["release"], counts["slice"]
     w_ratio = (sum(rel.values()) - rel.get("vision", 0)) / max(1, sum(sl.values()) - sl.get("vision", 0))
@@ -2913,7 +2922,10 @@ def project_eval_phases(st: dict, layers: tuple, counts: dict) -> dict:
         if "dsa-moe" not in by and "kda-moe" in by:
             by["dsa-moe"] = by["kda-moe"]
             r.note("forward dsa-moe", "the KDA+MoE layer's (the slice has no DSA layer)")
-        return tok * (sum(n * by.get(k, 0.0) for k, n in n_kind.items()) + m.get("embed_s", 0.0))
+        missing = sorted(k for k in n_kind if k not in by)
+        if missing:  # a release layer kind the slice does not hold: never priced as free
+            raise ValueError(f"no forward measured for the release's {', '.join(missing)} layers")
+        return tok * (sum(n * by[k] for k, n in n_kind.items()) + m.get("embed_s", 0.0))
 
     ref, c = models["reference"], models[cand]
     parts = {"reference: read BF16": (ref.get("load_s", 0.0) + ref.get("get_s", 0.0)) * w_ratio,

@@ -337,3 +337,44 @@ def test_group_steps_are_re_priced_for_the_layers_stack_types(tmp_path):
     priced = mod._layer_tuning(tensors, tune, 200, 2 * 300, mod._Rates(), decode=(src, rates, sliced))
     # 4 groups x 25 steps x 2 experts x (3 x 100 x 0.002 - (100 x 0.002 + 100 x 0.001))
     assert priced["steps"] - plain["steps"] == pytest.approx(4 * 25 * 2 * (0.6 - 0.3))
+
+
+def _eval_state(ref_layers: dict, cand_layers: dict) -> dict:
+    """An eval stage's phases as the slice writes them: 16 windows x 4096 tokens (the release eval's own count, so
+    no token scaling), a reference and one GGUF candidate."""
+    def model(per: dict) -> dict:
+        return {"load_s": 2.0, "get_s": 1.0, "materialize_s": 0.5, "forward_per_layer_s": per, "embed_s": 0.25,
+                "logits_s": 4.0}
+
+    cand = dict(model(cand_layers), decode_s=1.0, decode={"Q4_K": {"weights": 2_000_000}})
+    return {"eval": {"windows": 16, "ctx": 4096,
+                     "phases": {"score_s": 3.0, "models": {"reference": model(ref_layers), "cand.gguf": cand}}}}
+
+
+LAYERS = ("kda-dense", "kda-moe", "dsa-moe")
+COUNTS = {"release": {"text": 1000, "vision": 5}, "slice": {"text": 10, "vision": 1}}  # text weights x100
+
+
+def test_eval_projection_prices_every_release_layer_by_its_kind():
+    """GLM-5.3-Flash's 45 layers: 3 KDA + dense, 31 KDA + MoE, 11 DSA + MoE (the shape config). The reference's
+    forward is each kind's measured layer times its count plus the embedding; reads and copies scale by the text
+    weights (x100 here)."""
+    per = {"layer.0": 1.0, "layer.1": 2.0, "layer.2": 3.0}
+    ev = _module().project_eval_phases(_eval_state(per, per), LAYERS, COUNTS)
+    parts = ev["parts_hours"]
+    assert parts["reference: forward"] == round((3 * 1.0 + 31 * 2.0 + 11 * 3.0 + 0.25) / 3600, 4)
+    assert parts["candidate: forward"] == parts["reference: forward"]
+    assert parts["reference: read BF16"] == round((2.0 + 1.0) * 100 / 3600, 4)
+    assert parts["reference: copy to the device"] == round(0.5 * 100 / 3600, 4)
+    assert parts["statistics (KLD, top-1)"] == round(3.0 / 3600, 4)
+    assert ev["one_candidate_hours"] == round(sum(parts.values()), 3)
+
+
+def test_eval_projection_refuses_a_stage_cut_before_the_last_layer():
+    """A stage that ran layer 0 only has no MoE forward: no projection, rather than the MoE layers at 0 s."""
+    mod = _module()
+    ev = mod.project_eval_phases(_eval_state({"layer.0": 1.0}, {"layer.0": 1.5}), LAYERS, COUNTS)
+    assert "one_candidate_hours" not in ev
+    assert ev["incomplete"] == {"reference": ["layer.1", "layer.2"], "cand.gguf": ["layer.1", "layer.2"]}
+    with pytest.raises(ValueError, match="kda-dense"):  # a release kind the slice does not hold is not free either
+        mod.project_eval_phases(_eval_state({"layer.0": 1.0}, {"layer.0": 1.0}), ("kda-moe",), COUNTS)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
+from triton_helpers import require
 
 from mixq.errors import InputError
 from mixq.quant.ggml import block_tuning as bt
@@ -248,7 +249,7 @@ def test_iq2_fused_search_and_decode_in_the_interpreter():
     where they run: the search answers as scoring every entry does; the decode passes its first-use check, starts
     at the encoded values, decodes moved codes as the eager decode does (ties aside) with the same gradient, and
     the written blocks hold exactly the values the decode gave."""
-    pytest.importorskip("triton")
+    require("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _FUSED_CHECK], env=env, capture_output=True, text=True,
                          timeout=1200)

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from triton_helpers import require
 
 from mixq.quant.trellis import codebooks as cb
 from mixq.quant.trellis import viterbi
@@ -83,7 +84,7 @@ print(json.dumps(out))
 
 
 def _interpret(bits: float, tiles: int, modes: tuple[str, ...], ties: bool = False) -> dict[str, torch.Tensor]:
-    pytest.importorskip("triton")
+    require("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _CHECK, str(bits), str(tiles), ",".join(modes), str(int(ties))],
                          env=env, capture_output=True, text=True, timeout=1800)

@@ -8,8 +8,10 @@ in one FormatError naming the file and the key or tensor; `open_gguf_reader(path
 
 Layout (../shared/reference/gguf-facts.md §1.1): magic, version (2 or 3; a whole file may be big endian),
 tensor count u64, KV count u64; KVs (key string, value type u32, value; arrays: item type u32, count u64, items);
-tensor infos (name string, n_dims u32, n_dims × ne u64 with ne[0] first, ggml type u32, data offset u64);
-padding to the alignment; the data section, where each tensor's offset is a multiple of the alignment.
+tensor infos (name string of at most 63 bytes, n_dims u32, n_dims × ne u64 with ne[0] first, ggml type u32, data
+offset u64); zero padding to the alignment; the data section, where the tensors lie in the order of their infos,
+contiguous: each offset is the sum of the sizes, padded to the alignment, of the tensors before it, and the file
+holds the last one's padding too.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 from mixq.errors import FormatError, InputError
 
 GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 63  # bytes of a tensor name (llama.cpp refuses 64 or more)
 INT64_MAX = 2**63 - 1
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # the versions gguf-py (and llama.cpp) read
@@ -155,6 +158,8 @@ def _scan_tensor_info(sc: _Scanner, index: int) -> tuple[str, int, int]:
     """One tensor info; returns (name, data bytes, offset relative to the data section)."""
     name = sc.string(f"tensor info {index}: name")
     label = f"tensor {_q(name)}"
+    if len(name.encode("utf-8")) > GGML_MAX_NAME:
+        raise sc.fail(f"{label}: name of {len(name.encode('utf-8'))} bytes (at most {GGML_MAX_NAME} allowed)")
     n_dims = sc.u32(f"{label}: n_dims")
     if not 1 <= n_dims <= GGML_MAX_DIMS:
         raise sc.fail(f"{label}: {n_dims} dimensions (1 to {GGML_MAX_DIMS} allowed)")
@@ -241,14 +246,20 @@ def _check(p: Path, buf: mmap.mmap, size: int) -> GGUFHeaderSummary:
         names.add(info[0])
         infos.append(info)
     data_offset = -(-sc.pos // alignment) * alignment
+    sc.need(data_offset - sc.pos, "padding before the data section")
+    if any(bytes(buf[sc.pos:data_offset])):
+        raise sc.fail(f"padding [{sc.pos}, {data_offset}) before the data section is not zero (a tensor count "
+                      "or the header's end is wrong)")
+    expected = 0  # the tensors lie in the order of their infos, each padded to the alignment
     for name, n_bytes, offset in infos:
-        if offset % alignment:
-            raise sc.fail(f"tensor {_q(name)}: data offset {offset} is not a multiple of the alignment {alignment}")
-        # Python integers do not wrap: an offset near 2**64 is caught here, not folded back into the file
-        end = data_offset + offset + n_bytes
-        if end > size:
-            raise sc.fail(f"tensor {_q(name)}: data [{data_offset + offset}, {end}) runs past the end of the "
-                          f"{size}-byte file (truncated or corrupt GGUF)")
+        if offset != expected:
+            raise sc.fail(f"tensor {_q(name)}: data offset {offset}, expected {expected} (the tensors before it "
+                          f"end there, padded to the alignment {alignment})")
+        # Python integers do not wrap: a size near 2**64 is caught here, not folded back into the file
+        start, expected = data_offset + offset, offset + -(-n_bytes // alignment) * alignment
+        if data_offset + expected > size:
+            raise sc.fail(f"tensor {_q(name)}: data [{start}, {start + n_bytes}) and its padding run past the end "
+                          f"of the {size}-byte file (truncated or corrupt GGUF)")
     return GGUFHeaderSummary(version, sc.order == ">", n_kv, n_tensors, alignment, data_offset, size)
 
 

@@ -27,8 +27,6 @@ from mixq.formats.gguf_header_check import open_gguf_reader
 KEY_DATASETS = "imatrix.datasets"
 KEY_CHUNK_COUNT = "imatrix.chunk_count"
 KEY_CHUNK_SIZE = "imatrix.chunk_size"
-_INT_TYPES = (GGUFValueType.UINT8, GGUFValueType.UINT16, GGUFValueType.UINT32, GGUFValueType.UINT64,
-              GGUFValueType.INT8, GGUFValueType.INT16, GGUFValueType.INT32, GGUFValueType.INT64)
 
 
 @dataclass
@@ -91,14 +89,11 @@ def write_imatrix(path: str | Path, im: IMatrix) -> Path:
 
 
 def _scalar_int(path: Path, fields: dict, key: str) -> int:
-    """A non-negative integer scalar KV of an imatrix file, FormatError naming the key otherwise."""
+    """A UINT32 scalar KV of an imatrix file (§5.2), FormatError naming the key otherwise."""
     f = fields[key]
-    if len(f.types) != 1 or f.types[0] not in _INT_TYPES:
-        raise FormatError(f"{path}: imatrix key {key!r} is not an integer ({', '.join(t.name for t in f.types)})")
-    v = int(f.contents())
-    if v < 0:
-        raise FormatError(f"{path}: imatrix key {key!r} is {v}")
-    return v
+    if f.types != [GGUFValueType.UINT32]:
+        raise FormatError(f"{path}: imatrix key {key!r} is not a UINT32 ({', '.join(t.name for t in f.types)})")
+    return int(f.contents())
 
 
 def _read_gguf(path: Path) -> IMatrix:
@@ -120,6 +115,8 @@ def _read_gguf(path: Path) -> IMatrix:
                  chunk_size=_scalar_int(path, f, KEY_CHUNK_SIZE))
     tens = {t.name: t for t in r.tensors}
     for tname, t in tens.items():
+        if tname.endswith(".counts") and tname[: -len(".counts")] + ".in_sum2" not in tens:
+            raise FormatError(f"{path}: {tname} has no matching {tname[: -len('.counts')]}.in_sum2")
         if not tname.endswith(".in_sum2"):
             continue
         base = tname[: -len(".in_sum2")]
@@ -129,6 +126,8 @@ def _read_gguf(path: Path) -> IMatrix:
         for x in (t, c):  # llama-imatrix stores both as F32; any other type would be misread as floats
             if x.tensor_type != GGMLQuantizationType.F32:
                 raise FormatError(f"{path}: imatrix tensor {x.name}: type {x.tensor_type.name}, expected F32")
+        if int(c.shape[0]) != 1:
+            raise FormatError(f"{path}: {c.name}: ne {[int(d) for d in c.shape]}, expected [1, matrices]")
         s = np.asarray(t.data, dtype=np.float32).reshape(-1, int(t.shape[0]))
         cnt = np.asarray(c.data, dtype=np.float32).reshape(-1)
         if cnt.shape[0] != s.shape[0]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import copy_model
+from triton_helpers import require
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("MIXQ_SHARED", REPO.parent / "shared"))
@@ -17,6 +18,12 @@ def shared_path(*parts: str) -> Path:
     if not p.exists():
         pytest.skip(f"shared fixture missing: {p}")
     return p
+
+
+@pytest.fixture
+def needs_triton() -> None:
+    """Triton importable: else a skip, or under CI a failure (tests/triton_helpers.py)."""
+    require("triton")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,9 @@ from triton.experimental.gluon import language as gl
 # 2^(16-2D) middle bits per u must cover the 256 threads of a program (D ≤ 4); at D = 1 the 64 middle bits a
 # thread owns hold 128 predecessor costs beside the codebook, and the step loop spills (sm_90 SASS)
 MIN_D, MAX_D = 2, 4
+# a barrier of the program's threads: gl.barrier from Triton 3.7 on (the Triton torch 2.13 pins), gl.thread_barrier
+# before
+thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 def supported(bits: float) -> bool:
@@ -93,9 +96,9 @@ def forward(x_ptr, table_ptr, bp_ptr, seam_ptr, final_ptr, D: gl.constexpr, FREE
         p = (i + offset) & 255
         new, arg = _select(_costs(c, gl.load(x_ptr + t * 256 + p), old, COSTS), iu3, D)
         gl.store(bp_ptr + (t * 256 + p) * EH + row, _pack(arg, shifts, D), mask=(p < 128) | (not FREE))
-        gl.thread_barrier()  # every thread has read the last step's predecessor costs
+        thread_barrier()  # every thread has read the last step's predecessor costs
         edges.store(new)
-        gl.thread_barrier()
+        thread_barrier()
         old = edges.reshape([U, EH]).load(LO)  # edge j = m·U + l is predecessor (j >> 16-2D, j & EH-1)
     p = (255 + offset) & 255  # the last step: pass 1 picks its final state from these costs
     new, arg = _select(_costs(c, gl.load(x_ptr + t * 256 + p), old, COSTS), iu3, D)

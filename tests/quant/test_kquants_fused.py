@@ -1,8 +1,9 @@
-"""The fused Triton kernels (quant/ggml/triton_search.py, kquants_fused_grid.py, kquants_fused_descent.py) against the
-eager torch searches they replace: bitwise equal.
+"""The fused Triton kernels (quant/ggml/triton_search.py, triton_grid.py, triton_descent.py) against the eager torch
+searches they replace: bitwise equal.
 
 On the CPU the kernels run in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, set before triton is
-imported; it runs the same kernels with numpy float32 ops, one op at a time, so inputs stay small). The `gpu`
+imported; it runs the same kernels with numpy float32 ops, one op at a time, so inputs stay small): the default
+suite walks a few candidate scales and one super-block, the `slow` tests the encoders' own settings. The `gpu`
 tests compile them for the device, compare large random and edge-case batches, and check that the encoders
 trust every kernel variant they use (a variant that fails its first-use check falls back to the eager path:
 right bytes, lost speed).
@@ -28,7 +29,7 @@ from mixq.quant.ggml import triton_grid as kquants_fused_grid
 from mixq.quant.ggml import torch_grid as tg
 from mixq.quant.ggml import torch_search as ts
 
-pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("needs_triton")  # a skip without Triton, a failure under CI
 
 # the i-quant search set-ups of kquants_torch_iq: (sub-block, sigma factor, parity, plain weights, steps, step,
 # refine, scale seed)
@@ -99,14 +100,22 @@ if what == "small":
     res["qp"] = kf.same(kd.qp_search(x[:8].abs(), 63, w[:8], ts.GROUP_MAX_EPS),
                         ts.make_qp_quants_eager(x[:8].abs(), 63, w[:8]))
     res["qp32"] = kf.same(kd.qp_search(x.abs(), 3, w, ts.GROUP_MAX_EPS), ts.make_qp_quants_eager(x.abs(), 3, w))
-elif what == "kquants":
-    for args in ((15, -0.9, 0.05, 36, False), (3, -0.5, 0.1, 15, True)):
-        res[f"qkx{args[0]}"] = kf.same(kf.qkx_search(x, w, *args), ts.make_qkx_quants_eager(x, w, *args))
+elif what in ("kquants", "kquants_small"):
+    # (nmax, rmin, rdelta, nstep, mad): the small run walks fewer candidate scales of the same kernels
+    small = what == "kquants_small"
+    for args in ((15, -0.9, 0.05, 4 if small else 36, False), (3, -0.5, 0.1, 3 if small else 15, True)):
+        rows = 16 if args[0] == 3 and small else 32
+        res[f"qkx{args[0]}"] = kf.same(kf.qkx_search(x[:rows], w[:rows], *args),
+                                       ts.make_qkx_quants_eager(x[:rows], w[:rows], *args))
     res["qx"] = kf.same(kf.qx_search(x[:16], 32, w[:16], ts.GROUP_MAX_EPS), ts.make_qx_quants_eager(x[:16], 32, w[:16]))
+    res["qx_x2"] = kf.same(kf.qx_search(x[:16], 4, None, ts.GROUP_MAX_EPS), ts.make_qx_quants_eager(x[:16], 4, None))
 else:
-    xs, qw = T.edge_superblocks(4 if what in ("IQ2_S", "IQ2_XS") else 2, dev)
-    a = T.iq_search_inputs(what, xs, qw)
-    res[what] = kf.same(kg.search(what, *a), tg.search_eager(tg.device_codebook(what, "cpu"), *a))
+    qtype, small = what.removesuffix("_small"), what.endswith("_small")
+    xs, qw = T.edge_superblocks(1 if small else 4 if qtype in ("IQ2_S", "IQ2_XS") else 2, dev)
+    a = list(T.iq_search_inputs(qtype, xs, qw))
+    if small:  # fewer candidate scales around the seed: the same kernel, a shorter loop
+        a[5] = 2
+    res[qtype] = kf.same(kg.search(qtype, *a), tg.search_eager(tg.device_codebook(qtype, "cpu"), *a))
 print(json.dumps(res))
 """
 
@@ -123,9 +132,20 @@ def test_descent_and_sum_kernels_equal_eager_in_interpreter():
     assert _interpret("small") == {"seqsum": True, "q3": True, "qp": True, "qp32": True}
 
 
+def test_kquant_search_kernels_equal_eager_in_interpreter_small():
+    """triton_search's make_qkx / make_qx kernels on a few candidate scales: the default suite's run."""
+    assert _interpret("kquants_small") == {"qkx15": True, "qkx3": True, "qx": True, "qx_x2": True}
+
+
 @pytest.mark.slow
 def test_kquant_search_kernels_equal_eager_in_interpreter():
-    assert _interpret("kquants") == {"qkx15": True, "qkx3": True, "qx": True}
+    assert _interpret("kquants") == {"qkx15": True, "qkx3": True, "qx": True, "qx_x2": True}
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "IQ2_S"])
+def test_lattice_search_kernel_equals_eager_in_interpreter_small(qtype):
+    """triton_grid's lattice search on one super-block and a few candidate scales: the default suite's run."""
+    assert _interpret(f"{qtype}_small") == {qtype: True}
 
 
 @pytest.mark.slow

@@ -8,8 +8,10 @@ error and nearly all the same scales and mins (sums in another order could move 
 when written), and one window of it replayed in float64, move by move.
 
 On the CPU the kernel runs in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, set before triton is
-imported); the `gpu` test compiles it for the device. Both compare the bytes of refine_codes with the kernel and
-with the eager loop, for feedback windows that cover every column, whole windows and a partial last window."""
+imported): the default suite on small problems (a few rows, one or two windows), the `slow` runs on the full ones;
+the `gpu` test compiles it for the device. Both compare the bytes of refine_codes with the kernel and with the eager
+loop, for feedback windows that cover every column, whole windows and a partial last window. Triton is required
+under CI (tests/triton_helpers.py)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("needs_triton")  # a skip without Triton, a failure under CI
 
 # what the scripts share: the device argument, the real use_fused, and one random problem (weights, a Hessian of 3n/2
 # tokens with a few outlier channels, damped, per expert or one for all, ggml's own encoding of the weights)
@@ -27,7 +29,7 @@ _PROBLEM = r"""
 import json, sys
 import numpy as np, torch
 from mixq.quant.ggml import encoders, hessian_rounding as kh, levels as gl
-dev = sys.argv[1]
+dev, small = sys.argv[1], sys.argv[2] == "small"  # "small": the default suite's sizes
 fused = kh.use_fused
 
 
@@ -44,8 +46,10 @@ def problem(g, qtype, E, R, n, shared=False):
 _CHECK = _PROBLEM + r"""
 res = {}
 g = torch.Generator().manual_seed(0)
-for qtype, n, window in (("Q4_K", 512, None), ("Q6_K", 768, 256), ("Q8_0", 768, 512), ("IQ4_NL", 256, 128)):
-    w, h, blocks = problem(g, qtype, 2, 24, n)
+cases = ((("Q4_K", 256, None), ("Q8_0", 192, 64)) if small else
+         (("Q4_K", 512, None), ("Q6_K", 768, 256), ("Q8_0", 768, 512), ("IQ4_NL", 256, 128)))
+for qtype, n, window in cases:
+    w, h, blocks = problem(g, qtype, 2, 4 if small else 24, n)
     wd, hd = w.to(dev), h.to(dev)
     kh.FEEDBACK_WINDOW["cpu"] = kh.FEEDBACK_WINDOW["accelerator"] = window
     kh.use_fused = fused
@@ -62,11 +66,12 @@ _NEAREST = r"""
 import json, sys
 import numpy as np, torch
 from mixq.quant.ggml import levels as gl, triton_iq2s
-dev = sys.argv[1]
+dev, small = sys.argv[1], sys.argv[2] == "small"
 g = torch.Generator().manual_seed(3)
 grid = torch.from_numpy(gl.iq2_grid("IQ2_S")).to(dev)
 res = {}
-for E, R, k, shared in ((2, 40, 8, False), (3, 130, 1, True), (1, 7, 8, True)):
+for E, R, k, shared in (((2, 5, 8, False), (1, 7, 1, True)) if small else
+                        ((2, 40, 8, False), (3, 130, 1, True), (1, 7, 8, True))):
     scale = (torch.rand(E, R, 1, generator=g) * 0.01 + 1e-4)
     target = torch.randn(E, R, 8, generator=g) * 0.02
     target[0, 0] = 0.0                                   # the entries of smallest weighted norm, in order
@@ -88,16 +93,20 @@ print(json.dumps(res))
 _IQ2S = _PROBLEM + r"""
 from mixq.quant.ggml import triton_iq2s_descent as td
 if fused(torch.zeros(1, device=dev)):  # the kernel under test serves only where asked for
-    kh.allow_fused_sweep("iq2s", torch.device(dev))
+    if small:  # without its first-use check (a problem of its own, larger than these)
+        kh.FUSED_SWEEPS[("iq2s", str(torch.device(dev)))] = True
+    else:
+        kh.allow_fused_sweep("iq2s", torch.device(dev))
 chunk = td.CHUNK
 res = {}
 g = torch.Generator().manual_seed(5)
 # (n, one Hessian for every expert, feedback window, passes, codebook chunk): whole windows, a partial last one and
 # one window for every column; the default chunk merges shortlists across chunks, the whole codebook at once keeps
 # the interpreter quick
-for n, shared, window, passes, ch in ((512, True, 256, 1, None), (512, True, 384, 1, 1024),
-                                      (512, False, 384, 1, 1024), (256, False, 256, 2, 1024)):
-    E, R = 2, 24
+for n, shared, window, passes, ch in (((256, False, 128, 1, 1024),) if small else
+                                     ((512, True, 256, 1, None), (512, True, 384, 1, 1024),
+                                      (512, False, 384, 1, 1024), (256, False, 256, 2, 1024))):
+    E, R = (1, 8) if small else (2, 24)
     w, h, blocks = problem(g, "IQ2_S", E, R, n, shared)
     wd, hd = w.to(dev), h.to(dev)
     kh.FEEDBACK_WINDOW["cpu"] = kh.FEEDBACK_WINDOW["accelerator"] = window
@@ -113,7 +122,7 @@ for n, shared, window, passes, ch in ((512, True, 256, 1, None), (512, True, 384
         "agree": float(((ia == ib) & (sa == sb)).mean()), "moved": float(((ib != i0) | (sb != s0)).mean())}
 td.CHUNK = 1024 if dev == "cpu" else chunk
 # one window (not the first) straight through the kernel: its values, codes, gradient and pending agree
-n, E, R, w0 = 512, 2, 24, 256
+n, E, R, w0 = (256, 1, 8, 128) if small else (512, 2, 24, 256)
 w = torch.randn(E, R, n, generator=g) * 0.02
 x = torch.randn(E, 3 * n // 2, n, generator=g)
 h = (x.mT @ x / x.shape[1] + 0.1 * torch.eye(n)).to(dev).contiguous()
@@ -124,9 +133,9 @@ db = gl.iq2_group_scales_on(blocks, "IQ2_S", dev).contiguous()
 index, signs = (t.contiguous() for t in gl.iq2_groups_on(blocks, "IQ2_S", dev))
 val0 = gl.decode_blocks(blocks, "IQ2_S", dev).reshape(w.shape).contiguous()
 val, grad = val0.clone(), ((w - val0) @ h).contiguous()
-pending = torch.zeros(E, R, 256, device=dev)
+pending = torch.zeros(E, R, n - w0, device=dev)
 td.iq2s_window(grad, h, td.group_inverses(kh.diagonal_blocks(h, 8)), val, db, index, signs, grid, grid.T.contiguous(),
-               pending, w0, 256, kh.IQ2_SHORTLIST)
+               pending, w0, n - w0, kh.IQ2_SHORTLIST)
 dec = gl.decode_blocks(gl.set_iq2_groups_on(blocks, "IQ2_S", index, signs), "IQ2_S", dev).reshape(w.shape)
 want = ((w - val0) @ h)[..., w0:] + (val0 - val)[..., w0:] @ h[:, w0:, w0:]
 res["window"] = {"fused_ran": bool(fused(w)), "decoded": bool(torch.equal(dec, val)),
@@ -152,9 +161,10 @@ res = {}
 g = torch.Generator().manual_seed(11)
 # (type, one Hessian for every expert, feedback window): mins or none, sub-blocks of 32 and 16, whole windows, a
 # partial last one and one window for every column
-for qtype, shared, window in (("Q4_K", True, 256), ("Q4_K", False, 384), ("Q6_K", False, 512), ("Q6_K", True, 384),
-                              ("Q2_K", False, 256), ("Q3_K", True, 512), ("IQ2_S", False, 384), ("IQ2_S", True, 256)):
-    E, R, n = 2, 24, 512
+for qtype, shared, window in ((("Q4_K", False, 128), ("Q6_K", True, 256)) if small else
+                             (("Q4_K", True, 256), ("Q4_K", False, 384), ("Q6_K", False, 512), ("Q6_K", True, 384),
+                              ("Q2_K", False, 256), ("Q3_K", True, 512), ("IQ2_S", False, 384), ("IQ2_S", True, 256))):
+    E, R, n = (1, 8, 256) if small else (2, 24, 512)
     w, h, blocks = problem(g, qtype, E, R, n, shared)
     wd, hd = w.to(dev), h.to(dev)
     kh.FEEDBACK_WINDOW["cpu"] = kh.FEEDBACK_WINDOW["accelerator"] = window
@@ -175,9 +185,11 @@ for qtype, shared, window in (("Q4_K", True, 256), ("Q4_K", False, 384), ("Q6_K"
 # one window (not the first) straight through the kernel, on random fields with many at their range's ends: every
 # choice is the best admissible move of a float64 replay (up to rounding), and the gradient and pending follow it;
 # where a row's min has its scale's slopes, the two fields tie and the scale (the earlier candidate) must win
-n, E, R = 512, 2, 24
-for sub, sc_range, mn_range, shared, w0, width in ((32, (0, 63), (0, 63), False, 256, 256),
-                                                   (16, (-32, 31), None, True, 128, 384)):
+n, E, R = (256, 1, 16) if small else (512, 2, 24)
+for sub, sc_range, mn_range, shared, w0, width in (((32, (0, 63), (0, 63), False, 128, 128),
+                                                    (16, (-32, 31), None, True, 64, 192)) if small else
+                                                   ((32, (0, 63), (0, 63), False, 256, 256),
+                                                    (16, (-32, 31), None, True, 128, 384))):
     x = torch.randn(1 if shared else E, 3 * n // 2, n, generator=g)
     h = (x.mT @ x / x.shape[1] + 0.1 * torch.eye(n)).to(dev).contiguous()
     ranges = [sc_range] + ([mn_range] if mn_range else [])
@@ -236,9 +248,10 @@ print(json.dumps(res))
 """
 
 
-def _run(dev: str, interpret: bool, script: str = _CHECK) -> dict:
+def _run(dev: str, interpret: bool, script: str = _CHECK, size: str = "full") -> dict:
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if interpret else {}))
-    out = subprocess.run([sys.executable, "-c", script, dev], env=env, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run([sys.executable, "-c", script, dev, size], env=env, capture_output=True, text=True,
+                         timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -281,20 +294,25 @@ def _check_sub_scales(res: dict) -> None:
         assert r["agree"] >= 0.95, (case, r)
 
 
-def test_fused_code_descent_is_the_column_loop_interpreted():
-    _check(_run("cpu", interpret=True))
+# the default suite runs each kernel on small problems ("small"); the `slow` runs take the full sizes
+@pytest.mark.parametrize("size", ["small", pytest.param("full", marks=pytest.mark.slow)])
+def test_fused_code_descent_is_the_column_loop_interpreted(size):
+    _check(_run("cpu", interpret=True, size=size))
 
 
-def test_fused_iq2s_search_finds_the_nearest_entries_interpreted():
-    _check_nearest(_run("cpu", interpret=True, script=_NEAREST))
+@pytest.mark.parametrize("size", ["small", pytest.param("full", marks=pytest.mark.slow)])
+def test_fused_iq2s_search_finds_the_nearest_entries_interpreted(size):
+    _check_nearest(_run("cpu", interpret=True, script=_NEAREST, size=size))
 
 
-def test_fused_iq2s_descent_is_the_group_loop_interpreted():
-    _check_iq2s(_run("cpu", interpret=True, script=_IQ2S))
+@pytest.mark.parametrize("size", ["small", pytest.param("full", marks=pytest.mark.slow)])
+def test_fused_iq2s_descent_is_the_group_loop_interpreted(size):
+    _check_iq2s(_run("cpu", interpret=True, script=_IQ2S, size=size))
 
 
-def test_fused_sub_scale_descent_is_the_sub_block_loop_interpreted():
-    _check_sub_scales(_run("cpu", interpret=True, script=_SUBSCALES))
+@pytest.mark.parametrize("size", ["small", pytest.param("full", marks=pytest.mark.slow)])
+def test_fused_sub_scale_descent_is_the_sub_block_loop_interpreted(size):
+    _check_sub_scales(_run("cpu", interpret=True, script=_SUBSCALES, size=size))
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from triton_helpers import require
 
 from mixq.quant.trellis import codebooks as cb
 from mixq.quant.trellis import viterbi
@@ -83,12 +84,52 @@ print(json.dumps(out))
 
 
 def _interpret(bits: float, tiles: int, modes: tuple[str, ...], ties: bool = False) -> dict[str, torch.Tensor]:
-    pytest.importorskip("triton")
+    require("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _CHECK, str(bits), str(tiles), ",".join(modes), str(int(ties))],
                          env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
     return {k: torch.tensor(v) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+# quant/trellis/viterbi.py's own per-step kernels (the add-compare-select step and the one-launch traceback, which
+# serve on CUDA where the fused encode does not): against the torch step and the torch pass. The same fma as above
+# (one rounding where the host's addcmul rounds once) makes the costs, and so the states, the torch path's.
+_STEP_CHECK = _CHECK[:_CHECK.index("from mixq.quant.trellis import viterbi")] + r"""
+from mixq.quant.trellis import viterbi as v
+from mixq.quant.trellis.codebooks import step_bits
+v._build_triton()
+g = torch.Generator().manual_seed(0)
+table = torch.randn(v.NSTATES, generator=g)
+table2 = table * table
+out = {}
+for dprev, dp in ((2, 2), (1, 2), (3, 3)):
+    x = torch.randn(2, 1, generator=g)
+    mprev = torch.randn(2, v.NSTATES >> dprev, generator=g)
+    for free, mp in (("free", None), ("after", mprev)):
+        a, b = v._acs_triton(mp, table, table2, x, dprev, dp), v._acs_torch(mp, table, table2, x, dprev, dp)
+        out[f"acs {dprev}/{dp} {free}"] = bool(torch.equal(a, b))
+x = torch.randn(2, 256, generator=g)
+for bits, keep in ((2, 9), (2.5, 7)):  # the states of every position (as pass 2 keeps) or of the last ones
+    d = step_bits(float(bits))
+    pos = list(range(250, 256)) + list(range(3))
+    sel = lambda c: c.argmin(dim=1)
+    a = v._pass_triton(x, table, table2, d, pos, None, keep, sel)
+    b = v._pass_torch(x, table, table2, d, pos, None, keep, sel)
+    out[f"pass {bits}"] = bool(torch.equal(a, b)) and a.shape == (2, keep)
+print(json.dumps(out))
+"""
+
+
+def test_per_step_kernels_are_the_torch_step_in_interpreter():
+    """viterbi.py's add-compare-select kernel gives the torch step's minima (free start and after a step, at
+    several step widths), and a short pass through it and the traceback kernel the torch pass's states."""
+    require("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _STEP_CHECK], env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(res) == 8 and all(res.values()), res
 
 
 def _rounding_bound(states: torch.Tensor, x: torch.Tensor, table: torch.Tensor, costs: str) -> torch.Tensor:

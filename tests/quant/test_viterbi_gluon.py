@@ -11,14 +11,15 @@ import collections
 
 import pytest
 import torch
+from triton_helpers import require
 
 from mixq.quant.trellis import codebooks as cb
 from mixq.quant.trellis import viterbi
 
-gluon = pytest.importorskip("triton.experimental.gluon")
-
 
 def _sm90_loop(forward: str, d: int, free: bool) -> collections.Counter:
+    require("triton.experimental.gluon")
+    require("triton.backends.nvidia")
     from mixq.quant.trellis import viterbi_triton
 
     return viterbi_triton.forward_step_ops(d, free, "mixed", forward)
@@ -27,7 +28,7 @@ def _sm90_loop(forward: str, d: int, free: bool) -> collections.Counter:
 @pytest.mark.parametrize("d", [2, 3, 4])
 @pytest.mark.parametrize("free", [True, False])
 def test_step_loop_on_sm90_has_one_exchange(d, free):
-    pytest.importorskip("triton.backends.nvidia")
+    require("triton.backends.nvidia")
     ops = _sm90_loop("gluon", d, free)
     assert ops["BAR"] == 2, ops  # one store and one load of the edge costs a step
     assert ops["LDS"] + ops["LDSM"] <= 16 and ops["SHFL"] == 0, ops
@@ -37,7 +38,7 @@ def test_step_loop_on_sm90_has_one_exchange(d, free):
 @pytest.mark.slow
 @pytest.mark.parametrize("d", [2, 3, 4])
 def test_step_loop_on_sm90_is_shorter_than_the_triton_forward(d):
-    pytest.importorskip("triton.backends.nvidia")
+    require("triton.backends.nvidia")
     g, t = _sm90_loop("gluon", d, False), _sm90_loop("triton", d, False)
     mio = ("LDL", "STL", "LDS", "LDSM", "STS", "SHFL", "BAR")
     assert sum(g.values()) < 0.85 * sum(t.values())

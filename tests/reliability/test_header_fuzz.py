@@ -1,13 +1,18 @@
 """Hostile GGUF and safetensors headers: adversarial and random counts, lengths, dims, types and offsets.
 
-Every case must end, within a time bound, in a FormatError naming the file (or, where a mutation happens to
-leave a valid file, in a clean read): never another exception, never a hang, never an allocation the size of a
-claimed count. The seeds are fixed, so the default suite runs the same ~370 cases every time (about a second); set
-MIXQ_FUZZ_SCALE=10 for a longer run with more random cases.
+Every case must end, within a time bound, in a FormatError naming the file where the mutated file is invalid by
+its spec, and in a clean read where it is still valid: never another exception, never a hang, never an allocation
+the size of a claimed count. Which files are valid is decided here, by a reading of the specs written for these
+tests (`gguf_spec_problem`, `safetensors_spec_problem`: ../shared/reference/gguf-facts.md §1.1 and §5.2, the
+safetensors format), never by asking the readers under test; the mutations whose outcome follows from their kind
+alone (a count of 2**62, a zero or negative dimension, ...) are checked against that reading too. The seeds are
+fixed, so the default suite runs the same ~370 cases every time (about a second); set MIXQ_FUZZ_SCALE=10 for a
+longer run with more random cases.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -41,8 +46,202 @@ U64 = (0, 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1)
 class Case:
     name: str
     data: bytes
-    must_fail: bool = False  # a FormatError is the only right answer (not a clean read)
+    must_fail: bool = False  # invalid by the mutation's kind alone (the spec reading must agree)
     names: str = ""          # a fragment the error line must contain (the key or tensor)
+
+
+# --- the specs, read for these tests ----------------------------------------------------------------------------
+# GGUF value types (gguf-facts §1.1): the fixed-size scalars and their byte widths; STRING and ARRAY
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_UINT32, _GGUF_STRING, _GGUF_ARRAY, _GGUF_F32 = 4, 8, 9, 0
+_GGUF_NAME_MAX = 63     # tensor names of 64 bytes or more are refused (GGML_MAX_NAME)
+_INT64_MAX = 2**63 - 1
+
+
+class _Bad(Exception):
+    """A spec violation found by the spec readings below."""
+
+
+def gguf_spec_problem(data: bytes, imatrix: bool = False) -> str | None:
+    """Why `data` is not a GGUF file by gguf-facts §1.1 (with `imatrix`: nor an imatrix file by §5.2), or None.
+
+    The ggml type table (block size and bytes per block) is gguf-py's GGML_QUANT_SIZES. One rule is stricter than
+    llama.cpp: a dimension of 0 (an empty tensor) counts as invalid, as mixq refuses empty tensors."""
+    pos = 0
+    order = "<"
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if n > len(data) - pos:
+            raise _Bad(f"{n} bytes wanted at {pos}, past the end")
+        pos += n
+        return data[pos - n:pos]
+
+    def num(fmt: str) -> int:
+        return struct.unpack(order + fmt, take(struct.calcsize(fmt)))[0]
+
+    def text() -> str:
+        try:
+            return take(num("Q")).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Bad("a string is not UTF-8") from None
+
+    try:
+        if take(4) != b"GGUF":
+            raise _Bad("magic")
+        version = num("I")
+        if version & 0xFFFF == 0:  # the whole file is big endian
+            order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
+        if version not in (2, 3):
+            raise _Bad(f"version {version}")
+        n_tensors, n_kv = num("Q"), num("Q")
+        if n_tensors > _INT64_MAX or n_kv > _INT64_MAX:
+            raise _Bad("a count is negative as int64")
+        kv: dict[str, tuple[int, object]] = {}
+        alignment = 32
+        for _ in range(n_kv):
+            key = text()
+            if key in kv:
+                raise _Bad(f"key {key} twice")
+            vtype = num("I")
+            if vtype in _GGUF_SCALAR:
+                raw = take(_GGUF_SCALAR[vtype])
+                value: object = int.from_bytes(raw, "little" if order == "<" else "big")
+            elif vtype == _GGUF_STRING:
+                value = text()
+            elif vtype == _GGUF_ARRAY:
+                itype, count = num("I"), num("Q")
+                if itype == _GGUF_ARRAY or (itype not in _GGUF_SCALAR and itype != _GGUF_STRING):
+                    raise _Bad(f"array item type {itype}")
+                if count > len(data):  # every item takes at least one byte
+                    raise _Bad(f"array of {count}")
+                if itype == _GGUF_STRING:
+                    value = [text() for _ in range(count)]
+                else:
+                    take(count * _GGUF_SCALAR[itype])
+                    value = None
+                vtype = (_GGUF_ARRAY, itype)
+            else:
+                raise _Bad(f"value type {vtype}")
+            kv[key] = (vtype, value)
+            if key == "general.alignment":
+                if vtype != _GGUF_UINT32 or value == 0 or value & (value - 1):
+                    raise _Bad("alignment")
+                alignment = value
+        infos = []
+        for _ in range(n_tensors):
+            name = text()
+            if len(name.encode()) > _GGUF_NAME_MAX or name in {i[0] for i in infos}:
+                raise _Bad(f"tensor name {name[:70]!r}")
+            n_dims = num("I")
+            if not 1 <= n_dims <= 4:
+                raise _Bad(f"n_dims {n_dims}")
+            ne = [num("q") for _ in range(n_dims)]
+            if any(d <= 0 for d in ne):
+                raise _Bad(f"dims {ne}")
+            n = math.prod(ne)
+            if n > _INT64_MAX:
+                raise _Bad("element count overflows int64")
+            ttype = num("I")
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                raise _Bad(f"ggml type {ttype}") from None
+            if ne[0] % block:
+                raise _Bad("row length not a multiple of the block")
+            infos.append((name, ttype, ne, n // block * type_size, num("Q")))
+        start = -(-pos // alignment) * alignment
+        if any(take(start - pos)):
+            raise _Bad("padding before the data is not zero")
+        at = 0  # the offsets are contiguous: each the padded sizes of the tensors before it
+        for name, _t, _ne, nbytes, offset in infos:
+            if offset != at:
+                raise _Bad(f"{name}: offset {offset}, expected {at}")
+            at += -(-nbytes // alignment) * alignment
+        if start + at > len(data):
+            raise _Bad("data past the end")
+    except _Bad as e:
+        return str(e)
+    if imatrix:
+        return _imatrix_problem(kv, infos)
+    return None
+
+
+def _imatrix_problem(kv: dict, infos: list) -> str | None:
+    """gguf-facts §5.2 on a valid GGUF: u32 chunk count and size, a string-array dataset list when present, and
+    per weight an F32 `.in_sum2` of ne [n_cols, n_mat...] and an F32 `.counts` of ne [1, n_mat...]."""
+    for key in ("imatrix.chunk_count", "imatrix.chunk_size"):
+        if kv.get(key, (None,))[0] != _GGUF_UINT32:
+            return f"{key} missing or not u32"
+    if "imatrix.datasets" in kv and kv["imatrix.datasets"][0] != (_GGUF_ARRAY, _GGUF_STRING):
+        return "imatrix.datasets is not a string array"
+    by_name = {i[0]: i for i in infos}
+    for name, ttype, ne, _n, _o in infos:
+        for own, other in ((".in_sum2", ".counts"), (".counts", ".in_sum2")):
+            if name.endswith(own) and name[: -len(own)] + other not in by_name:
+                return f"{name} has no {other}"
+        if name.endswith((".in_sum2", ".counts")) and ttype != _GGUF_F32:
+            return f"{name} is not F32"
+        if name.endswith(".counts"):
+            sums = by_name[name[: -len(".counts")] + ".in_sum2"][2]
+            if ne[0] != 1 or math.prod(ne[1:]) != math.prod(sums[1:]):
+                return f"{name}: ne {ne} for in_sum2 ne {sums}"
+    return None
+
+
+# safetensors dtype tags mixq reads, with their byte widths (the format knows a few more, which mixq refuses)
+_ST_WIDTH = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def safetensors_spec_problem(data: bytes) -> str | None:
+    """Why `data` is not a safetensors file, or None: u64 header length, a UTF-8 JSON object header (no key twice)
+    within the file, string-to-string `__metadata__`, and tensor entries {dtype, shape, data_offsets} whose byte
+    ranges have the size dtype x shape says and tile the data section exactly, in any order."""
+    if len(data) < 8:
+        return "no header length"
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        return "header past the end"
+
+    def no_twice(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key twice")
+        return dict(pairs)
+
+    try:
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=no_twice)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "header is not JSON"
+    if not isinstance(header, dict):
+        return "header is not an object"
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return "__metadata__"
+    spans = []
+    for name, e in header.items():
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            return f"{name}: entry"
+        dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        ints = lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
+        if dtype not in _ST_WIDTH or not ints(shape) or not ints(offsets) or len(offsets) != 2:
+            return f"{name}: dtype, shape or offsets"
+        b, end = offsets
+        size = _ST_WIDTH[dtype]
+        for d in shape:
+            size *= d
+            if size > len(data):  # cannot fit: stop before a hostile shape grows a huge number
+                return f"{name}: {shape} does not fit"
+        if end < b or end - b != size * (0 not in shape):
+            return f"{name}: byte size"
+        spans.append((b, end))
+    at = 0
+    for b, end in sorted(spans):
+        if b != at:
+            return "a gap or an overlap"
+        at = end
+    return None if at == len(data) - 8 - n else "the tensors do not end at the end of the file"
 
 
 # --- base files ----------------------------------------------------------------------------------------------
@@ -265,14 +464,19 @@ def _watchdog(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def _run_cases(tmp: Path, suffix: str, cases: list[Case], read: Callable[[Path], None]) -> list[str]:
-    """Run every case; returns what went wrong (empty = all fine)."""
+def _run_cases(tmp: Path, suffix: str, cases: list[Case], read: Callable[[Path], None],
+               spec: Callable[[bytes], str | None]) -> list[str]:
+    """Run every case; returns what went wrong (empty = all fine). `spec` says why a case's file is invalid (None
+    where it is valid): an invalid file must end in a FormatError, a valid one must read cleanly."""
     bad = []
     for i, c in enumerate(cases):
+        problem = spec(c.data)
+        if c.must_fail and problem is None:
+            bad.append(f"{c.name}: invalid by its kind, but the spec reading finds nothing wrong")
         p = tmp / f"case{i:04d}{suffix}"
         p.write_bytes(c.data)
         t0 = time.monotonic()
-        outcome = "clean"
+        outcome, msg = "clean", ""
         try:
             with _watchdog(4 * CASE_SECONDS):
                 read(p)
@@ -292,8 +496,10 @@ def _run_cases(tmp: Path, suffix: str, cases: list[Case], read: Callable[[Path],
         dt = time.monotonic() - t0
         if dt > CASE_SECONDS:
             bad.append(f"{c.name}: took {dt:.1f} s")
-        if c.must_fail and outcome == "clean":
-            bad.append(f"{c.name}: read cleanly, a FormatError was expected")
+        if problem is not None and outcome == "clean":
+            bad.append(f"{c.name}: read cleanly, though invalid ({problem})")
+        if problem is None and outcome == "error":
+            bad.append(f"{c.name}: valid by the spec, but refused: {msg}")
         p.unlink()
     return bad
 
@@ -306,7 +512,11 @@ def bases(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_base_files_read_cleanly(bases):
-    """The mutations start from files every reader takes (so an error below is the mutation's)."""
+    """The mutations start from files every reader takes and the spec readings find valid (so an error below is
+    the mutation's)."""
+    assert gguf_spec_problem(bases["gguf"].read_bytes()) is None
+    assert gguf_spec_problem(bases["imatrix"].read_bytes(), imatrix=True) is None
+    assert safetensors_spec_problem(bases["safetensors"].read_bytes()) is None
     _read_gguf_everything(bases["gguf"])
     assert verify_gguf(bases["gguf"])["tensors"] == 3
     assert read_imatrix(bases["imatrix"]).chunk_count == 3
@@ -319,7 +529,7 @@ def test_gguf_header_fuzz(bases, tmp_path):
     cases = _gguf_cases(bases["gguf"], seed=1, n_random=24 * SCALE, n_trunc=8 * SCALE)
     assert len(cases) >= 150
     t0 = time.monotonic()
-    bad = _run_cases(tmp_path, ".gguf", cases, _read_gguf_everything)
+    bad = _run_cases(tmp_path, ".gguf", cases, _read_gguf_everything, gguf_spec_problem)
     assert not bad, "\n".join(bad[:30])
     assert time.monotonic() - t0 < 60
 
@@ -329,7 +539,8 @@ def test_imatrix_header_fuzz(bases, tmp_path):
     cases = _gguf_cases(bases["imatrix"], seed=2, n_random=15 * SCALE, n_trunc=5 * SCALE)
     rng = random.Random(3)
     cases = rng.sample(cases, min(len(cases), 40 * SCALE))
-    bad = _run_cases(tmp_path, ".gguf", cases, lambda p: read_imatrix(p).means())
+    bad = _run_cases(tmp_path, ".gguf", cases, lambda p: read_imatrix(p).means(),
+                     lambda data: gguf_spec_problem(data, imatrix=True))
     assert not bad, "\n".join(bad[:30])
 
 
@@ -337,7 +548,7 @@ def test_safetensors_header_fuzz(bases, tmp_path):
     """~80 safetensors cases: header length, non-JSON and non-object headers, bad dtype / shape / offsets,
     gaps and overlaps, random flips in the header and truncations."""
     cases = _st_cases(bases["safetensors"], seed=4, n_random=16 * SCALE, n_trunc=8 * SCALE)
-    bad = _run_cases(tmp_path, ".safetensors", cases, _read_safetensors_everything)
+    bad = _run_cases(tmp_path, ".safetensors", cases, _read_safetensors_everything, safetensors_spec_problem)
     assert not bad, "\n".join(bad[:30])
 
 

@@ -47,7 +47,7 @@ from mixq.runtime.overlap import ahead
 TUNED_REFINE_PASSES = {"Q2_K": 1, "IQ2_S": 0, "IQ2_XS": 1}
 # routed experts rounded per call: their float64 Hessians within SLICE_HESSIAN_BYTES and their weights within
 # SLICE_WEIGHTS, per device type (GLM-5.3's 288 x 4096^2 Hessians are 39 GB): at 2048 x 4096, 4 per call on a CPU
-# and 32 on a GPU (measured as fast per weight as 8 there: bench/hessian_rounding_speed.py)
+# and 32 on a GPU (measured as fast per weight as 8 there: bench/speed/hessian_rounding_speed.py)
 SLICE_HESSIAN_BYTES = {"cpu": 1 << 30, "accelerator": 1 << 32}
 SLICE_WEIGHTS = {"cpu": None, "accelerator": 1 << 28}
 

@@ -52,7 +52,7 @@ SCALE_TUNED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 IQ2_SEARCH_GROUPS = 1 << 15    # groups per codebook search: a (groups, 1024) float32 score table of 128 MiB at most
 # the IQ2 types whose decode searches the codebook near each group's best tuple first on the CPU
 # (IQ2Codes.neighbour_entries): on 2 CPU cores it took IQ2_S's decode from 0.44 s to 0.25 s
-# (bench/iq2_tuning_decode.py). IQ2_XS's codebook (512 entries) is cheaper to score whole, and the bound leaves a
+# (bench/speed/iq2_tuning_decode.py). IQ2_XS's codebook (512 entries) is cheaper to score whole, and the bound leaves a
 # third of its groups to that full search (0.28 s either way), so it scores them. On a GPU the neighbour search was
 # slower than the score table (an H100: 0.024 s against 0.018 s for 4 experts' IQ2_S decode), and the fused search
 # streams the codebook through registers instead (IQ2Codes.fused_entries)

@@ -14,8 +14,8 @@ from mixq.errors import InputError
 from mixq.formats.exl3_layout import pad_up
 
 # trellis weights encoded per CPU-second (one core): the median over K = 2, 3, 4, 6 of bench/speed/exl3_cpu_rate.py
-# (bench/results/exl3_cpu_rate.json: 314-366, on a busy 2-core machine; an idle one may be faster, so the estimate
-# errs long). The encode cost hardly depends on K: every step visits all 65,536 states.
+# (bench/results/exl3_cpu_rate.json), measured on a busy machine: an idle one may be faster, so the estimate errs
+# long. The encode cost hardly depends on K: every step visits all 65,536 states.
 CPU_WEIGHTS_PER_CORE_S = 340.0
 CPU_LIMIT_S = 300.0  # above this a CPU conversion needs --device cpu
 

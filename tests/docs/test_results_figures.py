@@ -120,6 +120,14 @@ def test_every_table_figure_names_its_source():
     assert unmarked(PAGE.read_text()) == []
 
 
+def test_no_marker_line_splits_a_table():
+    """A `<!-- source: -->` line between two rows would end the table where it stands."""
+    lines = PAGE.read_text().splitlines()
+    split = [n + 1 for n in range(1, len(lines) - 1)
+             if lines[n - 1].startswith("|") and lines[n + 1].startswith("|") and not lines[n].startswith("|")]
+    assert split == []
+
+
 def test_result_files_named_on_the_page_exist():
     text = PAGE.read_text()
     for name in set(re.findall(r"bench/results/([\w.+-]+\.json)", text)):

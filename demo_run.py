@@ -36,7 +36,7 @@ DEMO_MODEL = {"layer_types": ("linear_attention", "deepseek_sparse_attention"), 
               "vision": False}
 DEMO_GGUF_TYPE = "Q8_0"
 DEMO_EXL3_BPW = 3.05
-# head unquantized and no NextN block: the EXL3 step stays at ~0.35M trellis weights (a minute or two on 2 cores)
+# head unquantized and no NextN block: the EXL3 step stays at ~0.35M trellis weights
 DEMO_EXL3 = {"bpw": DEMO_EXL3_BPW, "head_bits": 16, "include_mtp": False, "rows": 8, "seq_len": 128}
 EVAL_CTX, EVAL_WINDOWS = 128, 4
 DEMO_MARK = ".mixq-demo"  # marks a directory the demo made, so a later demo may replace its files

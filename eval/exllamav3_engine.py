@@ -1,6 +1,6 @@
 """`--engine exllamav3`: logits of an EXL3 candidate from exllamav3's own forward (exllamav3 1.6.5, CUDA only).
 
-The recipe of bench/exllamav3_check.py: `Config.from_directory` -> `Model.from_config` -> `load` onto one CUDA
+The recipe of bench/engines/exllamav3_check.py: `Config.from_directory` -> `Model.from_config` -> `load` onto one CUDA
 device; one window per forward with attention mode "flash_attn_nc" (no cache: every window starts from an empty
 state, as the torch engine's do); the logits of the scored positions, cut to the reference's vocabulary (exllamav3
 pads the head's outputs to a multiple of 128). exllamav3 is an optional, heavy dependency (its CUDA extension
@@ -18,7 +18,7 @@ from mixq.errors import FormatError, InputError
 
 ENGINE = "exllamav3"
 FORMAT = "exl3"  # the candidates this engine scores; others go through the torch engine
-ATTN_MODE = "flash_attn_nc"  # exllamav3's no-cache flash-attention forward (bench/exllamav3_check.py)
+ATTN_MODE = "flash_attn_nc"  # exllamav3's no-cache flash-attention forward (bench/engines/exllamav3_check.py)
 
 
 def _import_exllamav3():

@@ -287,7 +287,7 @@ def resolve_model_path(path_or_repo: str | os.PathLike) -> Path:
     if not _looks_like_repo_id(s):
         raise InputError(f"{p}: no such model directory")
     try:
-        from huggingface_hub import snapshot_download  # local: its download stack (httpx, ~0.13 s), hub ids only
+        from huggingface_hub import snapshot_download  # local: its download stack (httpx), hub ids only
 
         snapshot = Path(snapshot_download(repo_id=s, allow_patterns=_HUB_PATTERNS))
     except Exception as e:  # noqa: BLE001 - network/auth/offline errors all mean "cannot get this model"
@@ -328,7 +328,7 @@ def _meta_state_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 @functools.lru_cache(maxsize=8)
 def _meta_state_shapes_of(config_json: str) -> dict[str, tuple[int, ...]]:
     """`_meta_state_shapes` of a config as canonical JSON, remembered for the process: building the meta model
-    takes ~0.2 s, and a conversion checks its checkpoint against the config several times (plan, fit, write;
+    is not free, and a conversion checks its checkpoint against the config several times (plan, fit, write;
     each member of a family)."""
     config = json.loads(config_json)
     import transformers

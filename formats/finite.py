@@ -16,8 +16,8 @@ _FP8_SPECIAL = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7
 
 
 def has_non_finite(flat: torch.Tensor) -> bool:
-    """One pass: fused min/max for wider floats (NaN propagates through both, +-Inf shows in one; tens of GB/s),
-    a bit test on the raw byte for fp8 (whose conversion to float runs at well under 1 GB/s on a CPU)."""
+    """One pass: fused min/max for wider floats (NaN propagates through both, +-Inf shows in one),
+    a bit test on the raw byte for fp8 (whose conversion to float is slow on a CPU)."""
     if flat.dtype in _FP8_SPECIAL:
         mask, value = _FP8_SPECIAL[flat.dtype]
         u = flat.view(torch.uint8)

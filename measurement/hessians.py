@@ -28,7 +28,7 @@ from mixq.runtime.calibration import LayerCalibrator, RoutingCapture, capture_ro
 # weight of the (trace-normalised) all-token Hessian in each routed expert's Hessian: per-expert routed statistics
 # from a few thousand tokens over-fit (k256, held-out Hessians: down_exps error 1.08x exact at 0.05, 0.96x at 1)
 # damping of H (relative to its mean diagonal) and coordinate-descent passes after the feedback walk: measured on
-# k256 with held-out Hessians (bench/gguf_quality.py), 0.1 and 3 generalise better than GPTQ's usual 0.01 and none
+# k256 with held-out Hessians (bench/quality/gguf_quality.py), 0.1 and 3 generalise better than GPTQ's usual 0.01 and none
 DAMP = 0.1
 REFINE_PASSES = 3
 ROUNDINGS = ("exact", "hessian")  # GGUF --rounding: ggml's encoder, or codes chosen by each layer's output error

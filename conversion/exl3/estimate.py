@@ -2,7 +2,7 @@
 
 The trellis Viterbi dominates: 65,536 states per weight, a few million weights per second on a GPU and a few hundred
 per CPU core. `check_cpu_time` refuses a CPU conversion whose estimate exceeds CPU_LIMIT_S unless the user asked
-for the CPU explicitly (`--device cpu`); the rate comes from bench/exl3_cpu_rate.py.
+for the CPU explicitly (`--device cpu`); the rate comes from bench/speed/exl3_cpu_rate.py.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from mixq.errors import InputError
 from mixq.formats.exl3_layout import pad_up
 
-# trellis weights encoded per CPU-second (one core): the median over K = 2, 3, 4, 6 of bench/exl3_cpu_rate.py
-# (bench/results/exl3_cpu_rate.json: 314-366, on a busy 2-core machine; an idle one may be faster, so the estimate
-# errs long). The encode cost hardly depends on K: every step visits all 65,536 states.
+# trellis weights encoded per CPU-second (one core): the median over K = 2, 3, 4, 6 of bench/speed/exl3_cpu_rate.py
+# (bench/results/exl3_cpu_rate.json), measured on a busy machine: an idle one may be faster, so the estimate errs
+# long. The encode cost hardly depends on K: every step visits all 65,536 states.
 CPU_WEIGHTS_PER_CORE_S = 340.0
 CPU_LIMIT_S = 300.0  # above this a CPU conversion needs --device cpu
 

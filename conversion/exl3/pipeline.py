@@ -89,7 +89,7 @@ def unit_bits(units: list[Exl3Unit], plan) -> dict[str, float]:
 MAX_BATCH = 16
 # Weights + Hessians per stacked call. 2^29 (2 GiB in fp32) stacks MAX_BATCH routed experts of GLM-5.3-Flash
 # (2048 x 4096 with a 4096 x 4096 Hessian) where 2^26 stacked two: LDLQ walks a unit 16 input rows at a time, so
-# the stack is what fills the GPU on each strip (bench/expert_batch.py). The Viterbi backpointers are chunked on
+# the stack is what fills the GPU on each strip (bench/speed/expert_batch.py). The Viterbi backpointers are chunked on
 # their own; this bounds only the stacked inputs.
 MAX_BATCH_ELEMS = 1 << 29
 

@@ -40,14 +40,13 @@ from mixq.runtime.overlap import ahead
 
 # where block-output tuning follows, the 2-bit types take fewer passes. On k256, with the other types at three:
 # one pass scores as three everywhere (llama.cpp's KLD x0.566 against x0.582 at Q2_K, IQ2_S experts x0.677 against
-# x0.678, IQ2_XS experts x0.663 against x0.655, each within about a standard error), and the stacks round 2.2-2.5x
-# faster on an H200; IQ2_S experts with no pass score x0.655 (IQ2_XS experts x0.682: they keep one), and an IQ2_S
-# stack then rounds 3.1x faster than with one on an H100. At 4 bits one pass loses (Q4_K_M x0.760 against x0.726),
-# as on mini's 32-weight fallbacks
+# x0.678, IQ2_XS experts x0.663 against x0.655, each within about a standard error), and each pass left out
+# shortens a stack's rounding; IQ2_S experts with no pass score x0.655 (IQ2_XS experts x0.682: they keep one). At
+# 4 bits one pass loses (Q4_K_M x0.760 against x0.726), as on mini's 32-weight fallbacks (docs/results.md §1)
 TUNED_REFINE_PASSES = {"Q2_K": 1, "IQ2_S": 0, "IQ2_XS": 1}
 # routed experts rounded per call: their float64 Hessians within SLICE_HESSIAN_BYTES and their weights within
 # SLICE_WEIGHTS, per device type (GLM-5.3's 288 x 4096^2 Hessians are 39 GB): at 2048 x 4096, 4 per call on a CPU
-# and 32 on a GPU (measured as fast per weight as 8 there: bench/hessian_rounding_speed.py)
+# and 32 on a GPU (measured as fast per weight as 8 there: bench/speed/hessian_rounding_speed.py)
 SLICE_HESSIAN_BYTES = {"cpu": 1 << 30, "accelerator": 1 << 32}
 SLICE_WEIGHTS = {"cpu": None, "accelerator": 1 << 28}
 

@@ -17,7 +17,7 @@ set them; the types whose only scale is one fp16 per 32 weights at 4-5 bits (Q4_
 
 Routed experts that do not fit the memory budget beside the rest are tuned a group of experts at a time after the
 layer's first stage, `group_iters` steps a group (fewer than the first stage's by default: a 288-expert layer has
-several groups, and on an H200 a group's step took 0.6-0.7 s where the first stage's took 0.19 s).
+several groups, and a group's step costs several of the first stage's).
 
 Cost: `iters` forward and backward passes of one layer over `batch_rows` rows, per layer; memory:
 ``BYTES_PER_TUNED_WEIGHT`` per tuned weight of the layer besides the layer itself, and two hidden streams.
@@ -47,8 +47,8 @@ from mixq.runtime.overlap import ahead, host_empty
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
 SCALE_LR = 0.2          # total reach of a block scale's relative change (types in SCALE_TUNED): scale_lr / 2
 CHECK_SHARE = 8         # one row in CHECK_SHARE is held out for the keep-the-best check (at least one batch)
-# an expert group's stage takes iters / GROUP_ITERS_SHARE steps unless told: at 288 experts on an H200 a group of
-# 1.2 G weights took 0.6-0.7 s a step, and a 108 GB plan's MoE layer, its IQ2_S experts tuned, has 6 groups
+# an expert group's stage takes iters / GROUP_ITERS_SHARE steps unless told: a 108 GB plan's MoE layer, its IQ2_S
+# experts tuned, has 6 groups of about 1.2 G weights, and a group's step costs several of the first stage's
 GROUP_ITERS_SHARE = 8
 # held-out checks of an expert group's stage: its end only, against its start. On k256's 16 experts in 8 groups of
 # 25 steps (IQ2_S), the end scored best of 4 checks in 7 groups and within 0.3% of the best in the other; at 288
@@ -119,8 +119,7 @@ def stored_blocks(qtype: str, weights: torch.Tensor, imatrix: np.ndarray | None,
 
 def decoded_on_host(blocks: np.ndarray, qtype: str, device: torch.device) -> torch.Tensor:
     """float32 host values (..., weights per row) of encoded ggml `blocks` (..., bytes per row), decoded on `device`
-    by the torch decoder (gguf-py's values bit for bit on the CPU; on the host CPU it decodes IQ2_S at about 117 M
-    weights/s a core, about a minute for a 288-expert layer's experts), ``DECODE_ROWS_WEIGHTS`` weights at a time,
+    by the torch decoder (gguf-py's values bit for bit on the CPU), ``DECODE_ROWS_WEIGHTS`` weights at a time,
     into one host tensor (pinned for a CUDA device, as the layer streams are)."""
     bs, ts = gl.block_shape(qtype)
     flat = blocks.reshape(-1, blocks.shape[-1])

@@ -39,9 +39,9 @@ from mixq.errors import InputError, MixqError
 from mixq.planning.gguf_mix import ggml_type
 from mixq.quant.ggml import encoders as kquants
 
-# weights per task, about 0.2-1 s of one core: large enough that pickling a task (4 bytes/weight in, <1 back) is
-# ~1% of its encode time (K-quants ~5 M weights/s), small enough that the last tasks of a conversion end together
-# (the lattice i-quants run at 0.2-0.5 M weights/s, so they get smaller tasks) and 2*N tasks stay a few MB each
+# weights per task: large enough that pickling a task (4 bytes/weight in, <1 back) is small beside its encode time,
+# small enough that the last tasks of a conversion end together (the lattice i-quants encode an order of magnitude
+# slower than the K-quants, so they get smaller tasks) and 2*N tasks stay a few MB each
 TASK_WEIGHTS = 1 << 20
 TASK_WEIGHTS_IQ = 1 << 18
 # encoded in the parent: plain casts, nothing to gain from a round trip through a worker
@@ -188,8 +188,8 @@ def _worker_encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None, label:
 
 
 def _ready(warm: Sequence[str] = ()) -> int:
-    """First task of a worker: build the code tables of the i-quant types to come (~0.5-2 s each, once per
-    process) while the parent still reads metadata, instead of on the first real task."""
+    """First task of a worker: build the code tables of the i-quant types to come (once per process,
+    each a noticeable wait) while the parent still reads metadata, instead of on the first real task."""
     row = np.linspace(-1.0, 1.0, 256, dtype=np.float32).reshape(1, 256)
     for q in warm:
         try:
@@ -202,7 +202,7 @@ def _ready(warm: Sequence[str] = ()) -> int:
 @contextmanager
 def _signals_held():
     """Block STOP_SIGNALS in this thread while it spawns workers: a spawned process inherits the mask, so a Ctrl-C
-    during a worker's start-up (imports, ~1 s) waits until its initializer ignores it, instead of printing the
+    during a worker's start-up (its imports) waits until its initializer ignores it, instead of printing the
     worker's KeyboardInterrupt traceback. The parent gets its own pending signal once the block ends."""
     if not hasattr(signal, "pthread_sigmask"):
         yield

@@ -51,11 +51,10 @@ START_REACH = 0.499            # how far towards the source weight a code's rela
 SCALE_TUNED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 IQ2_SEARCH_GROUPS = 1 << 15    # groups per codebook search: a (groups, 1024) float32 score table of 128 MiB at most
 # the IQ2 types whose decode searches the codebook near each group's best tuple first on the CPU
-# (IQ2Codes.neighbour_entries): on 2 CPU cores it took IQ2_S's decode from 0.44 s to 0.25 s
-# (bench/iq2_tuning_decode.py). IQ2_XS's codebook (512 entries) is cheaper to score whole, and the bound leaves a
-# third of its groups to that full search (0.28 s either way), so it scores them. On a GPU the neighbour search was
-# slower than the score table (an H100: 0.024 s against 0.018 s for 4 experts' IQ2_S decode), and the fused search
-# streams the codebook through registers instead (IQ2Codes.fused_entries)
+# (IQ2Codes.neighbour_entries): on the CPU it made IQ2_S's decode faster (bench/speed/iq2_tuning_decode.py).
+# IQ2_XS's codebook (512 entries) is cheaper to score whole, and the bound leaves a third of its groups to that full
+# search (no faster either way), so it scores them. On a GPU the neighbour search was slower than the score table,
+# and the fused search streams the codebook through registers instead (IQ2Codes.fused_entries)
 IQ2_NEIGHBOUR_TYPES = ("IQ2_S",)
 IQ2_NEIGHBOUR_GROUPS = 1 << 19  # groups per neighbour search: about a kilobyte of transients a group at most
 # how far below the bound of the entries two or more magnitudes away the best neighbour must score to be taken
@@ -83,7 +82,7 @@ class LevelCodes:
         self.qtype = qtype
         self.source = np.ascontiguousarray(blocks)
         self.lo, self.hi = gl.CODE_RANGE[qtype]
-        # on the tuning device: on the host a 288-expert layer's Q2_K experts took 47 s to read off
+        # on the tuning device: reading a 288-expert layer's Q2_K experts off on the host is slow
         self.step, self.base = gl.level_grid_on(self.source, qtype, device)
         decoded = gl.decode_blocks(self.source, qtype, device)
         live = self.step != 0

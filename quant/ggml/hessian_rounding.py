@@ -578,8 +578,8 @@ def _fused_iq2s(w: torch.Tensor, blocks: np.ndarray, hessian: torch.Tensor, grid
 # per (sweep, device): whether its fused kernel serves there (a test may clear it)
 FUSED_SWEEPS: dict[tuple[str, str], bool] = {}
 # per sweep: whether its fused kernel serves by default, once it passes its first-use check. The fused IQ2_S group
-# descent does not: on an H200 it took 202 s for the 3 passes over a 32-expert stack of 2048 x 4096, where the
-# loop had taken 3.3 s (bench/results/hessian_rounding_speed_h200_iq2s_fused.json); it runs where a caller asks
+# descent does not: on a GPU its 3 passes over a 32-expert stack of 2048 x 4096 were far slower than the loop's
+# (bench/results/hessian_rounding_speed_h200_iq2s_fused.json); it runs where a caller asks
 # for it (allow_fused_sweep: the bench and the tests).
 FUSED_BY_DEFAULT = {"iq2s": False, "sub_scales": True}
 # the check's problem: experts, rows, columns (one feedback window on an accelerator), and its sweep's type

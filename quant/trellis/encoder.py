@@ -26,7 +26,7 @@ REL_DAMP = 0.025
 # LDLQ feedback widens the quantizer's input a little at low rates (reference §3.5); applied in the scale search.
 LDLQ_DRIFT = {1.0: 1.08, 1.5: 1.035, 2.0: 1.018, 2.5: 1.009, 3.0: 1.004}
 # Starting points of the global scale search (g for W_r ← g·W_r), the values the wide GPU search picked on N(0,1)
-# 256×1024 (bench/trellis.py on an H200); the CPU search refines them ±7% on a few tiles.
+# 256×1024 (bench/speed/trellis.py on a GPU); the CPU search refines them ±7% on a few tiles.
 SCALE_PRIOR = {
     "mul1": {1.0: 1.10, 1.5: 1.016, 2.0: 0.98, 2.5: 0.95, 3.0: 0.936, 3.5: 0.912, 4.0: 0.897, 5.0: 0.868,
              6.0: 0.832, 7.0: 0.80, 8.0: 0.777},

@@ -21,7 +21,7 @@ from .codebooks import codebook_table, step_bits
 
 NSTATES = 65536
 _INF = float("inf")
-WARM: int | None = None  # overrides default_warm (bench/trellis.py compares seam windows)
+WARM: int | None = None  # overrides default_warm (bench/speed/trellis.py compares seam windows)
 
 
 def default_warm(bits: float) -> int:

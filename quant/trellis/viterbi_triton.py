@@ -322,8 +322,8 @@ def gluon_serves(bits: float, costs: str | None = None) -> bool:
 
 def default_forward(bits: float, costs: str | None = None) -> str:
     """The forward kernel used for a bitrate and cost arithmetic: Triton's. The Gluon forward runs where it is
-    asked for by name (``forward="gluon"``): in a 288-expert MoE layer on an H200 its K = 3 encode ran at 19.0 M
-    weights/s in the Viterbi against the Triton forward's 30.9 (docs/results.md, "real widths, fourth pass")."""
+    asked for by name (``forward="gluon"``): in a 288-expert MoE layer its K = 3 encode was slower in the Viterbi
+    than the Triton forward's (docs/journal/13-real-widths-at-288-experts-fourth-pass-the-cpu-pass-timed-on.md)."""
     return "triton"
 
 

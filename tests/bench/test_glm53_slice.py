@@ -1,4 +1,4 @@
-"""bench/glm53_slice.py: the progress-log summaries (a cut EXL3 layer completed at its own per-unit rate; a cut
+"""bench/release/glm53_slice.py: the progress-log summaries (a cut EXL3 layer completed at its own per-unit rate; a cut
 GGUF file's per-type figures) and the script end to end on a toy slice on the CPU, with a deadline that cuts the
 EXL3 stage and skips the next one."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "bench" / "glm53_slice.py"
+SCRIPT = REPO / "bench" / "release" / "glm53_slice.py"
 
 
 def _module():

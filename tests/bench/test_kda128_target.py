@@ -1,5 +1,5 @@
-"""bench/kda128_target.py on the CPU: a 2-step build at a tiny sequence length (the config, the losses, the files,
-transformers' reload), and bench/drafter_check.py against the built target with the fake exllamav3 of
+"""bench/engines/kda128_target.py on the CPU: a 2-step build at a tiny sequence length (the config, the losses, the files,
+transformers' reload), and bench/engines/drafter_check.py against the built target with the fake exllamav3 of
 tests/conversion/test_drafter_check.py (the Generator path is taken, and its failure is an error for such a target)."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ BENCH = REPO / "bench"
 
 @pytest.fixture(scope="module")
 def kda():
-    return load_module("kda128_target", BENCH / "kda128_target.py")
+    return load_module("kda128_target", BENCH / "engines" / "kda128_target.py")
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +98,13 @@ def test_transformers_loads_it_back_with_the_same_logits(built):
 @pytest.fixture
 def fake_check(monkeypatch, tmp_path, texts):
     """Run drafter_check.main against a target with the fake exllamav3 and a stand-in 6 bpw encoder."""
-    tests = REPO / "tests" / "convert"
+    tests = REPO / "tests" / "conversion"
     fakes = load_module("drafter_check_fakes", tests / "test_drafter_check.py")
     convert = fakes.stand_in_convert(monkeypatch)
 
     def run(target_args: list[str], generator_error: bool = False) -> tuple[int, dict, Path]:
-        distill = load_module("drafter_distill", BENCH / "drafter_distill.py")
-        check = load_module("drafter_check", BENCH / "drafter_check.py")
+        distill = load_module("drafter_distill", BENCH / "engines" / "drafter_distill.py")
+        check = load_module("drafter_check", BENCH / "engines" / "drafter_check.py")
         fake = fakes.FakeEngine(distill, generator_error=generator_error).module()
         monkeypatch.setitem(sys.modules, "exllamav3", fake)
         monkeypatch.setitem(sys.modules, "exllamav3.constants", fake.constants)

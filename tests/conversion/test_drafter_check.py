@@ -1,4 +1,4 @@
-"""bench/drafter_check.py and its torch drafter (bench/drafter_distill.py) on the CPU.
+"""bench/engines/drafter_check.py and its torch drafter (bench/engines/drafter_distill.py) on the CPU.
 
 exllamav3 needs CUDA, so the engine is replaced here by FakeEngine: a module with the names the bench imports
 (Config, Model, Cache, Tokenizer, Generator, Job, ArgmaxSampler, constants.PAGE_SIZE) whose drafter keeps the
@@ -19,7 +19,7 @@ import pytest
 import torch
 from module_loader import load_module
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "engines"
 
 
 def _bench(name: str):

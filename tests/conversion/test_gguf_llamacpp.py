@@ -21,7 +21,7 @@ from mixq.formats.gguf_reader import read_gguf, read_gguf_weights  # noqa: E402
 from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata  # noqa: E402
 from mixq.formats.gguf_writer import TensorOut, glm5next_kv, write_gguf  # noqa: E402
 
-# the llama-cpp-python sdist unpacked in ../vendor next to the repo (bench/llamacpp_tools.py)
+# the llama-cpp-python sdist unpacked in ../vendor next to the repo (bench/tools/llamacpp_tools.py)
 _VENDORED_LLAMA_CPP = Path(__file__).resolve().parents[3] / "vendor" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 
 CTX = 257  # scored positions 0..255: 256 tokens, as the yardsticks

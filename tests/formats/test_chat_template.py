@@ -111,7 +111,7 @@ def cpp_jinja(tmp_path_factory):
     import subprocess
     from pathlib import Path
 
-    # default: the llama-cpp-python sdist unpacked in ../vendor next to the repo (bench/llamacpp_tools.py)
+    # default: the llama-cpp-python sdist unpacked in ../vendor next to the repo (bench/tools/llamacpp_tools.py)
     src = Path(os.environ.get("MIXQ_LLAMA_CPP_SRC") or
                Path(__file__).resolve().parents[3] / "vendor" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp")
     if not (src / "common" / "jinja" / "runtime.cpp").is_file() or shutil.which("g++") is None:

@@ -35,7 +35,7 @@ def _server_binary() -> Path:
             or Path(__file__).resolve().parents[3] / "vendor" / "llama-build" / "bin" / "llama-server")
     p = Path(cand)
     if not p.is_file():
-        pytest.skip("llama-server not built (set MIXQ_LLAMA_SERVER; bench/llamacpp_tools.py builds it)")
+        pytest.skip("llama-server not built (set MIXQ_LLAMA_SERVER; bench/tools/llamacpp_tools.py builds it)")
     return p
 
 

@@ -1,7 +1,7 @@
 """mixq against exllamav3 itself: tests/data/exllamav3_tiny holds two EXL3 directories written by exllamav3 1.6.5's
 own converter (MCG at 2 bpw, MUL1 at 2.5 bpw; head at 6, NextN block at 3 / 3.5) from a tiny glm5_next model, with
 the weights exllamav3 reconstructs, its rotated-basis codebook values and its `Model.forward` logits, all saved
-in the same GPU run by bench/exllamav3_oracle.py (its docstring: the device command, what each file holds).
+in the same GPU run by bench/engines/exllamav3_oracle.py (its docstring: the device command, what each file holds).
 
 mixq inspects and verifies the directories, decodes the saved Linears to exllamav3's values (fp16 rounding; the
 rotated basis bit for bit), its torch forward of the decoded weights gives exllamav3's logits, and `mixq eval`
@@ -36,8 +36,8 @@ LOGITS_KLD_TOL = 1e-3
 
 pytestmark = pytest.mark.skipif(
     not (DATA / "oracle.json").is_file(),
-    reason="tests/data/exllamav3_tiny absent: written on a CUDA machine by bench/exllamav3_oracle.py "
-           "(python3 bench/exllamav3_oracle.py --out OUT/exllamav3_tiny, then copied to tests/data)")
+    reason="tests/data/exllamav3_tiny absent: written on a CUDA machine by bench/engines/exllamav3_oracle.py "
+           "(python3 bench/engines/exllamav3_oracle.py --out OUT/exllamav3_tiny, then copied to tests/data)")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def values() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_module("exllamav3_oracle", BENCH / "exllamav3_oracle.py")
+    return load_module("exllamav3_oracle", BENCH / "engines" / "exllamav3_oracle.py")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The GGUF converter and the i-quant types: llama-quantize's importance-matrix rule, checked before any writing.
 
 (The bytes themselves: tests/quant/test_kquants_iq.py; a whole k256 file against llama-quantize, type for type,
-with KLD in llama.cpp: bench/iq_ladder.py.)
+with KLD in llama.cpp: bench/quality/iq_ladder.py.)
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Trellis encoder: round trip, padding, stacked experts, distortion vs the R-D bound, LDLQ, determinism.
 
 The CPU Viterbi costs tens of ms per 16×16 tile and pass, so every encode here is a single 128×128 block
-(64 tiles) and encodes are shared between tests; larger tables live in bench/trellis.py (the H200 figures).
+(64 tiles) and encodes are shared between tests; larger tables live in bench/speed/trellis.py (the H200 figures).
 """
 from __future__ import annotations
 

@@ -21,13 +21,12 @@ from mixq.planning.sizes import parse_size_option
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.measurement.hessians import ROUNDINGS, check_rounding  # noqa: F401  (ROUNDINGS: the --rounding choices)
 from mixq.quant.device import parse_device
+from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN
 from mixq.runtime.distributed import parse_devices
 from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
 
 OPTIONS_VERSION = 1
-DEFAULT_ROWS = 64
-DEFAULT_SEQ_LEN = 512
 # GGUF --rounding hessian: descent steps per stage of the block-output tuning (conversion/gguf/tuning.py)
 DEFAULT_TUNE_ITERS = 200
 DEFAULT_EXL3_SHARD = 8192 * 2**20
@@ -146,8 +145,8 @@ class Exl3Options(_Options):
     size: int | str | None = _opt(None, "--size")
     overrides: tuple[str, ...] = _opt((), "--override")
     calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
-    rows: int = _opt(DEFAULT_ROWS, "--rows")
-    seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
+    rows: int = _opt(CALIBRATION_ROWS, "--rows")
+    seq_len: int = _opt(CALIBRATION_SEQ_LEN, "--seq-len")
     device: str | None = _opt(None, "--device")
     devices: tuple[str, ...] = _opt((), "--devices")
     shard_size: int | str = _opt(DEFAULT_EXL3_SHARD, "--shard-size")
@@ -225,8 +224,8 @@ class GGUFOptions(_Options):
     device: str | None = _opt(None, "--device")
     rounding: str = _opt("exact", "--rounding")
     calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
-    rows: int = _opt(DEFAULT_ROWS, "--rows")
-    seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
+    rows: int = _opt(CALIBRATION_ROWS, "--rows")
+    seq_len: int = _opt(CALIBRATION_SEQ_LEN, "--seq-len")
     tune_iters: int = _opt(DEFAULT_TUNE_ITERS, "--tune-iters")
     tune_group_iters: int | None = _opt(None, "--tune-group-iters")
     refine_passes: int | None = _opt(None, "--refine-passes")
@@ -285,7 +284,7 @@ class GGUFOptions(_Options):
         if self.mmproj is None and self.mmproj_type != "F16":
             raise InputError("--mmproj-type applies with --mmproj only")
         if self.rounding != "hessian":
-            for name, default in (("calibration", ()), ("rows", DEFAULT_ROWS), ("seq_len", DEFAULT_SEQ_LEN),
+            for name, default in (("calibration", ()), ("rows", CALIBRATION_ROWS), ("seq_len", CALIBRATION_SEQ_LEN),
                                   ("tune_iters", DEFAULT_TUNE_ITERS), ("tune_group_iters", None),
                                   ("refine_passes", None)):
                 if getattr(self, name) != default:
@@ -395,8 +394,8 @@ class FamilyOptions:
     base: GGUFOptions | Exl3Options
     targets: tuple[FamilyTarget, ...]
     imatrix_calibration: tuple[Union[str, Path], ...] = ()
-    imatrix_rows: int = DEFAULT_ROWS
-    imatrix_seq_len: int = DEFAULT_SEQ_LEN
+    imatrix_rows: int = CALIBRATION_ROWS
+    imatrix_seq_len: int = CALIBRATION_SEQ_LEN
 
     def member(self, target: FamilyTarget, **changes) -> GGUFOptions | Exl3Options:
         """The options of one member: `base` with this target (and `changes`, e.g. the family's imatrix)."""
@@ -488,7 +487,7 @@ def family_options(fmt: str = "gguf", **kwargs) -> FamilyOptions:
     if str(kw.get("rounding", "exact")).lower() == "exact" and kw.get("imatrix") is None:
         # --rounding exact has no calibration pass of its own: the family's calibration makes its imatrix
         cal = {"imatrix_calibration": _tuple(kw.pop("calibration", ())),
-               "imatrix_rows": kw.pop("rows", DEFAULT_ROWS), "imatrix_seq_len": kw.pop("seq_len", DEFAULT_SEQ_LEN)}
+               "imatrix_rows": kw.pop("rows", CALIBRATION_ROWS), "imatrix_seq_len": kw.pop("seq_len", CALIBRATION_SEQ_LEN)}
         _positive_int(GGUFOptions, "rows", cal["imatrix_rows"])
         _positive_int(GGUFOptions, "seq_len", cal["imatrix_seq_len"], 2)
     first = targets[0]

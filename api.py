@@ -21,7 +21,7 @@ from mixq.conversion.gguf.imatrix import make_imatrix
 from mixq.measurement.trellis import resolve_measure, save_curves
 from mixq.conversion.exl3.family import run_exl3_family
 from mixq.conversion.gguf.family import FamilyResult, run_family
-from mixq.conversion.options import Exl3Options, GGUFOptions, family_options, options_for
+from mixq.conversion.options import Exl3Options, GGUFOptions, ImatrixOptions, family_options, options_for
 from mixq.formats.outputs import check_outputs, writing
 from mixq.planning.display import format_plan
 from mixq.conversion.result import ConvertResult
@@ -43,7 +43,7 @@ from mixq.quant.device import resolve_device
 
 __all__ = ["inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "card", "imatrix",
            "demo",
-           "output_format", "PlanOptions", "EvalOptions", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
+           "output_format", "PlanOptions", "EvalOptions", "ImatrixOptions", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
            "format_report", "format_plan", "render_markdown", "format_demo",
            "MixqError", "InputError", "PlanError", "FormatError", "MixqWarning", "escape"]
 
@@ -160,10 +160,13 @@ def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite
 
 
 def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Sequence[str] | None = None,
-            **options) -> dict:
-    """A llama.cpp GGUF importance matrix of `model` from a calibration forward, written to `out` (`rows`,
-    `seq_len`, `device`, `overwrite`). Returns {"file", "entries", "chunks", "chunk_size", "datasets"}."""
-    return make_imatrix(model, out, list(calibration) if calibration else None, **options)
+            options: ImatrixOptions | None = None, **kwargs) -> dict:
+    """A llama.cpp GGUF importance matrix of `model` from a calibration forward, written to `out`. `options`: an
+    ImatrixOptions, or its fields as keywords (`rows`, `seq_len`, `device`, `overwrite`). Returns {"file",
+    "entries", "chunks", "chunk_size", "datasets"}."""
+    o = _options(ImatrixOptions, options, kwargs, "imatrix", calibration=calibration or None)
+    return make_imatrix(model, out, list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len, device=o.device,
+                        progress=o.progress, overwrite=o.overwrite)
 
 
 def demo(out_dir: str | os.PathLike = "mixq-demo", *, skip: Sequence[str] = (), progress: bool = False) -> dict:

@@ -312,46 +312,7 @@ def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
 @click.argument("model")
 @click.argument("out")
 @click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), default=None, help="Output format.  [default: gguf when OUT ends in .gguf, else exl3]")
-@click.option("--bpw", default=None, help="Target bits per weight of the budgeted tensors; x,y,z (with --format gguf or exl3) makes a family in the directory OUT (docs/family.md).")
-@click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB); A,B,C (with --format gguf or exl3) makes a family in the directory OUT (docs/family.md).")
-@click.option("--override", "overrides", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF mixes) per-tensor override, as `mixq plan` (repeatable).")
-@click.option("--calibration", multiple=True, type=click.Path(), help="EXL3, GGUF --rounding hessian: calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
-@click.option("--rows", type=int, default=None, help="EXL3, GGUF --rounding hessian: calibration rows.  [default: 64]")
-@click.option("--seq-len", type=int, default=None, help="EXL3, GGUF --rounding hessian: tokens per calibration row.  [default: 512]")
-@click.option("--device", default=None, help="cuda|cpu: EXL3 quantization, GGUF encoding [default: cuda when available; GGUF with --threads: cpu].")
-@click.option("--devices", default=None, help="EXL3: several devices of one type, one rank each (0,1 or cpu,cpu; or run under torchrun); the same output as one device.")
-@click.option("--shard-size", default=None, help="Max shard size (EXL3 default 8GiB; GGUF default: one file).")
-@click.option("--resume", is_flag=True, help="EXL3: continue an interrupted conversion in OUT.")
-@click.option("--overwrite", is_flag=True, help="GGUF: replace an existing OUT (and --mmproj file).")
-@click.option("--head-bits", type=float, default=None, help="lm_head bits (16 = unquantized; GGUF: with --bpw/--size).  [default: 6]")
-@click.option("--mtp-bits", type=float, default=None, help="Bits of the NextN block (GGUF: with --bpw/--size).  [default: 4]")
-@click.option("--vision-bits", type=float, default=None, help="Quantize the vision tower (EXL3) [default: source precision].")
-@click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
-@click.option("--measure", type=click.Path(), default=None,
-              help="Plan --bpw/--size with these error curves (`mixq plan --measure --measure-out FILE`; GGUF: "
-                   "measured with the same --rounding and --imatrix). An EXL3 family without it measures them once "
-                   "into OUT/<model>.exl3-curves.json (--measure proxy: the cheap proxy instead); a GGUF family "
-                   "with --measure kld measures them once into OUT/<model>.gguf-curves.json, every member's encodes "
-                   "then served from that measurement's.")
-@click.option("--rounding", type=click.Choice(["exact", "hessian"]), default=None,
-              help="GGUF: exact = ggml's encoder, byte-identical to llama-quantize; hessian = the same types and "
-                   "bytes, codes chosen for each layer's output error from a calibration pass (--calibration, "
-                   "--rows, --seq-len).  [default: exact]")
-@click.option("--tune-iters", type=int, default=None, help="GGUF --rounding hessian: descent steps per decoder layer that tune the codes (and the one fp16 scale of Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL blocks) for the layer's output on the quantized model's streams (0 = Hessian rounding alone).  [default: 200]")
-@click.option("--tune-group-iters", type=int, default=None, help="GGUF --rounding hessian: descent steps per group of routed experts, where a layer's experts do not fit the tuning memory at once and are tuned a group at a time (0 = those experts keep their Hessian rounding).  [default: --tune-iters / 8]")
-@click.option("--refine-passes", type=int, default=None, help="GGUF --rounding hessian: descent passes over the codes and scales after the rounding's feedback walk (0 = the walk alone).  [default: 0 for IQ2_S and 1 for Q2_K and IQ2_XS where tuning follows, else 3]")
-@click.option("--type", "qtype", default=None, help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).")
-@click.option("--imatrix", type=click.Path(), default=None, help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).")
-@click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default=None, help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  [default: k]")
-@click.option("--tensor-type", "tensor_type", multiple=True, help="GGUF: REGEX=TYPE on GGUF tensor names (repeatable; first match wins).")
-@click.option("--output-tensor-type", default=None, help="GGUF: type of output.weight.")
-@click.option("--token-embedding-type", default=None, help="GGUF: type of token_embd.weight.")
-@click.option("--tokenizer-pre", default=None, help="GGUF: force tokenizer.ggml.pre (e.g. gpt-2, glm4).")
-@click.option("--chat-template", type=click.Path(), default=None, help="GGUF: embed this Jinja file as tokenizer.chat_template.")
-@click.option("--fix-chat-template", is_flag=True, help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).")
-@click.option("--mmproj", type=click.Path(), default=None, help="GGUF: also write the vision projector to this .gguf.")
-@click.option("--mmproj-type", type=click.Choice(["F16", "Q8_0"], case_sensitive=False), default=None, help="GGUF: mmproj matrix type.  [default: F16]")
-@click.option("--threads", type=int, default=None, help="GGUF: CPU encoder worker processes (1 = in this process; output bytes do not depend on it) [default: all cores, or the GPU when present].")
+@_field_options(api.Exl3Options, api.GGUFOptions, defaults=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, as_json, **params) -> None:
@@ -375,9 +336,7 @@ def convert(model, out, fmt, as_json, **params) -> None:
     member calibrated and trellis-encoded on its own (its layers see its own quantized hidden states). Run the
     same command again to keep the finished members and continue an interrupted one.
     """
-    ctx = click.get_current_context()
-    given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    res = api.convert(model, out, fmt, **given)
+    res = api.convert(model, out, fmt, **_given(params, api.Exl3Options, api.GGUFOptions))
     if res is None:  # a rank other than 0 of a torchrun conversion: rank 0 reports
         return
     if as_json:
@@ -490,14 +449,10 @@ def demo(out_dir: str, no_exl3: bool, as_json: bool) -> None:
 @main.command()
 @click.argument("model")
 @click.argument("out")
-@click.option("--calibration", multiple=True, type=click.Path(), help="Calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
-@click.option("--rows", type=int, default=64, show_default=True, help="Calibration rows.")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration row.")
-@click.option("--device", default=None, help="cuda|cpu [default: cuda when available].")
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
+@_field_options(api.ImatrixOptions)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
-def imatrix(model, out, calibration, rows, seq_len, device, overwrite, as_json) -> None:
+def imatrix(model, out, as_json, **params) -> None:
     """Collect an importance matrix of MODEL and write it as a llama.cpp GGUF imatrix file OUT.
 
     \b
@@ -505,8 +460,7 @@ def imatrix(model, out, calibration, rows, seq_len, device, overwrite, as_json) 
       mixq imatrix ./GLM-5.3-Flash glm.imatrix.gguf --calibration calibration.txt
       mixq convert ./GLM-5.3-Flash glm-Q3_K_M.gguf --type Q3_K_M --imatrix glm.imatrix.gguf
     """
-    d = api.imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device,
-                     overwrite=overwrite)
+    d = api.imatrix(model, out, **_given(params, api.ImatrixOptions))
     if as_json:
         _print_json(d)
     else:

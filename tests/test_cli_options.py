@@ -19,6 +19,8 @@ CLI = Path(__file__).resolve().parent.parent / "cli.py"
 COMMANDS = {
     "plan": ((mixq.PlanOptions,), {"model", "per_tensor", "as_json"}),
     "eval": ((mixq.EvalOptions,), {"reference", "candidates", "text"}),
+    "convert": ((mixq.Exl3Options, mixq.GGUFOptions), {"model", "out", "fmt", "as_json"}),
+    "imatrix": ((mixq.ImatrixOptions,), {"model", "out", "as_json"}),
 }
 
 
@@ -43,7 +45,8 @@ def _option_param(call: ast.Call) -> str | None:
 
 
 # the functions of cli.py whose options are built from fields
-BUILT = {"plan": (mixq.PlanOptions,), "eval_cmd": (mixq.EvalOptions,)}
+BUILT = {"plan": (mixq.PlanOptions,), "eval_cmd": (mixq.EvalOptions,),
+         "convert": (mixq.Exl3Options, mixq.GGUFOptions), "imatrix": (mixq.ImatrixOptions,)}
 
 
 def test_cli_spells_no_default_an_options_field_defines():

@@ -21,16 +21,20 @@ from mixq.conversion.gguf.imatrix import make_imatrix
 from mixq.measurement.trellis import resolve_measure, save_curves
 from mixq.conversion.exl3.family import run_exl3_family
 from mixq.conversion.gguf.family import FamilyResult, run_family
-from mixq.conversion.options import Exl3Options, GGUFOptions, family_options, options_for
+from mixq.conversion.options import Exl3Options, GGUFOptions, ImatrixOptions, family_options, options_for
 from mixq.formats.outputs import check_outputs, writing
 from mixq.planning.display import format_plan
 from mixq.conversion.result import ConvertResult
 from mixq.demo_run import format_demo, run_demo
 from mixq.errors import FormatError, InputError, MixqError, MixqWarning, PlanError, escape
-from mixq.eval.api import DEFAULT_WINDOWS
+from mixq.eval.options import DEFAULT_WINDOWS, EvalOptions
 from mixq.eval.card import write_card
 from mixq.eval.api import evaluate as _evaluate_streamed
 from mixq.measurement.kld import measure_kld, run_plan
+from mixq.measurement.options import PlanOptions
+from mixq.planning.fit import FitResult
+from mixq.planning.option_fields import cli_fields, options_from
+from mixq.planning.types import Plan
 from mixq.eval.report import compare, render_markdown
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import validate_checkpoint
@@ -39,7 +43,7 @@ from mixq.quant.device import resolve_device
 
 __all__ = ["inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "card", "imatrix",
            "demo",
-           "output_format", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
+           "output_format", "PlanOptions", "EvalOptions", "ImatrixOptions", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
            "format_report", "format_plan", "render_markdown", "format_demo",
            "MixqError", "InputError", "PlanError", "FormatError", "MixqWarning", "escape"]
 
@@ -52,12 +56,27 @@ def inspect(path: str | os.PathLike) -> dict:
     return inspect_path(path)
 
 
-def plan(model: str | os.PathLike | None = None, fmt: str = "gguf", **options):
+def plan(model: str | os.PathLike | None = None, fmt: str | None = None, options: PlanOptions | None = None,
+         **kwargs) -> Plan | FitResult:
     """Bits (EXL3) or ggml types (GGUF) and bytes of every tensor of `model` (or `from_config=CONFIG`), to a
-    target (`bpw`, `size` or `qtype`); with `fit`, whether the files fit a machine at a `context`. Options as
-    `mixq plan` takes them (`measure` a mode or curves, `measure_out`, `overwrite`, ...). Returns a Plan
+    target (`bpw`, `size` or `qtype`); with `fit`, whether the files fit a machine at a `context`. `options`: a
+    PlanOptions, or its fields as keywords (`fmt` included; an unknown keyword is an InputError). Returns a Plan
     (`format_plan` renders it) or a FitResult."""
-    return run_plan(None if model is None else str(model), fmt, **options)
+    options = _options(PlanOptions, options, kwargs, "plan", fmt=fmt)
+    return run_plan(None if model is None else str(model), options)
+
+
+def _options(cls, options, kwargs: dict, verb: str, **positional):
+    """`options` as given, or built from keywords (and the positional ones that were given); not both."""
+    kwargs = {**{k: v for k, v in positional.items() if v is not None}, **kwargs}
+    if options is None:
+        return options_from(cls, kwargs, verb)
+    if not isinstance(options, cls):
+        raise InputError(f"{verb} options: expected {cls.__name__}, not {type(options).__name__}")
+    if kwargs:
+        raise InputError(f"give {verb} options as {cls.__name__} or as keywords, not both "
+                         f"({', '.join(sorted(kwargs))})")
+    return options
 
 
 def measure(model: str | os.PathLike, fmt: str = "exl3", *, method: str = "kld", calibration: Sequence[str] = (),
@@ -106,20 +125,19 @@ def convert(model: str | os.PathLike, out: str | os.PathLike, options=None, **kw
 
 
 def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLike] = (),
-             text: str | os.PathLike | None = None, **options) -> dict | None:
+             text: str | os.PathLike | None = None, options: EvalOptions | None = None, **kwargs) -> dict | None:
     """KLD / top-1 / PPL of `candidates` (HF, EXL3 directories, GGUF files) against `reference` on held-out
-    `text` (or `ref_logits=FILE`); options as `mixq eval` takes them (`ctx`, `windows`, `json_out`,
-    `markdown_out`, `save_ref`, `overwrite`, `engine`, `device`, ...; `windows` is DEFAULT_WINDOWS unless given,
-    "all" for every window, as on the command line). The device is resolved and the outputs are
-    checked before the (long) forward; a full disk met while writing them is one InputError. Returns the report
-    (None on a worker rank of a multi-device run)."""
-    if options.get("device") is not None:
-        resolve_device(options["device"])
-    if options.get("windows") is None:
-        options["windows"] = DEFAULT_WINDOWS
-    outs = [options.get(k) for k in ("json_out", "markdown_out", "save_ref")]
+    `text` (or `ref_logits=FILE`). `options`: an EvalOptions, or its fields as keywords (`ctx`, `windows`,
+    `json_out`, `markdown_out`, `save_ref`, `overwrite`, `engine`, `device`, ...; `windows` is DEFAULT_WINDOWS
+    unless given, "all" or None for every window; an unknown keyword is an InputError). The device is resolved
+    and the outputs are checked before the (long) forward; a full disk met while writing them is one InputError.
+    Returns the report (None on a worker rank of a multi-device run)."""
+    options = _options(EvalOptions, options, kwargs, "eval")
+    if options.device is not None:
+        resolve_device(options.device)  # a CUDA device this machine lacks: refused before anything is read
+    outs = [options.json_out, options.markdown_out, options.save_ref]
     with writing(*[p for p in outs if p is not None and p != "-"]):
-        return _evaluate_streamed(reference, list(candidates), text, **options)
+        return _evaluate_streamed(reference, list(candidates), text, options)
 
 
 def family(model: str | os.PathLike, out_dir: str | os.PathLike, fmt: str = "gguf", **options) -> FamilyResult:
@@ -142,10 +160,13 @@ def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite
 
 
 def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Sequence[str] | None = None,
-            **options) -> dict:
-    """A llama.cpp GGUF importance matrix of `model` from a calibration forward, written to `out` (`rows`,
-    `seq_len`, `device`, `overwrite`). Returns {"file", "entries", "chunks", "chunk_size", "datasets"}."""
-    return make_imatrix(model, out, list(calibration) if calibration else None, **options)
+            options: ImatrixOptions | None = None, **kwargs) -> dict:
+    """A llama.cpp GGUF importance matrix of `model` from a calibration forward, written to `out`. `options`: an
+    ImatrixOptions, or its fields as keywords (`rows`, `seq_len`, `device`, `overwrite`). Returns {"file",
+    "entries", "chunks", "chunk_size", "datasets"}."""
+    o = _options(ImatrixOptions, options, kwargs, "imatrix", calibration=calibration or None)
+    return make_imatrix(model, out, list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len, device=o.device,
+                        progress=o.progress, overwrite=o.overwrite)
 
 
 def demo(out_dir: str | os.PathLike = "mixq-demo", *, skip: Sequence[str] = (), progress: bool = False) -> dict:

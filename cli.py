@@ -175,6 +175,61 @@ def main() -> None:
     _quiet_transformers()
 
 
+# --- options built from the fields of the options objects (api.PlanOptions, ...): flag, help and default once ---
+_CLICK_TYPES = {"int": int, "float": float, "text": str}
+
+
+def _click_option(f, *, defaults: bool = True):
+    """The click option of options field `f` (its metadata: flag, help, how it is read). `defaults` False: the
+    option has no default of its own (convert's, whose defaults depend on the format)."""
+    m = f.metadata
+    kw = {"help": m["help"], "show_default": m["show_default"] and defaults}
+    if m["is_flag"]:
+        kw["is_flag"] = True
+    elif m["choices"]:
+        kw["type"] = click.Choice(list(m["choices"]), case_sensitive=m["case_sensitive"])
+    elif m["click_type"] == "path":
+        kw["type"] = click.Path(exists=m["must_exist"])
+    elif m["click_type"]:
+        kw["type"] = _CLICK_TYPES[m["click_type"]]
+    if m["multiple"]:
+        kw["multiple"] = True
+    if m["flag_value"] is not None:
+        kw.update(is_flag=False, flag_value=m["flag_value"])
+    if m["metavar"]:
+        kw["metavar"] = m["metavar"]
+    if m["required"]:
+        kw["required"] = True
+    elif defaults and not m["is_flag"] and not m["multiple"]:
+        kw["default"] = f.default
+    decls = [m["flag"]] + ([m["secondary"]] if m["secondary"] else [])
+    return click.option(*decls, f.name, **kw)
+
+
+def _field_options(*classes, defaults: bool = True):
+    """Decorator: a click option for every command-line field of `classes` (a name two classes share, once)."""
+    seen: dict[str, object] = {}
+    for cls in classes:
+        for f in api.cli_fields(cls):
+            seen.setdefault(f.name, f)
+
+    def decorate(fn):
+        for f in reversed(list(seen.values())):  # click lists the options in the order they are applied, reversed
+            fn = _click_option(f, defaults=defaults)(fn)
+        return fn
+
+    return decorate
+
+
+def _given(params: dict, *classes) -> dict:
+    """The options the user gave (not click's defaults, which are the fields' own), as field values: a switch
+    such as --no-mtp that turns a field off gives False."""
+    ctx = click.get_current_context()
+    negated = {f.name for cls in classes for f in api.cli_fields(cls) if f.metadata["negate"]}
+    return {k: (not v if k in negated else v) for k, v in params.items()
+            if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+
+
 # --- commands are added below, one function each ---
 
 
@@ -202,22 +257,9 @@ def inspect(model: str, as_json: bool) -> None:
 @click.argument("reference")
 @click.argument("candidates", nargs=-1)
 @click.option("--text", type=click.Path(), help="Held-out text file (not needed with --ref-logits).")
-@click.option("--ctx", type=int, default=None, help="Window length in tokens [default: 512, or the --ref-logits file's].")
-@click.option("--windows", default=None, metavar="N|all", help="Score the first N windows, or all of them.  [default: 32]")
-@click.option("--score", type=click.Choice(["half", "all"]), default="half", show_default=True, help="Score the second half of each window (llama-perplexity) or every position.")
-@click.option("--save-ref", type=click.Path(), help="Write the reference log-probs to FILE for later --ref-logits runs.")
-@click.option("--ref-logits", type=click.Path(), help="Reuse reference log-probs (and tokens) from a --save-ref FILE.")
-@click.option("--ref-dtype", type=click.Choice(["float32", "float16", "uint16"]), default="float32", show_default=True, help="Storage of --save-ref log-probs (uint16: quantized as llama.cpp's KL base, half the size; docs/eval.md).")
-@click.option("--engine", type=click.Choice(["torch", "llamacpp", "exllamav3"]), default="torch", show_default=True, help="llamacpp: GGUF candidates take logits from llama.cpp itself; exllamav3: EXL3 candidates from exllamav3's own forward (CUDA).")
-@click.option("--cache-type", type=click.Choice(["f32", "f16", "q8_0"]), default=None, help="llama.cpp KV cache type of GGUF candidates under --engine llamacpp.  [default: f32]")
-@click.option("--device", default=None, help="torch device [default: cuda when present, else cpu].")
-@click.option("--devices", default=None, help="Deal the windows over several devices of one type (0,1 or cpu,cpu; or run under torchrun); the same numbers.")
-@click.option("--state-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True, help="Storage of the hidden states of all windows (bfloat16 halves them; float32 gives a whole-model forward's numbers).")
-@click.option("--json", "json_out", type=click.Path(), help="Write the JSON report to OUT ('-' prints it).")
-@click.option("--markdown", "markdown_out", type=click.Path(), help="Write a markdown table to OUT.")
-@click.option("--overwrite", is_flag=True, help="Replace existing --json / --markdown / --save-ref files.")
+@_field_options(api.EvalOptions)
 @_reports_errors
-def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine, cache_type, device, devices, state_dtype, json_out, markdown_out, overwrite) -> None:
+def eval_cmd(reference, candidates, text, **params) -> None:
     """KLD, top-1 agreement and perplexity of CANDIDATES (HF dirs, EXL3 dirs, GGUF files) against REFERENCE.
 
     Scores the first 32 windows of --ctx tokens by default (like llama-perplexity --chunks 32); the progress
@@ -229,12 +271,11 @@ def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_log
       mixq eval ./GLM-5.3-Flash --text heldout.txt --save-ref ref.bin           # reference once
       mixq eval ./GLM-5.3-Flash glm-exl3 glm.gguf --ref-logits ref.bin --json -
     """
-    report = api.evaluate(
-        reference, list(candidates), text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
-        ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type, device=device,
-        state_dtype=state_dtype, json_out=None if json_out == "-" else json_out, markdown_out=markdown_out,
-        devices=devices, overwrite=overwrite,
-    )
+    given = _given(params, api.EvalOptions)
+    json_out = given.pop("json_out", None)
+    if json_out != "-":  # "-": the report is printed here, not written by evaluate
+        given["json_out"] = json_out
+    report = api.evaluate(reference, list(candidates), text, **given)
     if report is None:  # a rank other than 0 of a torchrun evaluation: rank 0 reports
         return
     if json_out == "-":
@@ -242,7 +283,7 @@ def eval_cmd(reference, candidates, text, ctx, windows, score, save_ref, ref_log
     elif report["candidates"]:
         click.echo(api.render_markdown(report), nl=False)
     else:
-        click.echo(f"reference log-probs written to {save_ref}")
+        click.echo(f"reference log-probs written to {given.get('save_ref')}")
 
 
 @main.command()
@@ -271,46 +312,7 @@ def compare(reports, plot, markdown_out, as_json, overwrite) -> None:
 @click.argument("model")
 @click.argument("out")
 @click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), default=None, help="Output format.  [default: gguf when OUT ends in .gguf, else exl3]")
-@click.option("--bpw", default=None, help="Target bits per weight of the budgeted tensors; x,y,z (with --format gguf or exl3) makes a family in the directory OUT (docs/family.md).")
-@click.option("--size", default=None, help="Target size instead of --bpw (e.g. 108G, 500MiB); A,B,C (with --format gguf or exl3) makes a family in the directory OUT (docs/family.md).")
-@click.option("--override", "overrides", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF mixes) per-tensor override, as `mixq plan` (repeatable).")
-@click.option("--calibration", multiple=True, type=click.Path(), help="EXL3, GGUF --rounding hessian: calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
-@click.option("--rows", type=int, default=None, help="EXL3, GGUF --rounding hessian: calibration rows.  [default: 64]")
-@click.option("--seq-len", type=int, default=None, help="EXL3, GGUF --rounding hessian: tokens per calibration row.  [default: 512]")
-@click.option("--device", default=None, help="cuda|cpu: EXL3 quantization, GGUF encoding [default: cuda when available; GGUF with --threads: cpu].")
-@click.option("--devices", default=None, help="EXL3: several devices of one type, one rank each (0,1 or cpu,cpu; or run under torchrun); the same output as one device.")
-@click.option("--shard-size", default=None, help="Max shard size (EXL3 default 8GiB; GGUF default: one file).")
-@click.option("--resume", is_flag=True, help="EXL3: continue an interrupted conversion in OUT.")
-@click.option("--overwrite", is_flag=True, help="GGUF: replace an existing OUT (and --mmproj file).")
-@click.option("--head-bits", type=float, default=None, help="lm_head bits (16 = unquantized; GGUF: with --bpw/--size).  [default: 6]")
-@click.option("--mtp-bits", type=float, default=None, help="Bits of the NextN block (GGUF: with --bpw/--size).  [default: 4]")
-@click.option("--vision-bits", type=float, default=None, help="Quantize the vision tower (EXL3) [default: source precision].")
-@click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
-@click.option("--measure", type=click.Path(), default=None,
-              help="Plan --bpw/--size with these error curves (`mixq plan --measure --measure-out FILE`; GGUF: "
-                   "measured with the same --rounding and --imatrix). An EXL3 family without it measures them once "
-                   "into OUT/<model>.exl3-curves.json (--measure proxy: the cheap proxy instead); a GGUF family "
-                   "with --measure kld measures them once into OUT/<model>.gguf-curves.json, every member's encodes "
-                   "then served from that measurement's.")
-@click.option("--rounding", type=click.Choice(["exact", "hessian"]), default=None,
-              help="GGUF: exact = ggml's encoder, byte-identical to llama-quantize; hessian = the same types and "
-                   "bytes, codes chosen for each layer's output error from a calibration pass (--calibration, "
-                   "--rows, --seq-len).  [default: exact]")
-@click.option("--tune-iters", type=int, default=None, help="GGUF --rounding hessian: descent steps per decoder layer that tune the codes (and the one fp16 scale of Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL blocks) for the layer's output on the quantized model's streams (0 = Hessian rounding alone).  [default: 200]")
-@click.option("--tune-group-iters", type=int, default=None, help="GGUF --rounding hessian: descent steps per group of routed experts, where a layer's experts do not fit the tuning memory at once and are tuned a group at a time (0 = those experts keep their Hessian rounding).  [default: --tune-iters / 8]")
-@click.option("--refine-passes", type=int, default=None, help="GGUF --rounding hessian: descent passes over the codes and scales after the rounding's feedback walk (0 = the walk alone).  [default: 0 for IQ2_S and 1 for Q2_K and IQ2_XS where tuning follows, else 3]")
-@click.option("--type", "qtype", default=None, help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).")
-@click.option("--imatrix", type=click.Path(), default=None, help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).")
-@click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default=None, help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  [default: k]")
-@click.option("--tensor-type", "tensor_type", multiple=True, help="GGUF: REGEX=TYPE on GGUF tensor names (repeatable; first match wins).")
-@click.option("--output-tensor-type", default=None, help="GGUF: type of output.weight.")
-@click.option("--token-embedding-type", default=None, help="GGUF: type of token_embd.weight.")
-@click.option("--tokenizer-pre", default=None, help="GGUF: force tokenizer.ggml.pre (e.g. gpt-2, glm4).")
-@click.option("--chat-template", type=click.Path(), default=None, help="GGUF: embed this Jinja file as tokenizer.chat_template.")
-@click.option("--fix-chat-template", is_flag=True, help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).")
-@click.option("--mmproj", type=click.Path(), default=None, help="GGUF: also write the vision projector to this .gguf.")
-@click.option("--mmproj-type", type=click.Choice(["F16", "Q8_0"], case_sensitive=False), default=None, help="GGUF: mmproj matrix type.  [default: F16]")
-@click.option("--threads", type=int, default=None, help="GGUF: CPU encoder worker processes (1 = in this process; output bytes do not depend on it) [default: all cores, or the GPU when present].")
+@_field_options(api.Exl3Options, api.GGUFOptions, defaults=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
 def convert(model, out, fmt, as_json, **params) -> None:
@@ -334,9 +336,7 @@ def convert(model, out, fmt, as_json, **params) -> None:
     member calibrated and trellis-encoded on its own (its layers see its own quantized hidden states). Run the
     same command again to keep the finished members and continue an interrupted one.
     """
-    ctx = click.get_current_context()
-    given = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
-    res = api.convert(model, out, fmt, **given)
+    res = api.convert(model, out, fmt, **_given(params, api.Exl3Options, api.GGUFOptions))
     if res is None:  # a rank other than 0 of a torchrun conversion: rank 0 reports
         return
     if as_json:
@@ -401,47 +401,11 @@ def verify(path, no_decode, as_json) -> None:
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("--from-config", type=click.Path(), help="Plan from a config.json alone (shapes, no weights).")
-@click.option("--format", "fmt", type=click.Choice(["exl3", "gguf"]), required=True, help="Output format.")
-@click.option("--bpw", type=float, help="Target bits per weight (EXL3: exllamav3's bits convention).")
-@click.option("--size", help="Target total bytes of the model files: 108GB (10^9) or 100GiB (2^30).")
-@click.option("--type", "qtype", help="GGUF: a llama-quantize mix (Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, Q8_0).")
-@click.option("--override", multiple=True, help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF); role, glob or regex.")
-@click.option("--head-bits", type=float, default=6, show_default=True, help="lm_head bits (16 = unquantized).")
-@click.option("--mtp-bits", type=float, default=4, show_default=True, help="NextN block bits.")
-@click.option("--vision-bits", type=float, help="EXL3 vision tower bits (default: source precision).")
-@click.option("--no-mtp", is_flag=True, help="Leave the NextN block out.")
-@click.option("--gguf-ladder", type=click.Choice(["k", "iq"]), default="k", show_default=True,
-              help="Custom GGUF candidate types: K-quants, or K-quants plus IQ2_XXS..IQ4_XS.")
-@click.option("--measure", is_flag=False, flag_value="kld", default=None,
-              help="EXL3 sensitivity mode. Alone (= 'kld'): a calibration pass measures each unit's loss at every "
-                   "rate with the trellis quantizer, scaled to the unit's end-to-end KLD (holds the model in "
-                   "memory); 'trellis' = the per-Linear loss alone (for models that do not fit; it mis-ranks "
-                   "units); 'proxy' = the cheap Hessian-trace proxy; or a JSON file of curves {unit: {bits: error}}.")
-@click.option("--measure-out", type=click.Path(), help="--measure: save the measured curves as JSON for reuse.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing --measure-out file.")
-@click.option("--measure-sample", default="auto", show_default=True,
-              help="--measure: STRIPS,EXPERTS sampled per matrix / per layer (e.g. 4,8), 'all', or 'auto' "
-                   "(1,2 on CPU; on CUDA all, or 8,16 beyond 2e9 budgeted weights).")
-@click.option("--device", help="--measure: cuda|cpu [default: cuda when available].")
-@click.option("--calibration", multiple=True, type=click.Path(exists=True), help="--measure: calibration text.")
-@click.option("--rounding", type=click.Choice(["exact", "hessian"]), default="exact", show_default=True,
-              help="GGUF --measure: the rounding the conversion will use (the curves measure it).")
-@click.option("--imatrix", type=click.Path(exists=True), default=None,
-              help="GGUF --measure: the imatrix the conversion will use.")
-@click.option("--fit", help="Memory to fit (weights + cache + reserve), e.g. 121GB.")
-@click.option("--context", help="Context length for --fit, e.g. 262144 or 256K.")
-@click.option("--cache", help="Cache type: llama.cpp f16/q8_0/q4_0/...; exllamav3 fp16/q8/q6/q4.")
-@click.option("--reserve", help="Compute/scratch reserve for --fit (default 4GB).")
-@click.option("--mmproj", is_flag=True, help="--fit: also hold the GGUF vision projector file.")
-@click.option("--devices", help="--fit: split layers over cards, e.g. 64GB,64GB.")
-@click.option("--seqs", type=int, default=1, show_default=True, help="--fit: parallel sequences (cache slots).")
+@_field_options(api.PlanOptions)
 @click.option("--tensors/--summary", "--per-tensor", "per_tensor", default=False, help="Also print every tensor pattern (layers/experts collapsed) with its bits/type mix.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan (or fit) as JSON.")
 @_reports_errors
-def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bits, vision_bits, no_mtp, gguf_ladder,
-         measure, measure_out, overwrite, measure_sample, device, calibration, rounding, imatrix, fit, context, cache,
-         reserve, mmproj, devices, seqs, per_tensor, as_json) -> None:
+def plan(model, per_tensor, as_json, **params) -> None:
     """Plan every tensor's bits/type and bytes for MODEL (or --from-config) before converting. Prints the
     per-role summary and the file size (--tensors: every tensor pattern too); with --fit, whether it fits.
 
@@ -451,12 +415,7 @@ def plan(model, from_config, fmt, bpw, size, qtype, override, head_bits, mtp_bit
       mixq plan --from-config config.json --format exl3 --size 108GB --fit 121GB --context 256K
       mixq plan ./GLM-5.3-Flash --format exl3 --bpw 2.7 --tensors
     """
-    res = api.plan(model, fmt, from_config=from_config, bpw=bpw, size=size, qtype=qtype, overrides=override,
-                   head_bits=head_bits, mtp_bits=mtp_bits, vision_bits=vision_bits, include_mtp=not no_mtp,
-                   gguf_ladder=gguf_ladder, measure=measure, fit=fit, context=context, cache=cache,
-                   reserve=reserve, mmproj=mmproj, devices=devices, n_seq=seqs, calibration=calibration,
-                   measure_out=measure_out, measure_sample=measure_sample, device=device, rounding=rounding,
-                   imatrix=imatrix, overwrite=overwrite)
+    res = api.plan(model, **_given(params, api.PlanOptions))
     if as_json:
         _print_json(res.to_dict())
     elif hasattr(res, "headroom"):
@@ -490,14 +449,10 @@ def demo(out_dir: str, no_exl3: bool, as_json: bool) -> None:
 @main.command()
 @click.argument("model")
 @click.argument("out")
-@click.option("--calibration", multiple=True, type=click.Path(), help="Calibration .txt/.jsonl file (repeatable) [default: built-in sample].")
-@click.option("--rows", type=int, default=64, show_default=True, help="Calibration rows.")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration row.")
-@click.option("--device", default=None, help="cuda|cpu [default: cuda when available].")
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
+@_field_options(api.ImatrixOptions)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_reports_errors
-def imatrix(model, out, calibration, rows, seq_len, device, overwrite, as_json) -> None:
+def imatrix(model, out, as_json, **params) -> None:
     """Collect an importance matrix of MODEL and write it as a llama.cpp GGUF imatrix file OUT.
 
     \b
@@ -505,8 +460,7 @@ def imatrix(model, out, calibration, rows, seq_len, device, overwrite, as_json) 
       mixq imatrix ./GLM-5.3-Flash glm.imatrix.gguf --calibration calibration.txt
       mixq convert ./GLM-5.3-Flash glm-Q3_K_M.gguf --type Q3_K_M --imatrix glm.imatrix.gguf
     """
-    d = api.imatrix(model, out, list(calibration) or None, rows=rows, seq_len=seq_len, device=device,
-                     overwrite=overwrite)
+    d = api.imatrix(model, out, **_given(params, api.ImatrixOptions))
     if as_json:
         _print_json(d)
     else:

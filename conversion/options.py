@@ -1,4 +1,4 @@
-"""Typed options of `mixq convert`: one frozen dataclass per output format, checked when built.
+"""Typed options of `mixq convert` (one frozen dataclass per output format) and `mixq imatrix`, checked when built.
 
 `Exl3Options` and `GGUFOptions` hold every setting of a conversion; `mixq.convert(model, out, options)` runs one.
 Building an options object checks each value on its own (a known type, a positive count, a parsable size) and
@@ -6,13 +6,15 @@ raises InputError naming the option as the command line spells it; checks that n
 run in the converter's resolve/validate steps, before any output is written. `options_for(fmt, **kwargs)` builds
 the options of a format from keyword arguments (the old `convert(model, out, "gguf", **kwargs)` form): an option
 of the other format, or one neither has, is an InputError naming the option and the format.
-`to_dict()` / `from_dict()` carry a version, for job files and reports.
+`to_dict()` / `from_dict()` carry a version, for job files and reports. Each field carries its flag and help
+(planning/option_fields.opt; CONVERT_FLAGS says how `mixq convert` reads a flag both formats share): the command
+line builds its options from them. `ImatrixOptions`: the calibration forward of `mixq imatrix`.
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Union
 
@@ -21,13 +23,13 @@ from mixq.planning.sizes import parse_size_option
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.measurement.hessians import ROUNDINGS, check_rounding  # noqa: F401  (ROUNDINGS: the --rounding choices)
 from mixq.quant.device import parse_device
+from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN
 from mixq.runtime.distributed import parse_devices
 from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
+from mixq.planning.option_fields import flag_of, opt
 
 OPTIONS_VERSION = 1
-DEFAULT_ROWS = 64
-DEFAULT_SEQ_LEN = 512
 # GGUF --rounding hessian: descent steps per stage of the block-output tuning (conversion/gguf/tuning.py)
 DEFAULT_TUNE_ITERS = 200
 DEFAULT_EXL3_SHARD = 8192 * 2**20
@@ -37,17 +39,78 @@ GGUF_LADDERS = ("k", "iq")
 CODEBOOKS = ("mul1", "mcg")
 
 
-def _opt(default: Any = None, flag: str | None = None, **kw) -> Any:
-    """A dataclass field whose command-line spelling (for messages) is `flag`."""
-    if isinstance(default, (list, dict, set)):
-        raise TypeError("mutable default")
-    return field(default=default, metadata={"flag": flag}, **kw)
+# how `mixq convert` reads each flag (one entry for a flag both formats have); defaults come from the fields and,
+# where they depend on the format, are said here from the same constants
+CONVERT_FLAGS: dict[str, dict[str, Any]] = {
+    "--bpw": dict(help="Target bits per weight of the budgeted tensors; x,y,z (with --format gguf or exl3) makes a "
+                  "family in the directory OUT (docs/family.md).", click_type="text"),
+    "--size": dict(help="Target size instead of --bpw (e.g. 108G, 500MiB); A,B,C (with --format gguf or exl3) makes "
+                   "a family in the directory OUT (docs/family.md).", click_type="text"),
+    "--override": dict(help="PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF mixes) per-tensor override, as `mixq plan` "
+                       "(repeatable).", multiple=True),
+    "--calibration": dict(help="EXL3, GGUF --rounding hessian: calibration .txt/.jsonl file (repeatable) [default: "
+                          "built-in sample].", multiple=True, click_type="path"),
+    "--rows": dict(help=f"EXL3, GGUF --rounding hessian: calibration rows.  [default: {CALIBRATION_ROWS}]",
+                   click_type="int"),
+    "--seq-len": dict(help="EXL3, GGUF --rounding hessian: tokens per calibration row.  "
+                      f"[default: {CALIBRATION_SEQ_LEN}]", click_type="int"),
+    "--device": dict(help="cuda|cpu: EXL3 quantization, GGUF encoding [default: cuda when available; GGUF with "
+                     "--threads: cpu].", click_type="text"),
+    "--devices": dict(help="EXL3: several devices of one type, one rank each (0,1 or cpu,cpu; or run under "
+                      "torchrun); the same output as one device.", click_type="text"),
+    "--shard-size": dict(help=f"Max shard size (EXL3 default {DEFAULT_EXL3_SHARD // 2**30}GiB; GGUF default: one "
+                         "file).", click_type="text"),
+    "--resume": dict(help="EXL3: continue an interrupted conversion in OUT.", is_flag=True),
+    "--overwrite": dict(help="GGUF: replace an existing OUT (and --mmproj file).", is_flag=True),
+    "--head-bits": dict(help="lm_head bits (16 = unquantized; GGUF: with --bpw/--size).  "
+                        f"[default: {DEFAULT_HEAD_BITS}]", click_type="float"),
+    "--mtp-bits": dict(help=f"Bits of the NextN block (GGUF: with --bpw/--size).  [default: {DEFAULT_MTP_BITS}]",
+                       click_type="float"),
+    "--vision-bits": dict(help="Quantize the vision tower (EXL3) [default: source precision].", click_type="float"),
+    "--no-mtp": dict(help="Leave the NextN block out.", negate=True),
+    "--measure": dict(help="Plan --bpw/--size with these error curves (`mixq plan --measure --measure-out FILE`; "
+                      "GGUF: measured with the same --rounding and --imatrix). An EXL3 family without it measures "
+                      "them once into OUT/<model>.exl3-curves.json (--measure proxy: the cheap proxy instead); a GGUF "
+                      "family with --measure kld measures them once into OUT/<model>.gguf-curves.json, every "
+                      "member's encodes then served from that measurement's.", click_type="path"),
+    "--rounding": dict(help="GGUF: exact = ggml's encoder, byte-identical to llama-quantize; hessian = the same "
+                       "types and bytes, codes chosen for each layer's output error from a calibration pass "
+                       f"(--calibration, --rows, --seq-len).  [default: {ROUNDINGS[0]}]", choices=ROUNDINGS),
+    "--tune-iters": dict(help="GGUF --rounding hessian: descent steps per decoder layer that tune the codes (and the "
+                         "one fp16 scale of Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL blocks) for the layer's output on the "
+                         "quantized model's streams (0 = Hessian rounding alone).  "
+                         f"[default: {DEFAULT_TUNE_ITERS}]", click_type="int"),
+    "--tune-group-iters": dict(help="GGUF --rounding hessian: descent steps per group of routed experts, where a "
+                               "layer's experts do not fit the tuning memory at once and are tuned a group at a "
+                               "time (0 = those experts keep their Hessian rounding).  [default: --tune-iters / 8]",
+                               click_type="int"),
+    "--refine-passes": dict(help="GGUF --rounding hessian: descent passes over the codes and scales after the "
+                            "rounding's feedback walk (0 = the walk alone).  [default: 0 for IQ2_S and 1 for Q2_K "
+                            "and IQ2_XS where tuning follows, else 3]", click_type="int"),
+    "--type": dict(help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).", click_type="text"),
+    "--imatrix": dict(help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).", click_type="path"),
+    "--gguf-ladder": dict(help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  "
+                          f"[default: {GGUF_LADDERS[0]}]", choices=GGUF_LADDERS),
+    "--tensor-type": dict(help="GGUF: REGEX=TYPE on GGUF tensor names (repeatable; first match wins).",
+                          multiple=True),
+    "--output-tensor-type": dict(help="GGUF: type of output.weight.", click_type="text"),
+    "--token-embedding-type": dict(help="GGUF: type of token_embd.weight.", click_type="text"),
+    "--tokenizer-pre": dict(help="GGUF: force tokenizer.ggml.pre (e.g. gpt-2, glm4).", click_type="text"),
+    "--chat-template": dict(help="GGUF: embed this Jinja file as tokenizer.chat_template.", click_type="path"),
+    "--fix-chat-template": dict(help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).",
+                                is_flag=True),
+    "--mmproj": dict(help="GGUF: also write the vision projector to this .gguf.", click_type="path"),
+    "--mmproj-type": dict(help=f"GGUF: mmproj matrix type.  [default: {MMPROJ_TYPES[0]}]", choices=MMPROJ_TYPES,
+                          case_sensitive=False),
+    "--threads": dict(help="GGUF: CPU encoder worker processes (1 = in this process; output bytes do not depend on "
+                      "it) [default: all cores, or the GPU when present].", click_type="int"),
+}
 
 
-def flag_of(cls, name: str) -> str:
-    """The command-line spelling of option `name` of an options class ("--seq-len" for seq_len)."""
-    f = next((f for f in fields(cls) if f.name == name), None)
-    return (f.metadata.get("flag") if f is not None else None) or "--" + name.replace("_", "-")
+def _opt(default: Any = None, flag: str | None = None) -> Any:
+    """A field of a convert options class: `flag`'s command-line reading (help, type) from CONVERT_FLAGS, shared by
+    the two formats' classes."""
+    return opt(default, flag, **CONVERT_FLAGS.get(flag, {}))
 
 
 def _positive_int(cls, name: str, v, minimum: int = 1) -> None:
@@ -146,8 +209,8 @@ class Exl3Options(_Options):
     size: int | str | None = _opt(None, "--size")
     overrides: tuple[str, ...] = _opt((), "--override")
     calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
-    rows: int = _opt(DEFAULT_ROWS, "--rows")
-    seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
+    rows: int = _opt(CALIBRATION_ROWS, "--rows")
+    seq_len: int = _opt(CALIBRATION_SEQ_LEN, "--seq-len")
     device: str | None = _opt(None, "--device")
     devices: tuple[str, ...] = _opt((), "--devices")
     shard_size: int | str = _opt(DEFAULT_EXL3_SHARD, "--shard-size")
@@ -225,8 +288,8 @@ class GGUFOptions(_Options):
     device: str | None = _opt(None, "--device")
     rounding: str = _opt("exact", "--rounding")
     calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
-    rows: int = _opt(DEFAULT_ROWS, "--rows")
-    seq_len: int = _opt(DEFAULT_SEQ_LEN, "--seq-len")
+    rows: int = _opt(CALIBRATION_ROWS, "--rows")
+    seq_len: int = _opt(CALIBRATION_SEQ_LEN, "--seq-len")
     tune_iters: int = _opt(DEFAULT_TUNE_ITERS, "--tune-iters")
     tune_group_iters: int | None = _opt(None, "--tune-group-iters")
     refine_passes: int | None = _opt(None, "--refine-passes")
@@ -285,7 +348,7 @@ class GGUFOptions(_Options):
         if self.mmproj is None and self.mmproj_type != "F16":
             raise InputError("--mmproj-type applies with --mmproj only")
         if self.rounding != "hessian":
-            for name, default in (("calibration", ()), ("rows", DEFAULT_ROWS), ("seq_len", DEFAULT_SEQ_LEN),
+            for name, default in (("calibration", ()), ("rows", CALIBRATION_ROWS), ("seq_len", CALIBRATION_SEQ_LEN),
                                   ("tune_iters", DEFAULT_TUNE_ITERS), ("tune_group_iters", None),
                                   ("refine_passes", None)):
                 if getattr(self, name) != default:
@@ -395,8 +458,8 @@ class FamilyOptions:
     base: GGUFOptions | Exl3Options
     targets: tuple[FamilyTarget, ...]
     imatrix_calibration: tuple[Union[str, Path], ...] = ()
-    imatrix_rows: int = DEFAULT_ROWS
-    imatrix_seq_len: int = DEFAULT_SEQ_LEN
+    imatrix_rows: int = CALIBRATION_ROWS
+    imatrix_seq_len: int = CALIBRATION_SEQ_LEN
 
     def member(self, target: FamilyTarget, **changes) -> GGUFOptions | Exl3Options:
         """The options of one member: `base` with this target (and `changes`, e.g. the family's imatrix)."""
@@ -488,9 +551,34 @@ def family_options(fmt: str = "gguf", **kwargs) -> FamilyOptions:
     if str(kw.get("rounding", "exact")).lower() == "exact" and kw.get("imatrix") is None:
         # --rounding exact has no calibration pass of its own: the family's calibration makes its imatrix
         cal = {"imatrix_calibration": _tuple(kw.pop("calibration", ())),
-               "imatrix_rows": kw.pop("rows", DEFAULT_ROWS), "imatrix_seq_len": kw.pop("seq_len", DEFAULT_SEQ_LEN)}
+               "imatrix_rows": kw.pop("rows", CALIBRATION_ROWS), "imatrix_seq_len": kw.pop("seq_len", CALIBRATION_SEQ_LEN)}
         _positive_int(GGUFOptions, "rows", cal["imatrix_rows"])
         _positive_int(GGUFOptions, "seq_len", cal["imatrix_seq_len"], 2)
     first = targets[0]
     base = options_for("gguf", **kw, **{first.kind: first.value})
     return FamilyOptions(base, targets, **cal)
+
+
+@dataclass(frozen=True)
+class ImatrixOptions:
+    """Settings of `mixq imatrix`: the calibration forward (`calibration` files, empty: the built-in sample;
+    `rows` x `seq_len` tokens) on `device` (a torch.device; None: CUDA when present), and whether OUT may be
+    replaced."""
+
+    calibration: tuple[Union[str, Path], ...] = opt((), "--calibration", "Calibration .txt/.jsonl file "
+                                                    "(repeatable) [default: built-in sample].", multiple=True,
+                                                    click_type="path")
+    rows: int = opt(CALIBRATION_ROWS, "--rows", "Calibration rows.", click_type="int", show_default=True)
+    seq_len: int = opt(CALIBRATION_SEQ_LEN, "--seq-len", "Tokens per calibration row.", click_type="int",
+                       show_default=True)
+    device: Any = opt(None, "--device", "cuda|cpu [default: cuda when available].", click_type="text")
+    overwrite: bool = opt(False, "--overwrite", "Replace an existing OUT.", is_flag=True)
+    progress: bool = opt(True, None, "Show the progress bar.", cli=False)
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        object.__setattr__(self, "calibration", _tuple(self.calibration))  # frozen: normalised once, here
+        _positive_int(cls, "rows", self.rows)
+        _positive_int(cls, "seq_len", self.seq_len, 2)
+        if self.device is not None:
+            object.__setattr__(self, "device", parse_device(self.device, flag_of(cls, "device")))

@@ -25,21 +25,19 @@ from mixq.eval import candidates as cands
 from mixq.eval.family import expand_families, record_scores
 from mixq.eval import exllamav3_engine
 from mixq.runtime import reference as refm
-from mixq.eval.llamacpp import CACHE_TYPES, LlamaCppScorer
+from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
-from mixq.eval.reflogits import REF_DTYPES, RefLogitsReader, RefLogitsWriter, roundtrip
+from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter, roundtrip
 from mixq.eval.report import render_markdown
 from mixq.runtime.kl_stats import KLAccumulator, log_probs, token_quantities
-from mixq.eval.streamed import STATE_DTYPES, StreamedModel, StreamedModels, state_bytes
+from mixq.eval.streamed import StreamedModel, StreamedModels, state_bytes
 from mixq.eval.window_split import gather_in_order, rank_window_ids
+from mixq.eval.options import DEFAULT_CTX, SAVE_REF_ONE_DEVICE, EvalOptions
+from mixq.planning.option_fields import options_from
 from mixq.formats.checkpoint_check import validate_checkpoint
 
-ENGINES = ("torch", "llamacpp", "exllamav3")
 # the candidates an engine other than torch scores itself (the others go through the torch engine)
 ENGINE_FORMATS = {"llamacpp": "gguf", exllamav3_engine.ENGINE: exllamav3_engine.FORMAT}
-DEFAULT_CTX = 512
-DEFAULT_WINDOWS = 32  # `mixq eval`'s default: a bounded run (like llama-perplexity --chunks), not the whole text
-SAVE_REF_ONE_DEVICE = "--save-ref writes every window from one process: give one device"
 GPU_STATE_SHARE = 0.5  # hidden streams go to the GPU when all of them take at most this share of its free memory
 
 
@@ -76,70 +74,44 @@ class EvalRun:
         return t if len(self.mine) == t.shape[0] else t[self.mine]
 
 
-def evaluate(
-    reference: str | Path,
-    candidates: list[str | Path] = (),
-    text: str | Path | None = None,
-    *,
-    ctx: int | None = None,
-    windows: int | str | None = None,
-    score: str = "half",
-    save_ref: str | Path | None = None,
-    ref_logits: str | Path | None = None,
-    ref_dtype: str = "float32",
-    engine: str = "torch",
-    cache_type: str | None = None,
-    device: str | None = None,
-    devices: str | list[str] | None = None,
-    state_dtype: str = "float32",
-    batch_windows: int = 1,
-    json_out: str | Path | None = None,
-    markdown_out: str | Path | None = None,
-    progress: bool = True,
-    overwrite: bool = False,
-) -> dict:
+def evaluate(reference: str | Path, candidates: list[str | Path] = (), text: str | Path | None = None,
+             options: EvalOptions | None = None, **kwargs) -> dict | None:
     """Score every candidate against `reference` (an HF checkpoint) on `text`, returning the report dict.
 
-    Windows of `ctx` tokens (default 512) are cut as llama-perplexity does and the second half of each
-    (or all positions with score='all') is scored. With `ref_logits`, reference log-probs and tokens come
-    from that file (no reference forward, no text needed); `save_ref` writes them for later runs (`ref_dtype`
-    float32, float16 or uint16). `cache_type` (f32 when not given, f16, q8_0): llama.cpp's KV cache, for GGUF
-    candidates scored with engine "llamacpp" only. The models run layer by layer over all windows at once: peak
-    memory is about one layer of the reference plus one of a candidate plus the hidden streams (`state_dtype`
-    float32 or bfloat16), independent of the number of layers. `batch_windows` > 1 runs several windows per layer call
-    (faster on a GPU; float rounding then differs from a one-window forward in the last bits). `devices`
+    `options`: an EvalOptions, or its fields as keywords (an unknown keyword is an InputError). Windows of `ctx`
+    tokens are cut as llama-perplexity does and the second half of each (or all positions with score='all') is
+    scored. With `ref_logits`, reference log-probs and tokens come from that file (no reference forward, no text
+    needed); `save_ref` writes them for later runs. The models run layer by layer over all windows at once: peak
+    memory is about one layer of the reference plus one of a candidate plus the hidden streams (`state_dtype`),
+    independent of the number of layers. `batch_windows` > 1 runs several windows per layer call. `devices`
     ("0,1", "cpu,cpu"; or a torchrun launch): the windows dealt over one rank per device, the same numbers.
-    `json_out` "-" prints the JSON report to stdout. `windows`: at most that many windows (the first ones);
-    None or "all": every window of the text (or of the `ref_logits` file). The output files (`json_out`,
-    `markdown_out`, `save_ref`) may not be an input or an existing file unless `overwrite`.
+    `windows`: at most that many windows (the first ones); None or "all": every window of the text (or of the
+    `ref_logits` file). The output files (`json_out`, `markdown_out`, `save_ref`) may not be an input or an
+    existing file unless `overwrite`. Returns None on a rank other than 0 of a multi-device run.
     """
-    given = dict(locals())  # every argument, for the worker ranks of a multi-device run
-    candidates, families = expand_families(candidates)  # a family directory: its members, in the one forward
-    check_outputs({"--json": None if json_out == "-" else json_out, "--markdown": markdown_out,
-                   "--save-ref": save_ref}, eval_inputs(reference, candidates, text, ref_logits),
-                  overwrite=overwrite)
-    windows = window_count(windows)
-    devs = parse_devices(devices)
-    if len(devs) > 1 and save_ref:
-        raise InputError(SAVE_REF_ONE_DEVICE)
-    if needs_launch(devs):
-        return launch(evaluate, (), devs, kwargs=given)
-    with rank_context(devs, device) as ranks:
-        run = _resolve(reference, candidates, text, ctx=ctx, windows=windows, score=score, save_ref=save_ref,
-                       ref_logits=ref_logits, ref_dtype=ref_dtype, engine=engine, cache_type=cache_type,
-                       device=str(ranks.device) if ranks.world > 1 else device, state_dtype=state_dtype,
-                       batch_windows=batch_windows)
+    o = options if options is not None else options_from(EvalOptions, kwargs, "eval")
+    if options is not None and kwargs:
+        raise InputError(f"give eval options as EvalOptions or as keywords, not both ({', '.join(sorted(kwargs))})")
+    every = list(candidates)  # as given, for the worker ranks of a multi-device run
+    candidates, families = expand_families(every)  # a family directory: its members, in the one forward
+    check_outputs({"--json": None if o.json_out == "-" else o.json_out, "--markdown": o.markdown_out,
+                   "--save-ref": o.save_ref}, eval_inputs(reference, candidates, text, o.ref_logits),
+                  overwrite=o.overwrite)
+    if needs_launch(o.devices):
+        return launch(evaluate, (reference, every, text, o), o.devices)
+    with rank_context(o.devices, o.device) as ranks:
+        run = _resolve(reference, candidates, text, o, ranks.device if ranks.world > 1 else o.device)
         _validate(run)
         _split_windows(run, ranks)
-        progress = progress and ranks.is_main
+        progress = o.progress and ranks.is_main
         if progress:
-            tqdm.write(_announce(run, windows), file=sys.stderr)
+            tqdm.write(_announce(run, o.windows), file=sys.stderr)
         reset_peaks(run.device)
         models = _forward(run, progress)
         report = _finalize(run, models, progress)
         if report is None:
             return None  # a rank other than 0: rank 0 reports
-        _write_outputs(report, json_out, markdown_out)
+        _write_outputs(report, o.json_out, o.markdown_out)
         record_scores(report, families)  # family.json and each member's <file>.receipt.json
         return report
 
@@ -156,38 +128,12 @@ def eval_inputs(reference, candidates, text, ref_logits) -> dict[str, Path | Non
     return inputs
 
 
-def window_count(value: int | str | None) -> int | None:
-    """--windows as given: a whole number >= 1, or None / "all" for every window."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
-        return None
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise InputError(f"--windows {value!r}: expected a whole number or 'all'") from None
-    if isinstance(value, float) and value != n:
-        raise InputError(f"--windows {value!r}: expected a whole number or 'all'")
-    if n < 1:
-        raise InputError(f"--windows must be at least 1, not {n}")
-    return n
-
-
-def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_logits, ref_dtype, engine,
-             cache_type, device, state_dtype, batch_windows) -> EvalRun:
-    """Check the options, open the reference and candidates (headers only) and cut the windows."""
-    if engine not in ENGINES:
-        raise InputError(f"--engine must be one of {ENGINES}, not {engine!r}")
-    if ref_dtype not in REF_DTYPES:
-        raise InputError(f"--ref-dtype must be one of {sorted(REF_DTYPES)}, not {ref_dtype!r}")
-    if state_dtype not in STATE_DTYPES:
-        raise InputError(f"--state-dtype must be one of {sorted(STATE_DTYPES)}, not {state_dtype!r}")
-    if batch_windows < 1:
-        raise InputError(f"batch_windows must be at least 1, not {batch_windows}")
-    if ref_logits and save_ref:
-        raise InputError("--save-ref and --ref-logits cannot be combined")
-    if not candidates and not save_ref:
+def _resolve(reference, candidates, text, o: EvalOptions, device: torch.device | None) -> EvalRun:
+    """Open the reference and candidates (headers only) and cut the windows: the checks that need them (each
+    option on its own was checked when `o` was built). `device`: this rank's, or `o.device`."""
+    ctx, windows = o.ctx, o.windows
+    if not candidates and not o.save_ref:
         raise InputError("give at least one CANDIDATE (or --save-ref to only store reference log-probs)")
-    if ctx is not None and ctx < 4:
-        raise InputError(f"--ctx {ctx} is too small (need at least 4 tokens)")
     ref_dir = Path(reference)
     if not ref_dir.is_dir():
         raise InputError(f"{reference}: the reference must be an HF checkpoint directory")
@@ -195,14 +141,12 @@ def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_
     validate_checkpoint(ref.ckpt)  # a reference whose config disagrees with its weights: refused
     dev = refm.pick_device(device)
     reader, win, text_name, tokenizer = None, None, "", None
-    if ref_logits:
-        reader = RefLogitsReader(Path(ref_logits))
+    if o.ref_logits:
+        reader = RefLogitsReader(Path(o.ref_logits))
         if ctx is not None and ctx != reader.ctx:
-            raise InputError(f"--ctx {ctx} differs from {ref_logits} (ctx {reader.ctx})")
+            raise InputError(f"--ctx {ctx} differs from {o.ref_logits} (ctx {reader.ctx})")
         n = reader.count if windows is None else min(windows, reader.count)
-        if windows is not None and windows < 1:
-            raise InputError(f"--windows must be at least 1, not {windows}")
-        _check_context(reader.ctx, ref_dir, ref.ckpt.config, f"{ref_logits}'s windows of")
+        _check_context(reader.ctx, ref_dir, ref.ckpt.config, f"{o.ref_logits}'s windows of")
         reader.check_values(n)
         win = refm.Windows(tokens=reader.tokens[:n], first=reader.first)
         text_name = reader.meta.get("text", "")
@@ -213,20 +157,21 @@ def _resolve(reference, candidates, text, *, ctx, windows, score, save_ref, ref_
         _check_context(ctx, ref_dir, ref.ckpt.config, "--ctx")
         tokenizer = refm.load_tokenizer(ref_dir)
         ids = refm.tokenize_text(tokenizer, Path(text), need_tokens=None if windows is None else windows * ctx)
-        win = refm.make_windows(ids, ctx, windows, score, source=text)
+        win = refm.make_windows(ids, ctx, windows, o.score, source=text)
         text_name = str(text)
     cand_list = [cands.open_candidate(c) for c in candidates]
-    cache_type = _cache_type(cache_type, engine, cand_list)
+    cache_type = _cache_type(o.cache_type, cand_list)
     ref_tokens = cands.reference_tokens(ref_dir, _vocab(ref.ckpt.config), tokenizer) if cand_list else None
     for c in cand_list:
         cands.check_candidate(c, ref_tokens, ref_dir, win.ctx)
     n_layers = ref.ckpt.num_hidden_layers
-    native = [ENGINE_FORMATS.get(engine) == c.format for c in cand_list]
-    if engine == exllamav3_engine.ENGINE and any(native):
+    native = [ENGINE_FORMATS.get(o.engine) == c.format for c in cand_list]
+    if o.engine == exllamav3_engine.ENGINE and any(native):
         exllamav3_engine.check_engine(dev)  # no exllamav3 or no CUDA: one error line before any forward
     sources = [None if own else cands.open_weights(c, n_layers, dev) for c, own in zip(cand_list, native)]
-    return EvalRun(ref_dir, ref.ckpt.config, ref, dev, win, text_name, cand_list, sources, reader, engine,
-                   cache_type, Path(save_ref) if save_ref else None, ref_dtype, state_dtype, batch_windows)
+    return EvalRun(ref_dir, ref.ckpt.config, ref, dev, win, text_name, cand_list, sources, reader, o.engine,
+                   cache_type, Path(o.save_ref) if o.save_ref else None, o.ref_dtype, o.state_dtype,
+                   o.batch_windows)
 
 
 def _check_context(ctx: int, ref_dir: Path, config: dict, what: str) -> None:
@@ -236,16 +181,11 @@ def _check_context(ctx: int, ref_dir: Path, config: dict, what: str) -> None:
         raise InputError(f"{what} {ctx} tokens: longer than {ref_dir}/config.json's max_position_embeddings {limit}")
 
 
-def _cache_type(cache_type: str | None, engine: str, candidates: list[cands.Candidate]) -> str:
+def _cache_type(cache_type: str | None, candidates: list[cands.Candidate]) -> str:
     """The llama.cpp KV cache type (f32 unless given); refused where no candidate runs in llama.cpp, where it
-    would change nothing."""
+    would change nothing (EvalOptions refused it under another engine)."""
     if cache_type is None:
         return "f32"
-    if cache_type not in CACHE_TYPES:
-        raise InputError(f"--cache-type must be one of {sorted(CACHE_TYPES)}, not {cache_type!r}")
-    if engine != "llamacpp":
-        raise InputError(f"--cache-type {cache_type} applies to --engine llamacpp only; --engine {engine} keeps "
-                         "no llama.cpp KV cache")
     if not any(c.format == ENGINE_FORMATS["llamacpp"] for c in candidates):
         raise InputError(f"--cache-type {cache_type} applies to GGUF candidates, and none is given")
     return cache_type

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from mixq.measurement.encode_cache import EncodeCache
 from mixq.measurement.hessians import DAMP, REFINE_PASSES, check_rounding, embedding_hessian, layer_hessians, token_frequency
-from mixq.measurement.trellis import DEFAULT_ROWS, DEFAULT_SEQ_LEN  # one measurement default for EXL3 and GGUF
+from mixq.measurement.trellis import MEASURE_ROWS, MEASURE_SEQ_LEN  # one measurement default for EXL3 and GGUF
 from mixq.errors import InputError
 from mixq.formats.gguf_names import build_tensor
 from mixq.planning import gguf_mix as gm
@@ -224,8 +224,8 @@ def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladde
     if not units:
         raise InputError(f"{ckpt.path}: no budgeted GGUF tensors to measure")
     dev = pick_device(device)
-    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows or DEFAULT_ROWS,
-                           seq_len=seq_len or DEFAULT_SEQ_LEN, vocab_size=int(ckpt.text_config["vocab_size"]))
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows or MEASURE_ROWS,
+                           seq_len=seq_len or MEASURE_SEQ_LEN, vocab_size=int(ckpt.text_config["vocab_size"]))
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     by_layer: dict[int | None, list[str]] = {}
     for name, (spec, _) in units.items():

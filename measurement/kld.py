@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from mixq.measurement.trellis import budget_units, measure_curves, parse_sample, save_curves
 from mixq.formats.outputs import check_outputs
+from mixq.measurement.options import PlanOptions
 from mixq.measurement.plan_run import run_plan as plan
 from mixq.errors import InputError
 from mixq.measurement import gguf_kld  # gguf_kld.gguf_kld_curves looked up per call (tests replace it)
@@ -29,41 +30,33 @@ from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
 TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
 
 
-def run_plan(model: str | None, fmt: str, *, measure: str | None = None, calibration: Sequence[str] = (),
-             measure_out: str | None = None, measure_sample: str = "auto", device: str | None = None,
-             from_config: str | None = None, rounding: str = "exact", imatrix=None, progress: bool = True,
-             overwrite: bool = False, **plan_kw):
-    """What ``mixq plan`` runs: ``convert.fit.run_plan`` (same arguments), with ``--measure kld`` measured here
-    first (EXL3: ``kld_curves``; GGUF: ``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and
+def run_plan(model: str | None, options: PlanOptions):
+    """What ``mixq plan`` runs: ``measurement.plan_run.run_plan``, with ``--measure kld`` measured here first
+    (EXL3: ``kld_curves``; GGUF: ``measurement.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and
     ``imatrix``; saved to ``measure_out`` when given). MODEL is checked against its config first, as convert
     checks it (``--from-config`` has no weights to check)."""
-    check_outputs({"--measure-out": measure_out},
-                  {"MODEL": model, "--from-config": from_config, "--imatrix": _path_or_none(imatrix),
-                   "--measure": _path_or_none(measure), **{f"--calibration {i + 1}": c for i, c in enumerate(calibration)}},
-                  overwrite=overwrite)
-    if (rounding != "exact" or imatrix is not None) and not (fmt == "gguf" and measure == "kld"):
-        raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure them)")
-    if fmt == "gguf" and measure in ("trellis", "proxy"):
-        raise InputError(f"--measure {measure} is EXL3's trellis measurement; GGUF measures with --measure alone")
+    o = options
+    check_outputs({"--measure-out": o.measure_out},
+                  {"MODEL": model, "--from-config": o.from_config, "--imatrix": _path_or_none(o.imatrix),
+                   "--measure": _path_or_none(o.measure),
+                   **{f"--calibration {i + 1}": c for i, c in enumerate(o.calibration)}},
+                  overwrite=o.overwrite)
     ckpt = None
-    if model is not None:  # (with --from-config too, convert.fit.run_plan refuses the pair)
+    if model is not None:  # (with --from-config too, plan_run.run_plan refuses the pair)
         ckpt = open_checkpoint(model)
         validate_checkpoint(ckpt)  # what convert refuses, plan refuses, before planning or measuring
-    if measure == "kld":
-        if fmt not in ("exl3", "gguf"):
-            raise InputError(f"--format {fmt!r}: exl3 or gguf")
+    curves = None
+    if o.measure == "kld":
         if model is None:
             raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
         t0 = time.time()
-        curves = measure_kld(ckpt, fmt, calibration, sample=measure_sample, device=device, rounding=rounding,
-                             imatrix=imatrix, gguf_ladder=plan_kw.get("gguf_ladder") or "k", progress=progress)
-        if measure_out:
-            save_curves(curves, measure_out, meta={"model": str(ckpt.path), "method": measure,
-                                                   "seconds": round(time.time() - t0, 1)})
-        measure, measure_out = curves, None
+        curves = measure_kld(ckpt, o.fmt, o.calibration, sample=o.measure_sample, device=o.device,
+                             rounding=o.rounding, imatrix=o.imatrix, gguf_ladder=o.gguf_ladder, progress=o.progress)
+        if o.measure_out:
+            save_curves(curves, o.measure_out, meta={"model": str(ckpt.path), "method": o.measure,
+                                                     "seconds": round(time.time() - t0, 1)})
     # the checkpoint opened and checked here, not opened a second time
-    return plan(model if ckpt is None else ckpt, fmt, from_config=from_config, measure=measure, calibration=calibration,
-                measure_out=measure_out, measure_sample=measure_sample, device=device, **plan_kw)
+    return plan(model if ckpt is None else ckpt, o, curves)
 
 
 def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = "auto", device: str | None = None,

@@ -39,8 +39,10 @@ from mixq.planning.exl3 import allocator_unit
 from mixq.quant.trellis import loss as qs
 from mixq.quant.device import pick_device
 
-DEFAULT_ROWS = 16
-DEFAULT_SEQ_LEN = 256
+# the trellis measurement's calibration (also the proxy's and GGUF's layer errors): fewer rows than a
+# conversion's (runtime/calibration.CALIBRATION_ROWS), as every unit is quantized at every rate
+MEASURE_ROWS = 16
+MEASURE_SEQ_LEN = 256
 RATES: tuple[float, ...] = al.EXL3_RATES
 EXPERT_BATCH_ELEMS = 1 << 27  # elements of weights + Hessians per stacked expert call
 # (strips per matrix, experts per layer): None = all
@@ -77,11 +79,11 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
                    progress: bool = True) -> dict[str, dict[float, float]]:
     """Measured curves {unit key: {bits: proxy loss}} of every budgeted EXL3 unit of ``ckpt`` (module docstring).
 
-    rows / seq_len / rates: None = ``DEFAULT_ROWS`` / ``DEFAULT_SEQ_LEN`` / ``RATES`` (read at call time).
+    rows / seq_len / rates: None = ``MEASURE_ROWS`` / ``MEASURE_SEQ_LEN`` / ``RATES`` (read at call time).
     strips / experts: "auto" = ``SAMPLING`` for the device; None = all; an int = that many rotated 16-column
     strips per matrix / experts per layer."""
-    rows = DEFAULT_ROWS if rows is None else rows
-    seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
+    rows = MEASURE_ROWS if rows is None else rows
+    seq_len = MEASURE_SEQ_LEN if seq_len is None else seq_len
     rates = tuple(RATES if rates is None else rates)
     if isinstance(ckpt, (str, Path)):
         ckpt = open_checkpoint(ckpt)
@@ -229,7 +231,9 @@ def load_curves(path: str | Path) -> dict[str, dict[float, float]]:
 def parse_sample(text: str) -> tuple[int | None | str, int | None | str]:
     """``--measure-sample``: "auto" (``SAMPLING`` for the device), "all" (every tile of every expert: on GLM-5.3
     that costs about one conversion per rate), or "STRIPS,EXPERTS" (rotated 16-column strips per matrix, experts per
-    layer; either may be "all")."""
+    layer; either may be "all"). A pair already parsed (`PlanOptions.measure_sample`) is returned as it is."""
+    if isinstance(text, tuple):
+        return text
     t = str(text).strip().lower()
     if t in ("auto", "all"):
         return (t, t) if t == "auto" else (None, None)
@@ -283,7 +287,7 @@ def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | N
     return load_curves(measure)
 
 
-def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int = 16, seq_len: int = 256,
+def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int = MEASURE_ROWS, seq_len: int = MEASURE_SEQ_LEN,
                   device: str = "cpu") -> dict[str, dict[float, float]]:
     """Per-unit error curves {unit key: {bits: error}} for the EXL3 sensitivity solver, from one calibration pass.
 

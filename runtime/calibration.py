@@ -38,9 +38,13 @@ if TYPE_CHECKING:
     from mixq.runtime.distributed import RankContext
 
 RANDOM_ROW_FRACTION = 0.15  # a share of uniform random-token rows, so rarely seen embeddings still get data
+# the calibration pass of a conversion (EXL3, GGUF --rounding hessian) and of an imatrix: rows x tokens per row
+CALIBRATION_ROWS = 64
+CALIBRATION_SEQ_LEN = 512
 
 
 # ---------------------------------------------------------------------------------------------- calibration rows
+
 
 def read_calibration_texts(files: Sequence[str | Path] | None) -> list[str]:
     """Documents from .txt (one document per file) / .jsonl (`{"text": ...}` or a JSON string per line) files;
@@ -74,8 +78,8 @@ def read_calibration_texts(files: Sequence[str | Path] | None) -> list[str]:
     return docs
 
 
-def calibration_rows(tokenizer, files: Sequence[str | Path] | None = None, *, rows: int = 64,
-                     seq_len: int = 512, vocab_size: int | None = None, seed: int = 0) -> torch.Tensor:
+def calibration_rows(tokenizer, files: Sequence[str | Path] | None = None, *, rows: int = CALIBRATION_ROWS,
+                     seq_len: int = CALIBRATION_SEQ_LEN, vocab_size: int | None = None, seed: int = 0) -> torch.Tensor:
     """(rows, seq_len) int64 token ids: windows of the tokenized text spread evenly over it (wrapping when the
     text is short), plus ~15% rows of uniform random ids over the vocabulary. Deterministic for a given seed."""
     if rows < 1 or seq_len < 2:

@@ -42,7 +42,7 @@ from mixq.conversion.exl3.output import ConvertResult, achieved_bits, compile_ex
 from mixq.conversion.exl3.estimate import check_cpu_time, describe_seconds
 from mixq.conversion.job import JOB_DIR, Job, file_digest, rss_peak_mib
 from mixq.measurement.trellis import load_curves
-from mixq.conversion.options import DEFAULT_EXL3_SHARD, DEFAULT_ROWS, DEFAULT_SEQ_LEN, Exl3Options, flag_of, options_for  # noqa: F401
+from mixq.conversion.options import DEFAULT_EXL3_SHARD, Exl3Options, flag_of, options_for  # noqa: F401
 from mixq.formats.outputs import check_distinct, check_free_space, check_output_dir, writing
 
 DEFAULT_SHARD = DEFAULT_EXL3_SHARD

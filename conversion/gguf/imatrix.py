@@ -16,7 +16,8 @@ from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.formats.gguf_names import TOKEN_EMBD, gguf_tensors
 from mixq.formats.imatrix_file import IMatrix, write_imatrix
 from mixq.quant.device import resolve_device
-from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
+from mixq.runtime.calibration import (CALIBRATION_ROWS, CALIBRATION_SEQ_LEN, LayerCalibrator, calibration_rows,
+                                      load_tokenizer)
 
 from mixq.formats.outputs import check_free_space, check_outputs, writing
 
@@ -31,7 +32,7 @@ def imatrix_bytes(model) -> int:
     return n + 2**20
 
 
-def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
+def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, device: str | None = None,
                     datasets: list[str] | None = None, progress: bool = True):
     """Importance matrix of `model` from a calibration forward (runtime/calibration, layer by layer), keyed by
     GGUF tensor name as llama-imatrix keys it: Σx² per input column and the row count, one vector per expert
@@ -68,7 +69,7 @@ def collect_imatrix(model, calibration=None, *, rows: int = 64, seq_len: int = 5
     return im
 
 
-def make_imatrix(model, out, calibration=None, *, rows: int = 64, seq_len: int = 512, device: str | None = None,
+def make_imatrix(model, out, calibration=None, *, rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, device: str | None = None,
                  progress: bool = True, overwrite: bool = False) -> dict:
     """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format. OUT may
     not be an input, nor an existing file unless `overwrite`."""

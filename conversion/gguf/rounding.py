@@ -35,7 +35,7 @@ from mixq.conversion.options import DEFAULT_TUNE_ITERS
 from mixq.formats.partials import make_partial_dir
 from mixq.quant.ggml import hessian_rounding as kh
 from mixq.quant.device import device_kind, pick_device
-from mixq.runtime.calibration import calibration_rows, load_tokenizer
+from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN, calibration_rows, load_tokenizer
 from mixq.runtime.overlap import ahead
 
 # where block-output tuning follows, the 2-bit types take fewer passes. On k256, with the other types at three:
@@ -109,8 +109,8 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
 
 
 def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir: str | Path, *,
-                           imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
-                           seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS,
+                           imatrix: Mapping[str, np.ndarray] | None = None, calibration=None,
+                           rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, tune_iters: int = DEFAULT_TUNE_ITERS,
                            tune_group_iters: int | None = None, refine_passes: int | None = None,
                            device: str | None = None, progress: bool = True, cache: EncodeCache | None = None,
                            load: Callable[[str], tuple] | None = None) -> dict[str, Path]:
@@ -242,8 +242,8 @@ def _tune_stage(tuner, layer: int | None, paths: Mapping[str, Path], source=None
 
 @contextmanager
 def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path, *,
-                    imatrix: Mapping[str, np.ndarray] | None = None, calibration=None, rows: int = 64,
-                    seq_len: int = 512, tune_iters: int = DEFAULT_TUNE_ITERS, tune_group_iters: int | None = None,
+                    imatrix: Mapping[str, np.ndarray] | None = None, calibration=None,
+                    rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, tune_iters: int = DEFAULT_TUNE_ITERS, tune_group_iters: int | None = None,
                     refine_passes: int | None = None, device: str | None = None, progress: bool = True,
                     cache: EncodeCache | None = None, load: Callable[[str], tuple] | None = None
                     ) -> Iterator[dict[str, Callable[[], np.ndarray]]]:

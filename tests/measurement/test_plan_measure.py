@@ -62,8 +62,8 @@ def test_cli_plan_measure_tiny(tiny2, tmp_path, monkeypatch):
     1 expert, 2 calibration rows), then `--measure FILE` reuses the saved curves and gives the same plan."""
     tiny_model = tiny2
     monkeypatch.setattr(cs, "RATES", (2.0, 4.0))
-    monkeypatch.setattr(cs, "DEFAULT_ROWS", 2)
-    monkeypatch.setattr(cs, "DEFAULT_SEQ_LEN", 32)
+    monkeypatch.setattr(cs, "MEASURE_ROWS", 2)
+    monkeypatch.setattr(cs, "MEASURE_SEQ_LEN", 32)
     monkeypatch.setitem(cs.SAMPLING, "cpu", (1, 1))
     out = tmp_path / "curves.json"
     base = ["plan", str(tiny_model), "--format", "exl3", "--bpw", "3.05", "--json"]

@@ -1,0 +1,110 @@
+"""Typed options of `mixq eval`: one frozen dataclass, every value parsed and checked once when it is built.
+
+`EvalOptions` holds every setting of an evaluation; the device is a torch.device and `devices` normalised device
+names by the time it exists, `windows` a count or None (every window). Checks that need the reference or the
+candidates (their formats, the --ref-logits file) run in `eval/api.evaluate`'s resolve step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from mixq.errors import InputError
+from mixq.eval.llamacpp import CACHE_TYPES
+from mixq.eval.reflogits import REF_DTYPES
+from mixq.eval.streamed import STATE_DTYPES
+from mixq.planning.option_fields import check_choice, check_int, flag_of, opt, set_field
+from mixq.quant.device import parse_device
+from mixq.runtime.distributed import parse_devices
+
+ENGINES = ("torch", "llamacpp", "exllamav3")
+SCORES = ("half", "all")
+DEFAULT_CTX = 512
+DEFAULT_WINDOWS = 32  # `mixq eval`'s default: a bounded run (like llama-perplexity --chunks), not the whole text
+SAVE_REF_ONE_DEVICE = "--save-ref writes every window from one process: give one device"
+MIN_CTX = 4
+
+
+def window_count(value: int | str | None) -> int | None:
+    """--windows as given: a whole number >= 1, or None / "all" for every window."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise InputError(f"--windows {value!r}: expected a whole number or 'all'") from None
+    if isinstance(value, float) and value != n:
+        raise InputError(f"--windows {value!r}: expected a whole number or 'all'")
+    if n < 1:
+        raise InputError(f"--windows must be at least 1, not {n}")
+    return n
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """Settings of `mixq eval` / `mixq.evaluate`: windows of `ctx` tokens (None: DEFAULT_CTX, or the `ref_logits`
+    file's), the first `windows` of them (None or "all": every window), the engine and devices, and the files
+    written (`json_out`, `markdown_out`, `save_ref`, replaced only with `overwrite`)."""
+
+    ctx: int | None = opt(None, "--ctx", f"Window length in tokens [default: {DEFAULT_CTX}, or the --ref-logits "
+                          "file's].", click_type="int")
+    windows: int | str | None = opt(DEFAULT_WINDOWS, "--windows", "Score the first N windows, or all of them.",
+                                    click_type="text", metavar="N|all", show_default=True)
+    score: str = opt("half", "--score", "Score the second half of each window (llama-perplexity) or every "
+                     "position.", choices=SCORES, show_default=True)
+    save_ref: Union[str, Path, None] = opt(None, "--save-ref", "Write the reference log-probs to FILE for later "
+                                           "--ref-logits runs.", click_type="path")
+    ref_logits: Union[str, Path, None] = opt(None, "--ref-logits", "Reuse reference log-probs (and tokens) from a "
+                                             "--save-ref FILE.", click_type="path")
+    ref_dtype: str = opt("float32", "--ref-dtype", "Storage of --save-ref log-probs (uint16: quantized as "
+                         "llama.cpp's KL base, half the size; docs/eval.md).", choices=tuple(REF_DTYPES),
+                         show_default=True)
+    engine: str = opt("torch", "--engine", "llamacpp: GGUF candidates take logits from llama.cpp itself; "
+                      "exllamav3: EXL3 candidates from exllamav3's own forward (CUDA).", choices=ENGINES,
+                      show_default=True)
+    cache_type: str | None = opt(None, "--cache-type", "llama.cpp KV cache type of GGUF candidates under --engine "
+                                 "llamacpp.  [default: f32]", choices=tuple(CACHE_TYPES))
+    device: torch.device | None = opt(None, "--device", "torch device [default: cuda when present, else cpu].",
+                                      click_type="text")
+    devices: tuple[str, ...] = opt((), "--devices", "Deal the windows over several devices of one type (0,1 or "
+                                   "cpu,cpu; or run under torchrun); the same numbers.", click_type="text")
+    state_dtype: str = opt("float32", "--state-dtype", "Storage of the hidden states of all windows (bfloat16 "
+                           "halves them; float32 gives a whole-model forward's numbers).",
+                           choices=tuple(STATE_DTYPES), show_default=True)
+    batch_windows: int = opt(1, None, "Windows per layer call (faster on a GPU; the last bits of float rounding "
+                             "differ from a one-window forward).", cli=False)
+    json_out: Union[str, Path, None] = opt(None, "--json", "Write the JSON report to OUT ('-' prints it).",
+                                           click_type="path")
+    markdown_out: Union[str, Path, None] = opt(None, "--markdown", "Write a markdown table to OUT.",
+                                               click_type="path")
+    overwrite: bool = opt(False, "--overwrite", "Replace existing --json / --markdown / --save-ref files.",
+                          is_flag=True)
+    progress: bool = opt(True, None, "Show the progress bar and the line that says what is scored.", cli=False)
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        if self.ctx is not None:
+            check_int(cls, "ctx", self.ctx, -2**63)  # a whole number; the size is said below
+            if self.ctx < MIN_CTX:
+                raise InputError(f"--ctx {self.ctx} is too small (need at least {MIN_CTX} tokens)")
+        set_field(self, "windows", window_count(self.windows))
+        check_choice(cls, "score", self.score, SCORES)
+        check_choice(cls, "ref_dtype", self.ref_dtype, tuple(REF_DTYPES))
+        check_choice(cls, "engine", self.engine, ENGINES)
+        check_choice(cls, "state_dtype", self.state_dtype, tuple(STATE_DTYPES))
+        check_int(cls, "batch_windows", self.batch_windows)
+        if self.cache_type is not None:
+            check_choice(cls, "cache_type", self.cache_type, tuple(CACHE_TYPES))
+            if self.engine != "llamacpp":
+                raise InputError(f"--cache-type {self.cache_type} applies to --engine llamacpp only; --engine "
+                                 f"{self.engine} keeps no llama.cpp KV cache")
+        if self.device is not None:
+            set_field(self, "device", parse_device(self.device, flag_of(cls, "device")))
+        set_field(self, "devices", parse_devices(self.devices or None))
+        if self.ref_logits and self.save_ref:
+            raise InputError("--save-ref and --ref-logits cannot be combined")
+        if len(self.devices) > 1 and self.save_ref:
+            raise InputError(SAVE_REF_ONE_DEVICE)

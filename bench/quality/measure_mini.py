@@ -47,7 +47,7 @@ def actual_check(ck, keys, rates_by_key, calibration) -> dict[str, dict[float, f
     from mixq.quant.trellis import loss as qs
 
     groups = cs.budget_units(ck)
-    ids = calibration_rows(load_tokenizer(ck.path), calibration, rows=cs.DEFAULT_ROWS, seq_len=cs.DEFAULT_SEQ_LEN,
+    ids = calibration_rows(load_tokenizer(ck.path), calibration, rows=cs.MEASURE_ROWS, seq_len=cs.MEASURE_SEQ_LEN,
                            vocab_size=ck.shape(global_hf_name("embed"))[0])
     want = {groups[k][0].hf_names[0]: k for k in keys}
     layers = {ck.info(n).layer for n in want}

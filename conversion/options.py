@@ -27,7 +27,7 @@ from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN
 from mixq.runtime.distributed import parse_devices
 from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
-from mixq.planning.option_fields import flag_of, opt
+from mixq.planning.option_fields import as_tuple, flag_of, opt
 
 OPTIONS_VERSION = 1
 # GGUF --rounding hessian: descent steps per stage of the block-output tuning (conversion/gguf/tuning.py)
@@ -136,14 +136,6 @@ def _device(cls, v) -> None:
     parse_device(v, flag_of(cls, "device"))
 
 
-def _tuple(v) -> tuple:
-    if v is None:
-        return ()
-    if isinstance(v, (str, Path, bytes)):
-        return (v,)
-    return tuple(v)
-
-
 class _Options:
     """Shared behaviour of the per-format option classes."""
 
@@ -226,8 +218,8 @@ class Exl3Options(_Options):
 
     def __post_init__(self) -> None:
         cls = type(self)
-        self._set("overrides", _tuple(self.overrides))
-        self._set("calibration", _tuple(self.calibration))
+        self._set("overrides", as_tuple(self.overrides))
+        self._set("calibration", as_tuple(self.calibration))
         self._check_target(("bpw", "size"))
         _positive_int(cls, "rows", self.rows)
         _positive_int(cls, "seq_len", self.seq_len, 2)
@@ -299,8 +291,8 @@ class GGUFOptions(_Options):
 
     def __post_init__(self) -> None:
         cls = type(self)
-        self._set("overrides", _tuple(self.overrides))
-        self._set("tensor_type", tuple(_tensor_type_pair(x) for x in _tuple(self.tensor_type)))
+        self._set("overrides", as_tuple(self.overrides))
+        self._set("tensor_type", tuple(_tensor_type_pair(x) for x in as_tuple(self.tensor_type)))
         if self.qtype is None and self.bpw is None and self.size is None:
             raise InputError("give a target: --type, --bpw or --size")
         self._check_target(("qtype", "bpw", "size"))
@@ -324,7 +316,7 @@ class GGUFOptions(_Options):
         _device(cls, self.device)
         _size(cls, "shard_size", self.shard_size, zero_ok=True)
         self._set("rounding", check_rounding(self.rounding))
-        self._set("calibration", _tuple(self.calibration))
+        self._set("calibration", as_tuple(self.calibration))
         _positive_int(cls, "rows", self.rows)
         _positive_int(cls, "seq_len", self.seq_len, 2)
         _positive_int(cls, "tune_iters", self.tune_iters, 0)
@@ -550,7 +542,7 @@ def family_options(fmt: str = "gguf", **kwargs) -> FamilyOptions:
     cal = {}
     if str(kw.get("rounding", "exact")).lower() == "exact" and kw.get("imatrix") is None:
         # --rounding exact has no calibration pass of its own: the family's calibration makes its imatrix
-        cal = {"imatrix_calibration": _tuple(kw.pop("calibration", ())),
+        cal = {"imatrix_calibration": as_tuple(kw.pop("calibration", ())),
                "imatrix_rows": kw.pop("rows", CALIBRATION_ROWS), "imatrix_seq_len": kw.pop("seq_len", CALIBRATION_SEQ_LEN)}
         _positive_int(GGUFOptions, "rows", cal["imatrix_rows"])
         _positive_int(GGUFOptions, "seq_len", cal["imatrix_seq_len"], 2)
@@ -577,7 +569,7 @@ class ImatrixOptions:
 
     def __post_init__(self) -> None:
         cls = type(self)
-        object.__setattr__(self, "calibration", _tuple(self.calibration))  # frozen: normalised once, here
+        object.__setattr__(self, "calibration", as_tuple(self.calibration))  # frozen: normalised once, here
         _positive_int(cls, "rows", self.rows)
         _positive_int(cls, "seq_len", self.seq_len, 2)
         if self.device is not None:

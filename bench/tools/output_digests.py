@@ -47,6 +47,17 @@ def tensor_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def manifest_digest(path: Path) -> str:
+    """sha256 of an EXL3 manifest without its job fingerprint and seal, which follow from the source's absolute
+    path: equal for two work directories."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("fingerprint", "manifest_sha256")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return hashlib.sha256(json.dumps(strip(json.loads(path.read_text())), sort_keys=True).encode()).hexdigest()
+
+
 def mixq(*args: str, cwd: Path | None = None) -> str:
     r = subprocess.run([sys.executable, "-m", "mixq", *args], capture_output=True, text=True, cwd=cwd)
     if r.returncode != 0:
@@ -107,6 +118,8 @@ def run(out: Path, models: list[str], exl3_tiny: bool) -> dict[str, str]:
         mixq("convert", str(tiny), str(ex), "--format", "exl3", "--bpw", "3.05", "--rows", "4", "--seq-len", "32",
              "--device", "cpu")
         for p, h in digest_dir(ex).items():
+            if p == "mixq_manifest.json":  # its job fingerprint records the source's absolute path (under --out)
+                p, h = f"{p}#without-fingerprint", manifest_digest(ex / p)
             res[f"tiny-exl3-3.05/{p}"] = h
         print(f"tiny exl3: {time.time() - t:.0f} s", file=sys.stderr)
     return res

@@ -36,6 +36,7 @@ from torch.func import functional_call
 
 from mixq.conversion.gguf.workers import encode
 from mixq.conversion.options import DEFAULT_TUNE_ITERS
+from mixq.formats.gguf_layout import FLOAT_TYPES, block_shape
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.device import same_device
 from mixq.quant.ggml import block_tuning as bt
@@ -58,7 +59,6 @@ GROUP_CHECKS = 1
 # rounding's transients, float32 each; a weight whose block scale is learned too counts twice (the grid of each
 # scale alone, and the grid rebuilt at every step)
 BYTES_PER_TUNED_WEIGHT = 40
-FLOAT_TYPES = ("F32", "F16", "BF16")
 DECODE_ROWS_WEIGHTS = 1 << 26  # weights decoded on the device at a time (bounds the decoder's transients)
 _TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -122,7 +122,7 @@ def decoded_on_host(blocks: np.ndarray, qtype: str, device: torch.device) -> tor
     by the torch decoder (gguf-py's values bit for bit on the CPU; on the host CPU it decodes IQ2_S at about 117 M
     weights/s a core, about a minute for a 288-expert layer's experts), ``DECODE_ROWS_WEIGHTS`` weights at a time,
     into one host tensor (pinned for a CUDA device, as the layer streams are)."""
-    bs, ts = gl.block_shape(qtype)
+    bs, ts = block_shape(qtype)
     flat = blocks.reshape(-1, blocks.shape[-1])
     per_row = blocks.shape[-1] // ts * bs
     out = host_empty((flat.shape[0], per_row), torch.float32, pinned=torch.device(device).type == "cuda")

@@ -36,6 +36,7 @@ import numpy as np
 
 from mixq.runtime.child_process import die_with_parent, without_callers_main
 from mixq.errors import InputError, MixqError
+from mixq.formats.gguf_layout import FLOAT_TYPES
 from mixq.planning.gguf_mix import ggml_type
 from mixq.quant.ggml import encoders as kquants
 
@@ -44,8 +45,6 @@ from mixq.quant.ggml import encoders as kquants
 # (the lattice i-quants run at 0.2-0.5 M weights/s, so they get smaller tasks) and 2*N tasks stay a few MB each
 TASK_WEIGHTS = 1 << 20
 TASK_WEIGHTS_IQ = 1 << 18
-# encoded in the parent: plain casts, nothing to gain from a round trip through a worker
-LOCAL_TYPES = ("F32", "F16", "BF16")
 # after an error, how long the tasks a worker already holds may take before it is killed (each is about a second)
 ABORT_GRACE_S = 120.0
 # signals a terminal or a supervisor sends to the whole process group; the parent handles them, workers ignore them
@@ -276,7 +275,7 @@ class TensorEncoder:
     # -- public ---------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Spawn the workers now (they import and build tables while the caller goes on); else on first use."""
-        if self.threads > 1 and self._pool is None and any(q not in LOCAL_TYPES for _, q, _ in self.items):
+        if self.threads > 1 and self._pool is None and any(q not in FLOAT_TYPES for _, q, _ in self.items):
             self._pool = self._start_pool()
 
     def get(self, name: str) -> np.ndarray:
@@ -286,7 +285,7 @@ class TensorEncoder:
             raise ValueError(f"tensor {name!r} asked out of order (expected {self.items[self._asked][0]!r})")
         self._asked += 1
         _, qtype, label = self.items[i]
-        if self.threads == 1 or qtype in LOCAL_TYPES:
+        if self.threads == 1 or qtype in FLOAT_TYPES:
             x, w = self.load(name)
             return _worker_encode(x, qtype, w, label, self.device)
         self._fill()
@@ -374,7 +373,7 @@ class TensorEncoder:
         while self._cut_next < len(self.items):
             name, qtype, label = self.items[self._cut_next]
             self._cut_next += 1
-            if qtype in LOCAL_TYPES:
+            if qtype in FLOAT_TYPES:
                 continue
             t = self._tensors[name] = _Tensor(qtype, label)
             try:

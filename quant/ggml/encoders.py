@@ -63,13 +63,13 @@ def row_bytes(qtype: str, n: int) -> int:
 def _check_shape(shape: tuple, qtype: str, imatrix_size: int | None) -> None:
     _ggml_type(qtype)
     if len(shape) != 2:
-        raise InputError(f"kquants.quantize: expected a 2-D (rows, n) array, got shape {tuple(shape)}")
+        raise InputError(f"ggml quantize: expected a 2-D (rows, n) array, got shape {tuple(shape)}")
     n = shape[1]
     bs = block_size(qtype)
     if n == 0 or n % bs:
-        raise InputError(f"kquants.quantize: row length {n} is not a positive multiple of {bs} ({qtype})")
+        raise InputError(f"ggml quantize: row length {n} is not a positive multiple of {bs} ({qtype})")
     if imatrix_size is not None and imatrix_size != n:
-        raise InputError(f"kquants.quantize: imatrix has {imatrix_size} values, row length is {n}")
+        raise InputError(f"ggml quantize: imatrix has {imatrix_size} values, row length is {n}")
 
 
 def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -79,9 +79,9 @@ def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.nd
     _check_shape(x.shape, qtype, None if imatrix is None else imatrix.size)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if not np.all(np.isfinite(x)):
-        raise InputError("kquants.quantize: the tensor contains NaN or infinite values")
+        raise InputError("ggml quantize: the tensor contains NaN or infinite values")
     if imatrix is not None and not np.all(np.isfinite(imatrix)):
-        raise InputError("kquants.quantize: imatrix contains non-finite values")
+        raise InputError("ggml quantize: imatrix contains non-finite values")
     return x, imatrix
 
 
@@ -108,11 +108,11 @@ def _device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise InputError(f"kquants.quantize: unknown device {device!r}") from exc
+        raise InputError(f"ggml quantize: unknown device {device!r}") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"kquants.quantize: device {device!r} requested but torch sees no CUDA device")
+        raise InputError(f"ggml quantize: device {device!r} requested but torch sees no CUDA device")
     if dev.type not in ("cpu", "cuda"):
-        raise InputError(f"kquants.quantize: device {device!r} is not supported (cpu or cuda)")
+        raise InputError(f"ggml quantize: device {device!r} is not supported (cpu or cuda)")
     return dev
 
 
@@ -157,15 +157,15 @@ def quantize_tensor(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None = 
         raise InputError(f"{qtype} needs an importance matrix (as in llama.cpp)")
     per_row = imatrix is not None and imatrix.dim() == 2
     if per_row and tuple(imatrix.shape) != tuple(x.shape):
-        raise InputError(f"kquants.quantize: imatrix has shape {tuple(imatrix.shape)}, rows are {tuple(x.shape)}")
+        raise InputError(f"ggml quantize: imatrix has shape {tuple(imatrix.shape)}, rows are {tuple(x.shape)}")
     _check_shape(tuple(x.shape), qtype, None if imatrix is None else int(imatrix.shape[-1]))
     x = x.to(torch.float32).contiguous()
     if not bool(torch.isfinite(x).all()):
-        raise InputError("kquants.quantize: the tensor contains NaN or infinite values")
+        raise InputError("ggml quantize: the tensor contains NaN or infinite values")
     if imatrix is not None:
         imatrix = imatrix.to(device=x.device, dtype=torch.float32).contiguous()
         if not bool(torch.isfinite(imatrix).all()):
-            raise InputError("kquants.quantize: imatrix contains non-finite values")
+            raise InputError("ggml quantize: imatrix contains non-finite values")
     return torch_encoders.encode(x, qtype, imatrix, row_bytes(qtype, x.shape[1]))
 
 

@@ -38,7 +38,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ...errors import InputError
+from mixq.errors import InputError
+from mixq.formats.gguf_layout import block_shape
+
 from . import levels as gl
 from . import encoders as kquants
 from . import triton_iq2s, triton_iq2s_descent, triton_refine, triton_subscales
@@ -275,7 +277,7 @@ def _check(w: torch.Tensor, hessian: torch.Tensor, qtype: str, imatrix) -> tuple
     stacked = w.ndim == 3
     w3 = w if stacked else w.unsqueeze(0)
     n = w3.shape[-1]
-    bs = gl.block_shape(qtype)[0]
+    bs = block_shape(qtype)[0]
     if n % bs:
         raise InputError(f"quantize_hessian: row length {n} is not a multiple of {bs} ({qtype})")
     h3 = hessian if hessian.ndim == 3 else hessian.unsqueeze(0)
@@ -439,7 +441,7 @@ def refit_super_scales(w: torch.Tensor, blocks: np.ndarray, qtype: str, hessian:
     (all rows and experts at once); the fp16-rounded result replaces a block's scales only when it lowers the
     exact quadratic. w (E, rows, n), H (E|1, n, n) float32."""
     dev = w.device
-    bs = gl.block_shape(qtype)[0]
+    bs = block_shape(qtype)[0]
     scales = torch.from_numpy(gl.super_scales(blocks, qtype)).to(dev)               # (E, rows, nb, k)
     basis = gl.super_scale_basis_on(blocks, qtype, dev)                             # (k, E, rows, n)
     deq = torch.einsum("erbk,kerbc->erbc", scales, basis.unflatten(-1, (-1, bs))).flatten(-2)
@@ -657,7 +659,7 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
     importance = _importance(imatrix, h3, E, n)
     u = upper_inverse_factor(h3.to(dev), damp).to(torch.float32)          # (E|1, n, n)
     targets = w3.to(dev, torch.float32).clone()
-    bs, ts = gl.block_shape(qtype)
+    bs, ts = block_shape(qtype)
     rounder = (_IQ2Rounder if qtype in gl.IQ2_LAYOUTS else _ScalarRounder)(qtype, dev)
     g = rounder.group
     out = np.empty((E, R, n // bs * ts), dtype=np.uint8)

@@ -27,10 +27,11 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from ...errors import InputError
+from mixq.errors import InputError
+from mixq.formats.gguf_layout import block_shape
+
 from . import torch_decode
 from . import torch_kquants
 from .numpy_iq4 import IQ4_LEVELS
@@ -117,11 +118,6 @@ def code_positions(x: torch.Tensor, qtype: str) -> torch.Tensor:
     if qtype not in LEVEL_TABLES:
         return x
     return table_positions(x, _table(qtype, x.device)) + lo
-
-
-def block_shape(qtype: str) -> tuple[int, int]:
-    """(weights per block, bytes per block) of a ggml type."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
 
 
 def _nibbles_k(c: torch.Tensor) -> torch.Tensor:

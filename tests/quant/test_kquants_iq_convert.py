@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mixq.conversion.gguf.pipeline import NEEDS_IMATRIX, convert_gguf
+from mixq.conversion.gguf.pipeline import convert_gguf
+from mixq.formats.gguf_layout import QUANTIZE_REQUIRES_IMATRIX
 from mixq.errors import InputError
 from mixq.formats.imatrix_file import IMatrix
 
@@ -38,4 +39,4 @@ def test_tensor_missing_from_the_imatrix_is_named(k256_model, tmp_path):
 
 def test_rule_matches_llama_quantize():
     # llama-quant.cpp tensor_requires_imatrix (0.3.36): these types, token_embd/output excepted
-    assert set(NEEDS_IMATRIX) == {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"}
+    assert set(QUANTIZE_REQUIRES_IMATRIX) == {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"}

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.quant.ggml import encoders as kquants
-    from mixq.quant.ggml import hessian_rounding as kh
+    from mixq.quant.ggml.rounding import hessian as kh
 
     ckpt = open_checkpoint(SHARED / "models" / "glm5next-k256")
     names = a.tensors.split(",")

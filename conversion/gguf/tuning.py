@@ -1,8 +1,8 @@
 """GGUF `--rounding hessian`, second stage: block-output tuning of the encoded codes, one decoder layer at a time.
 
 After a layer's tensors are Hessian-rounded (conversion/gguf/rounding.py), `LayerTuner.layer` moves the codes of
-every tensor of that layer together (quant/ggml/block_tuning.py) so that the layer, run on the *quantized* model's
-hidden streams, reproduces the *source* layer's output on the source streams (mean squared error over the
+every tensor of that layer together (quant/ggml/rounding/block_tuning.py) so that the layer, run on the *quantized*
+model's hidden streams, reproduces the *source* layer's output on the source streams (mean squared error over the
 streams, calibration rows in batches). Two streams are carried from layer to layer: the source model's, and the
 quantized model's as llama.cpp will run it (every tensor of the layer at its planned type: tuned codes, IQ2_S's
 codebook groups among them, ggml's own encoding of the tensors Hessian rounding does not cover, floats rounded
@@ -39,8 +39,8 @@ from mixq.conversion.options import DEFAULT_TUNE_ITERS
 from mixq.formats.gguf_layout import FLOAT_TYPES, block_shape
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.device import same_device
-from mixq.quant.ggml import block_tuning as bt
-from mixq.quant.ggml import levels as gl
+from mixq.quant.ggml.rounding import block_tuning as bt
+from mixq.quant.ggml.rounding import levels as gl
 from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stack_rows,
                                        stacked_block, stacked_parts, write_values)
 from mixq.runtime.overlap import ahead, host_empty

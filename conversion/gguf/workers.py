@@ -38,7 +38,7 @@ from mixq.runtime.child_process import die_with_parent, without_callers_main
 from mixq.errors import InputError, MixqError
 from mixq.formats.gguf_layout import FLOAT_TYPES
 from mixq.planning.gguf_mix import ggml_type
-from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import encoders
 
 # weights per task, about 0.2-1 s of one core: large enough that pickling a task (4 bytes/weight in, <1 back) is
 # ~1% of its encode time (K-quants ~5 M weights/s), small enough that the last tasks of a conversion end together
@@ -75,17 +75,17 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device:
         imx = np.asarray(imatrix, dtype=np.float32).reshape(-1, n)
         if imx.shape[0] not in (1, mats.shape[0]):
             raise InputError(f"imatrix has {imx.shape[0]} vectors for {mats.shape[0]} matrices")
-    if device is not None and str(device) != "cpu" and q in kquants.SUPPORTED:
+    if device is not None and str(device) != "cpu" and q in encoders.SUPPORTED:
         im = None if imx is None else np.broadcast_to(imx, (mats.shape[0], n))
-        res = kquants.quantize_stacked(mats, q, im, device=device)  # groups of experts per device call
+        res = encoders.quantize_stacked(mats, q, im, device=device)  # groups of experts per device call
         return res.reshape(x.shape[:-1] + (res.shape[-1],))
     out = []
     for e in range(mats.shape[0]):
         w = None if imx is None else imx[e if imx.shape[0] > 1 else 0]
         rows = mats[e]
-        if q in kquants.SUPPORTED:
+        if q in encoders.SUPPORTED:
             # errors (non-finite weights, bad widths) propagate: never hide them behind another encoder
-            out.append(np.asarray(kquants.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
+            out.append(np.asarray(encoders.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
             continue
         if w is not None and q in ("Q8_0", "BF16"):  # these ignore the imatrix in ggml too
             w = None

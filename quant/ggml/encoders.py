@@ -3,7 +3,7 @@
 The contract is pinned (docs/INTERNALS.md). Without an importance matrix the bytes equal ggml's reference quantizer
 (``quantize_row_*_ref``); with one they equal ggml's importance path (``quantize_*`` with
 ``quant_weights``), which for Q8_0 ignores it. Q2_K…Q6_K and the importance paths of the legacy
-32-weight types are our vectorised numpy ports (:mod:`numpy_kquants`, :mod:`numpy_legacy`);
+32-weight types are our vectorised numpy ports (:mod:`k_quants.numpy_backend`, :mod:`legacy.numpy_backend`);
 the legacy reference paths and Q8_0 come from gguf-py, which is bit-exact for them. The lattice
 i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (:mod:`numpy_iq2`, :mod:`numpy_iq3`) take their
 codebooks from gguf-py; IQ2_XXS and IQ2_XS need an imatrix (ggml refuses them without one). IQ4_XS
@@ -13,11 +13,11 @@ The imatrix is a per-column vector of length n (for an expert tensor: that exper
 Two paths, the same bytes: ``device="cpu"`` (the default) runs the numpy encoders on the calling
 thread (the GGUF converter's ``--threads`` worker processes use it); ``device="cuda"`` and
 :func:`quantize_tensor` run the torch encoders (:mod:`torch_encoders`; fused Triton kernels on CUDA,
-:mod:`triton_search`). Hand tensors to :func:`quantize_tensor` on the GPU to skip the host copies.
+:mod:`triton_kernels.search`). Hand tensors to :func:`quantize_tensor` on the GPU to skip the host copies.
 
 Verified byte for byte against libggml-base of llama-cpp-python 0.3.36 (x86-64, GGML_NATIVE=OFF)
 for every type here, with and without imatrix, on edge-case rows and on every 2-D tensor of the
-k256 and mini fixtures (tests/quant/test_kquants.py; i-quants: tests/quant/test_kquants_iq.py). Speed: about 2-3x ggml's single-thread
+k256 and mini fixtures (tests/quant/test_ggml_encoders.py; i-quants: tests/quant/test_ggml_iquants.py). Speed: about 2-3x ggml's single-thread
 CPU time for the K-quants (bench/kquant_speed.py).
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from ...errors import InputError
-from . import torch_encoders
-from .registry import REGISTRY, REQUIRES_IMATRIX, SUPPORTED  # noqa: F401 (the encoders' public names)
+from mixq.errors import InputError
+from mixq.quant.ggml import torch_encoders
+from mixq.quant.ggml.registry import REGISTRY, REQUIRES_IMATRIX, SUPPORTED  # noqa: F401 (the encoders' public names)
 
 # weights per encoding chunk: numpy call overhead vs. working set (64K weights measured fastest: arrays stay in cache)
 CHUNK_WEIGHTS = 1 << 16
@@ -178,13 +178,13 @@ def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = Non
     """
     x = np.asarray(x)
     if x.ndim != 3:
-        raise InputError(f"kquants.quantize_stacked: expected (E, rows, n), got shape {x.shape}")
+        raise InputError(f"ggml quantize_stacked: expected (E, rows, n), got shape {x.shape}")
     E, _, n = x.shape
     im = None
     if imatrix is not None:
         im = np.asarray(imatrix, dtype=np.float32)
         if im.size != E * n:
-            raise InputError(f"kquants.quantize_stacked: imatrix has {im.size} values, expected {E}x{n}")
+            raise InputError(f"ggml quantize_stacked: imatrix has {im.size} values, expected {E}x{n}")
         im = im.reshape(E, n)
     dev = _device(device)
     if dev.type != "cpu":

@@ -15,12 +15,11 @@ from typing import Callable
 from gguf import GGMLQuantizationType
 
 from mixq.formats import gguf_layout
-
-from . import numpy_iq2, numpy_iq3, numpy_iq4, torch_iq, torch_iq4
-from . import numpy_kquants as nk
-from . import numpy_legacy as nl
-from . import torch_kquants as tk
-from . import torch_legacy as tl
+from mixq.quant.ggml.i_quants import numpy_iq2, numpy_iq3, numpy_iq4, torch_iq, torch_iq4
+from mixq.quant.ggml.k_quants import numpy_backend as nk
+from mixq.quant.ggml.k_quants import torch_backend as tk
+from mixq.quant.ggml.legacy import numpy_backend as nl
+from mixq.quant.ggml.legacy import torch_backend as tl
 
 Encoder = Callable  # (x, importance | None) -> uint8 blocks, numpy arrays or torch tensors by backend
 

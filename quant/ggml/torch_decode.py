@@ -24,8 +24,7 @@ from gguf import quants as gguf_quants
 
 from mixq.errors import FormatError
 from mixq.formats.gguf_layout import block_shape
-
-from .numpy_iq4 import IQ4_LEVELS
+from mixq.quant.ggml.i_quants.numpy_iq4 import IQ4_LEVELS
 
 F32 = torch.float32
 Fields = dict[str, torch.Tensor]

@@ -23,8 +23,6 @@ GGML_REQUIRES_IMATRIX: tuple[str, ...] = ("IQ1_S", "IQ2_XXS", "IQ2_XS")
 # llama-quantize refuses these target types for a tensor without importance data, token_embd/output excepted
 # unless ggml itself requires it (V:src/llama-quant.cpp:856-875)
 QUANTIZE_REQUIRES_IMATRIX: tuple[str, ...] = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
-QK_K = 256   # the super-block of the K-quants and i-quants (V:ggml/src/ggml-common.h:89)
-QK8_0 = 32   # the block of the legacy types, Q8_0 and IQ4_NL (ggml-common.h:251)
 
 
 def ggml_type(name: str) -> GGMLQuantizationType:

@@ -17,8 +17,8 @@ thread (the GGUF converter's ``--threads`` worker processes use it); ``device="c
 
 Verified byte for byte against libggml-base of llama-cpp-python 0.3.36 (x86-64, GGML_NATIVE=OFF)
 for every type here, with and without imatrix, on edge-case rows and on every 2-D tensor of the
-k256 and mini fixtures (tests/quant/test_ggml_encoders.py; i-quants: tests/quant/test_ggml_iquants.py). Speed: about 2-3x ggml's single-thread
-CPU time for the K-quants (bench/kquant_speed.py).
+k256 and mini fixtures (tests/quant/test_ggml_encoders.py; i-quants: tests/quant/test_ggml_iquants.py). Speed:
+about 2-3x ggml's single-thread CPU time for the K-quants (bench/kquant_speed.py).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The ggml types mixq writes, each declared once: its block layout and the encoders registered for it.
 
 A type's block layout (weights and bytes per block) and whether ggml insists on an importance matrix are
-formats/gguf_layout's facts, the one table of ggml types; a type adds how its encoders take their input (256-weight super-blocks or whole 32-weight-block
-rows) and two backends with the same bytes: the numpy port (the
-CPU backend, on the converter's worker processes) and the torch encoder (every device; Triton kernels inside it on
-CUDA). A legacy type's numpy backend covers only the importance path: without an imatrix its bytes are gguf-py's
-own reference quantizer, which is bit-exact with ggml's for those types.
+formats/gguf_layout's facts, the one table of ggml types; a type adds how its encoders take their input (256-weight
+super-blocks or whole 32-weight-block rows) and two backends with the same bytes: the numpy port (the CPU backend,
+on the converter's worker processes) and the torch encoder (every device; Triton kernels inside it on CUDA). A legacy
+type's numpy backend covers only the importance path: without an imatrix its bytes are gguf-py's own reference
+quantizer, which is bit-exact with ggml's for those types.
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from mixq.quant.ggml import torch_encoders
 
 def _encoder_cases():
     """The shared fixtures of tests/quant/test_ggml_encoders.py (digests, edge-case rows, tensor names)."""
-    spec = importlib.util.spec_from_file_location("_encoder_cases_torch", Path(__file__).with_name("test_ggml_encoders.py"))
+    spec = importlib.util.spec_from_file_location("_encoder_cases_torch",
+                                                  Path(__file__).with_name("test_ggml_encoders.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -4,8 +4,8 @@
 descent (quant/ggml/triton_kernels/iq2s_descent.py) against refine_iq2's group loop, the same layer error and nearly
 all the same groups (an inverse of H_BB and sums in another order move near-ties), and one window of it checked
 inside; the sub-block scale descent (quant/ggml/triton_kernels/subscales.py) against refine_sub_scales' sub-block
-loop, the same layer error and nearly all the same scales and mins (sums in another order could move near-ties; the bytes were equal
-when written), and one window of it replayed in float64, move by move.
+loop, the same layer error and nearly all the same scales and mins (sums in another order could move near-ties; the
+bytes were equal when written), and one window of it replayed in float64, move by move.
 
 On the CPU the kernel runs in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, set before triton is
 imported); the `gpu` test compiles it for the device. Both compare the bytes of refine_codes with the kernel and

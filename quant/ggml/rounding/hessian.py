@@ -26,9 +26,10 @@ scale moves take off another 1-4% (most at Q2_K).
 Numerics in torch (float64 factorisation, float32 walk), on CUDA when present; routed-expert stacks
 (E, rows, n) with one Hessian per expert run batched. On an accelerator nothing in the sweeps waits on the device
 (no early exits, the small solves unchecked: H is damped positive definite), and the blocks are decoded there;
-where the Triton kernels run, the code descent (:mod:`triton_kernels.refine`, the same codes), the IQ2_S codebook search
-(:mod:`triton_kernels.iq2s`), the IQ2_S group descent (:mod:`triton_kernels.iq2s_descent`, the same moves up to near-ties) and the
-sub-block scale descent (:mod:`triton_kernels.subscales`, the same moves up to near-ties) are fused.
+where the Triton kernels run, the code descent (:mod:`triton_kernels.refine`, the same codes), the IQ2_S codebook
+search (:mod:`triton_kernels.iq2s`), the IQ2_S group descent (:mod:`triton_kernels.iq2s_descent`, the same moves up to
+near-ties) and the sub-block scale descent (:mod:`triton_kernels.subscales`, the same moves up to near-ties) are
+fused.
 """
 from __future__ import annotations
 

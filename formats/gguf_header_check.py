@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGUF_DEFAULT_ALIGNMENT, GGUFReader, GGUFValueType
 
 from mixq.errors import FormatError, InputError
+from mixq.formats import gguf_layout
 
 GGML_MAX_DIMS = 4
 GGML_MAX_NAME = 63  # bytes of a tensor name (llama.cpp refuses 64 or more)
@@ -176,13 +177,13 @@ def _scan_tensor_info(sc: _Scanner, index: int) -> tuple[str, int, int]:
             raise sc.fail(f"{label}: shape {dims} has more than 2**63-1 elements (overflows int64)")
     raw_type = sc.u32(f"{label}: type")
     try:
-        qtype = GGMLQuantizationType(raw_type)
-        block, type_size = GGML_QUANT_SIZES[qtype]
-    except (ValueError, KeyError):
+        qtype = gguf_layout.type_name(raw_type)
+        block = gguf_layout.block_weights(qtype)
+    except (FormatError, KeyError):
         raise sc.fail(f"{label}: unknown ggml type id {raw_type}") from None
     if dims[0] % block:
-        raise sc.fail(f"{label}: row length {dims[0]} is not a multiple of {qtype.name}'s block of {block}")
-    n_bytes = n_elems // block * type_size
+        raise sc.fail(f"{label}: row length {dims[0]} is not a multiple of {qtype}'s block of {block}")
+    n_bytes = gguf_layout.tensor_bytes(qtype, dims[::-1])
     offset = sc.u64(f"{label}: data offset")
     return name, n_bytes, offset
 

@@ -26,7 +26,8 @@ from mixq.formats.gguf_header_check import open_gguf_reader
 from mixq.formats.gguf_integrity import integrity_note, integrity_problems, is_sealed_set, set_readers
 from mixq.formats.gguf_loader_tensors import loader_problems
 from mixq.formats.gguf_names import GGUFTensorSpec, gguf_tensors, merge_kv_b, unbuild_tensor
-from mixq.formats.gguf_writer import ARCH, tensor_nbytes
+from mixq.formats.gguf_layout import FLOAT_TYPES, tensor_bytes
+from mixq.formats.gguf_writer import ARCH
 
 HF_PREFIX = TEXT_PREFIX
 _SPLIT_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")  # parses gguf-py's SHARD_NAME_FORMAT
@@ -155,7 +156,7 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
     n_bytes = 0
     for name, e in g.tensors.items():
         try:
-            want = tensor_nbytes(e.qtype, e.shape)
+            want = tensor_bytes(e.qtype, e.shape)
         except Exception as ex:  # noqa: BLE001
             problems.append(f"{name}: {ex}")
             continue
@@ -188,7 +189,7 @@ def verify_gguf(path: str | Path, model: str | Path | None = None, decode: bool 
     types: dict[str, int] = {}
     for e in g.tensors.values():
         types[e.qtype] = types.get(e.qtype, 0) + 1
-    quantized = sum(n for t, n in types.items() if t not in ("F32", "F16", "BF16"))
+    quantized = sum(n for t, n in types.items() if t not in FLOAT_TYPES)
     return {"path": str(g.paths[0]), "files": [str(p) for p in g.paths], "tensors": len(g.tensors),
             "quantized": quantized if decode else 0, "bytes": n_bytes, "types": types, "checksums": checked,
             "integrity": integrity_note(is_sealed_set(g.paths, readers), checked, decoded=decode),

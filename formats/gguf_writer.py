@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import glob
-import math
 import re
 import shutil
 import tempfile
@@ -19,33 +18,17 @@ from typing import Any, Callable, Iterable, Sequence
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, Keys
+from gguf import Keys
 from gguf.gguf_writer import SHARD_NAME_FORMAT
-from gguf.quants import quant_shape_to_byte_shape
 from tqdm import tqdm
 
 from mixq.errors import FormatError, InputError, escape
 from mixq.formats.gguf_integrity import data_sha256, seal, sealed_writer
+from mixq.formats.gguf_layout import ggml_type, tensor_bytes
 from mixq.formats.partials import make_partial_dir, publish
 
 ARCH = "glm5-next"
 LLM, Attn = Keys.LLM, Keys.Attention
-
-
-def ggml_type(name: str) -> GGMLQuantizationType:
-    """gguf-py's enum for a ggml type name ("q4_k" -> Q4_K); FormatError for an unknown name."""
-    try:
-        return GGMLQuantizationType[name.upper()]
-    except KeyError:
-        raise FormatError(f"unknown GGML type {name!r}") from None
-
-
-def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
-    """Bytes of a tensor of numpy ``shape`` (row = ``shape[-1]``) stored as ``type_name`` (gguf-py's block sizes)."""
-    try:
-        return math.prod(quant_shape_to_byte_shape(tuple(int(d) for d in shape), ggml_type(type_name)))
-    except ValueError as e:
-        raise FormatError(f"{type_name} {tuple(shape)}: {e}") from None
 
 
 @dataclass
@@ -66,7 +49,7 @@ class TensorOut:
 
     @property
     def nbytes(self) -> int:
-        return tensor_nbytes(self.qtype, self.shape)
+        return tensor_bytes(self.qtype, self.shape)
 
 
 def _file_type(ftype: str | None) -> int | None:

@@ -15,7 +15,8 @@ from gguf import Keys
 
 from mixq.errors import InputError
 from mixq.formats.checkpoint import open_checkpoint
-from mixq.formats.gguf_writer import KV, TensorOut, ggml_type, write_gguf
+from mixq.formats.gguf_layout import ggml_type
+from mixq.formats.gguf_writer import KV, TensorOut, write_gguf
 from mixq.formats.model_files import read_json
 
 CV = Keys.ClipVision

@@ -2,7 +2,7 @@
 
 One calibration walk (measurement/hessians.py) gives each Linear's input Hessian; every budgeted tensor is encoded
 in every type of its ladder (planning.gguf_mix.ladder: the types a --bpw/--size plan may give it), with the rounding
-the conversion will use (`exact`: ggml's encoder with the imatrix or diag(H); `hessian`: quant/ggml/hessian_rounding),
+the conversion will use (`exact`: ggml's encoder with the imatrix or diag(H); `hessian`: quant/ggml/rounding/hessian),
 and its layer-output error tr(ΔW·H·ΔWᵀ) is recorded. Routed experts: one unit per `*_exps` tensor (all experts of
 the layer), the sum over experts with their routing-weighted Hessians. token_embd has no input Hessian and is
 measured through the first layer (Σ_rows f_row·δ·M·δᵀ, f the calibration frequency of the token, M
@@ -33,8 +33,8 @@ from mixq.errors import InputError
 from mixq.formats.gguf_names import build_tensor
 from mixq.planning import gguf_mix as gm
 from mixq.planning.gguf_measured import measured_units
-from mixq.quant.ggml import encoders as kquants
-from mixq.quant.ggml import hessian_rounding as kh
+from mixq.quant.ggml import encoders
+from mixq.quant.ggml.rounding import hessian as kh
 from mixq.quant.device import pick_device
 from mixq.runtime.calibration import calibration_rows, load_tokenizer
 
@@ -67,7 +67,7 @@ class MeasuredEncodes:
     def wants(self, spec, qtype: str) -> bool:
         """Whether the conversion's encode of `spec` in `qtype` can be the measurement's: the same source tensor
         and one of mixq's ggml encoders."""
-        return spec.transform in ("stack", "none") and qtype in kquants.SUPPORTED
+        return spec.transform in ("stack", "none") and qtype in encoders.SUPPORTED
 
     def put(self, spec, qtype: str, used: np.ndarray | None, blocks: np.ndarray) -> None:
         """Store the ggml bytes `blocks` of `spec` in `qtype`, encoded with importance `used` (skipped when the
@@ -87,7 +87,7 @@ class MeasuredEncodes:
 
 def _ggml_importance(qtype: str, h: torch.Tensor | None, importance: np.ndarray | None) -> np.ndarray | None:
     """The importance ggml's encoder gets: the conversion's, else diag(H) for the types that refuse none."""
-    if importance is None and qtype in kquants.REQUIRES_IMATRIX and h is not None:
+    if importance is None and qtype in encoders.REQUIRES_IMATRIX and h is not None:
         return torch.diagonal(h, dim1=-2, dim2=-1).clamp_min(0).numpy().copy()
     return importance
 
@@ -95,9 +95,9 @@ def _ggml_importance(qtype: str, h: torch.Tensor | None, importance: np.ndarray 
 def _ggml_blocks(w: torch.Tensor, qtype: str, importance: np.ndarray | None) -> np.ndarray:
     """ggml's encoder on w (rows, n) / (E, rows, n), one expert at a time with its own importance (E, n)."""
     if w.ndim == 3:
-        return np.stack([kquants.quantize(w[e].numpy(), qtype, None if importance is None else importance[e])
+        return np.stack([encoders.quantize(w[e].numpy(), qtype, None if importance is None else importance[e])
                          for e in range(w.shape[0])])
-    return kquants.quantize(w.numpy(), qtype, importance)
+    return encoders.quantize(w.numpy(), qtype, importance)
 
 
 def _encode(w: torch.Tensor, qtype: str, h: torch.Tensor | None, importance: np.ndarray | None,

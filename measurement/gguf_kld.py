@@ -23,13 +23,13 @@ from mixq.measurement.gguf_errors import GGUFMeasurement, measure_gguf_errors
 from mixq.planning.gguf_measured import measured_units
 from mixq.errors import InputError
 from mixq.runtime.reference import PerturbedKLD
-from mixq.quant.ggml import encoders as kquants
-from mixq.quant.ggml import hessian_rounding as kh
+from mixq.quant.ggml import encoders
+from mixq.quant.ggml.rounding import hessian as kh
 
 
 def _dequantized(x: torch.Tensor, qtype: str, imatrix: np.ndarray | None) -> torch.Tensor:
     """x (rows, n) encoded by ggml's encoder (imatrix (n,) or None) and decoded again."""
-    b = kquants.quantize(x.numpy(), qtype, imatrix)
+    b = encoders.quantize(x.numpy(), qtype, imatrix)
     return torch.from_numpy(kh.dequantize_blocks(b, qtype)).reshape(x.shape)
 
 

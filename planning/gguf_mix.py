@@ -19,9 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
 
-from mixq.errors import PlanError
+from mixq.errors import FormatError, PlanError
+from mixq.formats import gguf_layout
 from mixq.quant.ggml.registry import SUPPORTED
 
 MIX_DEFAULT = {
@@ -46,34 +47,33 @@ _BLK = re.compile(r"blk\.(\d+)\.")
 def ggml_type(name: str) -> GGMLQuantizationType:
     """The gguf-py enum for a type name ("q4_k" -> Q4_K); unknown names raise PlanError."""
     try:
-        return GGMLQuantizationType[name.upper()]
-    except KeyError:
-        raise PlanError(f"unknown GGML type {name!r}") from None
+        return gguf_layout.ggml_type(name)
+    except FormatError as e:
+        raise PlanError(str(e)) from None
 
 
 def block_size(type_name: str) -> int:
-    return GGML_QUANT_SIZES[ggml_type(type_name)][0]
+    """Weights per block of a ggml type (formats/gguf_layout); unknown names raise PlanError."""
+    return gguf_layout.block_weights(ggml_type(type_name).name)
 
 
 def type_bpw(type_name: str) -> float:
-    b, s = GGML_QUANT_SIZES[ggml_type(type_name)]
-    return 8.0 * s / b
+    """Storage bits per weight of a ggml type (formats/gguf_layout); unknown names raise PlanError."""
+    return gguf_layout.bits_per_weight(ggml_type(type_name).name)
 
 
 def tensor_nbytes(type_name: str, shape: Sequence[int]) -> int:
-    """Bytes of a tensor of numpy ``shape`` stored as ``type_name`` (gguf.constants.GGML_QUANT_SIZES)."""
-    b, s = GGML_QUANT_SIZES[ggml_type(type_name)]
-    ne0 = int(shape[-1]) if shape else 1
-    if ne0 % b:
-        raise PlanError(f"row length {ne0} is not a multiple of the {type_name} block size {b}")
-    rows = 1
-    for d in shape[:-1]:
-        rows *= int(d)
-    return rows * (ne0 // b) * s
+    """Bytes of a tensor of numpy ``shape`` stored as ``type_name`` (formats/gguf_layout.tensor_bytes); a plan
+    that asks for an impossible size is a PlanError."""
+    try:
+        return gguf_layout.tensor_bytes(type_name, shape)
+    except FormatError as e:
+        raise PlanError(str(e)) from None
 
 
 def is_quantized_type(type_name: str) -> bool:
-    return type_name.upper() not in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
+    """Whether a ggml type is block-quantized (formats/gguf_layout.is_quantized)."""
+    return gguf_layout.is_quantized(type_name)
 
 
 def ggml_n_dims(shape: Sequence[int]) -> int:
@@ -299,7 +299,7 @@ def bits_to_type(bits: float) -> str:
 
 def encodable_types() -> tuple[str, ...]:
     """The ggml types mixq writes: the float types and every type of the ggml registry (mixq.quant.ggml.registry)."""
-    return ("F32", "F16", "BF16") + tuple(SUPPORTED)
+    return gguf_layout.FLOAT_TYPES + tuple(SUPPORTED)
 
 
 def has_encoder(type_name: str) -> bool:

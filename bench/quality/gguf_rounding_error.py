@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     from mixq.conversion.gguf.rounding import DAMP, REFINE_PASSES
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
-    from mixq.quant.ggml import encoders as kquants
-    from mixq.quant.ggml import hessian_rounding as kh
+    from mixq.quant.ggml import encoders
+    from mixq.quant.ggml.rounding import hessian as kh
 
     ckpt = open_checkpoint(SHARED / "models" / "glm5next-k256")
     names = a.tensors.split(",")

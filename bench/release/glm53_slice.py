@@ -533,7 +533,7 @@ def _calibration_seconds(p: Probe) -> dict[str, float]:
 
 def _encode_probe(p: Probe) -> None:
     """ggml's encoders per type (`encode/TYPE`, the weights of each call); nested calls counted once."""
-    from mixq.quant.ggml import encoders as kquants
+    from mixq.quant.ggml import encoders
 
     for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
         p.wrap([kquants], fn, lambda x, qtype, *a, **k: f"encode/{qtype}", group="encode",
@@ -584,7 +584,7 @@ def _log_result(p: Probe, owner, attr: str, event) -> None:
 def _descent_probe(p: Probe) -> None:
     """Every step of block-output tuning's sign descent (`tune_step`, at its start: the steps done when a stage is
     cut) and every held-out check (`tune_check`: the loss of the held-out rows, without gradients)."""
-    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml.rounding import block_tuning as bt
 
     orig = bt.sign_descent
 
@@ -616,7 +616,7 @@ def _tuning_probe(p: Probe) -> None:
     tensors Hessian rounding leaves to ggml (`stored_values`) and its host decodes."""
     import mixq.conversion.gguf.rounding as gr
     import mixq.conversion.gguf.tuning as gt
-    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml.rounding import block_tuning as bt
 
     p.wrap([gr], "_tune_stage", lambda tuner, layer, paths, *a: f"tune/{_stage_name(layer)}")
     p.wrap([gt.LayerTuner], "__init__", lambda *a, **k: "tune_init")
@@ -657,9 +657,9 @@ def _hessian_probe(log_path: Path | None = None) -> Probe:
     import mixq.conversion.gguf.pipeline as gp
     import mixq.conversion.gguf.rounding as gr
     import mixq.conversion.gguf.tuning as gt
-    from mixq.quant.ggml import block_tuning as bt
-    from mixq.quant.ggml import hessian_rounding as kh
-    from mixq.quant.ggml import levels as gl
+    from mixq.quant.ggml.rounding import block_tuning as bt
+    from mixq.quant.ggml.rounding import hessian as kh
+    from mixq.quant.ggml.rounding import levels as gl
 
     p = Probe(log_over=5.0, log_path=log_path)
     _encode_probe(p)
@@ -1454,7 +1454,7 @@ def stage_eval(work: Path, device: str, windows: int = 16, ctx: int = 4096, chea
 def _eager_for(types: set[str]) -> None:
     """Encode `types` without the fused Triton kernels (MIXQ_KQUANT_FUSED=0 around their calls): for a type whose
     kernel compiles for longer than the run can wait."""
-    from mixq.quant.ggml import encoders as kquants
+    from mixq.quant.ggml import encoders
 
     for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
         orig = getattr(kquants, fn)
@@ -1484,7 +1484,7 @@ def stage_gguf(work: Path, device: str, rows: int = 64, seq_len: int = 512, eage
     from mixq.conversion.options import GGUFOptions
     from mixq.conversion.gguf.imatrix import make_imatrix
 
-    from mixq.quant.ggml import encoders as kquants
+    from mixq.quant.ggml import encoders
 
     imat = work / "slice.imatrix.gguf"
     imat.unlink(missing_ok=True)
@@ -1568,8 +1568,8 @@ def host_rates(work: Path, types: list[str]) -> dict[str, dict]:
 
     from mixq.conversion.gguf.workers import encode
     from mixq.formats.checkpoint import open_checkpoint
-    from mixq.quant.ggml import hessian_rounding as kh
-    from mixq.quant.ggml import levels as gl
+    from mixq.quant.ggml.rounding import hessian as kh
+    from mixq.quant.ggml.rounding import levels as gl
 
     x = _sample_matrix(open_checkpoint(work / "bf16"))
     im = np.mean(x * x, axis=0) + 1e-6  # a positive importance: the i-quants need one
@@ -1666,7 +1666,7 @@ def _profiled_rounding(path: Path | None, qtype: str = "IQ2_S", call: int = 2):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from mixq.quant.ggml import hessian_rounding as kh
+    from mixq.quant.ggml.rounding import hessian as kh
 
     saved = kh.quantize_hessian
     seen = {"n": 0, "prof": None}
@@ -1710,7 +1710,7 @@ def _profiled_tuning(path: Path | None, stages: tuple[int, ...] = (0, 1)):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import mixq.conversion.gguf.tuning as gt
-    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml.rounding import block_tuning as bt
 
     saved = {"descent": bt.sign_descent, "stacked": gt.stacked_block,
              "level": bt.LevelCodes.dequantized, "iq2": bt.IQ2Codes.dequantized}
@@ -1770,7 +1770,7 @@ def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512,
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import build_tensor, gguf_tensors
     from mixq.quant.device import pick_device
-    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml.rounding import block_tuning as bt
     from mixq.runtime.calibration import calibration_rows, load_tokenizer
 
     probe = _hessian_probe(_LOG)
@@ -1844,7 +1844,7 @@ def round_probe(stacks: list, stream, fetch, dev, probe: Probe) -> dict[str, dic
     import torch
 
     import mixq.conversion.gguf.rounding as gr
-    from mixq.quant.ggml import hessian_rounding as kh
+    from mixq.quant.ggml.rounding import hessian as kh
 
     x = stream[..., 0, :].reshape(-1, stream.shape[-1]).to(dev, torch.float32)
     out: dict[str, dict] = {}
@@ -2464,7 +2464,7 @@ def _checks(iters: int, checks: int | None = None, start: bool = True) -> int:
     """Held-out checks of a descent of `iters` steps (block_tuning.sign_descent: the `checks` marks, default its
     DEFAULT_CHECKS, and the start unless the stage before ended there: LayerTuner's expert groups after the layer's
     first stage)."""
-    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml.rounding import block_tuning as bt
 
     checks = bt.DEFAULT_CHECKS if checks is None else checks
     return int(start) + len({round(iters * k / checks) for k in range(1, checks + 1)})
@@ -2493,7 +2493,7 @@ def _layer_tuning(tensors: list, tune: dict | None, iters: int, budget: int | No
     `groups_from` where given, else this run's, else the layer stage's), the codes' set-up, the tuner's numpy
     encodes of what Hessian rounding leaves to ggml, and the streams (materialise, source and quantized passes)."""
     import mixq.conversion.gguf.tuning as gt
-    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml.rounding import block_tuning as bt
 
     out = {"steps": 0.0, "codes_init": 0.0, "host_decode": 0.0, "streams": 0.0}
     if tune is None:

@@ -104,7 +104,7 @@ for step in "$@"; do
         gpu-tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_viterbi_gluon.py \
                        tests/quant/test_viterbi_fused.py tests/runtime/test_overlap.py \
                        tests/runtime/test_layer_stream.py 2>&1 | tail -15
-                   python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_kquants_hessian.py \
+                   python3 -m pytest -q -m gpu -p no:cacheprovider tests/quant/test_ggml_hessian_rounding.py \
                        -k synthetic 2>&1 | tail -15 ;;
         trellis) python3 bench/speed/trellis_vs_exllamav3.py --json "$OUT/trellis_vs_exllamav3.json" --budget 300 ;;
         copy-back) python3 bench/speed/copy_back.py --json "$OUT/copy_back.json" ;;

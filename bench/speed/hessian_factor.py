@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mixq.quant.ggml import hessian_rounding as kh
+from mixq.quant.ggml.rounding import hessian as kh
 
 
 def inverse_then_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:

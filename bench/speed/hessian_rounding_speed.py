@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for path
 from paths import SHARED  # noqa: E402
 
 from mixq.conversion.gguf import rounding as gr
-from mixq.quant.ggml import hessian_rounding as kh
-from mixq.quant.ggml import levels as gl
+from mixq.quant.ggml.rounding import hessian as kh
+from mixq.quant.ggml.rounding import levels as gl
 
 EXPERT_SHAPE = (2048, 4096)   # a routed expert's gate/up (out, in)
 EXPERT_DOWN = (4096, 2048)    # its down

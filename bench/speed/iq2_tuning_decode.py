@@ -1,4 +1,4 @@
-"""The IQ2 codes' decode in block-output tuning (quant/ggml/block_tuning.IQ2Codes): per step of a descent at the
+"""The IQ2 codes' decode in block-output tuning (quant/ggml/rounding/block_tuning.IQ2Codes): per step of a descent at the
 tuner's rate, the share of groups whose rounded positions form no codebook tuple (the decode searches the codebook
 for those at every step); then, side by side, the decode's forward + backward and the codebook search alone with
 the neighbour search (`neighbour_entries`, the tuner's on the CPU for the types of IQ2_NEIGHBOUR_TYPES), with every
@@ -26,8 +26,8 @@ import torch
 
 from mixq.conversion.gguf.tuning import GROUP_ITERS_SHARE, TUNE_LR, stored_blocks
 from mixq.conversion.options import DEFAULT_TUNE_ITERS
-from mixq.quant.ggml import block_tuning as bt
-from mixq.quant.ggml import levels as gl
+from mixq.quant.ggml.rounding import block_tuning as bt
+from mixq.quant.ggml.rounding import levels as gl
 
 
 def _sync(dev: torch.device) -> None:

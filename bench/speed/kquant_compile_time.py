@@ -23,10 +23,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mixq.quant.ggml import triton_search as kf  # noqa: E402
-from mixq.quant.ggml import triton_descent as kd  # noqa: E402
-from mixq.quant.ggml import triton_grid as kg  # noqa: E402
-from mixq.quant.ggml import numpy_iq2 as kquants_iq2  # noqa: E402
+from mixq.quant.ggml.triton_kernels import search as kf  # noqa: E402
+from mixq.quant.ggml.triton_kernels import descent as kd  # noqa: E402
+from mixq.quant.ggml.triton_kernels import grid as kg  # noqa: E402
+from mixq.quant.ggml.i_quants import numpy_iq2 as kquants_iq2  # noqa: E402
 
 # (label, the ggml types that launch it): kernel, [(argument, type)], constexprs
 P32, I32 = "*fp32", "*i32"

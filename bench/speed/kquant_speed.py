@@ -35,8 +35,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from mixq.formats.atomic import write_json  # noqa: E402
-from mixq.quant.ggml import encoders as kquants  # noqa: E402
-from mixq.quant.ggml import triton_search as kquants_fused
+from mixq.quant.ggml import encoders  # noqa: E402
+from mixq.quant.ggml.triton_kernels import search as kquants_fused
 from mixq.quant.ggml import libggml as kquants_ggml
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ from mixq.conversion.gguf import tuning as gt
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.gguf_names import build_tensor, gguf_tensors
 from mixq.formats.tiny import write_tiny_checkpoint
-from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import encoders
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from paths import repo_relative  # noqa: E402

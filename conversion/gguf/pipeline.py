@@ -34,6 +34,8 @@ from mixq.formats import mmproj  # mmproj.write_mmproj looked up per call (tests
 from mixq.formats.chat_template import model_template, prepare_template
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
+from mixq.formats.gguf_layout import (FLOAT_TYPES, GGML_REQUIRES_IMATRIX, QUANTIZE_REQUIRES_IMATRIX,
+                                      tensor_bytes)
 from mixq.formats.gguf_names import OUTPUT, TOKEN_EMBD, build_tensor, gguf_tensors
 from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
 from mixq.formats.gguf_writer import KV, TensorOut, gguf_file_nbytes, glm5next_kv, output_set, write_gguf
@@ -48,21 +50,16 @@ from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.measurement.encode_cache import EncodeCache
 from mixq.conversion.gguf.receipt import conversion_receipt
 from mixq.conversion.gguf.rounding import hessian_rounded
-from mixq.conversion.gguf.workers import LOCAL_TYPES, TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
+from mixq.conversion.gguf.workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
 from mixq.conversion.gguf.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (re-exported)
 from mixq.conversion.job import rss_peak_mib
 from mixq.measurement.trellis import load_curves
-from mixq.conversion.options import PURE_FLOAT, GGUFOptions, options_for
+from mixq.conversion.options import GGUFOptions, options_for
 from mixq.formats.outputs import (check_distinct, check_free_space, check_output_file, gguf_partials_lock,
                                   writing)
 from mixq.conversion.result import ConvertResult
 from mixq.quant.device import resolve_device
 
-# llama-quantize refuses these target types for a tensor without importance data (token_embd/output excepted)
-NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
-# ggml's encoder itself asserts importance data for these, token_embd/output included (ggml.c,
-# ggml_quantize_requires_imatrix)
-GGML_NEEDS_IMATRIX = ("IQ1_S", "IQ2_XXS", "IQ2_XS")
 METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alignment beyond the tensor data
 # --size: re-plans with the measured header overshoot taken off the budget; the receipt's type counts move the
 # header by a few bytes per round, so two rounds suffice in practice
@@ -108,7 +105,7 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
     `measure`: measured curves {tensor: {bpw: error}} for a --bpw/--size plan (measurement/gguf_errors)."""
     if sum(v is not None for v in (qtype, bpw, size)) != 1:
         raise InputError("give exactly one of --type, --bpw, --size")
-    if qtype is not None and qtype.upper() in PURE_FLOAT:
+    if qtype is not None and qtype.upper() in FLOAT_TYPES:
         types = _pure_types(specs, qtype.upper())
     else:
         types = _planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
@@ -327,12 +324,12 @@ def _plan(run: _GGUFRun) -> None:
         run.imatrix_obj = im
     _fit_size(run)
     for s, t in zip(run.specs, run.types):  # fail before writing anything, naming the first such tensor
-        exempt = s.name in (TOKEN_EMBD, OUTPUT) and t not in GGML_NEEDS_IMATRIX  # llama-quantize's exception
-        if t in NEEDS_IMATRIX and not exempt and (run.imx is None or run.imx.get(s.name) is None):
+        exempt = s.name in (TOKEN_EMBD, OUTPUT) and t not in GGML_REQUIRES_IMATRIX  # llama-quantize's exception
+        if t in QUANTIZE_REQUIRES_IMATRIX and not exempt and (run.imx is None or run.imx.get(s.name) is None):
             why = "the imatrix has no entry for it" if run.imx is not None else "no --imatrix given"
             raise InputError(f"{s.name}: {t} needs an importance matrix ({why}; llama-quantize refuses it too); "
                              "make one with `mixq imatrix`")
-    need = sum(gguf_mix.tensor_nbytes(t, s.shape) for s, t in zip(run.specs, run.types)) + METADATA_ROOM
+    need = sum(tensor_bytes(t, s.shape) for s, t in zip(run.specs, run.types)) + METADATA_ROOM
     if o.rounding == "hessian":  # the rounded tensors are spilled next to OUT before the file is written
         need *= 2
     if o.mmproj is not None:
@@ -397,7 +394,7 @@ def _write(run: _GGUFRun) -> list[Path]:
 
     def load(name: str) -> tuple[np.ndarray, np.ndarray | None]:
         x = build_tensor(by_name[name], ckpt.get).numpy()
-        w = None if imx is None or qtypes[name] in PURE_FLOAT else imx.get(name)
+        w = None if imx is None or qtypes[name] in FLOAT_TYPES else imx.get(name)
         if w is not None and w.size != (x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]:
             raise InputError(f"imatrix entry {name} has {w.size} values, tensor needs "
                              f"{(x.shape[0] if x.ndim == 3 else 1) * x.shape[-1]}")
@@ -434,7 +431,7 @@ def _cache_keys(run: _GGUFRun, outs: list, pre, load) -> tuple[dict[str, str], s
         return {}, set()
     src = str(run.ckpt.path)
     keys = {t.name: run.cache.key(src, t.name, t.qtype, t.shape, lambda n=t.name: load(n))
-            for t in outs if t.name not in pre and t.qtype not in LOCAL_TYPES}
+            for t in outs if t.name not in pre and t.qtype not in FLOAT_TYPES}
     return keys, {n for n, k in keys.items() if run.cache.has(k)}
 
 
@@ -476,7 +473,7 @@ def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> Con
     counts: dict[str, int] = {}
     for t in run.types:
         counts[t] = counts.get(t, 0) + 1
-    total = sum(gguf_mix.tensor_nbytes(t, s.shape) for s, t in zip(run.specs, run.types))
+    total = sum(tensor_bytes(t, s.shape) for s, t in zip(run.specs, run.types))
     params = sum(int(np.prod(s.shape)) for s in run.specs)
     return ConvertResult(format="gguf", out=str(files[0]), files=[str(f) for f in files], bytes=total,
                          bpw=8.0 * total / max(params, 1), tensors=len(run.specs), seconds=time.time() - t0,

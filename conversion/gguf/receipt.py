@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from mixq.formats.gguf_layout import tensor_bytes
 from mixq.formats.receipt import mixq_version
 from mixq.formats.safetensors_io import sha256_file
-from mixq.planning import gguf_mix
 from mixq.planning.sizes import parse_size
 from mixq.planning.types import numel
 
@@ -57,7 +57,7 @@ def _plan_summary(run) -> dict:
     counts: dict[str, int] = {}
     for t in run.types:
         counts[t] = counts.get(t, 0) + 1
-    total = sum(gguf_mix.tensor_nbytes(t, s.shape) for s, t in zip(run.specs, run.types))
+    total = sum(tensor_bytes(t, s.shape) for s, t in zip(run.specs, run.types))
     params = sum(numel(s.shape) for s in run.specs)
     return {"tensor_bytes": total, "bpw": round(8.0 * total / max(params, 1), 4), "types": dict(sorted(counts.items()))}
 

@@ -3,14 +3,14 @@
 `--rounding exact` (the default) leaves every tensor to ggml's own encoder, so files are byte-identical to
 llama-quantize's. `--rounding hessian` keeps every tensor's ggml type (so the bytes count is the same and llama.cpp
 loads the file unchanged) but picks the codes inside each block to minimise the layer-output error
-tr(ΔW·H·ΔWᵀ) (quant/ggml/hessian_rounding.py), with H from a calibration forward this module runs itself
+tr(ΔW·H·ΔWᵀ) (quant/ggml/rounding/hessian.py), with H from a calibration forward this module runs itself
 (measurement/hessians.py: layer by layer, routing-weighted per routed expert).
 
 `encode_hessian_rounded(...)` walks the calibration once and encodes every covered tensor as its layer is reached,
 spilling the encoded blocks to .npy files in a work directory (the file is written later in GGUF order, and the
 encoded model is as large as the output, so it is not kept in memory). Covered: 2-D Linears and stacked routed
 experts whose input the forward forms, and token_embd (rows weighted by what the first layer's Linears make of
-their error: gguf_hessians.embedding_hessian), in a type `hessian_rounding` supports. The rest (the split
+their error: gguf_hessians.embedding_hessian), in a type `quant.ggml.rounding.hessian` supports. The rest (the split
 attn_k_b/attn_v_b, the NextN block, F16/BF16/F32 tensors, types without a Hessian path) keep ggml's encoder.
 With `tune_iters` > 0 (the default), each stage's Hessian-rounded codes are then tuned together for the decoder
 layer's output on the quantized model's streams (conversion/gguf/tuning.py), and the tuned blocks replace the
@@ -33,7 +33,7 @@ from mixq.measurement.hessians import DAMP, REFINE_PASSES, embedding_hessian, la
 from mixq.conversion.gguf.tuning import LayerTuner
 from mixq.conversion.options import DEFAULT_TUNE_ITERS
 from mixq.formats.partials import make_partial_dir
-from mixq.quant.ggml import hessian_rounding as kh
+from mixq.quant.ggml.rounding import hessian as kh
 from mixq.quant.device import device_kind, pick_device
 from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN, calibration_rows, load_tokenizer
 from mixq.runtime.overlap import ahead

@@ -1,8 +1,8 @@
 """GGUF `--rounding hessian`, second stage: block-output tuning of the encoded codes, one decoder layer at a time.
 
 After a layer's tensors are Hessian-rounded (conversion/gguf/rounding.py), `LayerTuner.layer` moves the codes of
-every tensor of that layer together (quant/ggml/block_tuning.py) so that the layer, run on the *quantized* model's
-hidden streams, reproduces the *source* layer's output on the source streams (mean squared error over the
+every tensor of that layer together (quant/ggml/rounding/block_tuning.py) so that the layer, run on the *quantized*
+model's hidden streams, reproduces the *source* layer's output on the source streams (mean squared error over the
 streams, calibration rows in batches). Two streams are carried from layer to layer: the source model's, and the
 quantized model's as llama.cpp will run it (every tensor of the layer at its planned type: tuned codes, IQ2_S's
 codebook groups among them, ggml's own encoding of the tensors Hessian rounding does not cover, floats rounded
@@ -36,10 +36,11 @@ from torch.func import functional_call
 
 from mixq.conversion.gguf.workers import encode
 from mixq.conversion.options import DEFAULT_TUNE_ITERS
+from mixq.formats.gguf_layout import FLOAT_TYPES, block_shape
 from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.device import same_device
-from mixq.quant.ggml import block_tuning as bt
-from mixq.quant.ggml import levels as gl
+from mixq.quant.ggml.rounding import block_tuning as bt
+from mixq.quant.ggml.rounding import levels as gl
 from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stack_rows,
                                        stacked_block, stacked_parts, write_values)
 from mixq.runtime.overlap import ahead, host_empty
@@ -58,7 +59,6 @@ GROUP_CHECKS = 1
 # rounding's transients, float32 each; a weight whose block scale is learned too counts twice (the grid of each
 # scale alone, and the grid rebuilt at every step)
 BYTES_PER_TUNED_WEIGHT = 40
-FLOAT_TYPES = ("F32", "F16", "BF16")
 DECODE_ROWS_WEIGHTS = 1 << 26  # weights decoded on the device at a time (bounds the decoder's transients)
 _TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -121,7 +121,7 @@ def decoded_on_host(blocks: np.ndarray, qtype: str, device: torch.device) -> tor
     """float32 host values (..., weights per row) of encoded ggml `blocks` (..., bytes per row), decoded on `device`
     by the torch decoder (gguf-py's values bit for bit on the CPU), ``DECODE_ROWS_WEIGHTS`` weights at a time,
     into one host tensor (pinned for a CUDA device, as the layer streams are)."""
-    bs, ts = gl.block_shape(qtype)
+    bs, ts = block_shape(qtype)
     flat = blocks.reshape(-1, blocks.shape[-1])
     per_row = blocks.shape[-1] // ts * bs
     out = host_empty((flat.shape[0], per_row), torch.float32, pinned=torch.device(device).type == "cuda")

@@ -36,16 +36,15 @@ import numpy as np
 
 from mixq.runtime.child_process import die_with_parent, without_callers_main
 from mixq.errors import InputError, MixqError
+from mixq.formats.gguf_layout import FLOAT_TYPES
 from mixq.planning.gguf_mix import ggml_type
-from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml import encoders
 
 # weights per task: large enough that pickling a task (4 bytes/weight in, <1 back) is small beside its encode time,
 # small enough that the last tasks of a conversion end together (the lattice i-quants encode an order of magnitude
 # slower than the K-quants, so they get smaller tasks) and 2*N tasks stay a few MB each
 TASK_WEIGHTS = 1 << 20
 TASK_WEIGHTS_IQ = 1 << 18
-# encoded in the parent: plain casts, nothing to gain from a round trip through a worker
-LOCAL_TYPES = ("F32", "F16", "BF16")
 # after an error, how long the tasks a worker already holds may take before it is killed (each is about a second)
 ABORT_GRACE_S = 120.0
 # signals a terminal or a supervisor sends to the whole process group; the parent handles them, workers ignore them
@@ -76,17 +75,17 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device:
         imx = np.asarray(imatrix, dtype=np.float32).reshape(-1, n)
         if imx.shape[0] not in (1, mats.shape[0]):
             raise InputError(f"imatrix has {imx.shape[0]} vectors for {mats.shape[0]} matrices")
-    if device is not None and str(device) != "cpu" and q in kquants.SUPPORTED:
+    if device is not None and str(device) != "cpu" and q in encoders.SUPPORTED:
         im = None if imx is None else np.broadcast_to(imx, (mats.shape[0], n))
-        res = kquants.quantize_stacked(mats, q, im, device=device)  # groups of experts per device call
+        res = encoders.quantize_stacked(mats, q, im, device=device)  # groups of experts per device call
         return res.reshape(x.shape[:-1] + (res.shape[-1],))
     out = []
     for e in range(mats.shape[0]):
         w = None if imx is None else imx[e if imx.shape[0] > 1 else 0]
         rows = mats[e]
-        if q in kquants.SUPPORTED:
+        if q in encoders.SUPPORTED:
             # errors (non-finite weights, bad widths) propagate: never hide them behind another encoder
-            out.append(np.asarray(kquants.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
+            out.append(np.asarray(encoders.quantize(rows, q, w), dtype=np.uint8).reshape(rows.shape[0], -1))
             continue
         if w is not None and q in ("Q8_0", "BF16"):  # these ignore the imatrix in ggml too
             w = None
@@ -276,7 +275,7 @@ class TensorEncoder:
     # -- public ---------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Spawn the workers now (they import and build tables while the caller goes on); else on first use."""
-        if self.threads > 1 and self._pool is None and any(q not in LOCAL_TYPES for _, q, _ in self.items):
+        if self.threads > 1 and self._pool is None and any(q not in FLOAT_TYPES for _, q, _ in self.items):
             self._pool = self._start_pool()
 
     def get(self, name: str) -> np.ndarray:
@@ -286,7 +285,7 @@ class TensorEncoder:
             raise ValueError(f"tensor {name!r} asked out of order (expected {self.items[self._asked][0]!r})")
         self._asked += 1
         _, qtype, label = self.items[i]
-        if self.threads == 1 or qtype in LOCAL_TYPES:
+        if self.threads == 1 or qtype in FLOAT_TYPES:
             x, w = self.load(name)
             return _worker_encode(x, qtype, w, label, self.device)
         self._fill()
@@ -374,7 +373,7 @@ class TensorEncoder:
         while self._cut_next < len(self.items):
             name, qtype, label = self.items[self._cut_next]
             self._cut_next += 1
-            if qtype in LOCAL_TYPES:
+            if qtype in FLOAT_TYPES:
                 continue
             t = self._tensors[name] = _Tensor(qtype, label)
             try:

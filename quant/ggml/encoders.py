@@ -3,7 +3,7 @@
 The contract is pinned (docs/INTERNALS.md). Without an importance matrix the bytes equal ggml's reference quantizer
 (``quantize_row_*_ref``); with one they equal ggml's importance path (``quantize_*`` with
 ``quant_weights``), which for Q8_0 ignores it. Q2_K…Q6_K and the importance paths of the legacy
-32-weight types are our vectorised numpy ports (:mod:`numpy_kquants`, :mod:`numpy_legacy`);
+32-weight types are our vectorised numpy ports (:mod:`k_quants.numpy_backend`, :mod:`legacy.numpy_backend`);
 the legacy reference paths and Q8_0 come from gguf-py, which is bit-exact for them. The lattice
 i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (:mod:`numpy_iq2`, :mod:`numpy_iq3`) take their
 codebooks from gguf-py; IQ2_XXS and IQ2_XS need an imatrix (ggml refuses them without one). IQ4_XS
@@ -13,12 +13,12 @@ The imatrix is a per-column vector of length n (for an expert tensor: that exper
 Two paths, the same bytes: ``device="cpu"`` (the default) runs the numpy encoders on the calling
 thread (the GGUF converter's ``--threads`` worker processes use it); ``device="cuda"`` and
 :func:`quantize_tensor` run the torch encoders (:mod:`torch_encoders`; fused Triton kernels on CUDA,
-:mod:`triton_search`). Hand tensors to :func:`quantize_tensor` on the GPU to skip the host copies.
+:mod:`triton_kernels.search`). Hand tensors to :func:`quantize_tensor` on the GPU to skip the host copies.
 
 Verified byte for byte against libggml-base of llama-cpp-python 0.3.36 (x86-64, GGML_NATIVE=OFF)
 for every type here, with and without imatrix, on edge-case rows and on every 2-D tensor of the
-k256 and mini fixtures (tests/quant/test_kquants.py; i-quants: tests/quant/test_kquants_iq.py). Speed: about 2-3x ggml's single-thread
-CPU time for the K-quants (bench/speed/kquant_speed.py).
+k256 and mini fixtures (tests/quant/test_ggml_encoders.py; i-quants: tests/quant/test_ggml_iquants.py). Speed:
+about 2-3x ggml's single-thread CPU time for the K-quants (bench/speed/kquant_speed.py).
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from ...errors import InputError
-from . import torch_encoders
-from .registry import REGISTRY, REQUIRES_IMATRIX, SUPPORTED  # noqa: F401 (the encoders' public names)
+from mixq.errors import InputError
+from mixq.quant.ggml import torch_encoders
+from mixq.quant.ggml.registry import REGISTRY, REQUIRES_IMATRIX, SUPPORTED  # noqa: F401 (the encoders' public names)
 
 # weights per encoding chunk: numpy call overhead vs. working set (64K weights measured fastest: arrays stay in cache)
 CHUNK_WEIGHTS = 1 << 16
@@ -63,13 +63,13 @@ def row_bytes(qtype: str, n: int) -> int:
 def _check_shape(shape: tuple, qtype: str, imatrix_size: int | None) -> None:
     _ggml_type(qtype)
     if len(shape) != 2:
-        raise InputError(f"kquants.quantize: expected a 2-D (rows, n) array, got shape {tuple(shape)}")
+        raise InputError(f"ggml quantize: expected a 2-D (rows, n) array, got shape {tuple(shape)}")
     n = shape[1]
     bs = block_size(qtype)
     if n == 0 or n % bs:
-        raise InputError(f"kquants.quantize: row length {n} is not a positive multiple of {bs} ({qtype})")
+        raise InputError(f"ggml quantize: row length {n} is not a positive multiple of {bs} ({qtype})")
     if imatrix_size is not None and imatrix_size != n:
-        raise InputError(f"kquants.quantize: imatrix has {imatrix_size} values, row length is {n}")
+        raise InputError(f"ggml quantize: imatrix has {imatrix_size} values, row length is {n}")
 
 
 def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -79,9 +79,9 @@ def _check(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> tuple[np.nd
     _check_shape(x.shape, qtype, None if imatrix is None else imatrix.size)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if not np.all(np.isfinite(x)):
-        raise InputError("kquants.quantize: the tensor contains NaN or infinite values")
+        raise InputError("ggml quantize: the tensor contains NaN or infinite values")
     if imatrix is not None and not np.all(np.isfinite(imatrix)):
-        raise InputError("kquants.quantize: imatrix contains non-finite values")
+        raise InputError("ggml quantize: imatrix contains non-finite values")
     return x, imatrix
 
 
@@ -108,11 +108,11 @@ def _device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise InputError(f"kquants.quantize: unknown device {device!r}") from exc
+        raise InputError(f"ggml quantize: unknown device {device!r}") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"kquants.quantize: device {device!r} requested but torch sees no CUDA device")
+        raise InputError(f"ggml quantize: device {device!r} requested but torch sees no CUDA device")
     if dev.type not in ("cpu", "cuda"):
-        raise InputError(f"kquants.quantize: device {device!r} is not supported (cpu or cuda)")
+        raise InputError(f"ggml quantize: device {device!r} is not supported (cpu or cuda)")
     return dev
 
 
@@ -157,15 +157,15 @@ def quantize_tensor(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None = 
         raise InputError(f"{qtype} needs an importance matrix (as in llama.cpp)")
     per_row = imatrix is not None and imatrix.dim() == 2
     if per_row and tuple(imatrix.shape) != tuple(x.shape):
-        raise InputError(f"kquants.quantize: imatrix has shape {tuple(imatrix.shape)}, rows are {tuple(x.shape)}")
+        raise InputError(f"ggml quantize: imatrix has shape {tuple(imatrix.shape)}, rows are {tuple(x.shape)}")
     _check_shape(tuple(x.shape), qtype, None if imatrix is None else int(imatrix.shape[-1]))
     x = x.to(torch.float32).contiguous()
     if not bool(torch.isfinite(x).all()):
-        raise InputError("kquants.quantize: the tensor contains NaN or infinite values")
+        raise InputError("ggml quantize: the tensor contains NaN or infinite values")
     if imatrix is not None:
         imatrix = imatrix.to(device=x.device, dtype=torch.float32).contiguous()
         if not bool(torch.isfinite(imatrix).all()):
-            raise InputError("kquants.quantize: imatrix contains non-finite values")
+            raise InputError("ggml quantize: imatrix contains non-finite values")
     return torch_encoders.encode(x, qtype, imatrix, row_bytes(qtype, x.shape[1]))
 
 
@@ -178,13 +178,13 @@ def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = Non
     """
     x = np.asarray(x)
     if x.ndim != 3:
-        raise InputError(f"kquants.quantize_stacked: expected (E, rows, n), got shape {x.shape}")
+        raise InputError(f"ggml quantize_stacked: expected (E, rows, n), got shape {x.shape}")
     E, _, n = x.shape
     im = None
     if imatrix is not None:
         im = np.asarray(imatrix, dtype=np.float32)
         if im.size != E * n:
-            raise InputError(f"kquants.quantize_stacked: imatrix has {im.size} values, expected {E}x{n}")
+            raise InputError(f"ggml quantize_stacked: imatrix has {im.size} values, expected {E}x{n}")
         im = im.reshape(E, n)
     dev = _device(device)
     if dev.type != "cpu":

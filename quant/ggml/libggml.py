@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ...errors import InputError
+from mixq.errors import InputError
 
 
 def find_ggml_base() -> Path | None:

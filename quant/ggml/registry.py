@@ -1,24 +1,25 @@
 """The ggml types mixq writes, each declared once: its block layout and the encoders registered for it.
 
-A type's block layout (weights and bytes per block) comes from gguf-py's size table, the one byte-size table of
-ggml types; a type adds how its encoders take their input (256-weight super-blocks or whole 32-weight-block
-rows), whether ggml insists on an importance matrix, and two backends with the same bytes: the numpy port (the
-CPU backend, on the converter's worker processes) and the torch encoder (every device; Triton kernels inside it on
-CUDA). A legacy type's numpy backend covers only the importance path: without an imatrix its bytes are gguf-py's
-own reference quantizer, which is bit-exact with ggml's for those types.
+A type's block layout (weights and bytes per block) and whether ggml insists on an importance matrix are
+formats/gguf_layout's facts, the one table of ggml types; a type adds how its encoders take their input (256-weight
+super-blocks or whole 32-weight-block rows) and two backends with the same bytes: the numpy port (the CPU backend,
+on the converter's worker processes) and the torch encoder (every device; Triton kernels inside it on CUDA). A legacy
+type's numpy backend covers only the importance path: without an imatrix its bytes are gguf-py's own reference
+quantizer, which is bit-exact with ggml's for those types.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
-from . import numpy_iq2, numpy_iq3, numpy_iq4, torch_iq, torch_iq4
-from . import numpy_kquants as nk
-from . import numpy_legacy as nl
-from . import torch_kquants as tk
-from . import torch_legacy as tl
+from mixq.formats import gguf_layout
+from mixq.quant.ggml.i_quants import numpy_iq2, numpy_iq3, numpy_iq4, torch_iq, torch_iq4
+from mixq.quant.ggml.k_quants import numpy_backend as nk
+from mixq.quant.ggml.k_quants import torch_backend as tk
+from mixq.quant.ggml.legacy import numpy_backend as nl
+from mixq.quant.ggml.legacy import torch_backend as tl
 
 Encoder = Callable  # (x, importance | None) -> uint8 blocks, numpy arrays or torch tensors by backend
 
@@ -31,19 +32,25 @@ class GGMLType:
     torch: Encoder                   # every device
     numpy: Encoder | None = None     # the CPU backend; None: gguf-py's reference quantizer
     numpy_needs_imatrix: bool = False  # the numpy backend is the importance path only (gguf-py without one)
-    needs_imatrix: bool = False      # ggml (and llama-quantize) refuse the type without an importance matrix
+
+    @property
+    def needs_imatrix(self) -> bool:
+        """Whether ggml refuses the type without an importance matrix (gguf_layout.GGML_REQUIRES_IMATRIX)."""
+        return self.name in gguf_layout.GGML_REQUIRES_IMATRIX
 
     @property
     def block_weights(self) -> int:
-        return GGML_QUANT_SIZES[GGMLQuantizationType[self.name]][0]
+        """Weights per block (gguf_layout)."""
+        return gguf_layout.block_weights(self.name)
 
     @property
     def block_bytes(self) -> int:
-        return GGML_QUANT_SIZES[GGMLQuantizationType[self.name]][1]
+        """Bytes per block (gguf_layout)."""
+        return gguf_layout.block_bytes(self.name)
 
     def row_bytes(self, n: int) -> int:
-        """Bytes of one encoded row of ``n`` weights."""
-        return n // self.block_weights * self.block_bytes
+        """Bytes of one encoded row of ``n`` weights (gguf_layout.row_bytes)."""
+        return gguf_layout.row_bytes(self.name, n)
 
 
 REGISTRY: dict[str, GGMLType] = {}
@@ -65,8 +72,8 @@ for _t in (
     GGMLType("Q5_K", True, tk.encode_q5_k, nk.encode_q5_k),
     GGMLType("Q6_K", True, tk.encode_q6_k, nk.encode_q6_k),
     GGMLType("IQ4_XS", True, torch_iq4.encode_iq4_xs, numpy_iq4.encode_iq4_xs),
-    GGMLType("IQ2_XXS", True, torch_iq.encode_iq2_xxs, numpy_iq2.encode_iq2_xxs, needs_imatrix=True),
-    GGMLType("IQ2_XS", True, torch_iq.encode_iq2_xs, numpy_iq2.encode_iq2_xs, needs_imatrix=True),
+    GGMLType("IQ2_XXS", True, torch_iq.encode_iq2_xxs, numpy_iq2.encode_iq2_xxs),
+    GGMLType("IQ2_XS", True, torch_iq.encode_iq2_xs, numpy_iq2.encode_iq2_xs),
     GGMLType("IQ2_S", True, torch_iq.encode_iq2_s, numpy_iq2.encode_iq2_s),
     GGMLType("IQ3_XXS", True, torch_iq.encode_iq3_xxs, numpy_iq3.encode_iq3_xxs),
     GGMLType("IQ3_S", True, torch_iq.encode_iq3_s, numpy_iq3.encode_iq3_s),

@@ -20,23 +20,18 @@ from typing import Callable
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from ...errors import FormatError
-from .numpy_iq4 import IQ4_LEVELS
+from mixq.errors import FormatError
+from mixq.formats.gguf_layout import block_shape
+from mixq.quant.ggml.i_quants.numpy_iq4 import IQ4_LEVELS
 
 F32 = torch.float32
 Fields = dict[str, torch.Tensor]
 
 
-def block_size(qtype: str) -> tuple[int, int]:
-    """(weights, bytes) of one block of ggml type ``qtype`` (gguf-py's size table)."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-
-
-Q = block_size("Q8_0")[0]   # the 32-weight block of the legacy types and IQ4_NL
-K = block_size("Q4_K")[0]   # the 256-weight super-block of the k-quants and i-quants (ggml's QK_K)
+Q = block_shape("Q8_0")[0]   # the 32-weight block of the legacy types and IQ4_NL
+K = block_shape("Q4_K")[0]   # the 256-weight super-block of the k-quants and i-quants (ggml's QK_K)
 
 # each block's fields in file order: (name, bytes); "d", "dmin" and "m" are fp16 scales
 FIELDS: dict[str, tuple[tuple[str, int], ...]] = {
@@ -64,8 +59,8 @@ FIELDS: dict[str, tuple[tuple[str, int], ...]] = {
     "IQ1_M": (("qs", K // 8), ("qh", K // 16), ("scales", K // 32)),
 }
 for _name, _fields in FIELDS.items():
-    if sum(b for _, b in _fields) != block_size(_name)[1]:
-        raise AssertionError(f"{_name}: FIELDS disagree with gguf-py's block size {block_size(_name)}")
+    if sum(b for _, b in _fields) != block_shape(_name)[1]:
+        raise AssertionError(f"{_name}: FIELDS disagree with gguf-py's block size {block_shape(_name)}")
 
 # weights decoded per step: bounds the intermediates (a few float32 copies of a step) on any device; the CPU's
 # steps stay near its caches, an accelerator's are long enough to hide the kernel launches
@@ -375,7 +370,7 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> torch.T
         raise FormatError(f"no torch decoder for ggml type {qtype} (decodable: {', '.join(sorted(DECODABLE))})")
     if raw.dtype != torch.uint8:
         raise FormatError(f"{qtype}: the stored bytes must be uint8, not {raw.dtype}")
-    per_block, nbytes = block_size(qtype)
+    per_block, nbytes = block_shape(qtype)
     n = math.prod(shape)
     if n % per_block or raw.numel() != n // per_block * nbytes:
         raise FormatError(f"{qtype} {tuple(shape)}: {raw.numel()} bytes stored, the shape needs "

@@ -1,9 +1,9 @@
 """The torch encoders of every ggml type mixq writes, by type, and the chunked loop that runs them on a device.
 
-:func:`encode` is the engine behind :func:`kquants.quantize_tensor` (which validates its input):
+:func:`encode` is the engine behind :func:`encoders.quantize_tensor` (which validates its input):
 float32 rows (R, n) on any device -> uint8 (R, row_bytes) there, bytes equal to ggml's (and to the
 numpy encoders) on every device. On CUDA the hot searches run as fused Triton kernels
-(:mod:`triton_search`, :mod:`triton_grid`, :mod:`triton_descent`), the rest as eager
+(:mod:`triton_kernels.search`, :mod:`triton_kernels.grid`, :mod:`triton_kernels.descent`), the rest as eager
 torch ops. Work is cut into row chunks sized per device: on CUDA as large as memory allows (each
 launch should cover millions of weights), on CPU small enough to stay in cache.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_search
-from .registry import REGISTRY
+from mixq.quant.ggml.registry import REGISTRY
+from mixq.quant.ggml.triton_kernels import search as triton_search
 
 TYPES = tuple(REGISTRY)
 
-# weights per chunk. On CUDA the fused kernels (kquants_fused*) keep per-block state in registers, so
+# weights per chunk. On CUDA the fused kernels (triton_kernels) keep per-block state in registers, so
 # chunks are as large as the eager remainder's temporaries allow (~16 float32 copies of a chunk);
 # the eager lattice search holds every candidate of every group at once and takes small chunks.
 CHUNK_WEIGHTS_CPU = 1 << 18

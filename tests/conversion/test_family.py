@@ -151,7 +151,7 @@ def test_hessian_family_rounds_each_tensor_type_once_and_matches_single_conversi
     """`--rounding hessian`: a (tensor, type) two members share is Hessian-rounded once (its codes before tuning
     come from the cache), each member is still tuned on its own streams, and every member is byte-identical to
     the same member converted alone with the same imatrix and calibration."""
-    from mixq.quant.ggml import hessian_rounding as kh
+    from mixq.quant.ggml.rounding import hessian as kh
 
     calls: list[tuple] = []
     real = kh.quantize_hessian

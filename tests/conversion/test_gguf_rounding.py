@@ -9,8 +9,8 @@ import torch
 from mixq.conversion.options import check_rounding
 from mixq.conversion.gguf import rounding as gr
 from mixq.errors import InputError
-from mixq.quant.ggml import encoders as kquants
-from mixq.quant.ggml import hessian_rounding as kh
+from mixq.quant.ggml import encoders
+from mixq.quant.ggml.rounding import hessian as kh
 
 PICK = {"token_embd.weight": "Q4_K", "blk.0.attn_q.weight": "Q2_K", "blk.1.ffn_up_exps.weight": "Q3_K",
         "output.weight": "Q6_K", "blk.3.attn_k_b.weight": "BF16", "blk.0.ssm_f_a.weight": "Q4_K",
@@ -58,7 +58,7 @@ def test_hessian_rounded_blocks_have_ggml_layout(k256_specs, calibration_text, t
         if s.name not in got:
             continue
         x = build_tensor(s, ck.get).numpy()
-        exact = np.stack([kquants.quantize(e, t) for e in x]) if x.ndim == 3 else kquants.quantize(x, t)
+        exact = np.stack([encoders.quantize(e, t) for e in x]) if x.ndim == 3 else encoders.quantize(x, t)
         assert got[s.name].shape == exact.shape and got[s.name].dtype == np.uint8, s.name
         if not gr.covered(s, t):
             assert np.array_equal(got[s.name], exact), s.name  # ggml's own bytes, as the writer would encode them

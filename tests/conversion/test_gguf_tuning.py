@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mixq.conversion.gguf import tuning as gt
-from mixq.quant.ggml import block_tuning as bt
-from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml.rounding import block_tuning as bt
+from mixq.quant.ggml import encoders
 
 PICK = {"token_embd.weight": "Q4_K", "blk.0.attn_q.weight": "Q2_K", "blk.0.ffn_down.weight": "Q3_K",
         "blk.0.ffn_up.weight": "Q4_K", "blk.0.attn_norm.weight": "F32", "output.weight": "Q6_K",
@@ -26,7 +26,7 @@ def setup(k256_model, calibration_text):
     types = [PICK[s.name] for s in specs]
     ids = calibration_rows(load_tokenizer(ck.path), [calibration_text], rows=8, seq_len=64,
                            vocab_size=int(ck.text_config["vocab_size"]))
-    encoded = {s.name: kquants.quantize(build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)
+    encoded = {s.name: encoders.quantize(build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)
                if t not in gt.FLOAT_TYPES}
     return ck, specs, types, ids, encoded
 
@@ -81,7 +81,7 @@ def test_stored_values_are_what_the_file_holds(setup):
     w = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
     assert torch.equal(gt.stored_values("F16", w, None), w.half().float())
     assert torch.equal(gt.stored_values("F32", w, None), w)
-    ref = quants.dequantize(kquants.quantize(w.numpy(), "Q4_K"), GGMLQuantizationType.Q4_K)
+    ref = quants.dequantize(encoders.quantize(w.numpy(), "Q4_K"), GGMLQuantizationType.Q4_K)
     assert np.array_equal(gt.stored_values("Q4_K", w, None).numpy(), ref)
 
 
@@ -94,7 +94,7 @@ def test_block_scales_are_learned_only_for_the_32_weight_types(setup):
     from mixq.formats.gguf_names import build_tensor
 
     layer0 = {n: b for n, b in encoded.items() if n.startswith("blk.0.")}
-    layer0["blk.0.ffn_up.weight"] = kquants.quantize(build_tensor(up, ck.get).numpy(), "Q5_0")
+    layer0["blk.0.ffn_up.weight"] = encoders.quantize(build_tensor(up, ck.get).numpy(), "Q5_0")
     tuner = gt.LayerTuner(ck, ids, specs, types, iters=24, lr=0.5, scale_lr=0.2)
     out = tuner.layer(0, layer0)
     q5 = out["blk.0.ffn_up.weight"].reshape(-1, 22)         # Q5_0: fp16 d, 4 bytes of fifth bits, 16 of nibbles
@@ -123,7 +123,7 @@ def moe(setup):
     ck = setup[0]
     specs = [s for s in gguf_tensors(ck) if s.name in MOE]
     types = [MOE[s.name] for s in specs]
-    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
+    encoded = {s.name: (encoders.quantize_stacked if s.transform == "stack" else encoders.quantize)(
         build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
     stacks = [s for s in specs if s.transform == "stack"]
     return specs, types, encoded, stacks, sum(int(np.prod(s.shape[1:])) for s in stacks)
@@ -401,7 +401,7 @@ def test_encoded_values_are_decoded_on_the_device_as_gguf_py_decodes_them(setup,
 
     ck, *_ = setup
     w = ck.get("model.language_model.layers.0.mlp.down_proj.weight", dtype=torch.float32)[:24, :512]
-    blocks = np.stack([kquants.quantize(w[i:i + 8].numpy(), qtype) for i in (0, 8, 16)])  # (3, 8, bytes)
+    blocks = np.stack([encoders.quantize(w[i:i + 8].numpy(), qtype) for i in (0, 8, 16)])  # (3, 8, bytes)
     monkeypatch.setattr(gt, "DECODE_ROWS_WEIGHTS", 5 * 512)  # 5 rows a slice: slices cross the stacked dim
     got = gt.decoded_on_host(blocks, qtype, torch.device("cpu"))
     want = quants.dequantize(blocks, GGMLQuantizationType[qtype])
@@ -411,7 +411,7 @@ def test_encoded_values_are_decoded_on_the_device_as_gguf_py_decodes_them(setup,
 def test_expert_groups_take_their_own_step_count(setup, moe):
     """An expert group's stage takes `group_iters` steps (default: iters / 8); 0 leaves the experts that do not fit
     the budget at their Hessian rounding, the other tensors still tuned."""
-    from mixq.quant.ggml import block_tuning as bt
+    from mixq.quant.ggml.rounding import block_tuning as bt
 
     ck, _, _, ids, _ = setup
     specs, types, encoded, stacks, per_expert = moe

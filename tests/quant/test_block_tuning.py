@@ -1,5 +1,5 @@
-"""quant/ggml/block_tuning.py: ggml codes as a differentiable parameter on their encoded grid, and the signed descent
-(glm5next-k256 weights, encoded by mixq's exact ggml encoders)."""
+"""quant/ggml/rounding/block_tuning.py: ggml codes as a differentiable parameter on their encoded grid, and the
+signed descent (glm5next-k256 weights, encoded by mixq's exact ggml encoders)."""
 from __future__ import annotations
 
 import json
@@ -15,9 +15,9 @@ from gguf import quants as gguf_quants
 from triton_helpers import require
 
 from mixq.errors import InputError
-from mixq.quant.ggml import block_tuning as bt
-from mixq.quant.ggml import levels as gl
-from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml.rounding import block_tuning as bt
+from mixq.quant.ggml.rounding import levels as gl
+from mixq.quant.ggml import encoders
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def weights(k256_model):
 def test_codes_start_at_the_encoding(weights, qtype):
     """Untouched, the relaxation decodes to exactly the encoded weights and writes back the same bytes; each u
     sits within half a step of its code, towards the source weight."""
-    blocks = kquants.quantize(weights.numpy(), qtype)
+    blocks = encoders.quantize(weights.numpy(), qtype)
     c = bt.LevelCodes(blocks, qtype, weights)
     ref = gguf_quants.dequantize(blocks, GGMLQuantizationType[qtype])
     assert torch.allclose(c.dequantized().detach(), torch.from_numpy(ref), rtol=1e-5, atol=1e-6)
@@ -60,7 +60,7 @@ def test_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights, qtype
     g = torch.Generator().manual_seed(0)
     mix = 3.0 * torch.randn(512, 512, generator=g) / 512 ** 0.5 + torch.eye(512)
     x = torch.randn(640, 512, generator=g) @ mix
-    blocks = kquants.quantize(weights.numpy(), qtype)
+    blocks = encoders.quantize(weights.numpy(), qtype)
     codes = bt.LevelCodes(blocks, qtype, weights)
     loss = _layer_loss(weights, x, codes)
     fit = [slice(i, i + 64) for i in range(0, 512, 64)]
@@ -82,7 +82,7 @@ def test_sign_descent_lowers_a_held_out_loss_and_keeps_the_scales(weights, qtype
 
 def test_sign_descent_returns_to_the_start_when_nothing_scores_better(weights):
     """A held-out score that every move makes worse: the parameters end where they started."""
-    blocks = kquants.quantize(weights.numpy(), "Q4_K")
+    blocks = encoders.quantize(weights.numpy(), "Q4_K")
     codes = bt.LevelCodes(blocks, "Q4_K", weights)
     u0 = codes.u.detach().clone()
     loss = lambda _sl: (codes.dequantized() - 1.0).square().mean()  # noqa: E731  (pulls every code upward)
@@ -95,7 +95,7 @@ def test_sign_descent_returns_to_the_start_when_nothing_scores_better(weights):
 def test_sign_descent_takes_a_known_start_score(weights):
     """A stage that starts where the one before ended passes that score: the start is not scored again, and a
     start that scores best still ends the descent there."""
-    blocks = kquants.quantize(weights.numpy(), "Q4_K")
+    blocks = encoders.quantize(weights.numpy(), "Q4_K")
     codes = bt.LevelCodes(blocks, "Q4_K", weights)
     u0 = codes.u.detach().clone()
     loss = lambda _sl: (codes.dequantized() - 1.0).square().mean()  # noqa: E731
@@ -108,12 +108,12 @@ def test_sign_descent_takes_a_known_start_score(weights):
 
 def _iq2(weights, qtype):
     """IQ2 blocks of `weights` by ggml's encoder (IQ2_XS needs an importance: the weights' mean square per column)."""
-    return kquants.quantize(weights.numpy(), qtype, (weights * weights).mean(0).numpy() + 1e-8)
+    return encoders.quantize(weights.numpy(), qtype, (weights * weights).mean(0).numpy() + 1e-8)
 
 
 def test_tunable_types_are_the_level_grid_types_and_iq2(weights):
     assert set(bt.TUNABLE) == set(gl.SCALAR_TYPES) | {"IQ2_S", "IQ2_XS"}
-    assert isinstance(bt.tunable_codes(kquants.quantize(weights.numpy(), "Q4_K"), "Q4_K", weights), bt.LevelCodes)
+    assert isinstance(bt.tunable_codes(encoders.quantize(weights.numpy(), "Q4_K"), "Q4_K", weights), bt.LevelCodes)
     for qtype in ("IQ2_S", "IQ2_XS"):
         blocks = _iq2(weights, qtype)
         assert isinstance(bt.tunable_codes(blocks, qtype, weights), bt.IQ2Codes)
@@ -211,13 +211,15 @@ def _search_gaps(c, target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> t
 _FUSED_CHECK = """
 import json, sys
 import numpy as np, torch
-from mixq.quant.ggml import block_tuning as bt, encoders as kquants, levels as gl
+from mixq.quant.ggml import encoders
+from mixq.quant.ggml.rounding import block_tuning as bt
+from mixq.quant.ggml.rounding import levels as gl
 bt.FUSED_DECODE_CHECK_GROUPS = 64  # the interpreter runs one op at a time
 g = torch.Generator().manual_seed(3)
 w = torch.randn(4, 256, generator=g) * 0.02
 out = {}
 for qtype in sys.argv[1:]:
-    blocks = kquants.quantize(w.numpy(), qtype, (w * w).mean(0).numpy() + 1e-8)
+    blocks = encoders.quantize(w.numpy(), qtype, (w * w).mean(0).numpy() + 1e-8)
     c = bt.IQ2Codes(blocks, qtype, w)
     grid = c.grid
     t = grid[torch.randint(0, grid.shape[0], (96,), generator=g)] + torch.randn(96, 8, generator=g) * 4
@@ -330,7 +332,7 @@ def test_learned_scales_are_what_the_file_decodes_to(weights, qtype):
     scales, codes) decode through gguf-py to exactly the weights the loss saw."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(640, 512, generator=g) @ (3.0 * torch.randn(512, 512, generator=g) / 512 ** 0.5 + torch.eye(512))
-    blocks = kquants.quantize(weights.numpy(), qtype)
+    blocks = encoders.quantize(weights.numpy(), qtype)
     codes = bt.LevelCodes(blocks, qtype, weights, scales=True)
     ref = torch.from_numpy(gguf_quants.dequantize(blocks, GGMLQuantizationType[qtype]))
     assert torch.allclose(codes.dequantized().detach(), ref, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""quant/ggml/levels.py: level codes written into ggml blocks decode (through gguf-py) to step*code + base."""
+"""quant/ggml/rounding/levels.py: level codes written into ggml blocks decode (through gguf-py) to step*code + base."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from mixq.errors import InputError
-from mixq.quant.ggml import levels as gl
-from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml.rounding import levels as gl
+from mixq.quant.ggml import encoders
 
 
 def _k256_rows(k256_model, n_rows: int = 6) -> np.ndarray:
@@ -23,7 +23,7 @@ def _k256_rows(k256_model, n_rows: int = 6) -> np.ndarray:
 def test_codes_round_trip_and_decode_on_the_grid(qtype, k256_model):
     x = _k256_rows(k256_model)
     imx = np.linspace(0.5, 2.0, x.shape[1], dtype=np.float32)
-    blocks = kquants.quantize(x, qtype, imx)
+    blocks = encoders.quantize(x, qtype, imx)
     step, base = gl.level_grid(blocks, qtype)
     gt = GGMLQuantizationType[qtype]
     decoded = gguf_quants.dequantize(blocks, gt)
@@ -41,7 +41,7 @@ def test_codes_round_trip_and_decode_on_the_grid(qtype, k256_model):
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q4_K", "Q6_K", "Q5_1", "IQ4_XS"])
 def test_the_level_grid_is_the_same_read_in_chunks(qtype, k256_model, monkeypatch):
     x = _k256_rows(k256_model)
-    blocks = kquants.quantize(x, qtype, None)
+    blocks = encoders.quantize(x, qtype, None)
     whole = gl.level_grid(blocks, qtype)
     monkeypatch.setattr(gl, "GRID_CHUNK_WEIGHTS", 4 * x.shape[1])  # passes of 4 rows and of 2
     chunked = gl.level_grid(blocks.reshape(2, 3, -1), qtype)
@@ -67,7 +67,7 @@ def test_iq4nl_levels_round_and_interpolate():
 
 def test_scales_are_untouched(k256_model):
     x = _k256_rows(k256_model)
-    blocks = kquants.quantize(x, "Q4_K")
+    blocks = encoders.quantize(x, "Q4_K")
     changed = gl.set_levels(blocks, "Q4_K", np.zeros(x.shape, np.int64)).reshape(-1, 144)
     # d, dmin and the 12 packed scale bytes are the first 16 bytes of a Q4_K block
     assert np.array_equal(changed[:, :16], blocks.reshape(-1, 144)[:, :16])
@@ -79,7 +79,7 @@ def test_iq2_groups_decode(k256_model, qtype):
     """Every group's (index, sign byte) written into the blocks is what gguf-py decodes and what reads back
     (IQ2_XS: sign bytes with an even count of negatives, the only ones it stores)."""
     x = _k256_rows(k256_model)
-    blocks = kquants.quantize(x, qtype, np.ones(x.shape[1], np.float32))
+    blocks = encoders.quantize(x, qtype, np.ones(x.shape[1], np.float32))
     db = gl.iq2_group_scales(blocks, qtype)
     rng = np.random.default_rng(2)
     idx = rng.integers(0, gl.IQ2_LAYOUTS[qtype].entries, size=db.shape)
@@ -106,15 +106,15 @@ def test_even_sign_flip_flips_the_cheapest_weight_of_odd_groups():
 
 
 def test_bad_codes_and_types_are_refused():
-    blocks = kquants.quantize(np.ones((1, 256), np.float32), "Q4_K")
+    blocks = encoders.quantize(np.ones((1, 256), np.float32), "Q4_K")
     with pytest.raises(InputError, match=r"Q4_K level codes must lie in \[0, 15\]"):
         gl.set_levels(blocks, "Q4_K", np.full((1, 256), 16))
     with pytest.raises(InputError, match="no level layout for ggml type 'IQ3_S'"):
         gl.set_levels(blocks, "IQ3_S", np.zeros((1, 256)))
-    b = kquants.quantize(np.ones((1, 256), np.float32), "IQ2_S")
+    b = encoders.quantize(np.ones((1, 256), np.float32), "IQ2_S")
     with pytest.raises(InputError, match="IQ2_S codebook indices"):
         gl.set_iq2_groups(b, "IQ2_S", np.full((1, 32), 1024), np.zeros((1, 32)))
-    xs = kquants.quantize(np.ones((1, 256), np.float32), "IQ2_XS", np.ones(256, np.float32))
+    xs = encoders.quantize(np.ones((1, 256), np.float32), "IQ2_XS", np.ones(256, np.float32))
     with pytest.raises(InputError, match=r"IQ2_XS codebook indices must lie in \[0, 511\]"):
         gl.set_iq2_groups(xs, "IQ2_XS", np.full((1, 32), 512), np.zeros((1, 32)))
     with pytest.raises(InputError, match="IQ2_XS sign bytes must have an even number"):

@@ -1,4 +1,4 @@
-"""quant/ggml/levels.py super-scales and sub-block scales: read, written and decoded as llama.cpp's decoder
+"""quant/ggml/rounding/levels.py super-scales and sub-block scales: read, written and decoded as llama.cpp's decoder
 (gguf-py's dequantize) reads them, on blocks from mixq's exact ggml encoders."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from mixq.errors import InputError
-from mixq.quant.ggml import levels as gl
-from mixq.quant.ggml import encoders as kquants
+from mixq.quant.ggml.rounding import levels as gl
+from mixq.quant.ggml import encoders
 
 # per type: the code whose level value is 1 (y = d·s·1 − dmin·m)
 UNIT_CODE = {"Q2_K": 1, "Q3_K": 5, "Q4_K": 1, "Q5_K": 1, "Q6_K": 33}
@@ -20,7 +20,7 @@ def _blocks(qtype: str, rows: int = 6, n: int = 512) -> np.ndarray:
     x = (rng.standard_normal((rows, n)) * rng.uniform(0.05, 3.0, (rows, 1))).astype(np.float32)
     x[0, :64] = 0.0  # degenerate sub-blocks
     im = rng.uniform(0.1, 2.0, n).astype(np.float32)
-    return kquants.quantize(x, qtype, im)
+    return encoders.quantize(x, qtype, im)
 
 
 def _decode(blocks: np.ndarray, qtype: str) -> np.ndarray:
@@ -90,7 +90,7 @@ def test_decode_is_linear_in_the_super_scales(qtype):
     b = _blocks(qtype, n=256)
     sc = gl.super_scales(b, qtype)
     basis = gl.super_scale_basis(b, qtype)
-    bs = kquants.block_size(qtype)
+    bs = encoders.block_size(qtype)
     rebuilt = sum(np.repeat(sc[..., i], bs, -1) * basis[i] for i in range(sc.shape[-1]))
     assert np.array_equal(rebuilt, _decode(b, qtype))
     assert np.array_equal(gl.set_super_scales(b, qtype, sc), b)

@@ -13,16 +13,16 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 # kernel module -> the default-suite tests that interpret it ("file::function")
 KERNEL_TESTS = {
-    "quant/ggml/triton_descent.py": ["test_kquants_fused.py::test_descent_and_sum_kernels_equal_eager_in_interpreter"],
-    "quant/ggml/triton_grid.py": ["test_kquants_fused.py::test_lattice_search_kernel_equals_eager_in_interpreter_small"],
-    "quant/ggml/triton_iq2_decode.py": ["test_block_tuning.py::test_iq2_fused_search_and_decode_in_the_interpreter"],
-    "quant/ggml/triton_iq2s.py": [
+    "quant/ggml/triton_kernels/descent.py": ["test_ggml_triton.py::test_descent_and_sum_kernels_equal_eager_in_interpreter"],
+    "quant/ggml/triton_kernels/grid.py": ["test_ggml_triton.py::test_lattice_search_kernel_equals_eager_in_interpreter_small"],
+    "quant/ggml/triton_kernels/iq2_decode.py": ["test_block_tuning.py::test_iq2_fused_search_and_decode_in_the_interpreter"],
+    "quant/ggml/triton_kernels/iq2s.py": [
         "test_triton_rounding.py::test_fused_iq2s_search_finds_the_nearest_entries_interpreted",
         "test_block_tuning.py::test_iq2_fused_search_and_decode_in_the_interpreter"],
-    "quant/ggml/triton_iq2s_descent.py": ["test_triton_rounding.py::test_fused_iq2s_descent_is_the_group_loop_interpreted"],
-    "quant/ggml/triton_refine.py": ["test_triton_rounding.py::test_fused_code_descent_is_the_column_loop_interpreted"],
-    "quant/ggml/triton_search.py": ["test_kquants_fused.py::test_kquant_search_kernels_equal_eager_in_interpreter_small"],
-    "quant/ggml/triton_subscales.py": [
+    "quant/ggml/triton_kernels/iq2s_descent.py": ["test_triton_rounding.py::test_fused_iq2s_descent_is_the_group_loop_interpreted"],
+    "quant/ggml/triton_kernels/refine.py": ["test_triton_rounding.py::test_fused_code_descent_is_the_column_loop_interpreted"],
+    "quant/ggml/triton_kernels/search.py": ["test_ggml_triton.py::test_kquant_search_kernels_equal_eager_in_interpreter_small"],
+    "quant/ggml/triton_kernels/subscales.py": [
         "test_triton_rounding.py::test_fused_sub_scale_descent_is_the_sub_block_loop_interpreted"],
     "quant/trellis/viterbi.py": ["test_viterbi_fused.py::test_per_step_kernels_are_the_torch_step_in_interpreter"],
     "quant/trellis/viterbi_triton.py": ["test_viterbi_fused.py::test_exact_costs_give_the_torch_path_states_in_interpreter"],

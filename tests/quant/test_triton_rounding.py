@@ -1,11 +1,11 @@
 """The fused kernels of the Hessian rounding against the eager torch they replace: the code descent
-(quant/ggml/triton_refine.py) against refine_codes' column loop, bytes equal; the IQ2_S codebook search
-(quant/ggml/triton_iq2s.py) against the score table, the same entries up to near-ties; the IQ2_S group descent
-(quant/ggml/triton_iq2s_descent.py) against refine_iq2's group loop, the same layer error and nearly all the same
-groups (an inverse of H_BB and sums in another order move near-ties), and one window of it checked inside; the
-sub-block scale descent (quant/ggml/triton_subscales.py) against refine_sub_scales' sub-block loop, the same layer
-error and nearly all the same scales and mins (sums in another order could move near-ties; the bytes were equal
-when written), and one window of it replayed in float64, move by move.
+(quant/ggml/triton_kernels/refine.py) against refine_codes' column loop, bytes equal; the IQ2_S codebook search
+(quant/ggml/triton_kernels/iq2s.py) against the score table, the same entries up to near-ties; the IQ2_S group
+descent (quant/ggml/triton_kernels/iq2s_descent.py) against refine_iq2's group loop, the same layer error and nearly
+all the same groups (an inverse of H_BB and sums in another order move near-ties), and one window of it checked
+inside; the sub-block scale descent (quant/ggml/triton_kernels/subscales.py) against refine_sub_scales' sub-block
+loop, the same layer error and nearly all the same scales and mins (sums in another order could move near-ties; the
+bytes were equal when written), and one window of it replayed in float64, move by move.
 
 On the CPU the kernel runs in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, set before triton is
 imported): the default suite on small problems (a few rows, one or two windows), the `slow` runs on the full ones;
@@ -28,7 +28,9 @@ pytestmark = pytest.mark.usefixtures("needs_triton")  # a skip without Triton, a
 _PROBLEM = r"""
 import json, sys
 import numpy as np, torch
-from mixq.quant.ggml import encoders, hessian_rounding as kh, levels as gl
+from mixq.quant.ggml import encoders
+from mixq.quant.ggml.rounding import hessian as kh
+from mixq.quant.ggml.rounding import levels as gl
 dev, small = sys.argv[1], sys.argv[2] == "small"  # "small": the default suite's sizes
 fused = kh.use_fused
 
@@ -65,7 +67,8 @@ print(json.dumps(res))
 _NEAREST = r"""
 import json, sys
 import numpy as np, torch
-from mixq.quant.ggml import levels as gl, triton_iq2s
+from mixq.quant.ggml.rounding import levels as gl
+from mixq.quant.ggml.triton_kernels import iq2s as triton_iq2s
 dev, small = sys.argv[1], sys.argv[2] == "small"
 g = torch.Generator().manual_seed(3)
 grid = torch.from_numpy(gl.iq2_grid("IQ2_S")).to(dev)
@@ -91,7 +94,7 @@ print(json.dumps(res))
 
 
 _IQ2S = _PROBLEM + r"""
-from mixq.quant.ggml import triton_iq2s_descent as td
+from mixq.quant.ggml.triton_kernels import iq2s_descent as td
 if fused(torch.zeros(1, device=dev)):  # the kernel under test serves only where asked for
     if small:  # without its first-use check (a problem of its own, larger than these)
         kh.FUSED_SWEEPS[("iq2s", str(torch.device(dev)))] = True
@@ -148,7 +151,7 @@ print(json.dumps(res))
 
 
 _SUBSCALES = _PROBLEM + r"""
-from mixq.quant.ggml import triton_subscales as ts
+from mixq.quant.ggml.triton_kernels import subscales as ts
 if fused(torch.zeros(1, device=dev)):  # the first-use check's own launches, before they are counted
     kh.fused_sweep_ok("sub_scales", torch.device(dev))
 launches = [0]

@@ -1592,7 +1592,7 @@ def host_rates(work: Path, types: list[str]) -> dict[str, dict]:
 
 def _hessian_types(work: Path) -> list[str]:
     """Quantized types of the slice's hessian plan and of the release's 108 GB plan (the host rates sampled)."""
-    from mixq.conversion.gguf.pipeline import assign_types
+    from mixq.planning.gguf_assign import assign_types
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
 
@@ -1763,7 +1763,7 @@ def stage_gguf_tune(work: Path, device: str, rows: int = 64, seq_len: int = 512,
     import numpy as np
     import torch
 
-    from mixq.conversion.gguf.pipeline import assign_types
+    from mixq.planning.gguf_assign import assign_types
     from mixq.conversion.gguf.rounding import covered
     from mixq.conversion.gguf.tuning import LayerTuner
     from mixq.conversion.gguf.workers import encode

@@ -31,7 +31,7 @@ MODELS = {"k256": "glm5next-k256", "mini": "glm5next-mini"}
 def run(a: argparse.Namespace) -> dict:
     from mixq.conversion.gguf import tuning as gt
     from mixq.runtime.calibration import calibration_rows, load_tokenizer
-    from mixq.conversion.gguf.pipeline import assign_types
+    from mixq.planning.gguf_assign import assign_types
     from mixq.conversion.gguf.workers import encode
     from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib
     from mixq.formats.checkpoint import open_checkpoint

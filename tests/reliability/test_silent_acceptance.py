@@ -114,7 +114,7 @@ def test_tensor_type_rule_without_effect_is_refused(case, tiny_model, tmp_path, 
 
 def test_tensor_type_rule_that_also_matches_excluded_tensors_is_kept(tiny_model):
     """A rule that decides one tensor is fine, whatever else it matches (llama-quantize leaves those alone)."""
-    from mixq.conversion.gguf.pipeline import assign_types
+    from mixq.planning.gguf_assign import assign_types
     from mixq.formats.checkpoint import open_checkpoint
     from mixq.formats.gguf_names import gguf_tensors
 

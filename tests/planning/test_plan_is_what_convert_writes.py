@@ -1,0 +1,19 @@
+"""`mixq plan --format gguf` shows the types `mixq convert` writes: one assignment (planning/gguf_assign) serves
+both, and the file read back by gguf-py holds, tensor by tensor, the plan's type and byte count."""
+from __future__ import annotations
+
+import pytest
+from gguf import GGUFReader
+
+import mixq
+
+
+@pytest.mark.parametrize("target", [{"qtype": "Q4_K_M"}, {"bpw": 5.0}], ids=["Q4_K_M", "bpw5"])
+def test_every_planned_tensor_is_written_with_its_type_and_bytes(mini_model, tmp_path, target):
+    plan = mixq.plan(mini_model, "gguf", **target)
+    out = tmp_path / "m.gguf"
+    mixq.convert(mini_model, out, "gguf", threads=1, progress=False, **target)
+    written = {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in GGUFReader(out).tensors}
+    planned = {t.name: (t.type, t.bytes) for t in plan.tensors}
+    assert written == planned
+    assert len({t for t, _ in planned.values()}) > 2  # a mix, not one type everywhere

@@ -1,6 +1,7 @@
 """CLI helpers shared by the test modules (tests/ is on pytest's pythonpath: `from cli_helpers import ...`)."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -66,3 +67,15 @@ def rewrite_gguf(src: Path, dst: Path, *, drop: Callable[[str], bool] = lambda n
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def write_compare_report(tmp_path: Path) -> Path:
+    """A small valid `mixq eval --json` report (one GGUF candidate) at tmp_path/r.json, for `mixq compare`."""
+    cand = {"path": "/q/Q8_0.gguf", "format": "gguf", "bytes": 10**6, "bpw": 8.0, "kld_mean": 0.01,
+            "kld_mean_err": 0.001, "kld_median": 0.005, "kld_p90": 0.02, "kld_p99": 0.05, "kld_p999": 0.09,
+            "kld_max": 0.2, "top1": 0.99, "ppl_ref": 10.0, "ppl": 10.01, "dppl": 0.01, "rms_dp": 0.01,
+            "positions": 255}
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps({"reference": "/m/mini", "text": "t.txt", "ctx": 512, "windows": 1,
+                             "candidates": [cand]}))
+    return p

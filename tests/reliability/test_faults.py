@@ -5,7 +5,6 @@ with nothing at OUT."""
 from __future__ import annotations
 
 import errno
-import json
 import multiprocessing
 import os
 import re
@@ -27,7 +26,7 @@ from mixq.conversion.gguf import workers as gguf_workers
 from mixq.conversion.gguf.workers import STOP_SIGNALS, TensorEncoder
 from mixq.formats.atomic import atomic_path
 
-from cli_helpers import error_line as _error_line
+from cli_helpers import error_line as _error_line, write_compare_report
 from cli_helpers import run_cli as _cli
 
 GGUF = ["--format", "gguf", "--type", "Q8_0"]
@@ -484,17 +483,6 @@ def test_exl3_interrupt_keeps_only_the_resumable_state(tiny_model, tmp_path, mon
 
 
 # --- compare --plot / --markdown ----------------------------------------------------------------------------------
-def _report(tmp_path: Path) -> Path:
-    cand = {"path": "/q/Q8_0.gguf", "format": "gguf", "bytes": 10**6, "bpw": 8.0, "kld_mean": 0.01,
-            "kld_mean_err": 0.001, "kld_median": 0.005, "kld_p90": 0.02, "kld_p99": 0.05, "kld_p999": 0.09,
-            "kld_max": 0.2, "top1": 0.99, "ppl_ref": 10.0, "ppl": 10.01, "dppl": 0.01, "rms_dp": 0.01,
-            "positions": 255}
-    p = tmp_path / "r.json"
-    p.write_text(json.dumps({"reference": "/m/mini", "text": "t.txt", "ctx": 512, "windows": 1,
-                             "candidates": [cand]}))
-    return p
-
-
 def _savefig_fails(monkeypatch, err: int, what: str):
     import matplotlib.figure
 
@@ -522,7 +510,7 @@ PLOT_FAULTS = [
 @pytest.mark.parametrize("case", PLOT_FAULTS, ids=[c[0] for c in PLOT_FAULTS])
 def test_a_plot_that_cannot_be_written_is_one_line(case, tmp_path, monkeypatch):
     _, fault, needle = case
-    rep = _report(tmp_path)
+    rep = write_compare_report(tmp_path)
     out = tmp_path / "plots"
     out.mkdir()
     fault(monkeypatch, out)
@@ -532,7 +520,7 @@ def test_a_plot_that_cannot_be_written_is_one_line(case, tmp_path, monkeypatch):
 
 
 def test_markdown_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
-    rep = _report(tmp_path)
+    rep = write_compare_report(tmp_path)
     monkeypatch.setattr("mixq.formats.atomic.os.fsync", _enospc)
     line = _error_line(_cli("compare", rep, "--markdown", tmp_path / "t.md"))
     assert "t.md" in line and "no space left" in line
@@ -540,7 +528,7 @@ def test_markdown_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
 
 
 def test_a_plot_into_a_new_folder_creates_it(tmp_path):
-    rep = _report(tmp_path)
+    rep = write_compare_report(tmp_path)
     png = tmp_path / "new" / "dir" / "kld.png"
     r = _cli("compare", rep, "--plot", png)
     assert r.exit_code == 0, r.output[-2000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import copy_model, error_line, run_cli
+from cli_helpers import copy_model, error_line, run_cli, write_compare_report
 
 DEPTH = 100_000
 
@@ -74,21 +74,10 @@ def test_a_shard_linked_to_itself_is_one_line(command, tiny_model, tmp_path):
     assert f"{model / 'model.safetensors'}: a symbolic link that loops" in line, line
 
 
-def _report(tmp_path: Path) -> Path:
-    cand = {"path": "/q/Q8_0.gguf", "format": "gguf", "bytes": 10**6, "bpw": 8.0, "kld_mean": 0.01,
-            "kld_mean_err": 0.001, "kld_median": 0.005, "kld_p90": 0.02, "kld_p99": 0.05, "kld_p999": 0.09,
-            "kld_max": 0.2, "top1": 0.99, "ppl_ref": 10.0, "ppl": 10.01, "dppl": 0.01, "rms_dp": 0.01,
-            "positions": 255}
-    p = tmp_path / "r.json"
-    p.write_text(json.dumps({"reference": "/m/mini", "text": "t.txt", "ctx": 512, "windows": 1,
-                             "candidates": [cand]}))
-    return p
-
-
 @pytest.mark.parametrize("edit, needle", [(_nested, "nested too deeply"), (_truncated, "not valid JSON"),
                                           (_self_link, "loops")], ids=["nested", "truncated", "self-link"])
 def test_a_broken_compare_report_is_one_line(edit, needle, tmp_path):
-    rep = _report(tmp_path)
+    rep = write_compare_report(tmp_path)
     edit(rep)
     line = error_line(run_cli("compare", rep))
     assert f"{rep}: report" in line and needle in line, line

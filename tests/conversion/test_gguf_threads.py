@@ -151,7 +151,8 @@ def test_default_is_every_core(monkeypatch):
     assert _thread_count(None) == 3 and _thread_count(5) == 5
 
 
-@pytest.mark.parametrize("how", ["file", "stdin"])
+@pytest.mark.parametrize("how", ["stdin", pytest.param("file", marks=pytest.mark.slow)])  # tests/test_readme.py
+# runs the README's own example as a file in the default suite
 def test_unguarded_script_converts_with_workers(tiny_model, tmp_path, how):
     """The README's Python example as a user pastes it: top-level code, no `if __name__ == "__main__":`, run as a
     file or read from standard input. The spawned encoder workers do not run the caller's script again, so it

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import copy_model
+from cli_helpers import copy_model, run_cli
 from triton_helpers import require
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,6 +39,15 @@ def k256_model() -> Path:
 @pytest.fixture(scope="session")
 def k256_fp8_model() -> Path:
     return shared_path("models", "glm5next-k256-fp8")
+
+
+@pytest.fixture(scope="session")
+def mini_q8_gguf(mini_model, tmp_path_factory) -> Path:
+    """glm5next-mini as a sealed mixq Q8_0 GGUF, converted once for the session (tests copy it before editing)."""
+    out = tmp_path_factory.mktemp("mini-q8") / "mini-Q8_0.gguf"
+    r = run_cli("convert", mini_model, out, "--type", "Q8_0", "--threads", "1")
+    assert r.exit_code == 0, r.output[-2000:]
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -41,15 +41,6 @@ def _scores(ref: Path, *args) -> dict:
 
 
 @pytest.fixture(scope="module")
-def q8(mini_model, tmp_path_factory) -> Path:
-    """glm5next-mini as a sealed mixq Q8_0 GGUF."""
-    out = tmp_path_factory.mktemp("eval-inputs") / "mini-Q8_0.gguf"
-    r = run_cli("convert", mini_model, out, "--type", "Q8_0", "--threads", "1")
-    assert r.exit_code == 0, r.output[-2000:]
-    return out
-
-
-@pytest.fixture(scope="module")
 def ref_file(mini_model, heldout_text, tmp_path_factory) -> Path:
     """Reference log-probs of glm5next-mini: 2 windows of 64 tokens."""
     out = tmp_path_factory.mktemp("eval-inputs") / "ref.safetensors"
@@ -59,12 +50,12 @@ def ref_file(mini_model, heldout_text, tmp_path_factory) -> Path:
 
 
 # --- the candidate's vocabulary -------------------------------------------------------------------------------
-def test_gguf_with_permuted_token_ids_is_refused_naming_the_first_id(mini_model, q8, heldout_text, tmp_path):
-    tokens = list(gguf.GGUFReader(q8).fields["tokenizer.ggml.tokens"].contents())
+def test_gguf_with_permuted_token_ids_is_refused_naming_the_first_id(mini_model, mini_q8_gguf, heldout_text, tmp_path):
+    tokens = list(gguf.GGUFReader(mini_q8_gguf).fields["tokenizer.ggml.tokens"].contents())
     a, b = SWAP
     tokens[a], tokens[b] = tokens[b], tokens[a]
-    same = rewrite_gguf(q8, tmp_path / "same.gguf")  # seal-less copy: the vocabulary alone decides
-    permuted = rewrite_gguf(q8, tmp_path / "permuted.gguf", kv={"tokenizer.ggml.tokens": tokens})
+    same = rewrite_gguf(mini_q8_gguf, tmp_path / "same.gguf")  # seal-less copy: the vocabulary alone decides
+    permuted = rewrite_gguf(mini_q8_gguf, tmp_path / "permuted.gguf", kv={"tokenizer.ggml.tokens": tokens})
     line = error_line(_eval(mini_model, permuted, "--text", heldout_text, "--ctx", CTX, "--windows", WINDOWS))
     assert str(permuted) in line and f"token id {a} is {tokens[a]!r} here, {tokens[b]!r} in" in line, line
     report = _scores(mini_model, same, "--text", heldout_text, "--ctx", CTX, "--windows", WINDOWS)
@@ -113,7 +104,7 @@ def _lp(ref_file: Path, name: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", ["nan", "ctx", "vocab", "windows", "token-id"])
-def test_bad_ref_logits_are_refused_naming_the_file(case, mini_model, q8, ref_file, tmp_path):
+def test_bad_ref_logits_are_refused_naming_the_file(case, mini_model, mini_q8_gguf, ref_file, tmp_path):
     bad = tmp_path / f"{case}.safetensors"
     if case == "nan":
         lp = _lp(ref_file, "logprobs.000001")
@@ -134,12 +125,12 @@ def test_bad_ref_logits_are_refused_naming_the_file(case, mini_model, q8, ref_fi
         tokens[1, 40] = 9000
         _edit_ref(ref_file, bad, tensors={"tokens": tokens})
         needle = "token id 9000 (window 1, position 40) is outside the file's vocabulary of 8192"
-    line = error_line(_eval(mini_model, q8, "--ref-logits", bad, "--windows", "2"))
+    line = error_line(_eval(mini_model, mini_q8_gguf, "--ref-logits", bad, "--windows", "2"))
     assert f"{bad}: {needle}" in line, line
 
 
-def test_intact_ref_logits_score(mini_model, q8, ref_file):
-    report = _scores(mini_model, q8, "--ref-logits", ref_file, "--windows", "2")
+def test_intact_ref_logits_score(mini_model, mini_q8_gguf, ref_file):
+    report = _scores(mini_model, mini_q8_gguf, "--ref-logits", ref_file, "--windows", "2")
     assert report["windows"] == 2 and report["candidates"][0]["kld_mean"] < 0.01
 
 
@@ -148,17 +139,17 @@ def test_intact_ref_logits_score(mini_model, q8, ref_file):
     ("torch", "gguf", "--cache-type q8_0 applies to --engine llamacpp only; --engine torch keeps no llama.cpp KV"),
     ("llamacpp", "hf", "--cache-type q8_0 applies to GGUF candidates, and none is given"),
 ])
-def test_cache_type_where_no_llamacpp_cache_runs_is_refused(engine, cand, needle, mini_model, q8, heldout_text):
-    c = q8 if cand == "gguf" else mini_model
+def test_cache_type_where_no_llamacpp_cache_runs_is_refused(engine, cand, needle, mini_model, mini_q8_gguf, heldout_text):
+    c = mini_q8_gguf if cand == "gguf" else mini_model
     line = error_line(_eval(mini_model, c, "--text", heldout_text, "--ctx", CTX, "--windows", WINDOWS,
                             "--engine", engine, "--cache-type", "q8_0"))
     assert needle in line, line
 
 
 # --- the seal of a GGUF -----------------------------------------------------------------------------------------
-def test_sealed_gguf_with_a_flipped_bit_is_refused_as_verify_finds_it(mini_model, q8, heldout_text, tmp_path):
+def test_sealed_gguf_with_a_flipped_bit_is_refused_as_verify_finds_it(mini_model, mini_q8_gguf, heldout_text, tmp_path):
     bad = tmp_path / "flipped.gguf"
-    bad.write_bytes(q8.read_bytes())
+    bad.write_bytes(mini_q8_gguf.read_bytes())
     t = next(t for t in gguf.GGUFReader(bad).tensors if t.name == "blk.1.ffn_down_exps.weight")
     with open(bad, "r+b") as f:
         f.seek(int(t.data_offset) + 100)

@@ -28,27 +28,18 @@ def verify(path: Path, *args: str) -> tuple[int, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def mini_gguf(mini_model, tmp_path_factory) -> Path:
-    """glm5next-mini as mixq writes it (Q8_0, sealed)."""
-    out = tmp_path_factory.mktemp("layout") / "mini-Q8_0.gguf"
-    r = run_cli("convert", mini_model, out, "--type", "Q8_0", "--threads", "1")
-    assert r.exit_code == 0, r.output[-2000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def unsealed(mini_gguf, tmp_path_factory) -> Path:
-    return rewrite(mini_gguf, tmp_path_factory.mktemp("layout") / "unsealed.gguf")
+def unsealed(mini_q8_gguf, tmp_path_factory) -> Path:
+    return rewrite(mini_q8_gguf, tmp_path_factory.mktemp("layout") / "unsealed.gguf")
 
 
 def _names(path: Path) -> dict[str, tuple[int, ...]]:
     return {t.name: tuple(int(x) for x in t.shape) for t in gguf.GGUFReader(path).tensors}
 
 
-def test_intact_files_verify_sealed_or_not(mini_gguf, unsealed):
+def test_intact_files_verify_sealed_or_not(mini_q8_gguf, unsealed):
     assert PREFIX + "tensor_sha256" not in gguf.GGUFReader(unsealed).fields
-    assert _names(unsealed) == _names(mini_gguf)
-    for f in (mini_gguf, unsealed):
+    assert _names(unsealed) == _names(mini_q8_gguf)
+    for f in (mini_q8_gguf, unsealed):
         code, problems = verify(f, "--no-decode")
         assert (code, problems) == (0, []), problems
 

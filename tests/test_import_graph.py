@@ -187,8 +187,8 @@ LOCAL_IMPORT_PREFIXES = ("triton", "llama_cpp", "exllamav3", "matplotlib",  # op
 KEPT_LOCAL_IMPORTS = {
     # (file, imported module): why it stays inside its function
     ("__init__.py", "mixq.api"): "the lazy __getattr__ of the facade: `import mixq` stays light",
-    ("eval/__init__.py", "mixq.eval.api"): "the package's lazy facade: `import mixq.runtime.kl_stats` stays light",
-    ("eval/__init__.py", "mixq.eval.report"): "the package's lazy facade: `import mixq.runtime.kl_stats` stays light",
+    ("eval/__init__.py", "mixq.eval.api"): "the package's lazy facade: `import mixq.eval.family` stays light",
+    ("eval/__init__.py", "mixq.eval.report"): "the package's lazy facade: `import mixq.eval.family` stays light",
     ("formats/checkpoint.py", "huggingface_hub"): "its download stack (httpx, ~0.13 s at CLI start-up), for hub "
                                                   "repo ids only; a failed import reads as 'could not download'",
     ("quant/trellis/viterbi.py", "mixq.quant.trellis.viterbi_triton"): "imports triton (optional) at its top",

@@ -25,6 +25,7 @@ from mixq.measurement.hessians import ROUNDINGS, check_rounding  # noqa: F401  (
 from mixq.quant.device import parse_device
 from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN
 from mixq.runtime.distributed import parse_devices
+from mixq.formats.gguf_layout import FLOAT_TYPES
 from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
 from mixq.planning.option_fields import as_tuple, flag_of, opt
@@ -33,7 +34,6 @@ OPTIONS_VERSION = 1
 # GGUF --rounding hessian: descent steps per stage of the block-output tuning (conversion/gguf/tuning.py)
 DEFAULT_TUNE_ITERS = 200
 DEFAULT_EXL3_SHARD = 8192 * 2**20
-PURE_FLOAT = ("F32", "F16", "BF16")
 MMPROJ_TYPES = ("F16", "Q8_0")
 GGUF_LADDERS = ("k", "iq")
 CODEBOOKS = ("mul1", "mcg")
@@ -334,7 +334,7 @@ class GGUFOptions(_Options):
                     raise InputError(f"{flag_of(GGUFOptions, name)} applies to --bpw/--size, not to --type "
                                      f"{self.qtype} (the mix decides; --tensor-type / --output-tensor-type "
                                      "change single tensors)")
-            if self.overrides and self.qtype in PURE_FLOAT:
+            if self.overrides and self.qtype in FLOAT_TYPES:
                 raise InputError(f"--override applies to quantized mixes, not to --type {self.qtype}; "
                                  "use --tensor-type REGEX=TYPE")
         if self.mmproj is None and self.mmproj_type != "F16":
@@ -381,7 +381,7 @@ def encodable_type(name: str, what: str) -> str:
 def _gguf_mix_name(qtype: str) -> str:
     """--type: F32/F16/BF16, or a llama-quantize mix name (Q4_K_M, Q8_0, ...), upper-cased."""
     q = str(qtype).upper()
-    if q in PURE_FLOAT:
+    if q in FLOAT_TYPES:
         return q
     try:
         gguf_mix.normalize_mix(q)

@@ -159,10 +159,10 @@ class ShardWriter:
     def add(self, name: str, w) -> None:
         import torch
 
-        from mixq.formats.tiny import _is_fp8_target, fp8_quantize_blocks
+        from mixq.formats.tiny import is_fp8_target, fp8_quantize_blocks
 
         parts = {name: w}
-        if self.fp8 and _is_fp8_target(name, tuple(w.shape), self.dsa):
+        if self.fp8 and is_fp8_target(name, tuple(w.shape), self.dsa):
             q, s = fp8_quantize_blocks(w)
             parts = {name: q, name + "_scale_inv": s}
         host = {}

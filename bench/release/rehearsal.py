@@ -7,17 +7,22 @@ is passed to every verb that takes it (convert, imatrix, eval) and read back int
   build           the rehearsal model under WORK/model (skipped when built; `--fp8` also writes its FP8 copy)
   convert-exl3    `mixq convert --format exl3` at the release plan's 3.05 bpw rates (below), continued with
                   `--resume` when an earlier call was cut
+  verify-exl3     `mixq verify` of the EXL3 directory
+  eval-exl3       `mixq eval` of the EXL3 against the BF16 model (torch engine)
+  eval-exllamav3  `mixq eval --engine exllamav3` of the EXL3 (when exllamav3 imports)
+  load-exl3       exllamav3 loads the EXL3 and generates a few tokens (bench/engines/generate_check.py)
+  free-exl3       removes the EXL3 directory (the disk of a 64 GB machine holds the model and one output)
   imatrix         `mixq imatrix`
   convert-gguf    `mixq convert` to GGUF with `--gguf-target` (default: the 108 GB plan's 2.6 bpw on the i-quant
                   ladder with `--rounding hessian`) and the imatrix
-  verify-exl3     `mixq verify` of the EXL3 directory
   verify-gguf     `mixq verify` of the GGUF file
-  eval            `mixq eval` of the finished candidates against the BF16 model (torch engine)
-  eval-exllamav3  `mixq eval --engine exllamav3` of the EXL3 (when exllamav3 imports)
-  load-gguf       llama.cpp loads the GGUF and generates a few tokens (bench/engines/generate_check.py)
-  load-exl3       exllamav3 loads the EXL3 and generates a few tokens (when exllamav3 imports)
+  eval-gguf       `mixq eval` of the GGUF against the BF16 model (torch engine)
+  load-gguf       llama.cpp loads the GGUF and generates a few tokens
   project         the release hours from the profiles (bench/release/release_hours.py, when present)
 
+Each candidate is scored in its own `mixq eval` (the reference forward runs once per candidate): the two outputs
+and the BF16 model do not fit a 64 GB disk together, and a saved reference of 16 x 4096 tokens over the 154880-token
+vocabulary would be 40 GB.
 `--steps` picks steps (aliases: convert, verify, engines, all). The EXL3 rates: a three-layer model planned at
 3.05 bpw is another budget than the release (its attention, dense MLP and head are a larger share), so it is
 converted at `--bpw 8` with every budgeted role pinned by `--override ROLE=BITS` to the rate the release's 3.05 bpw
@@ -53,13 +58,17 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO / "bench")]
 import rehearsal_model as rm  # noqa: E402
 from paths import SHARED  # noqa: E402
 
-STEPS = ("build", "convert-exl3", "imatrix", "convert-gguf", "verify-exl3", "verify-gguf", "eval", "eval-exllamav3",
-         "load-gguf", "load-exl3", "project")
+STEPS = ("build", "convert-exl3", "verify-exl3", "eval-exl3", "eval-exllamav3", "load-exl3", "free-exl3", "imatrix",
+         "convert-gguf", "verify-gguf", "eval-gguf", "load-gguf", "project")
 ALIASES = {"convert": ("convert-exl3", "convert-gguf"), "verify": ("verify-exl3", "verify-gguf"),
-           "engines": ("load-gguf", "load-exl3"), "all": STEPS}
-PROFILED = {"convert-exl3", "imatrix", "convert-gguf", "eval", "eval-exllamav3"}  # verbs that take --profile
+           "eval": ("eval-exl3", "eval-gguf"), "engines": ("load-gguf", "load-exl3"),
+           "exl3": ("convert-exl3", "verify-exl3", "eval-exl3", "eval-exllamav3", "load-exl3"),
+           "gguf": ("imatrix", "convert-gguf", "verify-gguf", "eval-gguf", "load-gguf"),
+           "all": tuple(s for s in STEPS if s != "free-exl3")}
+PROFILED = {"convert-exl3", "imatrix", "convert-gguf", "eval-exl3", "eval-gguf", "eval-exllamav3"}  # take --profile
 EXL3_BPW = 3.05
 GGUF_TARGET = "--bpw 2.6 --gguf-ladder iq --rounding hessian"  # the 108 GB plan: 2.59 bpw on the i-quant ladder
+EXL3_CHECKS = ("verify-exl3", "eval-exl3", "eval-exllamav3", "load-exl3")
 MIN_STEP_S = 20.0  # a step is not started with less than this left before the deadline
 KILL_GRACE_S = 10.0  # SIGTERM, then SIGKILL this much later
 TAIL = 2000  # characters of a step's output kept in the result
@@ -140,13 +149,17 @@ def run_step(argv: list[str], log: Path, kill_at: float | None, env: dict) -> di
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
         cut = None
-        while proc.poll() is None:
-            peak = max(filter(None, (peak, vm_hwm_mib(proc.pid))), default=None)
-            if kill_at is not None and time.time() >= kill_at:
-                cut = "time limit"
-                stop(proc)
-                break
-            time.sleep(0.5)
+        try:
+            while proc.poll() is None:
+                peak = max(filter(None, (peak, vm_hwm_mib(proc.pid))), default=None)
+                if kill_at is not None and time.time() >= kill_at:
+                    cut = "time limit"
+                    stop(proc)
+                    break
+                time.sleep(0.5)
+        except KeyboardInterrupt:  # the driver itself is stopped (SIGINT, or SIGTERM through `main`)
+            cut = "driver stopped"
+            stop(proc)
         rc = proc.wait()
     text = log.read_text(errors="replace")
     return {"rc": rc, "seconds": round(time.time() - t0, 2), "peak_rss_mib": peak, "cut": cut,
@@ -165,12 +178,16 @@ class Rehearsal:
         self.t0 = time.time()
         self.deadline = self.t0 + a.deadline_s if a.deadline_s else None
         self.limits = parse_limits(a.limits)
+        if not self.p.state.is_file() and a.state_from is not None and a.state_from.is_file():
+            shutil.copyfile(a.state_from, self.p.state)  # an earlier machine's calls, continued on this one
         self.state = json.loads(self.p.state.read_text()) if self.p.state.is_file() else {"calls": [], "steps": {}}
         self.call = len(self.state["calls"]) + 1
         self.state["calls"].append({"call": self.call, "steps": a.steps, "deadline_s": a.deadline_s,
                                     "profile": not a.no_profile, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                           time.gmtime())})
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.stopped = False
+        self.steps: list[str] = []
 
     # --- bookkeeping ----------------------------------------------------------------------------------------
 
@@ -183,6 +200,22 @@ class Rehearsal:
 
     def done(self, step: str) -> bool:
         return self.state["steps"].get(step, {}).get("status") == "done"
+
+    def latest(self, step: str) -> dict:
+        return (self.state["steps"].get(step, {}).get("attempts") or [{}])[-1]
+
+    def output_present(self, step: str) -> bool:
+        """Whether a finished step's output is still in WORK (a fresh machine continuing from a carried state
+        has lost it: the step runs again)."""
+        if step == "build":
+            return rm.built(self.p.model)
+        if step == "convert-exl3":
+            return (self.p.exl3 / "config.json").is_file() or self.done("free-exl3")
+        if step == "imatrix":
+            return self.p.imatrix.is_file()
+        if step == "convert-gguf":
+            return self.p.gguf.is_file()
+        return True
 
     def save(self) -> None:
         tmp = self.p.state.with_suffix(".tmp")
@@ -275,57 +308,76 @@ class Rehearsal:
                                           *self.device()))
 
     def step_convert_gguf(self) -> None:
-        argv = self.mixq("convert", str(self.p.bf16), str(self.p.gguf), *shlex.split(self.a.gguf_target),
-                         "--overwrite", *self.device())
+        if "free-exl3" in self.steps and self.p.exl3.exists():
+            self.skip("convert-gguf", "the EXL3 output is still on disk (free-exl3 removes it once checked)")
+            return
+        target, note = self.a.gguf_target, {}
+        cut = [a for a in self.state["steps"].get("convert-gguf", {}).get("attempts", [])
+               if a.get("cut") and a.get("target") == self.a.gguf_target]
+        if cut and self.a.gguf_fallback:  # the file the checks need, at the same types, once the target was timed
+            target = self.a.gguf_fallback
+            note["fallback"] = f"the convert with {self.a.gguf_target!r} was cut in call {cut[-1]['call']}"
+        argv = self.mixq("convert", str(self.p.bf16), str(self.p.gguf), *shlex.split(target), "--overwrite",
+                         *self.device())
         if self.p.imatrix.is_file():
             argv += ["--imatrix", str(self.p.imatrix)]
-        self.execute("convert-gguf", argv)
+        self.execute("convert-gguf", argv, note={"target": target, **note})
 
-    def step_verify(self, step: str, path: Path, source: str) -> None:
+    def ready(self, step: str, path: Path, source: str) -> bool:
+        """Whether `source` finished and its output is still there; else `step` is recorded as skipped."""
         if not self.done(source):
             self.skip(step, f"{source} has not finished")
+        elif not path.exists():
+            self.skip(step, f"{path.name} is not there (free-exl3 removed it)")
+        else:
+            return True
+        return False
+
+    def step_verify(self, step: str, path: Path, source: str) -> None:
+        if not self.ready(step, path, source):
             return
         self.execute(step, self.mixq("verify", str(path), "--json"))
-
-    def candidates(self) -> list[Path]:
-        return [p for p, s in ((self.p.exl3, "convert-exl3"), (self.p.gguf, "convert-gguf")) if self.done(s)]
 
     def eval_args(self) -> list[str]:
         return ["--text", str(SHARED / "data" / "heldout.txt"), "--ctx", str(self.a.eval_ctx),
                 "--windows", str(self.a.eval_windows), "--overwrite"]
 
-    def step_eval(self) -> None:
-        cands = self.candidates()
-        if not cands:
-            self.skip("eval", "no finished candidate")
+    def step_eval(self, step: str, path: Path, source: str, engine: list[str]) -> None:
+        if engine and not has_module("exllamav3"):
+            self.skip(step, "exllamav3 does not import here")
             return
-        report = self.p.work / "eval.json"
-        e = self.execute("eval", self.mixq("eval", str(self.p.bf16), *map(str, cands), *self.eval_args(),
-                                           "--json", str(report), *self.device()))
+        if not self.ready(step, path, source):
+            return
+        report = self.p.work / f"{step}.json"
+        report.unlink(missing_ok=True)
+        e = self.execute(step, self.mixq("eval", str(self.p.bf16), str(path), *self.eval_args(), *engine,
+                                         "--json", str(report), *([] if engine else self.device())))
         if e["status"] == "done" and report.is_file():
             e["report"] = json.loads(report.read_text())
-            self.record_update("eval", e)
+            self.record_update(step, e)
 
-    def step_eval_exllamav3(self) -> None:
-        if not has_module("exllamav3"):
-            self.skip("eval-exllamav3", "exllamav3 does not import here")
+    def step_free_exl3(self) -> None:
+        if not self.p.exl3.exists():
+            self.skip("free-exl3", "no EXL3 directory")
             return
         if not self.done("convert-exl3"):
-            self.skip("eval-exllamav3", "convert-exl3 has not finished")
+            self.skip("free-exl3", "convert-exl3 has not finished: its job is kept for --resume")
             return
-        report = self.p.work / "eval-exllamav3.json"
-        e = self.execute("eval-exllamav3", self.mixq("eval", str(self.p.bf16), str(self.p.exl3), *self.eval_args(),
-                                                     "--engine", "exllamav3", "--json", str(report)))
-        if e["status"] == "done" and report.is_file():
-            e["report"] = json.loads(report.read_text())
-            self.record_update("eval-exllamav3", e)
+        waiting = [s for s in EXL3_CHECKS if s in self.steps and (
+            self.latest(s).get("status") in (None, "incomplete")
+            or str(self.latest(s).get("why", "")).startswith(("deadline", "the driver was stopped")))]
+        if waiting:
+            self.skip("free-exl3", f"kept for {', '.join(waiting)}")
+            return
+        freed = sum(f.stat().st_size for f in self.p.exl3.rglob("*") if f.is_file())
+        shutil.rmtree(self.p.exl3)
+        self.record("free-exl3", {"status": "done", "freed_bytes": freed, "seconds": 0.0})
 
     def step_load(self, step: str, flag: str, path: Path, source: str, module: str) -> None:
         if not has_module(module):
             self.skip(step, f"{module} does not import here")
             return
-        if not self.done(source):
-            self.skip(step, f"{source} has not finished")
+        if not self.ready(step, path, source):
             return
         report = self.p.work / f"{step}.json"
         report.unlink(missing_ok=True)
@@ -356,18 +408,28 @@ class Rehearsal:
                  "convert-gguf": self.step_convert_gguf,
                  "verify-exl3": lambda: self.step_verify("verify-exl3", self.p.exl3, "convert-exl3"),
                  "verify-gguf": lambda: self.step_verify("verify-gguf", self.p.gguf, "convert-gguf"),
-                 "eval": self.step_eval, "eval-exllamav3": self.step_eval_exllamav3,
+                 "eval-exl3": lambda: self.step_eval("eval-exl3", self.p.exl3, "convert-exl3", []),
+                 "eval-gguf": lambda: self.step_eval("eval-gguf", self.p.gguf, "convert-gguf", []),
+                 "eval-exllamav3": lambda: self.step_eval("eval-exllamav3", self.p.exl3, "convert-exl3",
+                                                          ["--engine", "exllamav3"]),
+                 "free-exl3": self.step_free_exl3,
                  "load-gguf": lambda: self.step_load("load-gguf", "--gguf", self.p.gguf, "convert-gguf", "llama_cpp"),
                  "load-exl3": lambda: self.step_load("load-exl3", "--exl3", self.p.exl3, "convert-exl3", "exllamav3"),
                  "project": self.step_project}
+        self.steps = steps
         for step in steps:
-            if self.done(step) and step not in ("project",) and not self.a.redo:
+            if self.stopped:
+                self.skip(step, "the driver was stopped")
+                continue
+            if self.done(step) and self.output_present(step) and step != "project" and not self.a.redo:
                 print(f"[{step}] done by an earlier call", file=sys.stderr, flush=True)
                 continue
             if self.deadline is not None and self.deadline - time.time() < MIN_STEP_S:
                 self.skip(step, f"deadline: less than {MIN_STEP_S:g} s left")
                 continue
             table[step]()
+            last = self.state["steps"].get(step, {}).get("attempts", [{}])[-1]
+            self.stopped = last.get("cut") == "driver stopped"
         return self.result()
 
     def result(self) -> dict:
@@ -398,6 +460,10 @@ class Rehearsal:
         return res
 
 
+def interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, required=True, help="the model, outputs and state (kept across calls)")
@@ -412,6 +478,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="--device of every mixq verb [default: theirs]")
     ap.add_argument("--exl3-plain", action="store_true", help="EXL3 at the plain --bpw 3.05 (not the release rates)")
     ap.add_argument("--gguf-target", default=GGUF_TARGET, help="the GGUF convert's target options")
+    ap.add_argument("--gguf-fallback", default="",
+                    help="target options of the GGUF the checks use once a --gguf-target convert was cut (e.g. the "
+                         "same plan without --rounding hessian)")
+    ap.add_argument("--state-from", type=Path, help="a WORK/rehearsal_state.json of earlier calls (another machine)")
     ap.add_argument("--eval-ctx", type=int, default=4096)
     ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=8, help="tokens the engines generate")
@@ -419,6 +489,7 @@ def main(argv=None) -> int:
     ap.add_argument("--redo", action="store_true", help="run the picked steps even where an earlier call finished")
     a = ap.parse_args(argv)
     steps = parse_steps(a.steps)
+    signal.signal(signal.SIGTERM, interrupt)  # a stopped driver stops its step and still writes the result
     reh = Rehearsal(a)
     res = reh.run(steps)
     reh.write_result(a.json)

@@ -13,8 +13,8 @@ is passed to every verb that takes it (convert, imatrix, eval) and read back int
   load-exl3       exllamav3 loads the EXL3 and generates a few tokens (bench/engines/generate_check.py)
   free-exl3       removes the EXL3 directory (the disk of a 64 GB machine holds the model and one output)
   imatrix         `mixq imatrix`
-  convert-gguf    `mixq convert` to GGUF with `--gguf-target` (default: the 108 GB plan's 2.6 bpw on the i-quant
-                  ladder with `--rounding hessian`) and the imatrix
+  convert-gguf    `mixq convert` to GGUF with `--gguf-target` (default: the i-quant ladder with `--rounding
+                  hessian`) and the imatrix, every budgeted tensor pinned to the release's 108 GB plan's type (below)
   verify-gguf     `mixq verify` of the GGUF file
   eval-gguf       `mixq eval` of the GGUF against the BF16 model (torch engine)
   load-gguf       llama.cpp loads the GGUF and generates a few tokens
@@ -26,7 +26,11 @@ vocabulary would be 40 GB.
 `--steps` picks steps (aliases: convert, verify, engines, all). The EXL3 rates: a three-layer model planned at
 3.05 bpw is another budget than the release (its attention, dense MLP and head are a larger share), so it is
 converted at `--bpw 8` with every budgeted role pinned by `--override ROLE=BITS` to the rate the release's 3.05 bpw
-plan gives it (rehearsal_model.release_exl3_rates); `--exl3-plain` converts at the plain `--bpw 3.05` instead.
+plan gives it, the NextN block at the default --mtp-bits as there (rehearsal_model.release_exl3_overrides);
+`--exl3-plain` converts at the plain `--bpw 3.05` instead. The GGUF likewise: each budgeted tensor gets, by `--override
+^NAME$=TYPE`, the type the release's 108 GB i-quant plan gives most of that tensor's weights over the release layers
+of its kind (rehearsal_model.release_gguf_overrides: the routed experts IQ2_S, the NextN block Q4_K, ...; 2.63 bpw at
+real widths); `--no-gguf-pin` plans by the target alone.
 
 Time: `--deadline-s` bounds this call; a step is not started with less than MIN_STEP_S left, a running step is
 stopped at the deadline or at its `--limits` share (SIGTERM, then SIGKILL); it is then recorded as "incomplete"
@@ -67,7 +71,8 @@ ALIASES = {"convert": ("convert-exl3", "convert-gguf"), "verify": ("verify-exl3"
            "all": tuple(s for s in STEPS if s != "free-exl3")}
 PROFILED = {"convert-exl3", "imatrix", "convert-gguf", "eval-exl3", "eval-gguf", "eval-exllamav3"}  # take --profile
 EXL3_BPW = 3.05
-GGUF_TARGET = "--bpw 2.6 --gguf-ladder iq --rounding hessian"  # the 108 GB plan: 2.59 bpw on the i-quant ladder
+# every budgeted tensor pinned to the 108 GB plan's type (--gguf-pin), so the target only has to admit them
+GGUF_TARGET = "--bpw 8 --gguf-ladder iq --rounding hessian"
 EXL3_CHECKS = ("verify-exl3", "eval-exl3", "eval-exllamav3", "load-exl3")
 MIN_STEP_S = 20.0  # a step is not started with less than this left before the deadline
 KILL_GRACE_S = 10.0  # SIGTERM, then SIGKILL this much later
@@ -296,11 +301,11 @@ class Rehearsal:
             target = ["--bpw", str(EXL3_BPW)]
             rates = None
         else:
-            rates = rm.release_exl3_rates(EXL3_BPW)
-            target = ["--bpw", "8"] + [x for role, bits in rates.items() for x in ("--override", f"{role}={bits:g}")]
+            rates = rm.release_exl3_overrides(EXL3_BPW, len(rm.parse_kinds(self.a.kinds)))
+            target = ["--bpw", "8"] + [x for o in rates for x in ("--override", o)]
         argv = self.mixq("convert", str(self.p.bf16), str(out), "--format", "exl3", *target, *self.device())
         argv += ["--resume"] if resume else []
-        self.execute("convert-exl3", argv, note={"resumed": resume, "release_rates": rates,
+        self.execute("convert-exl3", argv, note={"resumed": resume, "release_overrides": rates,
                                                  "release_bpw": EXL3_BPW})
 
     def step_imatrix(self) -> None:
@@ -319,6 +324,9 @@ class Rehearsal:
             note["fallback"] = f"the convert with {self.a.gguf_target!r} was cut in call {cut[-1]['call']}"
         argv = self.mixq("convert", str(self.p.bf16), str(self.p.gguf), *shlex.split(target), "--overwrite",
                          *self.device())
+        if not self.a.no_gguf_pin and ("--bpw" in target or "--size" in target):
+            cfg = json.loads((self.p.bf16 / "config.json").read_text())
+            argv += [x for o in rm.release_gguf_overrides(cfg) for x in ("--override", o)]
         if self.p.imatrix.is_file():
             argv += ["--imatrix", str(self.p.imatrix)]
         self.execute("convert-gguf", argv, note={"target": target, **note})
@@ -481,6 +489,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf-fallback", default="",
                     help="target options of the GGUF the checks use once a --gguf-target convert was cut (e.g. the "
                          "same plan without --rounding hessian)")
+    ap.add_argument("--no-gguf-pin", action="store_true",
+                    help="plan the GGUF by its --bpw/--size alone (not pinned to the 108 GB plan's types)")
     ap.add_argument("--state-from", type=Path, help="a WORK/rehearsal_state.json of earlier calls (another machine)")
     ap.add_argument("--eval-ctx", type=int, default=4096)
     ap.add_argument("--eval-windows", type=int, default=16)

@@ -55,7 +55,7 @@ STATE_ARGS=()
 [ -n "$STATE" ] && STATE_ARGS=(--state-from "$STATE")
 python3 bench/release/rehearsal.py --work "$WORK" --json "$OUT/rehearsal.json" "${STATE_ARGS[@]}" \
     --steps all,free-exl3 --deadline-s "$(( DEADLINE - (SECONDS - start) ))" \
-    --gguf-fallback "--bpw 2.6 --gguf-ladder iq" ${REHEARSAL_ARGS:-} 2>&1 | tee "$OUT/rehearsal_log.txt"
+    --gguf-fallback "--bpw 8 --gguf-ladder iq" ${REHEARSAL_ARGS:-} 2>&1 | tee "$OUT/rehearsal_log.txt"
 rc=${PIPESTATUS[0]}
 cp "$WORK/rehearsal_state.json" "$OUT/" 2>/dev/null
 df -h "$WORK" | tail -1 >> "$OUT/env.txt"

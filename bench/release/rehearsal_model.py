@@ -375,6 +375,62 @@ def release_exl3_rates(bpw: float) -> dict[str, float]:
     return {role: max(by, key=by.get) for role, by in sorted(weights.items())}
 
 
+def release_exl3_overrides(bpw: float, n_layers: int) -> list[str]:
+    """`--override` values converting a rehearsal model of `n_layers` decoder layers at the release plan's rates
+    (release_exl3_rates): its NextN block (layers.`n_layers`) first, kept at the default --mtp-bits as in the
+    release plan (a role override would reach it too: the first match wins), then each budgeted role."""
+    from mixq.planning.types import DEFAULT_MTP_BITS
+
+    nextn = [f"model.language_model.layers.{n_layers}.*={DEFAULT_MTP_BITS:g}"]
+    return nextn + [f"{role}={bits:g}" for role, bits in release_exl3_rates(bpw).items()]
+
+
+RELEASE_GGUF_SIZE = 108 * 10**9  # the 108 GB i-quant plan (`mixq plan --size 108GB --gguf-ladder iq`)
+
+
+def release_layer_kinds() -> dict[int, str]:
+    """Release decoder layer -> kind (kda-dense / kda-moe / dsa-moe); the NextN block (layer 45) -> "nextn"."""
+    t = json.loads(SHAPE_CONFIG.read_text())["text_config"]
+    inv = {v: k for k, v in LAYER_KINDS.items()}
+    out = {i: inv[(a, m)] for i, (a, m) in enumerate(zip(t["layer_types"], t["mlp_layer_types"]))}
+    out[len(out)] = "nextn"
+    return out
+
+
+def release_gguf_overrides(cfg: dict) -> list[str]:
+    """`--override` values pinning every budgeted GGUF tensor of the rehearsal model `cfg` to the type the release's
+    108 GB i-quant plan gives it: per layer kind (the NextN block to the NextN block) and tensor, the type most of
+    that tensor's weights get over the release layers of the kind; the tensors outside the layers by name."""
+    import collections
+    import re
+
+    from mixq.formats.checkpoint import checkpoint_from_config
+    from mixq.formats.gguf_names import gguf_tensors
+    from mixq.planning.planner import plan_model
+
+    block = re.compile(r"blk\.(\d+)\.(.+)$")
+    rel_kinds = release_layer_kinds()
+    votes: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
+    for t in plan_model(checkpoint_from_config(SHAPE_CONFIG), "gguf", size=RELEASE_GGUF_SIZE, gguf_ladder="iq").tensors:
+        m = block.match(t.name)
+        votes[(rel_kinds[int(m[1])], m[2]) if m else (None, t.name)][t.type] += math.prod(int(x) for x in t.shape)
+    t = cfg["text_config"]
+    kinds = {i: k for i, k in enumerate(parse_kinds(
+        [{v: k for k, v in LAYER_KINDS.items()}[(a, m)] for a, m in zip(t["layer_types"], t["mlp_layer_types"])]))}
+    kinds[len(kinds)] = "nextn"
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg))
+        specs = gguf_tensors(checkpoint_from_config(Path(d) / "config.json"))
+    out = []
+    for s in specs:
+        if s.policy != "quant":
+            continue
+        m = block.match(s.name)
+        typ = votes[(kinds[int(m[1])], m[2]) if m else (None, s.name)].most_common(1)[0][0]
+        out.append(f"^{re.escape(s.name)}$={typ}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="directory: OUT/bf16 and OUT/fp8 are written")

@@ -164,3 +164,26 @@ def test_a_fresh_machine_continues_from_a_carried_state(model, tmp_path):
     assert [c["call"] for c in res["calls"]] == [1, 2]
     assert res["steps"]["convert-exl3"]["attempts"] == [{"call": 1, "status": "done", "seconds": 900.0}]
     assert res["steps"]["verify-exl3"]["attempts"][-1]["why"].endswith("(free-exl3 removed it)")
+
+
+@pytest.mark.slow
+def test_release_pins_reach_every_tensor_they_name(model):
+    """The overrides the driver converts with, planned by mixq's planner on the small model: the NextN block at the
+    default --mtp-bits (EXL3) and at the release's NextN type (GGUF), the trunk at the release's rates and types."""
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.planning.planner import plan_model
+
+    ck = open_checkpoint(model / "bf16")
+    exl3 = {t.name: t.bits for t in plan_model(ck, "exl3", bpw=8, overrides=rm.release_exl3_overrides(3.05, 3)).tensors}
+    rates = rm.release_exl3_rates(3.05)
+    lm = "model.language_model.layers"
+    assert exl3[f"{lm}.1.mlp.experts.0.up_proj.weight"] == rates["routed_expert"]
+    assert exl3[f"{lm}.2.self_attn.q_a_proj.weight"] == rates["attn"]
+    assert exl3[f"{lm}.3.mlp.experts.0.up_proj.weight"] == exl3[f"{lm}.3.self_attn.q_a_proj.weight"] == 4
+    cfg = json.loads((model / "bf16" / "config.json").read_text())
+    pins = dict(o.rsplit("=", 1) for o in rm.release_gguf_overrides(cfg))
+    gguf = {t.name: t.type for t in plan_model(ck, "gguf", bpw=8, gguf_ladder="iq", overrides=list(pins.items())
+                                               ).tensors}
+    for pattern, qtype in pins.items():
+        name = pattern.strip("^$").replace("\\", "")
+        assert gguf[name] == qtype

@@ -227,6 +227,14 @@ class Rehearsal:
         tmp.write_text(json.dumps(self.state, indent=2) + "\n")
         tmp.replace(self.p.state)
 
+    def cached(self, key: str, make):
+        """`make()` once per WORK (the release plans behind the overrides take a while on a busy host)."""
+        cache = self.state.setdefault("cache", {})
+        if key not in cache:
+            cache[key] = make()
+            self.save()
+        return cache[key]
+
     def shown(self, argv: list[str]) -> str:
         """The command line as recorded: WORK, SHARED and the repo named, not this machine's paths."""
         text = shlex.join(argv)
@@ -301,7 +309,8 @@ class Rehearsal:
             target = ["--bpw", str(EXL3_BPW)]
             rates = None
         else:
-            rates = rm.release_exl3_overrides(EXL3_BPW, len(rm.parse_kinds(self.a.kinds)))
+            rates = self.cached("exl3_overrides", lambda: rm.release_exl3_overrides(
+                EXL3_BPW, len(rm.parse_kinds(self.a.kinds))))
             target = ["--bpw", "8"] + [x for o in rates for x in ("--override", o)]
         argv = self.mixq("convert", str(self.p.bf16), str(out), "--format", "exl3", *target, *self.device())
         argv += ["--resume"] if resume else []
@@ -326,7 +335,8 @@ class Rehearsal:
                          *self.device())
         if not self.a.no_gguf_pin and ("--bpw" in target or "--size" in target):
             cfg = json.loads((self.p.bf16 / "config.json").read_text())
-            argv += [x for o in rm.release_gguf_overrides(cfg) for x in ("--override", o)]
+            pins = self.cached("gguf_overrides", lambda: rm.release_gguf_overrides(cfg))
+            argv += [x for o in pins for x in ("--override", o)]
         if self.p.imatrix.is_file():
             argv += ["--imatrix", str(self.p.imatrix)]
         self.execute("convert-gguf", argv, note={"target": target, **note})

@@ -285,7 +285,7 @@ class Rehearsal:
 
     def step_build(self) -> None:
         if rm.built(self.p.model) and (not self.a.fp8 or rm.built(self.p.model, "fp8")):
-            self.skip("build", "built by an earlier call")
+            self.skip("build", "already built in WORK")
             return
         out = self.p.work / "build.json"
         argv = [sys.executable, str(REPO / "bench" / "release" / "rehearsal_model.py"), str(self.p.model),

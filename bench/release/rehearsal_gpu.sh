@@ -13,6 +13,8 @@
 # one command: the call that starts it records it cut, with its profile so far; the next call writes the same plan
 # with ggml's exact rounding (--gguf-fallback) for verify, eval and the llama.cpp load.
 #
+# An H200: a 288-expert EXL3 layer has peaked at 82 GiB of GPU memory (bench/results/glm53_slice_288_exl3.json).
+# Until `--profile` is in the CLI, REHEARSAL_ARGS=--no-profile; REHEARSAL_ARGS also passes other driver options.
 # Expected calls (288 experts): 1 build + EXL3 convert (cut), 2 EXL3 --resume to the end + verify, 3 EXL3 evals and
 # exllamav3 load + free + imatrix, 4 GGUF hessian convert (cut), 5 GGUF exact + verify + eval + llama.cpp load +
 # projection. A machine is held at most 30 minutes: calls 4-5 usually start on a fresh one (STATE.json).
@@ -53,7 +55,7 @@ fi
 } > "$OUT/env.txt" 2>&1
 STATE_ARGS=()
 [ -n "$STATE" ] && STATE_ARGS=(--state-from "$STATE")
-python3 bench/release/rehearsal.py --work "$WORK" --json "$OUT/rehearsal.json" "${STATE_ARGS[@]}" \
+python3 bench/release/rehearsal.py --work "$WORK" --json "$OUT/rehearsal.json" ${STATE_ARGS[@]+"${STATE_ARGS[@]}"} \
     --steps all,free-exl3 --deadline-s "$(( DEADLINE - (SECONDS - start) ))" \
     --gguf-fallback "--bpw 8 --gguf-ladder iq" ${REHEARSAL_ARGS:-} 2>&1 | tee "$OUT/rehearsal_log.txt"
 rc=${PIPESTATUS[0]}

@@ -136,8 +136,17 @@ def test_a_step_cut_by_its_limit_is_incomplete(model, tmp_path):
 @pytest.mark.slow
 def test_driver_converts_and_verifies_through_the_cli(model, tmp_path):
     work = tmp_path / "work"
-    res = drive(work, model, "--steps", "convert-gguf,verify,load-gguf", "--gguf-target", "--type Q8_0")
-    conv, ver = res["steps"]["convert-gguf"]["attempts"][-1], res["steps"]["verify-gguf"]["attempts"][-1]
+    # an earlier call's hessian convert was cut: this one writes the fallback plan for the checks
+    hessian = rehearsal.GGUF_TARGET
+    cut = {"call": 1, "status": "incomplete", "cut": "time limit", "seconds": 500.0, "target": hessian}
+    carried = tmp_path / "state.json"
+    carried.write_text(json.dumps({"calls": [{"call": 1}], "steps": {
+        "convert-gguf": {"status": "incomplete", "attempts": [cut]}}}))
+    res = drive(work, model, "--steps", "convert-gguf,verify,load-gguf", "--state-from", str(carried),
+                "--gguf-fallback", "--type Q8_0")
+    attempts = res["steps"]["convert-gguf"]["attempts"]
+    conv, ver = attempts[-1], res["steps"]["verify-gguf"]["attempts"][-1]
+    assert attempts[0] == cut and conv["fallback"] == f"the convert with {hessian!r} was cut in call 1"
     assert conv["command"] == ("python -m mixq convert WORK/model/bf16 WORK/rehearsal.gguf --type Q8_0 --overwrite "
                                "--device cpu")
     assert conv["rc"] == 0 and conv["status"] == "done" and (work / "rehearsal.gguf").is_file()
@@ -150,7 +159,7 @@ def test_driver_converts_and_verifies_through_the_cli(model, tmp_path):
     # a second call on the same WORK keeps the finished steps and adds its own
     again = drive(work, None, "--steps", "convert-gguf", out="result2.json")
     assert again["steps"]["convert-gguf"]["attempts"] == res["steps"]["convert-gguf"]["attempts"]
-    assert len(again["calls"]) == 2
+    assert len(again["calls"]) == 3
 
 
 

@@ -2,7 +2,8 @@
 
 Every step is a subprocess (`python -m mixq VERB ...`, or a bench script for the engines), so what is timed is what a
 user runs; the product's own `--profile FILE` (per layer and per stage: seconds, bytes, peak host and GPU memory)
-is passed to every verb that takes it (convert, imatrix, eval) and read back into the result. Steps, in order:
+is passed to every verb that takes it (convert, imatrix, eval; WORK/profiles/STEP.callN.json, one per call, since
+a resumed conversion is one profile per call) and read back into the result. Steps, in order:
 
   build           the rehearsal model under WORK/model (skipped when built; `--fp8` also writes its FP8 copy)
   convert-exl3    `mixq convert --format exl3` at the release plan's 3.05 bpw rates (below), continued with
@@ -22,8 +23,10 @@ is passed to every verb that takes it (convert, imatrix, eval) and read back int
 
 Each candidate is scored in its own `mixq eval` (the reference forward runs once per candidate): the two outputs
 and the BF16 model do not fit a 64 GB disk together, and a saved reference of 16 x 4096 tokens over the 154880-token
-vocabulary would be 40 GB.
-`--steps` picks steps (aliases: convert, verify, engines, all). The EXL3 rates: a three-layer model planned at
+vocabulary would be 40 GB. Peak host memory is the step's main process's (VmHWM, sampled twice a second); the
+profile holds the verb's own peaks.
+
+`--steps` picks steps (aliases: convert, verify, eval, engines, exl3, gguf, all; free-exl3 only by name). The EXL3 rates: a three-layer model planned at
 3.05 bpw is another budget than the release (its attention, dense MLP and head are a larger share), so it is
 converted at `--bpw 8` with every budgeted role pinned by `--override ROLE=BITS` to the rate the release's 3.05 bpw
 plan gives it, the NextN block at the default --mtp-bits as there (rehearsal_model.release_exl3_overrides);
@@ -36,7 +39,9 @@ Time: `--deadline-s` bounds this call; a step is not started with less than MIN_
 stopped at the deadline or at its `--limits` share (SIGTERM, then SIGKILL); it is then recorded as "incomplete"
 with what cut it (never as done, never as 0 s), and an EXL3 conversion continues with `--resume` on the next call.
 State lives in WORK (WORK/rehearsal_state.json): a second call on the same WORK skips the finished steps, so one
-long rehearsal is a few calls. The result (`--json`): every step's command line, exit code, status, seconds, peak
+long rehearsal is a few calls; `--state-from` continues the calls of another machine's WORK (a finished step whose
+output is gone there runs again). A GGUF convert cut at its `--gguf-target` is followed, with `--gguf-fallback`,
+by one of the same types without `--rounding hessian`, the file verify, eval and llama.cpp read. The result (`--json`): every step's command line, exit code, status, seconds, peak
 host memory, its profile, the tail of its output, and what was cut or skipped, over all calls on this WORK.
 
     python bench/release/rehearsal.py --work /tmp/reh --json OUT.json --steps build,convert-exl3 --deadline-s 540

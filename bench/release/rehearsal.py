@@ -19,7 +19,7 @@ a resumed conversion is one profile per call) and read back into the result. Ste
   verify-gguf     `mixq verify` of the GGUF file
   eval-gguf       `mixq eval` of the GGUF against the BF16 model (torch engine)
   load-gguf       llama.cpp loads the GGUF and generates a few tokens
-  project         the release hours from the profiles (bench/release/release_hours.py, when present)
+  project         the release hours of each run from its profiles (bench/release/release_hours.py, when present)
 
 Each candidate is scored in its own `mixq eval` (the reference forward runs once per candidate): the two outputs
 and the BF16 model do not fit a 64 GB disk together, and a saved reference of 16 x 4096 tokens over the 154880-token
@@ -79,6 +79,9 @@ EXL3_BPW = 3.05
 # every budgeted tensor pinned to the 108 GB plan's type (--gguf-pin), so the target only has to admit them
 GGUF_TARGET = "--bpw 8 --gguf-ladder iq --rounding hessian"
 EXL3_CHECKS = ("verify-exl3", "eval-exl3", "eval-exllamav3", "load-exl3")
+# parts of the model a run never touches, declared to release_hours (any other unmeasured kind is an error there)
+ABSENT = {"imatrix": ("nextn", "vision"), "gguf": ("vision",), "gguf-fallback": ("vision",),
+          "eval-exl3": ("nextn", "vision"), "eval-gguf": ("nextn", "vision"), "eval-exllamav3": ("nextn", "vision")}
 MIN_STEP_S = 20.0  # a step is not started with less than this left before the deadline
 KILL_GRACE_S = 10.0  # SIGTERM, then SIGKILL this much later
 TAIL = 2000  # characters of a step's output kept in the result
@@ -410,19 +413,64 @@ class Rehearsal:
             e["generated"] = json.loads(report.read_text())
             self.record_update(step, e)
 
+    def profile_runs(self) -> dict[str, list[dict]]:
+        """label -> the profiles of one verb's run, from the attempts recorded in the state (so a fresh machine
+        has them too): the EXL3 conversion's calls since its last fresh start (one run continued with --resume),
+        the last hessian GGUF convert (cut or not), the last fallback GGUF, the imatrix and evals that finished."""
+        def atts(step: str) -> list[dict]:
+            return [a for a in self.state["steps"].get(step, {}).get("attempts", []) if isinstance(a.get("profile"),
+                                                                                                   dict)]
+        runs: dict[str, list[dict]] = {}
+        exl3 = atts("convert-exl3")
+        fresh = max((i for i, a in enumerate(exl3) if not a.get("resumed")), default=None)
+        if fresh is not None:
+            runs["exl3"] = [a["profile"] for a in exl3[fresh:]]
+        gguf = atts("convert-gguf")
+        timed = [a for a in gguf if a.get("target") == self.a.gguf_target]
+        if timed:
+            runs["gguf"] = [timed[-1]["profile"]]
+        fallback = [a for a in gguf if a.get("fallback") and a["status"] == "done"]
+        if fallback:
+            runs["gguf-fallback"] = [fallback[-1]["profile"]]
+        for step in ("imatrix", "eval-exl3", "eval-gguf", "eval-exllamav3"):
+            done = [a for a in atts(step) if a["status"] == "done"]
+            if done:
+                runs[step] = [done[-1]["profile"]]
+        return runs
+
     def step_project(self) -> None:
+        """bench/release/release_hours.py once per run (a run it cannot price does not hide the others): the
+        release hours of each, its layer kinds counted from the real config."""
         script = REPO / "bench" / "release" / "release_hours.py"
         if not script.is_file():
             self.skip("project", "projection: not available (bench/release/release_hours.py is missing)")
             return
-        out = self.p.work / "projection.json"
-        out.unlink(missing_ok=True)
-        self.write_result(self.p.work / "rehearsal_result.json")
-        e = self.execute("project", [sys.executable, str(script), str(self.p.work / "rehearsal_result.json"),
-                                     "--json", str(out)])
-        if out.is_file():
-            e["projection"] = json.loads(out.read_text())
-            self.record_update("project", e)
+        runs = self.profile_runs()
+        if not runs:
+            self.skip("project", "no profile recorded (run the steps with profiles on)")
+            return
+        t0 = time.time()
+        out: dict[str, dict] = {}
+        for label, profiles in runs.items():
+            files = []
+            for i, prof in enumerate(profiles):
+                f = self.p.profiles / f"project-{label}-{i}.json"
+                f.write_text(json.dumps(prof) + "\n")
+                files.append(str(f))
+            res_file = self.p.work / f"projection-{label}.json"
+            res_file.unlink(missing_ok=True)
+            argv = [sys.executable, str(script), "--rehearsal-config", str(self.p.bf16 / "config.json"),
+                    "--run", f"{label}={','.join(files)}", "--out", str(res_file)]
+            argv += ["--absent", f"{label}:{','.join(ABSENT[label])}"] if ABSENT.get(label) else []
+            r = run_step(argv, self.p.logs / f"project-{label}.call{self.call}.log", self.kill_at("project"), self.env)
+            out[label] = {"command": self.shown(argv), "rc": r["rc"], "seconds": r["seconds"]}
+            if res_file.is_file():
+                out[label]["projection"] = json.loads(res_file.read_text())
+            else:
+                out[label]["output_tail"] = r["output_tail"]
+        ok = all("projection" in v for v in out.values())
+        self.record("project", {"status": "done" if ok else "failed", "seconds": round(time.time() - t0, 2),
+                                "projection": out})
 
     # --- the call ---------------------------------------------------------------------------------------------
 

@@ -413,18 +413,22 @@ class Rehearsal:
             e["generated"] = json.loads(report.read_text())
             self.record_update(step, e)
 
-    def profile_runs(self) -> dict[str, list[dict]]:
+    def profile_runs(self) -> dict[str, list[dict] | dict]:
         """label -> the profiles of one verb's run, from the attempts recorded in the state (so a fresh machine
         has them too): the EXL3 conversion's calls since its last fresh start (one run continued with --resume),
-        the last hessian GGUF convert (cut or not), the last fallback GGUF, the imatrix and evals that finished."""
+        the last hessian GGUF convert (cut or not), the last fallback GGUF, the imatrix and evals that finished.
+        A run that cannot be priced maps to why (a dict) instead."""
         def atts(step: str) -> list[dict]:
             return [a for a in self.state["steps"].get(step, {}).get("attempts", []) if isinstance(a.get("profile"),
                                                                                                    dict)]
         runs: dict[str, list[dict]] = {}
-        exl3 = atts("convert-exl3")
-        fresh = max((i for i, a in enumerate(exl3) if not a.get("resumed")), default=None)
+        exl3 = [a for a in self.state["steps"].get("convert-exl3", {}).get("attempts", []) if "resumed" in a]
+        fresh = max((i for i, a in enumerate(exl3) if not a["resumed"]), default=None)
         if fresh is not None:
-            runs["exl3"] = [a["profile"] for a in exl3[fresh:]]
+            run = exl3[fresh:]
+            lost = [a["call"] for a in run if not isinstance(a.get("profile"), dict)]
+            # a call of the run without its profile would leave its layers out: the run is not priced
+            runs["exl3"] = [a["profile"] for a in run] if not lost else {"calls without a profile": lost}
         gguf = atts("convert-gguf")
         timed = [a for a in gguf if a.get("target") == self.a.gguf_target]
         if timed:
@@ -452,6 +456,9 @@ class Rehearsal:
         t0 = time.time()
         out: dict[str, dict] = {}
         for label, profiles in runs.items():
+            if isinstance(profiles, dict):
+                out[label] = {"not priced": profiles}
+                continue
             files = []
             for i, prof in enumerate(profiles):
                 f = self.p.profiles / f"project-{label}-{i}.json"
@@ -535,7 +542,7 @@ def interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, required=True, help="the model, outputs and state (kept across calls)")
     ap.add_argument("--json", type=Path, required=True, help="the result file")
@@ -560,7 +567,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8, help="tokens the engines generate")
     ap.add_argument("--no-profile", action="store_true", help="run the verbs without --profile")
     ap.add_argument("--redo", action="store_true", help="run the picked steps even where an earlier call finished")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     steps = parse_steps(a.steps)
     signal.signal(signal.SIGTERM, interrupt)  # a stopped driver stops its step and still writes the result
     reh = Rehearsal(a)

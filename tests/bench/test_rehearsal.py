@@ -196,3 +196,31 @@ def test_release_pins_reach_every_tensor_they_name(model):
     for pattern, qtype in pins.items():
         name = pattern.strip("^$").replace("\\", "")
         assert gguf[name] == qtype
+
+
+def test_the_profiles_of_each_run(tmp_path):
+    """What the project step hands release_hours: the EXL3 calls since its last fresh start (one run continued with
+    --resume, cut calls included), the last timed GGUF convert even if cut, the fallback and the finished verbs."""
+    def att(call, status, profile, **kw):
+        return {"call": call, "status": status, "profile": {"call": call} if profile else profile, **kw}
+
+    target = rehearsal.GGUF_TARGET
+    steps = {
+        "convert-exl3": [att(1, "incomplete", True, resumed=False), att(2, "incomplete", True, resumed=False),
+                         att(3, "incomplete", True, resumed=True), att(4, "done", True, resumed=True)],
+        "convert-gguf": [att(5, "incomplete", True, target=target), att(6, "done", True, target="--bpw 8",
+                                                                        fallback="cut")],
+        "imatrix": [att(5, "done", True), att(6, "incomplete", True)],
+        "eval-exl3": [att(4, "failed", True)],
+    }
+    state = {"calls": [], "steps": {k: {"status": v[-1]["status"], "attempts": v} for k, v in steps.items()}}
+    (tmp_path / "rehearsal_state.json").write_text(json.dumps(state))
+    reh = rehearsal.Rehearsal(rehearsal.parser().parse_args(["--work", str(tmp_path), "--json", "x.json"]))
+    calls = {label: [p["call"] for p in profiles] for label, profiles in reh.profile_runs().items()}
+    assert calls == {"exl3": [2, 3, 4], "gguf": [5], "gguf-fallback": [6], "imatrix": [5]}
+    # a call of the resumed conversion that wrote no profile: that run is not priced, and says why
+    steps["convert-exl3"][2]["profile"] = None
+    state["steps"]["convert-exl3"]["attempts"] = steps["convert-exl3"]
+    (tmp_path / "rehearsal_state.json").write_text(json.dumps(state))
+    reh = rehearsal.Rehearsal(rehearsal.parser().parse_args(["--work", str(tmp_path), "--json", "x.json"]))
+    assert reh.profile_runs()["exl3"] == {"calls without a profile": [3]}

@@ -478,6 +478,9 @@ class Rehearsal:
         ok = all("projection" in v for v in out.values())
         self.record("project", {"status": "done" if ok else "failed", "seconds": round(time.time() - t0, 2),
                                 "projection": out})
+        print(f"[project] {'done' if ok else 'failed'}: " + ", ".join(
+            f"{k} {'priced' if 'projection' in v else 'not priced'}" for k, v in out.items()), file=sys.stderr,
+            flush=True)
 
     # --- the call ---------------------------------------------------------------------------------------------
 

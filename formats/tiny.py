@@ -88,7 +88,9 @@ def fp8_quantize_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
     return q.view(br * block, bc * block)[:r, :c].contiguous(), scale
 
 
-def _is_fp8_target(name: str, shape: tuple[int, ...], dsa_layers: set[int]) -> bool:
+def is_fp8_target(name: str, shape: tuple[int, ...], dsa_layers: set[int]) -> bool:
+    """Whether GLM's FP8 release stores checkpoint tensor ``name`` in e4m3 (``dsa_layers``: the MLA layers,
+    the NextN block among them)."""
     if len(shape) != 2 or min(shape) < FP8_BLOCK or not name.endswith(".weight") or is_vision(name):
         return False
     if ".mlp." in name and ".mlp.gate." not in name:
@@ -176,7 +178,7 @@ def write_tiny_checkpoint(
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
         dsa = {i for i, t in enumerate(layer_types) if t != "linear_attention"} | {n}
         for part in (sd, mtp):
-            for name in [k for k in part if _is_fp8_target(k, tuple(part[k].shape), dsa)]:
+            for name in [k for k in part if is_fp8_target(k, tuple(part[k].shape), dsa)]:
                 q, s = fp8_quantize_blocks(part[name])
                 part[name], part[name + "_scale_inv"] = q, s
 

@@ -1,8 +1,8 @@
 """EXL3 conversion of one GLM-5.3-Flash-width slice on 1 and on N devices: wall time, speed-up, sha256 equality.
 
-The slice is bench/release/glm53_slice.py's (every width of the release: hidden 4096, experts 2048 wide, 64 heads, KDA
-and DSA attention, mHC 4; layers KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE) with E routed experts (default 8) and a
-vocabulary cut to 8192. The lm_head is one trellis call that no rank can share; at the release's vocabulary it
+The slice is built by bench/release/rehearsal_model.py (every width of the release: hidden 4096, experts 2048 wide,
+64 heads, KDA and DSA attention, mHC 4; layers KDA+dense, KDA+MoE, KDA+MoE, DSA+MoE, no NextN block) with E routed
+experts (default 8) and a vocabulary cut to 8192. The lm_head is one trellis call that no rank can share; at the release's vocabulary it
 would be 9% of this slice's trellis weights (and 0.1% of the release's), here it is 2.4%. Trellis weights at
 E = 8: 1.37 G (routed experts 0.60 G, attention 0.51 G, dense MLP 0.15 G). Steps, each conversion its own
 process:
@@ -20,7 +20,6 @@ whether every file is identical. Exit status 1 when they differ.
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import subprocess
@@ -30,62 +29,22 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
-import glm53_slice  # noqa: E402
+import rehearsal_model  # noqa: E402
 from paths import repo_relative  # noqa: E402
 
 BENCH_VOCAB = 8192  # the fixture tokenizer's vocabulary
+KINDS = ("kda-dense", "kda-moe", "kda-moe", "dsa-moe")
 WARMUP_SHAPE = (2, 256, 512)  # a stacked call with Hessians: the LDLQ path every calibrated unit takes
 
 
-def slice_config(experts: int, small: bool) -> dict:
-    """glm53_slice's config with `experts` routed experts and the bench vocabulary (image token ids dropped and
-    the pad id moved to 0: the text-only calibration never uses them, and they would lie outside it)."""
-    cfg = glm53_slice.slice_config(json.loads(glm53_slice.SHAPE_CONFIG.read_text()), experts, small)
-    t = cfg["text_config"]
-    if int(t["vocab_size"]) > BENCH_VOCAB:
-        t["vocab_size"] = BENCH_VOCAB
-        t["pad_token_id"] = 0  # the release's pad id lies outside the cut vocabulary
-    for k in ("image_end_token_id", "image_start_token_id", "image_token_id", "video_end_token_id",
-              "video_start_token_id", "video_token_id"):
-        cfg.pop(k, None)
-    return cfg
-
-
 def build(work: Path, experts: int, small: bool, device: str) -> dict:
-    """The BF16 slice in work/bf16 through glm53_slice's writer (its FP8 copy is not needed here)."""
-    import torch
-    import transformers
-    from transformers.core_model_loading import revert_weight_conversion
-
-    from mixq.formats.tiny import default_tokenizer_dir
-
-    out = work / "bf16"
-    if (out / "config.json").is_file():
+    """The BF16 slice in work/bf16 (rehearsal_model's builder; no FP8 copy, no NextN block, the bench vocabulary:
+    the text-only calibration never reaches the release's pad and media token ids)."""
+    if rehearsal_model.built(work):
         return {"built": False}
-    cfg = slice_config(experts, small)
-    tcfg = copy.deepcopy(cfg)
-    tcfg["text_config"]["layer_types"] = ["indexed_attention" if k != "linear_attention" else k
-                                          for k in cfg["text_config"]["layer_types"]]
-    t0 = time.time()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.Glm5NextForConditionalGeneration(transformers.Glm5NextConfig(**tcfg))
-    with torch.no_grad():
-        sd = {k: v.detach() for k, v in revert_weight_conversion(model, model.state_dict()).items()}
-        glm53_slice._add_outliers(sd, 0)
-    del model
-    tmp = work / "bf16.partial"
-    tmp.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        nbytes = glm53_slice._save_shards(sd, tmp, fp8=False)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    tok = default_tokenizer_dir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        if tok is not None and (tok / f).is_file():
-            (tmp / f).write_bytes((tok / f).read_bytes())
-    tmp.rename(out)
-    return {"built": True, "params": sum(v.numel() for v in sd.values()), "bytes": nbytes,
-            "seconds": round(time.time() - t0, 1)}
+    res = rehearsal_model.build(work, experts=experts, kinds=KINDS, fp8=False, small=small, device=device,
+                                nextn=False, vocab=BENCH_VOCAB)
+    return {"built": True, "params": res["params"], "bytes": res["bf16_bytes"], "seconds": res["seconds"]}
 
 
 def plan_rates(model: Path, bpw: float) -> list[float]:

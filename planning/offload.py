@@ -42,7 +42,6 @@ N_CPU_MOE = r"blk\.{}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 DEFAULT_CPU_RESERVE = 4 * 10**9
 NGL = 999  # -ngl: every layer on the cards (what the override leaves there)
 _BLK = re.compile(r"^blk\.(\d+)\.")
-_SPLIT_TRIES = 12
 
 
 @dataclass
@@ -82,6 +81,7 @@ class OffloadResult:
     patterns: tuple[str, ...]     # the regexes whose tensors stay in host RAM
     n_cpu_moe: int | None         # None: every layer's experts (-ot OT_EXPERTS); N: --n-cpu-moe N
     tensor_split: tuple[int, ...]  # -ts: layers per card (the output layer counts as one)
+    n_seq: int = 1                 # -np: parallel sequences, the context shared between them
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -98,6 +98,10 @@ class OffloadResult:
             out += ["-ot", f"{OT_EXPERTS}=CPU"]
         elif self.n_cpu_moe:
             out += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        if self.n_cpu_moe != 0:  # host tensors in an allocated buffer (llama.cpp advises it with CPU overrides)
+            out += ["--load-mode", "none"]
+        if self.n_seq > 1:
+            out += ["-np", str(self.n_seq)]
         if self.cache.cache_type != "f16":
             out += ["-ctk", self.cache.cache_type, "-ctv", self.cache.cache_type]
         return out
@@ -109,7 +113,7 @@ class OffloadResult:
     def to_dict(self) -> dict:
         return {"context": self.context, "cache": self.cache.to_dict(), "cache_bytes": self.cache.total,
                 "devices": [d.to_dict() for d in self.devices], "cpu_patterns": list(self.patterns),
-                "n_cpu_moe": self.n_cpu_moe, "tensor_split": list(self.tensor_split), "flags": self.flags(),
+                "n_cpu_moe": self.n_cpu_moe, "n_seq": self.n_seq, "tensor_split": list(self.tensor_split), "flags": self.flags(),
                 "command": self.command(), "headroom_bytes": self.headroom, "notes": self.notes,
                 "plan": self.plan.to_dict()}
 
@@ -168,31 +172,43 @@ def layer_devices(tensor_split: Sequence[int], n_layer_all: int, n_gpu_layers: i
     return out
 
 
-def split_cards(plan: Plan, side_of, cache: mem.CacheBytes, text_config: dict, caps: Sequence[int],
-                reserve: int) -> tuple[list[DeviceUse], tuple[int, ...]]:
-    """Fill the cards in layer order with each layer's GPU-side weights and cache (the output tensors are layer
-    n_layer_all, the last); --reserve is shared evenly. Returns the cards and the -ts that reproduces the split."""
-    n_all = 1 + max((int(m.group(1)) for t in plan.tensors if (m := _BLK.match(t.name))), default=-1)
-    need = [0] * (n_all + 1)
+def layer_of(name: str, n_all: int) -> int:
+    """The llama.cpp layer of a GGUF tensor: N of ``blk.N.``; the output layer (n_all) for the rest."""
+    m = _BLK.match(name)
+    return int(m.group(1)) if m else n_all
+
+
+def balance_layers(need: Sequence[int], caps: Sequence[int], shares: Sequence[int]) -> list[int]:
+    """The card of each layer: contiguous runs in layer order, each card's run ending where the running total
+    (weights + cache, plus the reserve shares) crosses the card's share of the whole in proportion to its
+    capacity (a layer goes where most of it falls)."""
+    total = sum(need) + sum(shares)
+    acc, k, out = float(shares[0]), 0, []
+    bounds = [total * sum(caps[:j + 1]) / sum(caps) for j in range(len(caps))]
+    for x in need:
+        while k < len(caps) - 1 and acc + x / 2 > bounds[k]:
+            k += 1
+            acc += shares[k]
+        out.append(k)
+        acc += x
+    return out
+
+
+def card_uses(plan: Plan, side_of, kv: dict[int, int], caps: Sequence[int], shares: Sequence[int],
+              assign: Sequence[int]) -> tuple[list[DeviceUse], tuple[int, ...]]:
+    """Each card's weights, cache, reserve and layers under ``assign``, and the -ts that reproduces it (checked
+    against llama.cpp's own split arithmetic, ``layer_devices``)."""
+    n_all = len(assign) - 1
+    cards = [DeviceUse(f"CUDA{k}", cap, 0, 0, shares[k]) for k, cap in enumerate(caps)]
+    for il, k in enumerate(assign):
+        cards[k].layers.append(il)
+        cards[k].cache += kv.get(il, 0)
     for t in plan.tensors:
-        if side_of(t.name) == "gpu":
-            m = _BLK.match(t.name)
-            need[int(m.group(1)) if m else n_all] += t.bytes
-    kv = mem.cache_by_layer(text_config, cache)
-    q, r = divmod(reserve, len(caps))
-    cards = [DeviceUse(f"CUDA{k}", cap, 0, 0, q + (r if k == 0 else 0)) for k, cap in enumerate(caps)]
-    d = 0
-    for il in range(n_all + 1):
-        layer = need[il] + kv.get(il, 0)
-        while d < len(cards) - 1 and cards[d].used + layer > cards[d].capacity:
-            d += 1
-        cards[d].weights += need[il]
-        cards[d].cache += kv.get(il, 0)
-        cards[d].layers.append(il)
+        side = side_of(t.name)
+        if side != "cpu":
+            cards[int(side[4:])].weights += t.bytes
     ts = tuple(len(c.layers) for c in cards)
-    got = layer_devices(ts, n_all)
-    want = [k for k, c in enumerate(cards) for _ in c.layers]
-    if got != want:  # the float32 split points of llama.cpp must land on the layer boundaries chosen here
+    if layer_devices(ts, n_all) != list(assign):  # llama.cpp's float32 split points must land on these layers
         raise PlanError(f"-ts {','.join(map(str, ts))} does not reproduce the planned layer split")
     return cards, ts
 
@@ -213,47 +229,63 @@ def offload_plan(ckpt, *, gpu, cpu, context, cache: str | None = None, reserve=N
     cb = cache_for("gguf", ckpt, ctx, cache, n_seq=n_seq, flash_attn=flash_attn)
     n_all = ckpt.num_hidden_layers + (len(ckpt.nextn_layers) if plan_kw.get("include_mtp", True) else 0)
     if n_cpu_moe == "auto":
-        return _best_n(ckpt, caps, host, ctx, cb, res, cres, n_all, plan_kw)
+        return _best_n(ckpt, caps, host, ctx, cb, res, cres, n_all, n_seq, plan_kw)
     if n_cpu_moe is not None and (isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, int)
                                   or not 0 <= n_cpu_moe <= n_all):
         raise InputError(f"--n-cpu-moe {n_cpu_moe!r}: all, auto or a layer count 0..{n_all}")
-    return _offload(ckpt, caps, host, ctx, cb, res, cres, n_cpu_moe, plan_kw)
+    return _offload(ckpt, caps, host, ctx, cb, res, cres, n_cpu_moe, n_seq, plan_kw)
 
 
-def _offload(ckpt, caps, host, ctx, cb, res, cres, n_cpu_moe, plan_kw) -> OffloadResult:
+def _offload(ckpt, caps, host, ctx, cb, res, cres, n_cpu_moe, n_seq, plan_kw) -> OffloadResult:
+    """One placement: the overrides of ``n_cpu_moe``; a first plan to the cards' total decides which layers go
+    to which card, then each card and the host are planned to their own byte budgets."""
     patterns = cpu_patterns(n_cpu_moe)
-    side_of = side_function(patterns)
-    gpu_b = sum(caps) - cb.total - res
+    host_side = side_function(patterns)
     host_b = host - cres
     gpu_what = (f"--gpu {sum(caps) / 1e9:.3f} GB less cache {cb.total / 1e9:.3f} GB at context {ctx} and "
                 f"--reserve {res / 1e9:.3f} GB")
     held = "every layer's routed experts" if n_cpu_moe is None else f"the routed experts of layers 0-{n_cpu_moe - 1}"
     host_what = (f"--cpu {host / 1e9:.3f} GB less --cpu-reserve {cres / 1e9:.3f} GB for token_embd"
                  + (f" and {held}" if n_cpu_moe != 0 else ""))
-    if gpu_b <= 0:
-        raise PlanError(f"{gpu_what} leave nothing for the weights")
-    if host_b <= 0:
-        raise PlanError(f"{host_what} leave nothing for the weights")
-    for _ in range(_SPLIT_TRIES):
-        sides = SideBudgets(side_of, {"cpu": host_b, "gpu": gpu_b},
-                            {"cpu": host_what, "gpu": f"{gpu_what} ({gpu_b / 1e9:.3f} GB for the weights)"})
-        plan = plan_model(ckpt, "gguf", sides=sides, **plan_kw)
-        cards, ts = split_cards(plan, side_of, cb, ckpt.text_config, caps, res)
-        over = max(-c.headroom for c in cards)
-        if over <= 0:
-            break
-        gpu_b -= over  # a layer that did not fit the rest of a card: plan that much less for the cards
-    else:
-        raise PlanError(f"{gpu_what}: no layer split over {len(caps)} cards fits "
-                        f"(a card over by {over / 1e9:.3f} GB after {_SPLIT_TRIES} tries)")
+    gpu_b = sum(caps) - cb.total - res
+    for what, b in ((gpu_what, gpu_b), (host_what, host_b)):
+        if b <= 0:
+            raise PlanError(f"{what} leave nothing for the weights")
+    labels = {"cpu": host_what, "gpu": f"{gpu_what} ({gpu_b / 1e9:.3f} GB for the weights)"}
+    first = plan_model(ckpt, "gguf", sides=SideBudgets(host_side, {"cpu": host_b, "gpu": gpu_b}, labels), **plan_kw)
+    n_all = 1 + max((int(m.group(1)) for t in first.tensors if (m := _BLK.match(t.name))), default=-1)
+    kv = mem.cache_by_layer(ckpt.text_config, cb)
+    need = [kv.get(il, 0) for il in range(n_all + 1)]
+    for t in first.tensors:
+        if host_side(t.name) == "gpu":
+            need[layer_of(t.name, n_all)] += t.bytes
+    q, r = divmod(res, len(caps))
+    shares = [q + (r if k == 0 else 0) for k in range(len(caps))]
+    assign = balance_layers(need, caps, shares)
+
+    def side_of(name: str) -> str:
+        return "cpu" if host_side(name) == "cpu" else f"CUDA{assign[layer_of(name, n_all)]}"
+
+    budgets, card_labels = {"cpu": host_b}, {"cpu": host_what}
+    for k, cap in enumerate(caps):
+        layers = [il for il, c in enumerate(assign) if c == k]
+        cache_k = sum(kv.get(il, 0) for il in layers)
+        budgets[f"CUDA{k}"] = cap - cache_k - shares[k]
+        span = f"layers {layers[0]}-{layers[-1]}" if layers else "no layers"
+        card_labels[f"CUDA{k}"] = (f"card {k} ({span}) {cap / 1e9:.3f} GB less its cache {cache_k / 1e9:.3f} GB "
+                                   f"and reserve {shares[k] / 1e9:.3f} GB")
+        if budgets[f"CUDA{k}"] < 0:
+            raise PlanError(f"{card_labels[f'CUDA{k}']} leave nothing for the weights")
+    plan = plan_model(ckpt, "gguf", sides=SideBudgets(side_of, budgets, card_labels), **plan_kw)
+    cards, ts = card_uses(plan, side_of, kv, caps, shares, assign)
     host_use = DeviceUse("CPU", host, sum(t.bytes for t in plan.tensors if side_of(t.name) == "cpu"), 0, cres)
     notes = []
     if any(t.name.startswith(f"blk.{n}.") for t in plan.tensors for n in ckpt.nextn_layers):
         notes.append("the NextN block is counted; llama.cpp allocates it only when it loads the MTP layers")
-    return OffloadResult(ctx, cb, plan, cards + [host_use], patterns, n_cpu_moe, ts, notes)
+    return OffloadResult(ctx, cb, plan, cards + [host_use], patterns, n_cpu_moe, ts, n_seq, notes)
 
 
-def _best_n(ckpt, caps, host, ctx, cb, res, cres, n_all, plan_kw) -> OffloadResult:
+def _best_n(ckpt, caps, host, ctx, cb, res, cres, n_all, n_seq, plan_kw) -> OffloadResult:
     """--n-cpu-moe auto: the least predicted error over N = 0..n_all (n_all: every layer's, printed as -ot), a
     coarse scan, then a walk from the best point each way while the error falls; ties go to fewer experts in host RAM (faster decoding)."""
     tried: dict[int, tuple[float, OffloadResult | None]] = {}
@@ -262,7 +294,7 @@ def _best_n(ckpt, caps, host, ctx, cb, res, cres, n_all, plan_kw) -> OffloadResu
     def score(n: int) -> float:
         if n not in tried:
             try:
-                r = _offload(ckpt, caps, host, ctx, cb, res, cres, None if n == n_all else n, plan_kw)
+                r = _offload(ckpt, caps, host, ctx, cb, res, cres, None if n == n_all else n, n_seq, plan_kw)
                 tried[n] = (predicted_error(r.plan), r)
             except PlanError as e:
                 tried[n] = (float("inf"), None)

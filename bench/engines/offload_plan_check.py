@@ -46,8 +46,8 @@ PROBE = textwrap.dedent(r"""
     import ctypes, json, sys
     from pathlib import Path
     import llama_cpp as L
-    gguf, n_ctx, n_seq, ktype, patterns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
-        json.loads(sys.argv[5])
+    gguf, n_ctx, n_seq, ktype, patterns, load_mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+        int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6])
     lib = Path(L.__file__).parent / "lib"
     base = ctypes.CDLL(str(lib / "libggml-base.so"))
     ggml = ctypes.CDLL(str(lib / "libggml.so"))
@@ -75,7 +75,7 @@ PROBE = textwrap.dedent(r"""
     mp.tensor_buft_overrides = ctypes.cast(ov, vp)
     mp.use_extra_bufts = False   # the tensors no override selects: one plain CPU buffer
     mp.load_mtp = True           # the NextN block too: the plan counts it
-    mp.load_mode = L.LLAMA_LOAD_MODE_NONE  # --load-mode none, as the plan's flags say: buffers hold their tensors
+    mp.load_mode = load_mode
     model = L.llama_model_load_from_file(gguf.encode(), mp)
     assert model, "model did not load"
     cp = L.llama_context_default_params()
@@ -86,6 +86,7 @@ PROBE = textwrap.dedent(r"""
     L.llama_free(ctx); L.llama_model_free(model)
 """)
 GGML_CACHE_TYPES = {"f16": 1, "q8_0": 8}
+LOAD_MODES = {False: 0, True: 1}  # llama_load_mode: NONE, MMAP
 
 
 def plan_k256(model: Path):
@@ -115,10 +116,11 @@ def convert_as_planned(model: Path, plan, out: Path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
 
 
-def llama_cpp_buffers(gguf_path: Path, patterns, n_ctx: int, n_seq: int, cache: str) -> dict:
-    """Load `gguf_path` in llama.cpp with `patterns` overridden to their own buffer; parse its log."""
+def llama_cpp_buffers(gguf_path: Path, patterns, n_ctx: int, n_seq: int, cache: str, mmap: bool = False) -> dict:
+    """Load `gguf_path` in llama.cpp with `patterns` overridden to their own buffer (``--load-mode none``, as the
+    plan's flags say, or ``mmap``); parse its log."""
     r = subprocess.run([sys.executable, "-c", PROBE, str(gguf_path), str(n_ctx), str(n_seq),
-                        str(GGML_CACHE_TYPES[cache]), json.dumps(list(patterns))],
+                        str(GGML_CACHE_TYPES[cache]), json.dumps(list(patterns)), str(LOAD_MODES[mmap])],
                        capture_output=True, text=True, timeout=600)
     log = r.stdout + r.stderr
     if r.returncode != 0:
@@ -170,10 +172,14 @@ def run(model: Path, work: Path) -> dict:
     out = work / "k256-offload.gguf"
     file_types = convert_as_planned(model, res.plan, out)
     got = llama_cpp_buffers(out, res.patterns, res.context, N_SEQ, CACHE)
+    mapped = llama_cpp_buffers(out, res.patterns, res.context, N_SEQ, CACHE, mmap=True)["model_buffers"]
     return {"model": model, "context": res.context, "n_seq": N_SEQ, "cache": CACHE, "gpu": GPU,
             "flags": res.flags(), "devices": [d.to_dict() for d in res.devices],
             "expert_types": sorted({t.type for t in res.plan.tensors if t.role == "routed_expert"}),
             "check": compare(res, file_types, got), "llama_cpp_log": got,
+            "mmap_model_buffers": mapped, "tensor_data_bytes": sum(t.bytes for t in res.plan.tensors),
+            "mmap_note": "with mmap the plain buffer maps the file from its first to its last tensor of that "
+                         "buffer type: the experts between them are counted there too",
             "engine": "llama-cpp-python 0.3.36 (CPU build)",
             "gpu_only": "which card each layer lands on (-ts), the CUDA0/CUDA1 model, cache and compute buffers, "
                         "and token_embd on the CPU beside offloaded layers need a CUDA build"}

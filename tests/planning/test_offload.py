@@ -17,6 +17,7 @@ from mixq.errors import InputError, PlanError
 from mixq.formats.checkpoint import checkpoint_from_config, open_checkpoint
 from mixq.formats import gguf_layout
 from mixq.measurement.options import PlanOptions
+from mixq.planning.gguf import predicted_error
 from mixq.planning.offload import layer_devices, offload_plan
 from mixq.planning.sizes import parse_card_sizes
 
@@ -141,3 +142,24 @@ def test_card_sizes():
     for bad in ("0x24GB", "2x", ",", "24GB,,8GB"):
         with pytest.raises(InputError, match="--gpu"):
             parse_card_sizes("--gpu", bad)
+
+
+def test_n_cpu_moe_auto_is_the_least_error_of_every_count(k256_model):
+    ckpt = open_checkpoint(k256_model)
+    machine = dict(gpu="2x9MB", cpu="9MB", context=4096, reserve=0, cpu_reserve=0)
+    auto = offload_plan(ckpt, n_cpu_moe="auto", **machine)
+    n_all = ckpt.num_hidden_layers + len(ckpt.nextn_layers)
+    errors = {}
+    for n in range(n_all + 1):
+        try:
+            errors[n] = predicted_error(offload_plan(ckpt, n_cpu_moe=n, **machine).plan)
+        except PlanError:
+            continue
+    assert len(errors) > 1 and predicted_error(auto.plan) == min(errors.values())
+    best = min(n for n, e in errors.items() if e == min(errors.values()))
+    assert auto.n_cpu_moe == (None if best == n_all else best)
+
+
+def test_cards_too_small_for_the_cache_name_the_cards(k256_model):
+    with pytest.raises(PlanError, match=r"^--gpu 0\.002 GB less cache .* leave nothing for the weights"):
+        offload_plan(open_checkpoint(k256_model), gpu="2x1MB", cpu="1GB", context=4096, reserve="1MB")

@@ -113,7 +113,8 @@ class OffloadResult:
     def to_dict(self) -> dict:
         return {"context": self.context, "cache": self.cache.to_dict(), "cache_bytes": self.cache.total,
                 "devices": [d.to_dict() for d in self.devices], "cpu_patterns": list(self.patterns),
-                "n_cpu_moe": self.n_cpu_moe, "n_seq": self.n_seq, "tensor_split": list(self.tensor_split), "flags": self.flags(),
+                "n_cpu_moe": self.n_cpu_moe, "n_seq": self.n_seq, "tensor_split": list(self.tensor_split),
+                "flags": self.flags(),
                 "command": self.command(), "headroom_bytes": self.headroom, "notes": self.notes,
                 "plan": self.plan.to_dict()}
 
@@ -129,7 +130,8 @@ class OffloadResult:
         for d in self.devices:
             blk = [i for i in d.layers if i < n_all]
             span = ((f"blk {min(blk)}-{max(blk)}" if blk else "") + (" + output" if n_all in d.layers else "")
-                    if d.layers else "routed experts + token_embd" if d.name == "CPU" else "no layers")
+                    if d.layers else "no layers" if d.name != "CPU" else
+                    "token_embd" + ("" if self.n_cpu_moe == 0 else " + routed experts"))
             lines.append(f"  {d.name:<6} {gb(d.capacity)} {gb(d.weights)} {gb(d.cache)} {gb(d.reserve)} "
                          f"{gb(d.used)} {gb(d.headroom)}  {span}")
         lines.append(f"  llama.cpp: {self.command()}")
@@ -228,6 +230,8 @@ def offload_plan(ckpt, *, gpu, cpu, context, cache: str | None = None, reserve=N
                                                                              zero_ok=True)
     cb = cache_for("gguf", ckpt, ctx, cache, n_seq=n_seq, flash_attn=flash_attn)
     n_all = ckpt.num_hidden_layers + (len(ckpt.nextn_layers) if plan_kw.get("include_mtp", True) else 0)
+    if isinstance(n_cpu_moe, str) and n_cpu_moe.lower() == "all":
+        n_cpu_moe = None
     if n_cpu_moe == "auto":
         return _best_n(ckpt, caps, host, ctx, cb, res, cres, n_all, n_seq, plan_kw)
     if n_cpu_moe is not None and (isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, int)
@@ -286,8 +290,9 @@ def _offload(ckpt, caps, host, ctx, cb, res, cres, n_cpu_moe, n_seq, plan_kw) ->
 
 
 def _best_n(ckpt, caps, host, ctx, cb, res, cres, n_all, n_seq, plan_kw) -> OffloadResult:
-    """--n-cpu-moe auto: the least predicted error over N = 0..n_all (n_all: every layer's, printed as -ot), a
-    coarse scan, then a walk from the best point each way while the error falls; ties go to fewer experts in host RAM (faster decoding)."""
+    """--n-cpu-moe auto: the least predicted error over N = 0..n_all (n_all: every layer's, printed as -ot): a
+    coarse scan, then a walk from the best point each way while the error falls; ties go to fewer experts in host
+    RAM (faster decoding)."""
     tried: dict[int, tuple[float, OffloadResult | None]] = {}
     failures: list[PlanError] = []
 

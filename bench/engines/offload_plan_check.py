@@ -13,9 +13,9 @@ What a CPU build can show: (1) the tensors llama.cpp's own regex engine selects 
 bytes as llama.cpp allocates them, and the bytes of everything else: the overrides point at the CPU's repack
 buffer type (a buffer of its own, "CPU_REPACK", which holds Q4_K without changing its size) while extra buffer
 types are off for the rest (one "CPU" buffer; loaded with --load-mode none, as the plan's flags say, since a
-mapped buffer spans the file from its first to its last tensor, experts included); (3) the cache buffers at the planned context. What it
-cannot show: which card each layer lands on (-ts), the CUDA buffers, and token_embd staying on the CPU beside
-GPU layers (everything is on the CPU here); those numbers need a CUDA build.
+mapped buffer spans the file from its first to its last tensor, experts included); (3) the cache buffers at the
+planned context. What it cannot show: which card each layer lands on (-ts), the CUDA buffers, and token_embd
+staying on the CPU beside GPU layers (everything is on the CPU here); those numbers need a CUDA build.
 """
 from __future__ import annotations
 
@@ -59,15 +59,18 @@ PROBE = textwrap.dedent(r"""
     base.ggml_backend_buft_name.restype = ctypes.c_char_p; base.ggml_backend_buft_name.argtypes = [vp]
     L.llama_backend_init()
     cpu = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    reg = base.ggml_backend_dev_backend_reg(cpu)
     get_extra = ctypes.CFUNCTYPE(ctypes.POINTER(vp), vp)(
-        base.ggml_backend_reg_get_proc_address(base.ggml_backend_dev_backend_reg(cpu), b"ggml_backend_dev_get_extra_bufts"))
+        base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts"))
     extra, k = get_extra(cpu), 0
     repack = None
     while extra[k]:
         if base.ggml_backend_buft_name(extra[k]) == b"CPU_REPACK":
             repack = extra[k]
         k += 1
-    assert repack, "this llama.cpp build has no CPU_REPACK buffer type"
+    cpu_lib = ctypes.CDLL(str(lib / "libggml-cpu.so"))
+    if not repack or not (cpu_lib.ggml_cpu_has_avx2() or cpu_lib.ggml_cpu_has_neon()):
+        print("no Q4_K repack buffer type on this CPU or build"); sys.exit(3)
     class Override(ctypes.Structure):
         _fields_ = [("pattern", ctypes.c_char_p), ("buft", vp)]
     ov = (Override * (len(patterns) + 1))(*[Override(p.encode(), repack) for p in patterns], Override(None, None))
@@ -87,6 +90,11 @@ PROBE = textwrap.dedent(r"""
 """)
 GGML_CACHE_TYPES = {"f16": 1, "q8_0": 8}
 LOAD_MODES = {False: 0, True: 1}  # llama_load_mode: NONE, MMAP
+
+
+class NoRepack(RuntimeError):
+    """llama.cpp here has no CPU buffer type that repacks Q4_K (an x86 CPU without AVX2, say): no separate buffer
+    for the overridden tensors."""
 
 
 def plan_k256(model: Path):
@@ -123,6 +131,8 @@ def llama_cpp_buffers(gguf_path: Path, patterns, n_ctx: int, n_seq: int, cache: 
                         str(GGML_CACHE_TYPES[cache]), json.dumps(list(patterns)), str(LOAD_MODES[mmap])],
                        capture_output=True, text=True, timeout=600)
     log = r.stdout + r.stderr
+    if r.returncode == 3:
+        raise NoRepack(log.strip().splitlines()[-1])
     if r.returncode != 0:
         raise RuntimeError(f"llama.cpp probe failed ({r.returncode}): {log[-3000:]}")
     buffers: dict[str, float] = {}

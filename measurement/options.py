@@ -182,6 +182,8 @@ class PlanOptions:
             raise InputError("--fit SIZE and --gpu/--cpu are two machines: give --fit alone with --gpu and --cpu")
         if self.devices:
             raise InputError("--devices and --gpu both split the cards: give --gpu")
+        if self.measure is not None:
+            raise InputError("--gpu/--cpu plan each side by the role model; --measure curves are not used there yet")
         set_field(self, "fit", FIT_OFFLOAD)
 
     def _check_measure(self) -> None:

@@ -104,6 +104,7 @@ def test_impossible_budget_is_one_error_line_exit_2(k256_model):
     (dict(fmt="gguf", fit="100GB", gpu="2x24GB", cpu="128GB", context=4096), "two machines"),
     (dict(fmt="gguf", fit="offload", context=4096), "--fit without a size"),
     (dict(fmt="gguf", gpu="2x24GB", cpu="128GB", context=4096, n_cpu_moe="x"), "--n-cpu-moe 'x'"),
+    (dict(fmt="gguf", gpu="2x24GB", cpu="128GB", context=4096, measure="kld"), "--measure curves are not used"),
 ])
 def test_offload_options_refused_in_one_line(kw, msg):
     with pytest.raises(InputError, match=re.escape(msg)):
@@ -163,3 +164,12 @@ def test_n_cpu_moe_auto_is_the_least_error_of_every_count(k256_model):
 def test_cards_too_small_for_the_cache_name_the_cards(k256_model):
     with pytest.raises(PlanError, match=r"^--gpu 0\.002 GB less cache .* leave nothing for the weights"):
         offload_plan(open_checkpoint(k256_model), gpu="2x1MB", cpu="1GB", context=4096, reserve="1MB")
+
+
+def test_api_keywords_plan_the_offload(k256_model):
+    import mixq
+
+    res = mixq.plan(k256_model, "gguf", gpu="2x20MB", cpu="20MB", context="4K", reserve="1MB", cpu_reserve="1MB",
+                    n_cpu_moe="all")
+    assert [d.name for d in res.devices] == ["CUDA0", "CUDA1", "CPU"] and res.n_cpu_moe is None
+    assert res.flags()[res.flags().index("-c") + 1] == "4096" and all(d.headroom >= 0 for d in res.devices)

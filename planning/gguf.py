@@ -175,5 +175,6 @@ def allocate_sides(specs, types: Sequence[str], in_budget: Sequence[bool], units
         what = sides.labels[side]
         if cap - fixed < 0 or (cap - fixed == 0 and mine):
             raise PlanError(f"{what}: the fixed-type tensors there alone take {fixed / 1e9:.3f} GB")
-        levels.update(al.allocate(mine, (cap - fixed) * 8, default_bits=rbits, what=what))
+        levels.update(al.allocate(mine, (cap - fixed) * 8, default_bits=rbits,
+                                  what=f"{what}, of which the fixed-type tensors take {fixed / 1e9:.3f} GB,"))
     return levels

@@ -8,9 +8,9 @@ the input layer (``token_embd``) on the CPU always, and splits every other layer
   card = its layers' weights + their cache + its share of --reserve                                <= each card
 
 Every tensor is on one side, and the role error model is a sum over tensors, so one allocation per side (each to
-its own byte budget) is the optimum under both constraints. The cards' layer split then fills the cards in order;
-where a layer does not fit the rest of a card, the GPU budget shrinks by the overflow and the plan is redone.
-docs/memory-model.md §6 documents the terms; llama.cpp facts from its sources as vendored in llama-cpp-python
+its own byte budget) is the optimum under both constraints. A first plan to the cards' total decides which layers
+go to which card (contiguous runs in proportion to the cards' sizes); then the host and each card are planned to
+their own budgets, so each card holds its bytes exactly. docs/memory-model.md §6 documents the terms; llama.cpp facts from its sources as vendored in llama-cpp-python
 0.3.36 (``V:``): the override regexes (V:common/common.h LLM_FFN_EXPS_REGEX, V:common/arg.cpp --n-cpu-moe), the
 input layer on the CPU and the -ts layer split (V:src/llama-model.cpp:1556-1614).
 """

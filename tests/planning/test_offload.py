@@ -173,3 +173,18 @@ def test_api_keywords_plan_the_offload(k256_model):
                     n_cpu_moe="all")
     assert [d.name for d in res.devices] == ["CUDA0", "CUDA1", "CPU"] and res.n_cpu_moe is None
     assert res.flags()[res.flags().index("-c") + 1] == "4096" and all(d.headroom >= 0 for d in res.devices)
+
+
+def test_unequal_cards_each_hold_their_layers(k256_model):
+    res = offload_plan(open_checkpoint(k256_model), gpu="9MB,5MB", cpu="20MB", context=4096, reserve="1MB",
+                       cpu_reserve=0)
+    flags = res.flags()
+    ts = [int(x) for x in flags[flags.index("-ts") + 1].split(",")]
+    card_of = [k for k, n in enumerate(ts) for _ in range(n)]
+    n_all = len(card_of) - 1
+    for k, cap in enumerate((9 * 10**6, 5 * 10**6)):
+        weights = sum(gguf_layout.tensor_bytes(t.type, t.shape) for t in res.plan.tensors
+                      if not re.search(OT, t.name) and t.name != "token_embd.weight"
+                      and card_of[int(m.group(1)) if (m := re.match(r"blk\.(\d+)\.", t.name)) else n_all] == k)
+        assert res.devices[k].weights == weights
+        assert weights + res.devices[k].cache + 500_000 <= cap

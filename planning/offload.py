@@ -129,7 +129,8 @@ class OffloadResult:
         n_all = max((max(d.layers) for d in self.devices if d.layers), default=0)  # the output layer
         for d in self.devices:
             blk = [i for i in d.layers if i < n_all]
-            span = ((f"blk {min(blk)}-{max(blk)}" if blk else "") + (" + output" if n_all in d.layers else "")
+            run = "" if not blk else f"blk {blk[0]}" if len(blk) == 1 else f"blk {blk[0]}-{blk[-1]}"
+            span = (run + (" + output" if n_all in d.layers else "")
                     if d.layers else "no layers" if d.name != "CPU" else
                     "token_embd" + ("" if self.n_cpu_moe == 0 else " + routed experts"))
             lines.append(f"  {d.name:<6} {gb(d.capacity)} {gb(d.weights)} {gb(d.cache)} {gb(d.reserve)} "

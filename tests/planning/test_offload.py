@@ -188,3 +188,15 @@ def test_unequal_cards_each_hold_their_layers(k256_model):
                       and card_of[int(m.group(1)) if (m := re.match(r"blk\.(\d+)\.", t.name)) else n_all] == k)
         assert res.devices[k].weights == weights
         assert weights + res.devices[k].cache + 500_000 <= cap
+
+
+def test_cli_prints_the_devices_and_flags(k256_model):
+    args = ["plan", str(k256_model), "--format", "gguf", "--fit", "--gpu", "9MB,5MB", "--cpu", "20MB", "--context",
+            "4096", "--reserve", "1MB", "--cpu-reserve", "0"]
+    r = CliRunner().invoke(main, args + ["--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert [x["device"] for x in d["devices"]] == ["CUDA0", "CUDA1", "CPU"]
+    assert d["flags"][d["flags"].index("-ot") + 1] == OT + "=CPU"
+    text = CliRunner().invoke(main, args).output
+    assert "CUDA1" in text and f"llama.cpp: {d['command']}" in text

@@ -33,6 +33,7 @@ from mixq.eval.api import evaluate as _evaluate_streamed
 from mixq.measurement.kld import measure_kld, run_plan
 from mixq.measurement.options import PlanOptions
 from mixq.planning.fit import FitResult
+from mixq.planning.offload import OffloadResult
 from mixq.planning.option_fields import cli_fields, options_from
 from mixq.planning.types import Plan
 from mixq.eval.report import compare, render_markdown
@@ -57,9 +58,10 @@ def inspect(path: str | os.PathLike) -> dict:
 
 
 def plan(model: str | os.PathLike | None = None, fmt: str | None = None, options: PlanOptions | None = None,
-         **kwargs) -> Plan | FitResult:
+         **kwargs) -> Plan | FitResult | OffloadResult:
     """Bits (EXL3) or ggml types (GGUF) and bytes of every tensor of `model` (or `from_config=CONFIG`), to a
-    target (`bpw`, `size` or `qtype`); with `fit`, whether the files fit a machine at a `context`. `options`: a
+    target (`bpw`, `size` or `qtype`); with `fit`, whether the files fit a machine at a `context` (with `gpu` and
+    `cpu`: llama.cpp's expert offload, an OffloadResult with each device's bytes and the flags). `options`: a
     PlanOptions, or its fields as keywords (`fmt` included; an unknown keyword is an InputError). Returns a Plan
     (`format_plan` renders it) or a FitResult."""
     options = _options(PlanOptions, options, kwargs, "plan", fmt=fmt)

@@ -17,11 +17,12 @@ from mixq.measurement.hessians import ROUNDINGS, check_rounding
 from mixq.measurement.trellis import parse_sample
 from mixq.planning.option_fields import (as_tuple, check_choice, check_int, check_positive, flag_of, opt,
                                          set_field)
-from mixq.planning.sizes import parse_context, parse_size_option
+from mixq.planning.sizes import parse_card_sizes, parse_context, parse_size_option
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.quant.device import parse_device
 
 FORMATS = ("exl3", "gguf")
+FIT_OFFLOAD = "offload"  # --fit given bare: the --gpu/--cpu machine
 GGUF_LADDERS = ("k", "iq")
 MEASURE_MODES = ("kld", "trellis", "proxy")
 
@@ -78,7 +79,9 @@ class PlanOptions:
                         "measure it).", choices=ROUNDINGS, show_default=True)
     imatrix: Any = opt(None, "--imatrix", "GGUF --measure: the imatrix the conversion will use.",
                        click_type="path", must_exist=True)
-    fit: int | None = opt(None, "--fit", "Memory to fit (weights + cache + reserve), e.g. 121GB.", click_type="text")
+    fit: int | str | None = opt(None, "--fit", "Memory to fit (weights + cache + reserve), e.g. 121GB; bare, with "
+                                "--gpu and --cpu: llama.cpp's expert offload.", click_type="text",
+                                flag_value=FIT_OFFLOAD)
     context: int | None = opt(None, "--context", "Context length for --fit, e.g. 262144 or 256K.",
                               click_type="text")
     cache: str | None = opt(None, "--cache", "Cache type: llama.cpp f16/q8_0/q4_0/...; exllamav3 fp16/q8/q6/q4.",
@@ -88,6 +91,14 @@ class PlanOptions:
     mmproj: bool = opt(False, "--mmproj", "--fit: also hold the GGUF vision projector file.", is_flag=True)
     devices: tuple[int, ...] = opt((), "--devices", "--fit: split layers over cards, e.g. 64GB,64GB.",
                                    click_type="text")
+    gpu: tuple[int, ...] = opt((), "--gpu", "--fit with --cpu (GGUF): the cards, e.g. 2x24GB or 24GB,16GB; "
+                               "they hold all but the offloaded experts, the cache and --reserve.", click_type="text")
+    cpu: int | None = opt(None, "--cpu", "--fit with --gpu (GGUF): host RAM for the routed experts llama.cpp keeps "
+                          "on the CPU, token_embd and --cpu-reserve, e.g. 128GB.", click_type="text")
+    cpu_reserve: int | None = opt(None, "--cpu-reserve", "Host reserve with --cpu (default 4GB).", click_type="text")
+    n_cpu_moe: int | str | None = opt(None, "--n-cpu-moe", "With --cpu: whose experts stay in host RAM: all "
+                                      "(default, -ot), N = the first N layers' (llama.cpp --n-cpu-moe N), or auto "
+                                      "(the N with the least predicted error).", click_type="text")
     n_seq: int = opt(1, "--seqs", "--fit: parallel sequences (cache slots).", click_type="int", show_default=True)
     progress: bool = opt(True, None, "Show progress bars while measuring.", cli=False)
 
@@ -126,15 +137,54 @@ class PlanOptions:
             devs = devs.split(",") if devs else ()
         set_field(self, "devices", tuple(parse_size_option(f"--devices {self.devices!r}", d)
                                          for d in as_tuple(devs)))
+        self._check_offload()
         if self.fit is None:
             if self.context is not None or self.cache is not None or self.devices:
                 raise InputError("--context/--cache/--devices only apply with --fit")
             return
-        set_field(self, "fit", parse_size_option("--fit", self.fit))
+        if self.fit != FIT_OFFLOAD:
+            set_field(self, "fit", parse_size_option("--fit", self.fit))
         if self.context is None:
             raise InputError("--fit needs --context TOKENS")
         if self.bpw is not None or self.size is not None or self.qtype is not None:
             raise InputError("--fit plans to the memory left; do not combine it with --bpw, --size or --type")
+
+    def _check_offload(self) -> None:
+        """--gpu/--cpu (llama.cpp's expert offload): both or neither, GGUF only, bare --fit or none at all."""
+        if self.gpu:
+            set_field(self, "gpu", parse_card_sizes("--gpu", self.gpu))
+        if self.cpu is not None:
+            set_field(self, "cpu", parse_size_option("--cpu", self.cpu))
+        if self.cpu_reserve is not None:
+            set_field(self, "cpu_reserve", parse_size_option("--cpu-reserve", self.cpu_reserve, zero_ok=True))
+        if self.n_cpu_moe is not None and self.n_cpu_moe != "auto":
+            n = self.n_cpu_moe
+            if str(n).strip().lower() == "all":
+                n = None
+            elif isinstance(n, str) and n.strip().isdigit():
+                n = int(n)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise InputError(f"--n-cpu-moe {self.n_cpu_moe!r}: all, auto or a layer count N >= 0")
+            set_field(self, "n_cpu_moe", n)
+        offload = bool(self.gpu) or self.cpu is not None
+        if not offload:
+            if self.fit == FIT_OFFLOAD:
+                raise InputError("--fit without a size fits a machine of --gpu cards and --cpu host RAM")
+            if self.cpu_reserve is not None or self.n_cpu_moe is not None:
+                raise InputError("--cpu-reserve and --n-cpu-moe only apply with --gpu and --cpu")
+            return
+        if self.fmt == "exl3":
+            raise InputError("--cpu: exllamav3 has no expert offload (EXL3 runs on the cards alone); use --fit "
+                             "SIZE --devices")
+        if not self.gpu or self.cpu is None:
+            raise InputError("--gpu and --cpu go together (the cards and the host RAM of llama.cpp's expert offload)")
+        if self.fit not in (None, FIT_OFFLOAD):
+            raise InputError("--fit SIZE and --gpu/--cpu are two machines: give --fit alone with --gpu and --cpu")
+        if self.devices:
+            raise InputError("--devices and --gpu both split the cards: give --gpu")
+        if self.measure is not None:
+            raise InputError("--gpu/--cpu plan each side by the role model; --measure curves are not used there yet")
+        set_field(self, "fit", FIT_OFFLOAD)
 
     def _check_measure(self) -> None:
         """The measurement options that this format and mode use; the others are errors, never dropped."""

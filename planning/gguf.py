@@ -1,9 +1,11 @@
 """The GGUF planner: llama-quantize's named mixes, or ladder types per tensor to a --bpw or --size target."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
+from mixq.errors import PlanError
 from mixq.formats.glm5next import gguf_policy
 from mixq.formats.gguf_names import gguf_tensors
 from mixq.formats.model_files import read_json
@@ -15,6 +17,31 @@ from mixq.planning.substitutions import Substitutions
 from mixq.planning.types import Plan, PlannedTensor, numel, role_summary
 
 BUDGET_ROLES = ("attn", "routed_expert", "shared_expert", "dense_mlp")  # the roles a GGUF --bpw/--size budget sets
+
+
+@dataclass(frozen=True)
+class SideBudgets:
+    """Byte budgets for disjoint sets of tensors (llama.cpp's host RAM and GPU memory): ``side_of`` names the side
+    of a GGUF tensor, ``budgets`` the bytes of tensor data each side may hold, ``labels`` how messages name each
+    budget. The error is a sum over tensors and every tensor is on one side, so one allocation per side is the
+    joint optimum under both constraints."""
+
+    side_of: Callable[[str], str]
+    budgets: Mapping[str, int]
+    labels: Mapping[str, str]
+
+
+def role_bits() -> dict[str, float]:
+    """The bits of each budgeted role's default type: the centre of the role error model (allocator.role_errors)."""
+    return {r: gm.type_bpw(t) for r, t in gm.GGUF_ROLE_TYPES.items()}
+
+
+def predicted_error(plan: Plan) -> float:
+    """The allocator's objective for a custom GGUF plan: Σ numel·4^(d_role − bpw) over the budgeted roles' tensors
+    (allocator.role_errors at each tensor's planned type); lower is better."""
+    d = role_bits()
+    return sum(numel(t.shape) * 4.0 ** (d[t.role] - gm.type_bpw(t.type)) for t in plan.tensors
+               if t.role in BUDGET_ROLES and gm.is_quantized_type(t.type))
 
 
 def gguf_mix_context(ckpt, include_mtp: bool) -> gm.MixContext:
@@ -56,9 +83,11 @@ def outside_bytes(specs: Sequence, types: Sequence[str], in_budget: Sequence[boo
     return fixed + gm.header_bytes([(s.name, len(s.shape)) for s in specs], kv)
 
 
-def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k") -> Plan:
+def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k",
+              sides: SideBudgets | None = None) -> Plan:
     """Every tensor of ``ckpt``'s GGUF: a llama-quantize mix (``qtype``) reproduced exactly, or ladder types per
-    budgeted tensor to the target, the rest at their floor, override or source type."""
+    budgeted tensor to the target, the rest at their floor, override or source type. ``sides`` (instead of a
+    target): one byte budget per side of a split machine, each side's tensor data planned to its own budget."""
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
     ctx = gguf_mix_context(ckpt, include_mtp)
     src = ["F32" if s.policy == "f32" else "BF16" for s in specs]
@@ -79,7 +108,7 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
         types = gm.mix_types([(s.name, s.shape, src[i]) for i, s in enumerate(specs)], qtype, ctx, manual=manual)
     else:
         types, units, unit_types = [""] * len(specs), [], {}
-        role_bits = {r: gm.type_bpw(t) for r, t in gm.GGUF_ROLE_TYPES.items()}
+        rbits = role_bits()
         for i, s in enumerate(specs):
             ne0 = int(s.shape[-1])
             if not quantizable[i] or (s.role == "embed" and i not in manual):
@@ -105,15 +134,17 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
             if types[i] and in_budget[i]:  # fixed members of the budget set (floor, overrides)
                 units.append(al.Unit(key=s.name, role=s.role, numel=numel(s.shape), levels=(0.0,),
                                      costs=(8 * gm.stored_bytes(types[i], s.shape),), fixed=0.0))
-        if bpw is not None or size is not None:
+        if sides is not None:
+            levels = allocate_sides(specs, types, in_budget, units, sides, rbits)
+        elif bpw is not None or size is not None:
             outside = 0 if size is None else outside_bytes(specs, types, in_budget, kv)
             what = target_label(bpw, size)
             budget = budget_bits(units, bpw=bpw, size=size, outside_bytes=outside, what=what)
             if ladder == "k":
                 what += " with K-quants (Q2_K is the smallest; --gguf-ladder iq adds IQ2_XXS..IQ4_XS)"
-            levels = al.allocate(units, budget, default_bits=role_bits, what=what)
+            levels = al.allocate(units, budget, default_bits=rbits, what=what)
         else:
-            levels = {u.key: role_bits[u.role] if u.fixed is None else u.fixed for u in units}
+            levels = {u.key: rbits[u.role] if u.fixed is None else u.fixed for u in units}
         for i, s in enumerate(specs):
             if not types[i]:
                 lv = levels[s.name]
@@ -130,3 +161,20 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
     num = sum(t.bytes * 8 for t in bud)
     den = sum(numel(t.shape) for t in bud)
     return Plan("gguf", total, num / den if den else 0.0, tensors, role_summary(tensors))
+
+
+def allocate_sides(specs, types: Sequence[str], in_budget: Sequence[bool], units: Sequence[al.Unit],
+                   sides: SideBudgets, rbits: Mapping[str, float]) -> dict[str, float]:
+    """One allocation per side: its budget less the bytes of its tensors outside the budget (at their fixed
+    types); a side whose fixed tensors alone overfill it is a PlanError naming the side."""
+    levels: dict[str, float] = {}
+    for side, cap in sides.budgets.items():
+        fixed = sum(gm.tensor_nbytes(types[i], s.shape) for i, s in enumerate(specs)
+                    if not in_budget[i] and sides.side_of(s.name) == side)
+        mine = [u for u in units if sides.side_of(u.key) == side]
+        what = sides.labels[side]
+        if cap - fixed < 0 or (cap - fixed == 0 and mine):
+            raise PlanError(f"{what}: the fixed-type tensors there alone take {fixed / 1e9:.3f} GB")
+        levels.update(al.allocate(mine, (cap - fixed) * 8, default_bits=rbits,
+                                  what=f"{what}, of which the fixed-type tensors take {fixed / 1e9:.3f} GB,"))
+    return levels

@@ -53,15 +53,12 @@ class CacheGeometry:
         """From a glm5_next ``text_config`` (or a flat config dict)."""
         text = text.get("text_config", text)
         try:
-            n = int(text["num_hidden_layers"])
-            kinds = list(text.get("layer_types") or [])[:n]
+            kinds = cache_layers(text)
             lac = text.get("linear_attn_config") or {}
-            idx_types = list(text.get("indexer_types") or ["full"] * n)[:n]
-            dsa = [i for i, k in enumerate(kinds) if k != "linear_attention"]
             return cls(
-                dsa_layers=len(dsa),
-                indexer_layers=sum(1 for i in dsa if i >= len(idx_types) or idx_types[i] == "full"),
-                kda_layers=sum(1 for k in kinds if k == "linear_attention"),
+                dsa_layers=len(kinds["dsa"]),
+                indexer_layers=len(kinds["indexer"]),
+                kda_layers=len(kinds["kda"]),
                 kv_lora_rank=int(text["kv_lora_rank"]),
                 qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0),
                 index_head_dim=int(text["index_head_dim"]),
@@ -72,6 +69,34 @@ class CacheGeometry:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"config lacks a glm5_next cache field: {e}") from None
+
+
+def cache_layers(text: dict) -> dict[str, list[int]]:
+    """The trunk layers that hold each cache: "dsa" (MLA latent), "indexer" (DSA layers with a full indexer),
+    "kda" (recurrent state), from a glm5_next ``text_config``."""
+    text = text.get("text_config", text)
+    n = int(text["num_hidden_layers"])
+    kinds = list(text.get("layer_types") or [])[:n]
+    idx_types = list(text.get("indexer_types") or ["full"] * n)[:n]
+    dsa = [i for i, k in enumerate(kinds) if k != "linear_attention"]
+    return {"dsa": dsa, "indexer": [i for i in dsa if i >= len(idx_types) or idx_types[i] == "full"],
+            "kda": [i for i, k in enumerate(kinds) if k == "linear_attention"]}
+
+
+def cache_by_layer(text: dict, cache: "CacheBytes") -> dict[int, int]:
+    """``cache``'s bytes per trunk layer (each engine allocates a layer's cache with the layer): the MLA latent
+    over the DSA layers, the indexer keys over the full-indexer layers, the KDA state over the KDA layers; equal
+    shares, the remainder of a division on the first layers, so the values sum to ``cache.total`` exactly."""
+    kinds = cache_layers(text)
+    out: dict[int, int] = {}
+    for layers, total in ((kinds["dsa"], cache.mla), (kinds["indexer"], cache.indexer + cache.kpool),
+                          (kinds["kda"], cache.fixed)):
+        if not layers:
+            continue
+        q, r = divmod(total, len(layers))
+        for k, i in enumerate(layers):
+            out[i] = out.get(i, 0) + q + (1 if k < r else 0)
+    return out
 
 
 @dataclass

@@ -17,7 +17,7 @@ from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.planning.sizes import parse_size
 from mixq.planning.check import check_plan
 from mixq.planning.exl3 import plan_exl3
-from mixq.planning.gguf import plan_gguf
+from mixq.planning.gguf import SideBudgets, plan_gguf
 from mixq.planning.gguf_measured import plan_gguf_measured
 from mixq.planning.overrides import parse_overrides
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS, Plan
@@ -26,7 +26,8 @@ from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS, Plan
 def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | None = None, qtype: str | None = None,
                overrides: Sequence[str | tuple[str, str]] = (), head_bits: float = DEFAULT_HEAD_BITS, mtp_bits: float = DEFAULT_MTP_BITS,
                vision_bits: float | None = None, include_mtp: bool = True,
-               measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = "k") -> Plan:
+               measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = "k",
+               sides: SideBudgets | None = None) -> Plan:
     """Plan every tensor of ``ckpt`` for ``fmt`` ("exl3" | "gguf").
 
     Targets (at most one): ``bpw`` (EXL3: exllamav3's ``bits`` convention; GGUF: bytes·8/elements of the
@@ -35,6 +36,7 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
     ``measure``: per-unit error curves {unit key: {bits: error}} for the sensitivity solver (EXL3; GGUF:
     planning/gguf_measured.plan_gguf_measured, which also budgets token_embd and output.weight).
     ``gguf_ladder``: custom GGUF candidate types, "k" (Q2_K..Q8_0, what mixq writes) or "iq" (adds IQ2_XXS..IQ4_XS).
+    ``sides``: GGUF only, instead of a target: a byte budget per side of a split machine (planning/offload).
     A path ``ckpt`` is opened and checked against its config (``validate_checkpoint``), as convert checks it."""
     if isinstance(ckpt, (str, Path)):
         ckpt = open_checkpoint(ckpt)
@@ -43,6 +45,9 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
     if sum(x is not None for x in (bpw, size, qtype)) > 1:
         raise InputError("give at most one of --bpw, --size, --type")
     size_b = parse_size(size) if size is not None else None
+    if sides is not None and (fmt != "gguf" or measure is not None or any(x is not None for x in (bpw, size, qtype))):
+        raise InputError("per-side budgets plan a GGUF by the role model alone (not with --bpw, --size, --type "
+                         "or --measure)")
     ovs = parse_overrides(overrides)
     if fmt == "exl3":
         if qtype is not None:
@@ -56,7 +61,7 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
                                   mtp_bits=mtp_bits)
     elif fmt == "gguf":
         plan = plan_gguf(ckpt, bpw=bpw, size=size_b, qtype=qtype, overrides=ovs, head_bits=head_bits,
-                          mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder)
+                          mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder, sides=sides)
     else:
         raise InputError(f"--format {fmt!r}: exl3 or gguf")
     check_plan(ckpt, plan)  # what plan shows, convert can write (one check for both)

@@ -5,6 +5,7 @@ Sizes: GB = 10^9 bytes, GiB = 2^30 (as disks and Hugging Face count them); conte
 from __future__ import annotations
 
 import math
+import re
 
 from mixq.errors import InputError
 
@@ -68,3 +69,21 @@ def parse_context(text: str | int) -> int:
     if n <= 0:
         raise InputError(f"--context {text!r}: must be positive")
     return n
+
+
+def parse_card_sizes(flag: str, v) -> tuple[int, ...]:
+    """Per-card sizes as the user writes them: "2x24GB" (N cards of one size), "24GB,16GB", or a sequence of
+    sizes; each parsed by `parse_size_option`. InputError naming `flag` for anything else."""
+    if isinstance(v, (list, tuple)):
+        items = list(v)
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\S.*?)\s*", str(v))
+        if m:
+            if not 1 <= int(m.group(1)) <= 64:
+                raise InputError(f"{flag} {v!r}: {m.group(1)} cards; expected 1 to 64")
+            items = [m.group(2)] * int(m.group(1))
+        else:
+            items = str(v).split(",")
+    if not items or any(str(x).strip() == "" for x in items):
+        raise InputError(f"{flag} {v!r}: expected card sizes such as 2x24GB or 24GB,16GB")
+    return tuple(parse_size_option(flag, x.strip() if isinstance(x, str) else x) for x in items)

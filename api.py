@@ -135,7 +135,7 @@ def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLik
     options = _options(EvalOptions, options, kwargs, "eval")
     if options.device is not None:
         resolve_device(options.device)  # a CUDA device this machine lacks: refused before anything is read
-    outs = [options.json_out, options.markdown_out, options.save_ref]
+    outs = [options.json_out, options.markdown_out, options.save_ref, options.profile]
     with writing(*[p for p in outs if p is not None and p != "-"]):
         return _evaluate_streamed(reference, list(candidates), text, options)
 

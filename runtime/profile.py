@@ -387,10 +387,10 @@ def format_table(d: Mapping) -> str:
         r[4] = max(r[4], s["peak_host_bytes"])
         r[5] = max(r[5], s["peak_gpu_bytes"])
     t = d["total"]
-    head = f"{'stage':<12}{'n':>5}{'seconds':>10}{'read MiB':>11}{'written MiB':>13}{'host MiB':>10}{'GPU MiB':>9}"
+    head = f"{'stage':<20}{'n':>5}{'seconds':>10}{'read MiB':>11}{'written MiB':>13}{'host MiB':>10}{'GPU MiB':>9}"
     lines = [f"profile ({d['verb']}, {d['device']}):", head]
     for name, (n, sec, rd, wr, host, gpu) in rows.items():
-        lines.append(f"{name:<12}{n:>5}{sec:>10.2f}{_mib(rd):>11}{_mib(wr):>13}{_mib(host):>10}{_mib(gpu):>9}")
-    lines.append(f"{'total':<12}{'':>5}{t['seconds']:>10.2f}{_mib(t['bytes_read']):>11}"
+        lines.append(f"{name:<20}{n:>5}{sec:>10.2f}{_mib(rd):>11}{_mib(wr):>13}{_mib(host):>10}{_mib(gpu):>9}")
+    lines.append(f"{'total':<20}{'':>5}{t['seconds']:>10.2f}{_mib(t['bytes_read']):>11}"
                  f"{_mib(t['bytes_written']):>13}{_mib(t['peak_host_bytes']):>10}{_mib(t['peak_gpu_bytes']):>9}")
     return "\n".join(lines)

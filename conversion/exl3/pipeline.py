@@ -334,9 +334,8 @@ def _run_calibrated(run: _Exl3Run, bar) -> None:
 def _profile_layer(run: _Exl3Run, stage: str) -> str:
     """An EXL3 stage's layer as the profile names it: "embed", "head", "vision", a decoder layer's index or
     "nextn"."""
-    if not stage.startswith("layer."):
-        return stage
-    return profile.layer_label(int(stage.split(".")[1]), run.ckpt.num_hidden_layers)
+    kind, _, index = stage.partition(".")  # "layer.{i}" and "mtp.{i}" (i counts on after the decoder layers)
+    return profile.layer_label(int(index), run.ckpt.num_hidden_layers) if kind in ("layer", "mtp") else stage
 
 
 def _commit_stage(run: _Exl3Run, stage: str, written, state: dict | None, fallbacks: list[str]) -> None:

@@ -306,14 +306,18 @@ def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int =
     ids = calibration_rows(tok, calibration, rows=rows, seq_len=seq_len)
     n_tokens = int(ids.numel())
     weight: dict[str, float] = {}
-    for stage in calibrate(ckpt, ids, full=False, device=device):
-        for name, acc in stage.stats.items():
-            info = ckpt.info(name)
-            if info.exl3 != "trellis" or info.exl3_bits_key != "bits":
-                continue
-            w = ckpt.get(name)
-            tr_h = float(acc.sum_sq.sum()) / max(1, n_tokens)
-            key = allocator_unit(info, name)
-            weight[key] = weight.get(key, 0.0) + float(w.square().mean()) * w.shape[0] * tr_h
+    n_layers = ckpt.num_hidden_layers
+    walk = profile.timed("calibrate", calibrate(ckpt, ids, full=False, device=device),
+                         lambda st: profile.walk_label(st.layer, n_layers))
+    for stage in walk:
+        with profile.stage("measure", profile.walk_label(stage.layer, n_layers)):
+            for name, acc in stage.stats.items():
+                info = ckpt.info(name)
+                if info.exl3 != "trellis" or info.exl3_bits_key != "bits":
+                    continue
+                w = ckpt.get(name)
+                tr_h = float(acc.sum_sq.sum()) / max(1, n_tokens)
+                key = allocator_unit(info, name)
+                weight[key] = weight.get(key, 0.0) + float(w.square().mean()) * w.shape[0] * tr_h
         stage.advance()
     return {k: {b: v * 2.0 ** (-2 * b) for b in al.EXL3_RATES} for k, v in weight.items()}

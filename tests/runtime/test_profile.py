@@ -138,25 +138,23 @@ def test_eval_profile(mini_model, mini_q8_gguf, heldout_text, tmp_path):
     assert ka and ka == {k: v for k, v in b["candidates"][0].items() if k in keep}
 
 
-def test_plan_measure_profile(tmp_path, monkeypatch):
-    """`mixq plan --measure trellis --profile` (a tiny checkpoint, heavy sampling): a calibrate and a measure stage
-    per decoder layer; `--profile` without `--measure` is refused in one line."""
+def test_plan_measure_profile(tmp_path):
+    """`mixq plan --measure proxy --profile` (a tiny checkpoint): a calibrate and a measure stage per decoder layer
+    and the head; `--profile` without `--measure` is refused in one line."""
     from mixq.formats.tiny import write_tiny_checkpoint
-    from mixq.measurement import trellis as cs
 
     model = write_tiny_checkpoint(tmp_path / "m", nextn=False, vision=False,
                                   layer_types=("linear_attention", "linear_attention"))
-    monkeypatch.setattr(cs, "RATES", (2.0, 4.0))
-    monkeypatch.setattr(cs, "MEASURE_ROWS", 2)
-    monkeypatch.setattr(cs, "MEASURE_SEQ_LEN", 32)
-    monkeypatch.setitem(cs.SAMPLING, "cpu", (1, 1))
     prof = tmp_path / "p.json"
     base = ["plan", model, "--format", "exl3", "--bpw", "3.05", "--device", "cpu"]
-    r = run_cli(*base, "--measure", "trellis", "--profile", prof)
+    r = run_cli(*base, "--measure", "proxy", "--profile", prof)
     assert r.exit_code == 0, r.output[-2000:]
     d = _read(prof)
     assert d["verb"] == "plan" and d["format"] == "exl3"
-    assert _layers(d, "measure") == ["0", "1"] and _layers(d, "calibrate")[:2] == ["0", "1"]
+    assert d["layers"] == {"0": {"attention": "linear_attention", "mlp": "dense"},
+                           "1": {"attention": "linear_attention", "mlp": "moe"}}
+    assert _layers(d, "calibrate") == _layers(d, "measure") == ["0", "1", "head"]
+    assert d["total"]["bytes_read"] > 0
     r = run_cli(*base, "--profile", tmp_path / "q.json")
     assert error_line(r) == "mixq: error: --profile applies to `plan --measure` (a plan alone runs no model)"
 

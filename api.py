@@ -146,11 +146,13 @@ def family(model: str | os.PathLike, out_dir: str | os.PathLike, fmt: str = "ggu
     EXL3 ("exl3"): one set of error curves, each member calibrated and encoded on its own.
     `convert(model, out_dir, fmt, size="A,B,C")` does the same."""
     fmt = str(options.pop("format", None) or fmt).lower()
-    if fmt == "exl3":
-        return run_exl3_family(model, out_dir, family_options("exl3", **options))
-    if fmt != "gguf":
+    if fmt not in ("gguf", "exl3"):
         raise InputError(f"unknown format {fmt!r}; expected gguf or exl3")
-    return run_family(model, out_dir, family_options(**options), _gguf_family_curves)
+    with convert_api.profiled(model, out_dir, options.get("profile"), fmt, overwrite=bool(options.get("overwrite")),
+                              progress=options.get("progress", True)):
+        if fmt == "exl3":
+            return run_exl3_family(model, out_dir, family_options("exl3", **options))
+        return run_family(model, out_dir, family_options(**options), _gguf_family_curves)
 
 
 def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite: bool = False) -> dict:

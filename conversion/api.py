@@ -53,7 +53,7 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
             raise InputError("give the format once: as the options or as format=")
         options = kwargs.pop("format")
     if options in (None, "gguf", "exl3") and is_family(kwargs.get("size"), kwargs.get("bpw")):
-        with _profiled(model, out, kwargs.get("profile"), options, overwrite=bool(kwargs.get("overwrite")),
+        with profiled(model, out, kwargs.get("profile"), options, overwrite=bool(kwargs.get("overwrite")),
                        progress=kwargs.get("progress", True)):
             return _family(model, out, options, kwargs, measure_curves)
     if options is None:
@@ -73,15 +73,15 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
     if opts.format == "gguf" and Path(out).suffix != ".gguf":
         raise InputError(f"OUT {out}: must end in .gguf (--format gguf writes a .gguf file, or a split set named "
                          "after it)")
-    with _profiled(model, out, opts.profile, opts.format, overwrite=getattr(opts, "overwrite", False),
+    with profiled(model, out, opts.profile, opts.format, overwrite=getattr(opts, "overwrite", False),
                    progress=opts.progress):
         if opts.format == "exl3":
             return run_exl3(model, out, opts)
         return run_gguf(model, out, opts)
 
 
-def _profiled(model, out, path, fmt: str | None, *, overwrite: bool, progress: bool):
-    """--profile: the file checked as an output (not OUT, not an input; an existing one only with --overwrite),
+def profiled(model, out, path, fmt: str | None, *, overwrite: bool = False, progress: bool = True):
+    """A conversion's (or family's) --profile: the file checked as an output (not OUT, not an input; an existing one only with --overwrite),
     then the run recorded into it (runtime/profile.py); without it, nothing."""
     if path is not None:
         check_distinct({"OUT": out, "--profile": path}, {"MODEL": model})

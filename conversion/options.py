@@ -242,6 +242,8 @@ class Exl3Options(_Options):
         self._set("devices", parse_devices(self.devices if self.devices else None, flag_of(type(self), "devices")))
         if self.devices and self.device is not None:
             raise InputError("give --device or --devices, not both")
+        if len(self.devices) > 1 and self.profile is not None:
+            raise InputError("--profile records one process: give one device, not --devices")
 
 
 @dataclass(frozen=True)

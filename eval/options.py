@@ -111,3 +111,5 @@ class EvalOptions:
             raise InputError("--save-ref and --ref-logits cannot be combined")
         if len(self.devices) > 1 and self.save_ref:
             raise InputError(SAVE_REF_ONE_DEVICE)
+        if len(self.devices) > 1 and self.profile is not None:
+            raise InputError("--profile records one process: give one device, not --devices")

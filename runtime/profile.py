@@ -10,7 +10,8 @@ innermost one, so a reader thread's prefetch counts where it is used); the peak 
 (VmHWM, reset through /proc/self/clear_refs at every stage boundary, the peak before each reset folded into every
 open stage, so concurrent stages each get the peak of their own interval); and the peak GPU memory torch
 allocated (`torch.cuda.max_memory_allocated`, reset the same way; only once CUDA is in use). Worker processes
-(GGUF's CPU encoders, the ranks of --devices) are not in it: the profile is this process's.
+(GGUF's CPU encoders) are not in it: the profile is this process's (under torchrun, rank 0's; `--devices`
+with several devices is refused with `--profile`).
 
 The JSON (`PROFILE_VERSION` 1):
     {"mixq_profile": 1, "verb", "argv", "format", "device",
@@ -34,6 +35,7 @@ import torch
 from mixq.formats import io_counts
 from mixq.formats.atomic import write_json
 from mixq.formats.glm5next import normalise_layer_type
+from mixq.runtime.distributed import process_rank
 
 PROFILE_VERSION = 1
 STAGE_KEYS = ("stage", "layer", "seconds", "bytes_read", "bytes_written", "peak_host_bytes", "peak_gpu_bytes")
@@ -346,6 +348,8 @@ def recording(path, verb: str, fmt: str | None = None, *, table: bool = False) -
     finally:
         _ACTIVE = None
         io_counts.set_sink(old)
+    if process_rank() != 0:  # under torchrun every rank records; rank 0 alone writes
+        return
     write_json(path, p.to_dict())
     if table:
         print(format_table(p.to_dict()), file=sys.stderr)

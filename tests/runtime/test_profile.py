@@ -203,3 +203,16 @@ def test_stage_peaks_and_bytes_are_per_stage(tmp_path):
     assert d["total"]["bytes_read"] == 10 and p.total.bytes_written == 5
     io_counts.count_read(11)  # no recording: counted nowhere
     assert profile.active() is None and json.loads((tmp_path / "p.json").read_text())["total"]["bytes_read"] == 10
+
+
+def test_profile_with_several_devices_is_refused():
+    """A profile is one process's: --profile with --devices of several devices is one InputError naming both."""
+    from mixq.conversion.options import Exl3Options
+    from mixq.errors import InputError
+    from mixq.eval.options import EvalOptions
+
+    for make in (lambda: Exl3Options(bpw=3.0, devices="cpu,cpu", profile="p.json"),
+                 lambda: EvalOptions(devices="cpu,cpu", profile="p.json")):
+        with pytest.raises(InputError, match="--profile records one process.*--devices"):
+            make()
+    assert Exl3Options(bpw=3.0, devices="cpu", profile="p.json").profile == "p.json"

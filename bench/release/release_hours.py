@@ -14,9 +14,11 @@ their stages taken together). Its stages are priced by what they belong to:
   computed from layer_types / mlp_layer_types / first_k_dense_replace / num_nextn_predict_layers and the vision
   config, never written here). That count is the only scaling of a layer's stages: a rehearsal layer has the real
   widths, so one layer costs what one real layer costs.
-- whole-run stages (layer null: open, plan, scan, finalize, seal, write, ...) read or write the whole model once:
-  they are scaled ×r, r = the real model's source bytes / the rehearsal's (both from their config.json, every
-  tensor at its storage type, through the checkpoint reader's shapes), and the output says so.
+- whole-run stages (layer null: open, plan, scan, finalize, seal, write, ...): one that moved bytes (scan reads
+  every weight, finalize and seal write the files) is scaled ×r_bytes, the real model's source bytes over the
+  rehearsal's; one that moved none (open, plan: names, shapes and the plan, tensor by tensor) ×r_tensors, the
+  real model's tensor count over the rehearsal's. Both come from the two config.json files through the checkpoint
+  reader's shapes (every tensor at its storage type); the output names each stage's scale and why.
 - peak host and GPU memory: the largest of any stage, not scaled (one layer is held at a time).
 
 A kind the real model has that a run never measured is an error, not 0 s, unless the run is declared not to touch
@@ -43,8 +45,11 @@ from mixq.runtime.profile import check_profile, layer_kinds  # noqa: E402
 ATTENTION = {"linear_attention": "kda", "deepseek_sparse_attention": "dsa"}
 SINGLE = ("embed", "head", "vision")  # parts the model has once, whatever its depth
 FLASH_CONFIG = SHARED / "models" / "glm-5.3-flash-shape" / "config.json"
-SCALE_WHY = ("whole-run stages (layer null) read, check or write every tensor once: they scale with the model's "
-             "source bytes, the real model's over the rehearsal's, each from its config.json at its storage types")
+SCALE_WHY = {
+    "bytes": "a whole-run stage that moved bytes reads, checks or writes every tensor once: it scales with the "
+             "model's source bytes, the real model's over the rehearsal's (both from config.json, storage types)",
+    "tensors": "a whole-run stage that moved no bytes (names, shapes, the plan) walks the tensor list: it scales "
+               "with the tensor count, the real model's over the rehearsal's (both from config.json)"}
 
 
 class MissingKind(ValueError):
@@ -92,18 +97,23 @@ def merge(profiles: Iterable[Mapping]) -> dict:
             "device": sorted({p["device"] for p in ps})}
 
 
-def project(profile: Mapping, counts: Mapping[str, int], scale: float, *, absent: Iterable[str] = ()) -> dict:
+def project(profile: Mapping, counts: Mapping[str, int], scale: Mapping[str, float], *,
+            absent: Iterable[str] = ()) -> dict:
     """The release seconds of one run (`profile`, merged) for a model with `counts` layers of each kind and
-    whole-run stages ×`scale`; every term named (module docstring). MissingKind for a kind with a count the run
-    never measured, unless it is in `absent`."""
+    whole-run stages ×`scale["bytes"]` (those that moved bytes) or ×`scale["tensors"]` (the others); every term
+    named (module docstring). MissingKind for a kind with a count the run never measured, unless it is in
+    `absent`."""
     absent = set(absent)
     layers = profile["layers"]
     per_kind: dict[str, dict[str, float]] = {}
     seen: dict[str, set[str]] = {}
     whole: dict[str, float] = {}
+    moved: set[str] = set()
     for s in profile["stages"]:
         if s["layer"] is None:
             whole[s["stage"]] = whole.get(s["stage"], 0.0) + s["seconds"]
+            if s["bytes_read"] or s["bytes_written"]:
+                moved.add(s["stage"])
             continue
         kind = kind_of(s["layer"], layers)
         seen.setdefault(kind, set()).add(s["layer"])
@@ -128,14 +138,19 @@ def project(profile: Mapping, counts: Mapping[str, int], scale: float, *, absent
         kinds[kind] = {"measured_layers": measured, "stages_per_layer": per_layer, "seconds_per_layer": seconds,
                        "count": n, "counted_seconds": seconds * n}
         total += seconds * n
-    whole_measured = sum(whole.values())
-    total += whole_measured * scale
+    whole_terms = {}
+    for name, sec in whole.items():
+        by = "bytes" if name in moved else "tensors"
+        whole_terms[name] = {"measured_seconds": sec, "scale_by": by, "scale": scale[by],
+                             "scaled_seconds": sec * scale[by]}
+    whole_scaled = sum(t["scaled_seconds"] for t in whole_terms.values())
+    total += whole_scaled
     stage_sum = sum(s["seconds"] for s in profile["stages"])
     return {
         "verb": profile["verb"], "format": profile["format"], "device": profile["device"],
         "kinds": kinds,
-        "whole_run": {"stages": whole, "measured_seconds": whole_measured, "scale": scale, "scale_why": SCALE_WHY,
-                      "scaled_seconds": whole_measured * scale},
+        "whole_run": {"stages": whole_terms, "measured_seconds": sum(whole.values()), "scale_why": SCALE_WHY,
+                      "scaled_seconds": whole_scaled},
         "outside_stages_seconds": profile["total"]["seconds"] - stage_sum,
         "projected_seconds": total, "projected_hours": total / 3600,
         "peak": {"host_bytes": max(s["peak_host_bytes"] for s in profile["stages"]),
@@ -144,12 +159,13 @@ def project(profile: Mapping, counts: Mapping[str, int], scale: float, *, absent
     }
 
 
-def source_bytes(config_path: str | Path) -> int:
-    """Bytes of every tensor of the model `config_path` describes, at its storage type (shapes only)."""
+def source_size(config_path: str | Path) -> tuple[int, int]:
+    """(bytes of every tensor at its storage type, tensor count) of the model `config_path` describes (shapes
+    only)."""
     from mixq.formats.checkpoint import checkpoint_from_config
 
     ck = checkpoint_from_config(config_path)
-    return sum(ck.nbytes(n) for n in ck.names())
+    return sum(ck.nbytes(n) for n in ck.names()), len(ck.names())
 
 
 def _runs(specs: list[str]) -> dict[str, list[Path]]:
@@ -182,15 +198,16 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     real = json.loads(Path(a.config).read_text())
     counts = kind_counts(real)
-    real_bytes, rehearsal_bytes = source_bytes(a.config), source_bytes(a.rehearsal_config)
-    scale = real_bytes / rehearsal_bytes
+    (real_bytes, real_n), (reh_bytes, reh_n) = source_size(a.config), source_size(a.rehearsal_config)
+    scale = {"bytes": real_bytes / reh_bytes, "tensors": real_n / reh_n}
     absent = _absent(a.absent)
     runs = {}
     for label, files in _runs(a.run).items():
         prof = merge(json.loads(f.read_text()) for f in files)
         runs[label] = {"profiles": [str(f) for f in files], **project(prof, counts, scale, absent=absent.get(label, ()))}
     result = {"model": a.config, "rehearsal": a.rehearsal_config, "counts": counts,
-              "source_bytes": {"real": real_bytes, "rehearsal": rehearsal_bytes, "ratio": scale},
+              "source": {"real": {"bytes": real_bytes, "tensors": real_n},
+                         "rehearsal": {"bytes": reh_bytes, "tensors": reh_n}, "ratios": scale},
               "runs": runs}
     text = json.dumps(repo_relative(result), indent=2) + "\n"
     if a.out:

@@ -137,7 +137,7 @@ def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLik
     options = _options(EvalOptions, options, kwargs, "eval")
     if options.device is not None:
         resolve_device(options.device)  # a CUDA device this machine lacks: refused before anything is read
-    outs = [options.json_out, options.markdown_out, options.save_ref]
+    outs = [options.json_out, options.markdown_out, options.save_ref, options.profile]
     with writing(*[p for p in outs if p is not None and p != "-"]):
         return _evaluate_streamed(reference, list(candidates), text, options)
 
@@ -148,11 +148,13 @@ def family(model: str | os.PathLike, out_dir: str | os.PathLike, fmt: str = "ggu
     EXL3 ("exl3"): one set of error curves, each member calibrated and encoded on its own.
     `convert(model, out_dir, fmt, size="A,B,C")` does the same."""
     fmt = str(options.pop("format", None) or fmt).lower()
-    if fmt == "exl3":
-        return run_exl3_family(model, out_dir, family_options("exl3", **options))
-    if fmt != "gguf":
+    if fmt not in ("gguf", "exl3"):
         raise InputError(f"unknown format {fmt!r}; expected gguf or exl3")
-    return run_family(model, out_dir, family_options(**options), _gguf_family_curves)
+    with convert_api.profiled(model, out_dir, options.get("profile"), fmt, overwrite=bool(options.get("overwrite")),
+                              progress=options.get("progress", True)):
+        if fmt == "exl3":
+            return run_exl3_family(model, out_dir, family_options("exl3", **options))
+        return run_family(model, out_dir, family_options(**options), _gguf_family_curves)
 
 
 def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite: bool = False) -> dict:
@@ -164,11 +166,11 @@ def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite
 def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Sequence[str] | None = None,
             options: ImatrixOptions | None = None, **kwargs) -> dict:
     """A llama.cpp GGUF importance matrix of `model` from a calibration forward, written to `out`. `options`: an
-    ImatrixOptions, or its fields as keywords (`rows`, `seq_len`, `device`, `overwrite`). Returns {"file",
-    "entries", "chunks", "chunk_size", "datasets"}."""
+    ImatrixOptions, or its fields as keywords (`rows`, `seq_len`, `device`, `overwrite`, `profile`). Returns
+    {"file", "entries", "chunks", "chunk_size", "datasets"}."""
     o = _options(ImatrixOptions, options, kwargs, "imatrix", calibration=calibration or None)
     return make_imatrix(model, out, list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len, device=o.device,
-                        progress=o.progress, overwrite=o.overwrite)
+                        progress=o.progress, overwrite=o.overwrite, profile_out=o.profile)
 
 
 def demo(out_dir: str | os.PathLike = "mixq-demo", *, skip: Sequence[str] = (), progress: bool = False) -> dict:

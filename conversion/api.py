@@ -26,6 +26,8 @@ from mixq.conversion.gguf.family import run_family
 from mixq.formats.gguf_reader import verify_gguf
 from mixq.formats.exl3_reader import verify_exl3
 from mixq.formats.exl3_seal import integrity_note
+from mixq.formats.outputs import check_distinct, check_output_file
+from mixq.runtime import profile
 from mixq.runtime.dequant import exl3_decode_check
 
 FORMATS = tuple(OPTION_CLASSES)
@@ -51,7 +53,9 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
             raise InputError("give the format once: as the options or as format=")
         options = kwargs.pop("format")
     if options in (None, "gguf", "exl3") and is_family(kwargs.get("size"), kwargs.get("bpw")):
-        return _family(model, out, options, kwargs, measure_curves)
+        with profiled(model, out, kwargs.get("profile"), options, overwrite=bool(kwargs.get("overwrite")),
+                       progress=kwargs.get("progress", True)):
+            return _family(model, out, options, kwargs, measure_curves)
     if options is None:
         options = output_format(out)
         if options == "exl3":
@@ -69,9 +73,20 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
     if opts.format == "gguf" and Path(out).suffix != ".gguf":
         raise InputError(f"OUT {out}: must end in .gguf (--format gguf writes a .gguf file, or a split set named "
                          "after it)")
-    if opts.format == "exl3":
-        return run_exl3(model, out, opts)
-    return run_gguf(model, out, opts)
+    with profiled(model, out, opts.profile, opts.format, overwrite=getattr(opts, "overwrite", False),
+                   progress=opts.progress):
+        if opts.format == "exl3":
+            return run_exl3(model, out, opts)
+        return run_gguf(model, out, opts)
+
+
+def profiled(model, out, path, fmt: str | None, *, overwrite: bool = False, progress: bool = True):
+    """A conversion's (or family's) --profile: the file checked as an output (not OUT, not an input; an existing one only with --overwrite),
+    then the run recorded into it (runtime/profile.py); without it, nothing."""
+    if path is not None:
+        check_distinct({"OUT": out, "--profile": path}, {"MODEL": model})
+        check_output_file(path, overwrite=overwrite, label="--profile")
+    return profile.recording(path, "convert", fmt, table=progress)
 
 
 def _family(model, out, fmt: str | None, kwargs: dict, measure_curves=None):

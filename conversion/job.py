@@ -28,6 +28,7 @@ except ImportError:  # not POSIX
 from mixq.errors import InputError
 from mixq.formats.atomic import write_json
 from mixq.formats.safetensors_io import load_tensors, sha256_file, write_safetensors
+from mixq.runtime import profile
 from mixq.formats.model_files import read_json
 
 JOB_DIR = ".mixq-job"
@@ -188,6 +189,9 @@ class Job:
 
 
 def rss_peak_mib() -> float:
-    """Peak resident set size of this process in MiB (Linux ru_maxrss is KiB)."""
+    """Peak resident set size of this process in MiB (Linux ru_maxrss is KiB; while a --profile is recorded, which
+    resets the kernel's peak at each stage, the recording's)."""
+    if (p := profile.peaks()) is not None:
+        return max(p[0] / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

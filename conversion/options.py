@@ -37,6 +37,9 @@ DEFAULT_EXL3_SHARD = 8192 * 2**20
 MMPROJ_TYPES = ("F16", "Q8_0")
 GGUF_LADDERS = ("k", "iq")
 CODEBOOKS = ("mul1", "mcg")
+PROFILE_HELP = ("Write where the run's time goes to FILE as JSON: seconds, bytes read and written, peak host and "
+                "GPU memory, per stage and per layer (replaced only with --overwrite, where the command has it); a "
+                "per-stage table ends the run on stderr.")
 
 
 # how `mixq convert` reads each flag (one entry for a flag both formats have); defaults come from the fields and,
@@ -102,6 +105,7 @@ CONVERT_FLAGS: dict[str, dict[str, Any]] = {
     "--mmproj": dict(help="GGUF: also write the vision projector to this .gguf.", click_type="path"),
     "--mmproj-type": dict(help=f"GGUF: mmproj matrix type.  [default: {MMPROJ_TYPES[0]}]", choices=MMPROJ_TYPES,
                           case_sensitive=False),
+    "--profile": dict(help=PROFILE_HELP, click_type="path"),
     "--threads": dict(help="GGUF: CPU encoder worker processes (1 = in this process; output bytes do not depend on "
                       "it) [default: all cores, or the GPU when present].", click_type="int"),
 }
@@ -214,6 +218,7 @@ class Exl3Options(_Options):
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
     codebook: str = _opt("mul1", "codebook")
     batch_rows: int = _opt(4, "batch_rows")
+    profile: Union[str, Path, None] = _opt(None, "--profile")
     progress: bool = _opt(True, "progress")
 
     def __post_init__(self) -> None:
@@ -237,6 +242,8 @@ class Exl3Options(_Options):
         self._set("devices", parse_devices(self.devices if self.devices else None, flag_of(type(self), "devices")))
         if self.devices and self.device is not None:
             raise InputError("give --device or --devices, not both")
+        if len(self.devices) > 1 and self.profile is not None:
+            raise InputError("--profile records one process: give one device, not --devices")
 
 
 @dataclass(frozen=True)
@@ -287,6 +294,7 @@ class GGUFOptions(_Options):
     refine_passes: int | None = _opt(None, "--refine-passes")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
     overwrite: bool = _opt(False, "--overwrite")
+    profile: Union[str, Path, None] = _opt(None, "--profile")
     progress: bool = _opt(True, "progress")
 
     def __post_init__(self) -> None:
@@ -564,7 +572,8 @@ class ImatrixOptions:
     seq_len: int = opt(CALIBRATION_SEQ_LEN, "--seq-len", "Tokens per calibration row.", click_type="int",
                        show_default=True)
     device: Any = opt(None, "--device", "cuda|cpu [default: cuda when available].", click_type="text")
-    overwrite: bool = opt(False, "--overwrite", "Replace an existing OUT.", is_flag=True)
+    overwrite: bool = opt(False, "--overwrite", "Replace an existing OUT (and --profile file).", is_flag=True)
+    profile: Union[str, Path, None] = opt(None, "--profile", PROFILE_HELP, click_type="path")
     progress: bool = opt(True, None, "Show the progress bar.", cli=False)
 
     def __post_init__(self) -> None:

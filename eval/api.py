@@ -24,6 +24,7 @@ from mixq.formats.atomic import write_text
 from mixq.eval import candidates as cands
 from mixq.eval.family import expand_families, record_scores
 from mixq.eval import exllamav3_engine
+from mixq.runtime import profile
 from mixq.runtime import reference as refm
 from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
@@ -95,13 +96,22 @@ def evaluate(reference: str | Path, candidates: list[str | Path] = (), text: str
     every = list(candidates)  # as given, for the worker ranks of a multi-device run
     candidates, families = expand_families(every)  # a family directory: its members, in the one forward
     check_outputs({"--json": None if o.json_out == "-" else o.json_out, "--markdown": o.markdown_out,
-                   "--save-ref": o.save_ref}, eval_inputs(reference, candidates, text, o.ref_logits),
-                  overwrite=o.overwrite)
+                   "--save-ref": o.save_ref, "--profile": o.profile},
+                  eval_inputs(reference, candidates, text, o.ref_logits), overwrite=o.overwrite)
     if needs_launch(o.devices):
         return launch(evaluate, (reference, every, text, o), o.devices)
+    with profile.recording(o.profile, "eval", table=o.progress):
+        return _evaluate(reference, candidates, text, o, families)
+
+
+def _evaluate(reference, candidates: list, text, o: EvalOptions, families) -> dict | None:
+    """`evaluate` after its outputs are checked, in this process (one rank of a multi-device run)."""
     with rank_context(o.devices, o.device) as ranks:
-        run = _resolve(reference, candidates, text, o, ranks.device if ranks.world > 1 else o.device)
-        _validate(run)
+        with profile.stage("open"):
+            run = _resolve(reference, candidates, text, o, ranks.device if ranks.world > 1 else o.device)
+            _validate(run)
+        profile.note_device(run.device)
+        profile.note_layers(run.config)
         _split_windows(run, ranks)
         progress = o.progress and ranks.is_main
         if progress:
@@ -111,8 +121,9 @@ def evaluate(reference: str | Path, candidates: list[str | Path] = (), text: str
         report = _finalize(run, models, progress)
         if report is None:
             return None  # a rank other than 0: rank 0 reports
-        _write_outputs(report, o.json_out, o.markdown_out)
-        record_scores(report, families)  # family.json and each member's <file>.receipt.json
+        with profile.stage("write"):
+            _write_outputs(report, o.json_out, o.markdown_out)
+            record_scores(report, families)  # family.json and each member's <file>.receipt.json
         return report
 
 
@@ -248,8 +259,8 @@ def _forward(run: EvalRun, progress: bool) -> StreamedModels:
         (str(c.path), s) for c, s in zip(run.candidates, run.sources) if s is not None]
     models = StreamedModels(run.config, run.local_tokens, device=run.device, state_dtype=run.state_dtype,
                             state_device=_state_device(run, len(names)), batch_windows=run.batch_windows)
-    for name, src in names:
-        models.add(name, src)
+    for j, (name, src) in enumerate(names):
+        models.add(name, src, "reference" if j == 0 and not run.reader else "candidate")
     models.run(progress)
     return models
 
@@ -316,7 +327,8 @@ def _reference_log_probs(run: EvalRun, ref: _TorchLogits | None, w: int, j: int)
     logits = ref(j)
     if not bool(torch.isfinite(logits).all()):
         raise FormatError(f"{run.ref_dir}: the reference gives non-finite logits in window {w}")
-    return log_probs(logits)
+    with profile.stage("score", "head"):
+        return log_probs(logits)
 
 
 def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict | None:
@@ -348,7 +360,9 @@ def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict | No
                             continue
                         logits = cand(j)
                         _check_logits(run.candidates[i].path, w, logits, lp)
-                        per_window.append(token_quantities(lp.to(logits.device), logits, run.windows.targets(w)))
+                        with profile.stage("score", "head"):
+                            per_window.append(token_quantities(lp.to(logits.device), logits,
+                                                               run.windows.targets(w)))
                 if p == 0 and ref is not None:
                     ref_seconds = (gather_in_order(run.ranks, [], [], ref.seconds) or (None, None))[1]
                 if cand is not None and (got := gather_in_order(run.ranks, run.mine, per_window, cand.seconds)):

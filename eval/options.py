@@ -26,6 +26,8 @@ DEFAULT_CTX = 512
 DEFAULT_WINDOWS = 32  # `mixq eval`'s default: a bounded run (like llama-perplexity --chunks), not the whole text
 SAVE_REF_ONE_DEVICE = "--save-ref writes every window from one process: give one device"
 MIN_CTX = 4
+PROFILE_HELP = ("Write where the run's time goes to FILE as JSON: seconds, bytes read and written, peak host and "
+                "GPU memory, per stage and per layer; a per-stage table ends the run on stderr.")
 
 
 def window_count(value: int | str | None) -> int | None:
@@ -80,8 +82,9 @@ class EvalOptions:
                                            click_type="path")
     markdown_out: Union[str, Path, None] = opt(None, "--markdown", "Write a markdown table to OUT.",
                                                click_type="path")
-    overwrite: bool = opt(False, "--overwrite", "Replace existing --json / --markdown / --save-ref files.",
-                          is_flag=True)
+    overwrite: bool = opt(False, "--overwrite", "Replace existing --json / --markdown / --save-ref / --profile "
+                          "files.", is_flag=True)
+    profile: Union[str, Path, None] = opt(None, "--profile", PROFILE_HELP, click_type="path")
     progress: bool = opt(True, None, "Show the progress bar and the line that says what is scored.", cli=False)
 
     def __post_init__(self) -> None:
@@ -108,3 +111,5 @@ class EvalOptions:
             raise InputError("--save-ref and --ref-logits cannot be combined")
         if len(self.devices) > 1 and self.save_ref:
             raise InputError(SAVE_REF_ONE_DEVICE)
+        if len(self.devices) > 1 and self.profile is not None:
+            raise InputError("--profile records one process: give one device, not --devices")

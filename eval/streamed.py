@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from mixq.runtime import profile
 from mixq.runtime.dequant import DequantSource
+from mixq.runtime.profile import layer_label
 from mixq.runtime.layer_stream import HEAD_NAME, NORM_NAME, DecoderStream
 from mixq.errors import FormatError
 
@@ -35,6 +37,7 @@ class StreamedModel:
     hidden: torch.Tensor | None = None
     topk: torch.Tensor | None = None
     seconds: float = 0.0           # forward time (layers and head), decoding excluded
+    role: str = "candidate"        # "reference" or "candidate": the profile's stage names
     _head: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -56,28 +59,32 @@ class StreamedModels:
         self.state_device = torch.device(state_device) if state_device is not None else torch.device("cpu")
         self.models: list[StreamedModel] = []
 
-    def add(self, name: str, source: DequantSource) -> StreamedModel:
-        m = StreamedModel(name, source)
+    def add(self, name: str, source: DequantSource, role: str = "candidate") -> StreamedModel:
+        m = StreamedModel(name, source, role=role)
         self.models.append(m)
         return m
 
     def run(self, progress: bool = True) -> None:
         """Embed every model's windows, then every decoder layer: per model load, apply to all windows, release."""
+        n = self.stream.num_layers
         for m in self.models:
             t0 = time.perf_counter()
-            m.hidden = self.stream.embed(self.tokens, m.source.get, out_device=self.state_device,
-                                         out_dtype=self.state_dtype)
+            with profile.stage(f"{m.role}_forward", "embed"):
+                m.hidden = self.stream.embed(self.tokens, m.source.get, out_device=self.state_device,
+                                             out_dtype=self.state_dtype)
             m.seconds += time.perf_counter() - t0
         # a context: the bar's line ends before an error (a NaN weight met mid-run) is reported on its own line
         with tqdm(total=self.stream.num_layers * len(self.models), desc="eval layers", unit="layer",
                   disable=not progress) as bar:
             for i in range(self.stream.num_layers):
                 for m in self.models:
-                    weights = m.source.layer(i)
-                    mod = self.stream.materialize(i, _fetcher(m.name, weights))
-                    del weights
+                    with profile.stage(_load_stage(m), layer_label(i, n)):  # read and dequantize
+                        weights = m.source.layer(i)
+                        mod = self.stream.materialize(i, _fetcher(m.name, weights))
+                        del weights
                     t0 = time.perf_counter()
-                    m.topk = self.stream.run_layer_inplace(mod, m.hidden, m.topk)
+                    with profile.stage(f"{m.role}_forward", layer_label(i, n)):
+                        m.topk = self.stream.run_layer_inplace(mod, m.hidden, m.topk)
                     m.seconds += time.perf_counter() - t0
                     self.stream.release(i)
                     bar.update(1)
@@ -85,7 +92,8 @@ class StreamedModels:
     @contextlib.contextmanager
     def head(self, m: StreamedModel) -> Iterator[None]:
         """Hold `m`'s final norm and lm_head (on the device) while its logits are computed."""
-        m._head = (m.source.get(NORM_NAME), m.source.get(HEAD_NAME).to(self.device))
+        with profile.stage(_load_stage(m), "head"):
+            m._head = (m.source.get(NORM_NAME), m.source.get(HEAD_NAME).to(self.device))
         try:
             yield
         finally:
@@ -96,10 +104,17 @@ class StreamedModels:
         norm_w, lm_head = m._head  # type: ignore[misc]
         t0 = time.perf_counter()
         # as the whole model: final norm over the window, lm_head on the last ctx - first positions, drop the last
-        h = self.stream.final_hidden(m.hidden[w:w + 1], norm_w)[0, first:]
-        logits = F.linear(h, lm_head)[:-1].float()
+        with profile.stage(f"{m.role}_forward", "head"):
+            h = self.stream.final_hidden(m.hidden[w:w + 1], norm_w)[0, first:]
+            logits = F.linear(h, lm_head)[:-1].float()
         m.seconds += time.perf_counter() - t0
         return logits
+
+
+def _load_stage(m: StreamedModel) -> str:
+    """The profile's name of reading a model's layer: the reference's load, a candidate's decode (its weights
+    dequantized)."""
+    return "reference_load" if m.role == "reference" else "candidate_decode"
 
 
 def _fetcher(name: str, weights: dict[str, torch.Tensor]):

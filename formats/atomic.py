@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from mixq.formats.io_counts import count_file_written
+
 
 def temp_path(path: str | os.PathLike) -> Path:
     """The temporary name a file is written under before it is renamed to ``path``."""
@@ -38,6 +40,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        count_file_written(tmp)
         os.replace(tmp, final)
     except BaseException:
         _remove_quietly(tmp)

@@ -20,6 +20,7 @@ import torch
 from mixq.errors import FormatError, InputError
 from mixq.formats.config_limits import check_config_limits
 from mixq.formats.finite import check_finite
+from mixq.formats.io_counts import count_read
 from mixq.formats.glm5next import (TEXT_PREFIX, TensorInfo, classify, in_nextn_block, is_vision,
                                    normalise_layer_type, nextn_only_shapes)
 from mixq.formats.model_files import check_model_dir, model_file, read_json
@@ -181,7 +182,9 @@ class Checkpoint:
                              "is not available")
         with open_safetensors(e.file) as h:
             try:
-                return h.get_tensor(name)
+                t = h.get_tensor(name)
+                count_read(t.numel() * t.element_size())
+                return t
             except Exception as err:  # noqa: BLE001 - the library's errors for a file changed since it was opened
                 raise FormatError(f"{e.file}: tensor {name!r} cannot be read ({err})") from None
 

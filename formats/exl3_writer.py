@@ -26,6 +26,7 @@ from mixq.formats.atomic import atomic_open, atomic_path, json_bytes, write_byte
 from mixq.formats.exl3_layout import MUL1_MULTIPLIER, SHARD_SIZE, shard_names
 from mixq.formats.exl3_seal import CONFIG, INDEX, MANIFEST, QUANT_CONFIG, bytes_digest, file_digest, seal_manifest
 from mixq.formats.glm5next import normalise_layer_type
+from mixq.formats.io_counts import count_read
 from mixq.formats.safetensors_io import (ST_DTYPES, dtype_name, dtype_tag, open_safetensors, read_metadata,
                                          tensor_entries, write_safetensors)
 
@@ -207,6 +208,7 @@ class Exl3Writer:
                     for m in (m for m in mods if m.stage == stage):
                         for n, dt, shape, nb in m.items:
                             data = _tensor_bytes(part.get_tensor(n))
+                            count_read(len(data))
                             if len(data) != nb:
                                 raise FormatError(f"part {self.part_path(stage)}: tensor {n!r} has {len(data)} "
                                                   f"bytes, its header says {nb}")

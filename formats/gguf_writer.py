@@ -25,6 +25,7 @@ from tqdm import tqdm
 from mixq.errors import FormatError, InputError, escape
 from mixq.formats.gguf_integrity import data_sha256, seal, sealed_writer
 from mixq.formats.gguf_layout import ggml_type, tensor_bytes
+from mixq.formats.io_counts import count_written
 from mixq.formats.partials import make_partial_dir, publish
 
 ARCH = "glm5-next"
@@ -267,12 +268,14 @@ def write_gguf(path: str | Path, kv: list[KV], tensors: list[TensorOut],
                 raise FormatError(f"{t.name}: produced {arr.nbytes} bytes, {t.qtype} {t.shape} needs {t.nbytes}")
             digests[t.name] = data_sha256(arr)
             w.write_tensor_data(arr)
+            count_written(arr.nbytes)
         w.close()
         tmp_files = shard_names(tmpdir / path.name, n_files)
         seal(tmp_files, digests)
         finals = shard_names(path, n_files)
         stale = [p for p in output_set(path) if p not in finals] if overwrite else []
         publish(list(zip(tmp_files, finals)), overwrite=overwrite)
+        count_written(sum(p.stat().st_size for p in finals) - sum(t.nbytes for t in tensors))  # headers, padding
         for p in stale:  # the replaced set's other files would still load (and verify) beside the new one
             p.unlink(missing_ok=True)
         return finals

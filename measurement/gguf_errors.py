@@ -36,6 +36,7 @@ from mixq.planning.gguf_measured import measured_units
 from mixq.quant.ggml import encoders
 from mixq.quant.ggml.rounding import hessian as kh
 from mixq.quant.device import pick_device
+from mixq.runtime import profile
 from mixq.runtime.calibration import calibration_rows, load_tokenizer
 
 REFERENCE_BPW = 3.5  # the end-to-end rescaling measures each unit at its ladder type nearest this width
@@ -245,14 +246,16 @@ def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladde
             res.reference[name] = reference_type(types)
             bar.update(math.prod(spec.shape) * len(types))
         embed = []
-        for name in by_layer.get(stage.layer, []):
-            spec, types = units[name]
-            c = _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev, store)
-            if c is None:
-                raise InputError(f"{name}: the calibration forward never forms this tensor's input; cannot measure")
-            curves[name], res.reference_error[name] = c
-            res.reference[name] = reference_type(types)
-            bar.update(math.prod(spec.shape) * len(types))
+        with profile.stage("measure", profile.walk_label(stage.layer, ckpt.num_hidden_layers)):
+            for name in by_layer.get(stage.layer, []):
+                spec, types = units[name]
+                c = _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev, store)
+                if c is None:
+                    raise InputError(f"{name}: the calibration forward never forms this tensor's input; cannot "
+                                     "measure")
+                curves[name], res.reference_error[name] = c
+                res.reference[name] = reference_type(types)
+                bar.update(math.prod(spec.shape) * len(types))
     bar.close()
     missing = sorted(set(units) - set(curves))
     if missing:

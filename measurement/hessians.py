@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from mixq.errors import InputError
+from mixq.runtime import profile
 from mixq.runtime.calibration import LayerCalibrator, RoutingCapture, capture_routing, expert_activation
 
 # weight of the (trace-normalised) all-token Hessian in each routed expert's Hessian: per-expert routed statistics
@@ -151,7 +152,8 @@ def layer_hessians(ckpt, input_ids: torch.Tensor, *, device: str | torch.device 
     routing are released when the walk moves on."""
     cal = LayerCalibrator(ckpt, input_ids, device=device, full=True)
     captures = capture_routing(cal)
-    for stage in cal.stages():
+    for stage in profile.timed("calibrate", cal.stages(),
+                               lambda st: profile.walk_label(st.layer, ckpt.num_hidden_layers)):
         cap = captures.get(stage.layer) if stage.layer is not None else None
         yield StageHessians(stage.layer, stage.stats, cap, module=stage.module)
         if cap is not None:

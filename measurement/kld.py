@@ -21,6 +21,8 @@ from mixq.measurement.options import PlanOptions
 from mixq.measurement.plan_run import run_plan as plan
 from mixq.errors import InputError
 from mixq.measurement import gguf_kld  # gguf_kld.gguf_kld_curves looked up per call (tests replace it)
+from mixq.quant.device import pick_device
+from mixq.runtime import profile
 from mixq.runtime.reference import PerturbedKLD
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import validate_checkpoint
@@ -36,27 +38,33 @@ def run_plan(model: str | None, options: PlanOptions):
     ``imatrix``; saved to ``measure_out`` when given). MODEL is checked against its config first, as convert
     checks it (``--from-config`` has no weights to check)."""
     o = options
-    check_outputs({"--measure-out": o.measure_out},
+    check_outputs({"--measure-out": o.measure_out, "--profile": o.profile},
                   {"MODEL": model, "--from-config": o.from_config, "--imatrix": _path_or_none(o.imatrix),
                    "--measure": _path_or_none(o.measure),
                    **{f"--calibration {i + 1}": c for i, c in enumerate(o.calibration)}},
                   overwrite=o.overwrite)
-    ckpt = None
-    if model is not None:  # (with --from-config too, plan_run.run_plan refuses the pair)
-        ckpt = open_checkpoint(model)
-        validate_checkpoint(ckpt)  # what convert refuses, plan refuses, before planning or measuring
-    curves = None
-    if o.measure == "kld":
-        if model is None:
-            raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
-        t0 = time.time()
-        curves = measure_kld(ckpt, o.fmt, o.calibration, sample=o.measure_sample, device=o.device,
-                             rounding=o.rounding, imatrix=o.imatrix, gguf_ladder=o.gguf_ladder, progress=o.progress)
-        if o.measure_out:
-            save_curves(curves, o.measure_out, meta={"model": str(ckpt.path), "method": o.measure,
-                                                     "seconds": round(time.time() - t0, 1)})
-    # the checkpoint opened and checked here, not opened a second time
-    return plan(model if ckpt is None else ckpt, o, curves)
+    with profile.recording(o.profile, "plan", o.fmt, table=o.progress):
+        ckpt = None
+        if model is not None:  # (with --from-config too, plan_run.run_plan refuses the pair)
+            with profile.stage("open"):
+                ckpt = open_checkpoint(model)
+                profile.note_layers(ckpt.config)
+                profile.note_device(pick_device(o.device))
+                validate_checkpoint(ckpt)  # what convert refuses, plan refuses, before planning or measuring
+        curves = None
+        if o.measure == "kld":
+            if model is None:
+                raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
+            t0 = time.time()
+            curves = measure_kld(ckpt, o.fmt, o.calibration, sample=o.measure_sample, device=o.device,
+                                 rounding=o.rounding, imatrix=o.imatrix, gguf_ladder=o.gguf_ladder,
+                                 progress=o.progress)
+            if o.measure_out:
+                save_curves(curves, o.measure_out, meta={"model": str(ckpt.path), "method": o.measure,
+                                                         "seconds": round(time.time() - t0, 1)})
+        # the checkpoint opened and checked here, not opened a second time (--measure trellis / proxy: measured
+        # there, its stages recorded as they run)
+        return plan(model if ckpt is None else ckpt, o, curves)
 
 
 def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = "auto", device: str | None = None,
@@ -88,7 +96,8 @@ def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | 
     """The measured trellis curves of every budgeted unit (``convert.measure.measure_curves``) in KLD units."""
     strips, experts = parse_sample(sample)
     curves = measure_curves(ckpt, calibration, device=device, strips=strips, experts=experts, progress=progress)
-    gains = kld_gains(ckpt, list(curves), calibration, device=device, progress=progress)
+    with profile.stage("kld_gains"):  # every unit perturbed in turn, the whole model scored each time
+        gains = kld_gains(ckpt, list(curves), calibration, device=device, progress=progress)
     return kld_weighted(curves, gains)
 
 

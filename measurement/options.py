@@ -66,7 +66,12 @@ class PlanOptions:
     measure_out: Union[str, Path, None] = opt(None, "--measure-out",
                                               "--measure: save the measured curves as JSON for reuse.",
                                               click_type="path")
-    overwrite: bool = opt(False, "--overwrite", "Replace an existing --measure-out file.", is_flag=True)
+    overwrite: bool = opt(False, "--overwrite", "Replace an existing --measure-out (or --profile) file.",
+                          is_flag=True)
+    profile: Union[str, Path, None] = opt(None, "--profile", "--measure: write where the measurement's time goes to "
+                                          "FILE as JSON (seconds, bytes read and written, peak host and GPU memory, "
+                                          "per stage and per layer); a per-stage table ends the run on stderr.",
+                                          click_type="path")
     measure_sample: Any = opt(
         "auto", "--measure-sample",
         "--measure: STRIPS,EXPERTS sampled per matrix / per layer (e.g. 4,8), 'all', or 'auto' "
@@ -188,6 +193,8 @@ class PlanOptions:
 
     def _check_measure(self) -> None:
         """The measurement options that this format and mode use; the others are errors, never dropped."""
+        if self.profile is not None and self.measure is None:
+            raise InputError("--profile applies to `plan --measure` (a plan alone runs no model)")
         if (self.rounding != "exact" or self.imatrix is not None) and not (
                 self.fmt == "gguf" and self.measure == "kld"):
             raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure "

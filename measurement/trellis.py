@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from mixq.runtime import profile
 from mixq.runtime.calibration import (LayerCalibrator, RoutingCapture, calibrate, calibration_rows, capture_routing,
                                       expert_activation, load_tokenizer)
 from mixq.errors import InputError
@@ -108,25 +109,29 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
     fetch = lambda n: ckpt.get(n, dtype=torch.float32)  # noqa: E731
     curves: dict[str, dict[float, float]] = {}
     bar = tqdm(total=len(groups), desc="measure", unit="unit", disable=not progress)
-    for stage in cal.stages():
+    n_layers = ckpt.num_hidden_layers
+    for stage in profile.timed("calibrate", cal.stages(), lambda st: profile.walk_label(st.layer, n_layers)):
         if stage.layer is None:
             break  # the head is not budgeted (head_bits)
         cap = captures.get(stage.layer)
-        for key in by_layer.get(stage.layer, []):
-            us = groups[key]
-            if key.endswith(".experts"):
-                loss = _measure_experts(stage, us, cap, fetch, rates, strips, experts, scale_tiles,
-                                        seed + 1000 * stage.layer, dev)
-            else:
-                (u,) = us
-                acc = stage.stats.get(u.hf_names[0])
-                h = acc.hessian() if acc is not None else None
-                if h is None:
-                    raise InputError(f"{u.hf_names[0]}: calibration saw no input for this Linear; cannot measure")
-                w = u.assemble(fetch).to(dev)
-                loss = qs.measure(w, h.to(dev), rates, strips=strips, scale_tiles=scale_tiles, seed=seed)[:, 0]
-            curves[key] = {float(b): float(v) for b, v in zip(rates, loss.tolist())}
-            bar.update(1)
+        with profile.stage("measure", profile.layer_label(stage.layer, n_layers)):
+            for key in by_layer.get(stage.layer, []):
+                us = groups[key]
+                if key.endswith(".experts"):
+                    loss = _measure_experts(stage, us, cap, fetch, rates, strips, experts, scale_tiles,
+                                            seed + 1000 * stage.layer, dev)
+                else:
+                    (u,) = us
+                    acc = stage.stats.get(u.hf_names[0])
+                    h = acc.hessian() if acc is not None else None
+                    if h is None:
+                        raise InputError(f"{u.hf_names[0]}: calibration saw no input for this Linear; cannot "
+                                         "measure")
+                    w = u.assemble(fetch).to(dev)
+                    loss = qs.measure(w, h.to(dev), rates, strips=strips, scale_tiles=scale_tiles,
+                                      seed=seed)[:, 0]
+                curves[key] = {float(b): float(v) for b, v in zip(rates, loss.tolist())}
+                bar.update(1)
         if cap is not None:
             cap.clear()
         stage.advance()
@@ -301,14 +306,18 @@ def measure_proxy(ckpt, calibration: Sequence[str] | None = None, *, rows: int =
     ids = calibration_rows(tok, calibration, rows=rows, seq_len=seq_len)
     n_tokens = int(ids.numel())
     weight: dict[str, float] = {}
-    for stage in calibrate(ckpt, ids, full=False, device=device):
-        for name, acc in stage.stats.items():
-            info = ckpt.info(name)
-            if info.exl3 != "trellis" or info.exl3_bits_key != "bits":
-                continue
-            w = ckpt.get(name)
-            tr_h = float(acc.sum_sq.sum()) / max(1, n_tokens)
-            key = allocator_unit(info, name)
-            weight[key] = weight.get(key, 0.0) + float(w.square().mean()) * w.shape[0] * tr_h
+    n_layers = ckpt.num_hidden_layers
+    walk = profile.timed("calibrate", calibrate(ckpt, ids, full=False, device=device),
+                         lambda st: profile.walk_label(st.layer, n_layers))
+    for stage in walk:
+        with profile.stage("measure", profile.walk_label(stage.layer, n_layers)):
+            for name, acc in stage.stats.items():
+                info = ckpt.info(name)
+                if info.exl3 != "trellis" or info.exl3_bits_key != "bits":
+                    continue
+                w = ckpt.get(name)
+                tr_h = float(acc.sum_sq.sum()) / max(1, n_tokens)
+                key = allocator_unit(info, name)
+                weight[key] = weight.get(key, 0.0) + float(w.square().mean()) * w.shape[0] * tr_h
         stage.advance()
     return {k: {b: v * 2.0 ** (-2 * b) for b in al.EXL3_RATES} for k, v in weight.items()}

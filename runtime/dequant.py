@@ -25,6 +25,7 @@ from mixq.errors import FormatError, InputError
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.exl3_names import MCG_MARKER, MUL1_MARKER, add_unit_tensors
 from mixq.formats.exl3_reader import Exl3Dir
+from mixq.formats.io_counts import count_read
 from mixq.formats.gguf_names import merge_kv_b, unbuild_tensor
 from mixq.formats.gguf_reader import read_gguf, spec_from_gguf
 from mixq.formats.glm5next import classify
@@ -139,6 +140,7 @@ class GGUFSource(_UnitSource):
         parts: dict[str, torch.Tensor] = {}
         for name in gguf_names:
             e = self.file.tensors[name]
+            count_read(e.raw().nbytes)  # the stored blocks, memory-mapped: read as they are decoded
             if torch_decode.can_decode(e.qtype):  # torch on self.device, the same values as gguf-py's
                 raw = torch_decode.stored_bytes(e.raw()).to(self.device)
                 t = torch_decode.dequantize(raw, e.qtype, e.shape)
@@ -228,6 +230,7 @@ def dequantize_unit(d, u, device: str | torch.device = "cpu") -> torch.Tensor:
     """An EXL3 unit's weight as the model sees it, float32 on the CPU, logical (unpadded) shape.
     d: an opened `formats.exl3_reader.Exl3Dir`; u: one of its units."""
     t = d.unit_tensors(u)
+    count_read(sum(x.numel() * x.element_size() for x in t.values()))
     if u.kind == "trellis":
         return decode_linear(t, u.key, device=device)[: u.shape[0], : u.shape[1]].float().cpu()
     return next(iter(t.values())).float().reshape(u.shape)

@@ -208,6 +208,12 @@ def _torchrun_env() -> tuple[int, int, int] | None:
     return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
 
 
+def process_rank() -> int:
+    """This process's rank in a multi-process run (torchrun's variables, or a worker `launch` started), else 0."""
+    env = _torchrun_env()
+    return 0 if env is None else env[0]
+
+
 def needs_launch(devices: Sequence[str]) -> bool:
     """True when this process should start one worker per device: several devices, and not already a rank."""
     return len(devices) > 1 and not (dist.is_available() and dist.is_initialized()) and _torchrun_env() is None

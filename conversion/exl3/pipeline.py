@@ -33,6 +33,7 @@ from mixq.planning.planner import plan_model
 from mixq.planning.sizes import parse_size
 from mixq.quant.device import resolve_device
 
+from mixq.runtime import profile
 from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
 from mixq.runtime.overlap import WriteBehind, host_stack
@@ -157,15 +158,21 @@ def run_exl3(model, out, opts: Exl3Options) -> ConvertResult:
     if needs_launch(opts.devices):  # one worker process per device; rank 0's result comes back
         return launch(run_exl3, (model, out, opts), opts.devices)
     with rank_context(opts.devices, opts.device) as ranks:
-        run = _resolve(model, out, opts, ranks)
-        _validate(run)
-        _plan(run)
+        with profile.stage("open"):
+            run = _resolve(model, out, opts, ranks)
+            _validate(run)
+        with profile.stage("plan"):
+            _plan(run)
         out_existed = run.out.exists()
-        _start_job(run)
+        with profile.stage("scan"):  # every weight read once for NaN/Inf (not on --resume)
+            _start_job(run)
         try:
             with writing(run.out, hint="free some space and continue with --resume"):
                 _run_stages(run)
-                return _finalize(run, t0) if ranks.is_main else None  # a worker rank returns nothing
+                if not ranks.is_main:
+                    return None  # a worker rank returns nothing
+                with profile.stage("finalize"):
+                    return _finalize(run, t0)
         except BaseException:
             if ranks.is_main and not opts.resume and not run.job.done:  # nothing to resume: leave nothing behind
                 run.job.release()
@@ -210,6 +217,8 @@ def _resolve(model, out, opts: Exl3Options, ranks: RankContext) -> _Exl3Run:
     ckpt = open_checkpoint(model)
     if ckpt.config.get("model_type") != "glm5_next":
         raise InputError(f"{ckpt.path}: model_type {ckpt.config.get('model_type')!r} is not glm5_next")
+    profile.note_layers(ckpt.config)
+    profile.note_device(ranks.device)
     if opts.bpw is None and opts.size is None:
         raise InputError("give a target: --bpw or --size")
     device = ranks.device
@@ -304,14 +313,17 @@ def _run_calibrated(run: _Exl3Run, bar) -> None:
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
     cal = LayerCalibrator(ckpt, run.ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state,
                           ranks=run.ranks, advance_with_weights=True)
+    n_layers = ckpt.num_hidden_layers
     with WriteBehind() as behind:  # a stage's part and job record are written while the next stage runs
-        for st in cal.stages():
+        for st in profile.timed("calibrate", cal.stages(), lambda st: profile.walk_label(st.layer, n_layers)):
             stage = f"layer.{st.layer}" if st.layer is not None else "head"
             if job.is_done(stage):  # the head of a run killed after all layers but before the head
                 continue
             written, replaced = _encode_stage(run, stage, st.stats)
             if st.layer is not None:
-                st.advance(replaced)
+                # the layer again, on its quantized weights: the next layer's input
+                with profile.stage("advance", profile.walk_label(st.layer, n_layers)):
+                    st.advance(replaced)
             state = cal.state() if st.layer is not None else None  # new tensors each layer: never changed after
             behind.submit(lambda stage=stage, written=written, state=state, fallbacks=list(run.fallbacks):
                           _commit_stage(run, stage, written, state, fallbacks))
@@ -319,11 +331,19 @@ def _run_calibrated(run: _Exl3Run, bar) -> None:
             del st, written, replaced, state
 
 
+def _profile_layer(run: _Exl3Run, stage: str) -> str:
+    """An EXL3 stage's layer as the profile names it: "embed", "head", "vision", a decoder layer's index or
+    "nextn"."""
+    kind, _, index = stage.partition(".")  # "layer.{i}" and "mtp.{i}" (i counts on after the decoder layers)
+    return profile.layer_label(int(index), run.ckpt.num_hidden_layers) if kind in ("layer", "mtp") else stage
+
+
 def _commit_stage(run: _Exl3Run, stage: str, written, state: dict | None, fallbacks: list[str]) -> None:
     """Write a calibrated stage's part (rank 0) and record it in the job with the calibration state after it."""
-    part = None if written is None else run.writer.write_part(stage, written)
-    run.job.extra["fallbacks"] = fallbacks
-    run.job.record(stage, part, state=state)
+    with profile.stage("write", _profile_layer(run, stage)):  # on the write-behind thread
+        part = None if written is None else run.writer.write_part(stage, written)
+        run.job.extra["fallbacks"] = fallbacks
+        run.job.record(stage, part, state=state)
 
 
 def _stage_hessians(run: _Exl3Run, stage_units: list[Exl3Unit], stats: dict | None):
@@ -349,7 +369,8 @@ def _write_stage(run: _Exl3Run, stage: str, stats: dict | None):
     """Quantize/copy the units of one stage and write its part; returns (PartInfo, {HF name: the stored weight as
     the model will see it (dequantized / fp16-rounded)})."""
     written, replaced = _encode_stage(run, stage, stats)
-    return (None if written is None else run.writer.write_part(stage, written)), replaced
+    with profile.stage("write", _profile_layer(run, stage)):
+        return (None if written is None else run.writer.write_part(stage, written)), replaced
 
 
 def _encode_stage(run: _Exl3Run, stage: str, stats: dict | None):
@@ -363,7 +384,9 @@ def _encode_stage(run: _Exl3Run, stage: str, stats: dict | None):
     written: dict[str, dict] = {}
     replaced: dict[str, torch.Tensor] = {}
     stage_units = run.by_stage[stage]
-    trellis_units, hs = _stage_hessians(run, stage_units, stats)
+    where = _profile_layer(run, stage)
+    with profile.stage("hessians", where):
+        trellis_units, hs = _stage_hessians(run, stage_units, stats)
     inner = tqdm(total=len(stage_units), desc=stage, leave=False, disable=not run.progress, unit="t")
     keep = stage.startswith("layer.")  # the next layer is calibrated on these weights: every rank needs them
 
@@ -377,23 +400,24 @@ def _encode_stage(run: _Exl3Run, stage: str, stats: dict | None):
         inner.update(len(us))
         return res
 
-    groups = batches([(u, h is not None) for u, h in zip(trellis_units, hs)], run.bits)
-    costs = [sum(math.prod(trellis_units[i].padded) for i in g) for g in groups]
-    for g, res in encode_batches(run.ranks, groups, costs, prepare, encode, keep_deq=keep):
-        for u, (tensors, deq) in zip([trellis_units[i] for i in g], res):
-            if u.bias:
-                b = torch.zeros(u.padded[1], dtype=torch.float16)
-                b[: u.shape[0]] = fetch(u.bias).half()
-                tensors[f"{u.key}.bias"] = b
-            if deq is not None:
-                replaced.update(u.split_back(deq))
-            written[u.key] = tensors
-    for u in stage_units:
-        if u.kind != "trellis" and (keep or run.ranks.is_main):
-            tensors = _raw_tensors(u, u.assemble(fetch), fetch)
-            replaced.update(u.split_back(next(iter(tensors.values())).float()))
-            written[u.key] = tensors
-            inner.update(1)
+    with profile.stage("encode", where):  # the trellis (and the copies of the raw tensors)
+        groups = batches([(u, h is not None) for u, h in zip(trellis_units, hs)], run.bits)
+        costs = [sum(math.prod(trellis_units[i].padded) for i in g) for g in groups]
+        for g, res in encode_batches(run.ranks, groups, costs, prepare, encode, keep_deq=keep):
+            for u, (tensors, deq) in zip([trellis_units[i] for i in g], res):
+                if u.bias:
+                    b = torch.zeros(u.padded[1], dtype=torch.float16)
+                    b[: u.shape[0]] = fetch(u.bias).half()
+                    tensors[f"{u.key}.bias"] = b
+                if deq is not None:
+                    replaced.update(u.split_back(deq))
+                written[u.key] = tensors
+        for u in stage_units:
+            if u.kind != "trellis" and (keep or run.ranks.is_main):
+                tensors = _raw_tensors(u, u.assemble(fetch), fetch)
+                replaced.update(u.split_back(next(iter(tensors.values())).float()))
+                written[u.key] = tensors
+                inner.update(1)
     inner.close()
     if not run.ranks.is_main:
         return None, replaced
@@ -430,7 +454,7 @@ def _device_name(run: _Exl3Run) -> str:
 
 
 # options a DFlash2 drafter conversion uses (it is uncalibrated and takes one rate)
-_DRAFTER_OPTIONS = ("bpw", "device", "shard_size", "resume", "codebook", "progress")
+_DRAFTER_OPTIONS = ("bpw", "device", "shard_size", "resume", "codebook", "profile", "progress")
 
 
 def _convert_drafter(model, out, opts: Exl3Options) -> ConvertResult:

@@ -16,6 +16,7 @@ from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.formats.gguf_names import TOKEN_EMBD, gguf_tensors
 from mixq.formats.imatrix_file import IMatrix, write_imatrix
 from mixq.quant.device import resolve_device
+from mixq.runtime import profile
 from mixq.runtime.calibration import (CALIBRATION_ROWS, CALIBRATION_SEQ_LEN, LayerCalibrator, calibration_rows,
                                       load_tokenizer)
 
@@ -40,10 +41,13 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
     (so expert counts equal the token count, none is left at 0), and output.weight is always included.
     Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix."""
     dev = resolve_device(device)  # before the checkpoint is read: a missing CUDA is a one-line error
-    ckpt = open_checkpoint(model)
-    validate_checkpoint(ckpt)
-    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                           vocab_size=int(ckpt.text_config["vocab_size"]))
+    with profile.stage("open"):
+        ckpt = open_checkpoint(model)
+        profile.note_layers(ckpt.config)
+        profile.note_device(dev)
+        validate_checkpoint(ckpt)
+        ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                               vocab_size=int(ckpt.text_config["vocab_size"]))
     specs = [s for s in gguf_tensors(ckpt, include_mtp=False)
              if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != TOKEN_EMBD]
     by_hf: dict[str, list] = {}
@@ -54,7 +58,8 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
                  chunk_count=int(ids.shape[0]), chunk_size=int(ids.shape[1]))
     pending: dict[str, dict[int, tuple]] = {}
     cal = LayerCalibrator(ckpt, ids, device=dev, full=False)
-    for stage in tqdm(cal.stages(), total=ckpt.num_hidden_layers + 1, desc="imatrix", disable=not progress):
+    walk = profile.timed("calibrate", cal.stages(), lambda st: profile.walk_label(st.layer, ckpt.num_hidden_layers))
+    for stage in tqdm(walk, total=ckpt.num_hidden_layers + 1, desc="imatrix", disable=not progress):
         for hf, acc in stage.stats.items():
             for s, e in by_hf.get(hf, []):
                 if acc.count == 0 or acc.dim != s.shape[-1]:
@@ -70,19 +75,22 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
 
 
 def make_imatrix(model, out, calibration=None, *, rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, device: str | None = None,
-                 progress: bool = True, overwrite: bool = False) -> dict:
+                 progress: bool = True, overwrite: bool = False, profile_out=None) -> dict:
     """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format. OUT may
-    not be an input, nor an existing file unless `overwrite`."""
-    check_outputs({"OUT": out}, {"MODEL": model, **{f"--calibration {i + 1}": c
-                                                   for i, c in enumerate(calibration or [])}}, overwrite=overwrite)
+    not be an input, nor an existing file unless `overwrite`. `profile_out`: write the run's profile there
+    (runtime/profile.py)."""
+    check_outputs({"OUT": out, "--profile": profile_out},
+                  {"MODEL": model, **{f"--calibration {i + 1}": c for i, c in enumerate(calibration or [])}},
+                  overwrite=overwrite)
     out = Path(out)
     check_free_space(out, imatrix_bytes(model), "the importance matrix")
-    im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress)
-    if not im.sums:  # a file with no entries would be refused by every conversion that reads it
-        raise InputError(f"OUT {out}: the calibration forward gave no tensor importance data; nothing written")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with writing(out):
-        path = write_imatrix(out, im)
+    with profile.recording(profile_out, "imatrix", "gguf", table=progress):
+        im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress)
+        if not im.sums:  # a file with no entries would be refused by every conversion that reads it
+            raise InputError(f"OUT {out}: the calibration forward gave no tensor importance data; nothing written")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with writing(out), profile.stage("write"):
+            path = write_imatrix(out, im)
     return {"file": str(path), "entries": len(im.sums), "chunks": im.chunk_count, "chunk_size": im.chunk_size,
             "datasets": im.datasets}
 

@@ -57,6 +57,7 @@ from mixq.formats.outputs import (check_distinct, check_free_space, check_output
                                   writing)
 from mixq.conversion.result import ConvertResult
 from mixq.quant.device import resolve_device
+from mixq.runtime import profile
 
 METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alignment beyond the tensor data
 # --size: re-plans with the measured header overshoot taken off the budget; the receipt's type counts move the
@@ -78,18 +79,21 @@ def run_gguf(model, out, opts: GGUFOptions, cache: EncodeCache | None = None) ->
     fail on the user's input runs before the first byte is written. `cache` (a family's, conversion/gguf/family.py):
     encoded tensors are served from it and new encodings stored in it; the bytes are those of a run without."""
     t0 = time.time()
-    run = _resolve(model, out, opts)
-    run.cache = cache
-    _validate(run)
-    _plan(run)
+    with profile.stage("open"):
+        run = _resolve(model, out, opts)
+        run.cache = cache
+        _validate(run)
+    with profile.stage("plan"):
+        _plan(run)
     mm_out = Path(opts.mmproj) if opts.mmproj is not None else None
     with gguf_partials_lock(run.out, mm_out), writing(run.out, *([mm_out] if mm_out else [])):
         files = _write(run)
         mm = None
         if mm_out is not None:
             try:
-                mm = mmproj.write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress,
-                                         overwrite=opts.overwrite)
+                with profile.stage("mmproj", "vision"):
+                    mm = mmproj.write_mmproj(model, mm_out, opts.mmproj_type, progress=opts.progress,
+                                             overwrite=opts.overwrite)
             except BaseException:  # the conversion asked for both files: a model file alone is not its output
                 for f in files:
                     f.unlink(missing_ok=True)
@@ -123,6 +127,8 @@ def _resolve(model, out, opts: GGUFOptions) -> _GGUFRun:
     device = _encode_device(opts)
     threads = 1 if device is not None else _thread_count(opts.threads)
     ckpt = open_checkpoint(model)
+    profile.note_layers(ckpt.config)
+    profile.note_device(device or "cpu")
     # config vs weights first: a missing or misshapen tensor is named as the checkpoint spells it, not by the
     # GGUF tensor (an expert stack, a kv_b half) it would have gone into
     validate_checkpoint(ckpt)
@@ -286,7 +292,9 @@ def _write(run: _GGUFRun) -> list[Path]:
 
     outs = [TensorOut(s.name, tuple(s.shape), t) for s, t in zip(run.specs, run.types)]
     items = [(t.name, t.qtype, f"{by_name[t.name].hf_names[0]} -> {t.name} ({t.qtype})") for t in outs]
-    with _rounded(run, load) as pre:
+    last = outs[-1].name if outs else None
+    n_layers = ckpt.num_hidden_layers
+    with _rounded(run, load) as pre, profile.Switch() as switch:
         keys, cached = _cache_keys(run, outs, pre, load)
         with TensorEncoder([i for i in items if i[0] not in pre and i[0] not in cached], load,
                            threads=run.threads, device=run.device) as enc:
@@ -294,6 +302,15 @@ def _write(run: _GGUFRun) -> list[Path]:
             kv, tokenizer, outs = _metadata(run)
 
             def produce(t: TensorOut) -> np.ndarray:
+                # the encode (or wait for the workers) and write of each layer's tensors; after the last, the seal
+                switch("encode", _profile_layer(by_name[t.name], n_layers))
+                try:
+                    return _produce(t)
+                finally:
+                    if t.name == last:
+                        switch("seal")
+
+            def _produce(t: TensorOut) -> np.ndarray:
                 if t.name in pre:
                     return pre[t.name]()
                 if t.name in cached:  # the cache's bytes are those the encoder gives (content-addressed key)
@@ -306,6 +323,13 @@ def _write(run: _GGUFRun) -> list[Path]:
             files = write_gguf(run.out, kv, outs, produce, tokenizer=tokenizer, shard_size=_shard_bytes(o),
                                progress=o.progress, overwrite=o.overwrite)
     return files
+
+
+def _profile_layer(spec, n_layers: int) -> str:
+    """A GGUF tensor's layer as the profile names it: a decoder layer's index, "nextn", "embed" or "head"."""
+    if spec.layer is not None:
+        return profile.layer_label(spec.layer, n_layers)
+    return "embed" if spec.role == "embed" else "head"
 
 
 def _cache_keys(run: _GGUFRun, outs: list, pre, load) -> tuple[dict[str, str], set[str]]:

@@ -23,7 +23,7 @@ from mixq.planning.types import numel
 # family records its members' options with this
 NOT_IN_RECEIPT = ("threads", "device", "devices", "resume", "progress", "overwrite", "mmproj", "imatrix",
                   "calibration", "measure", "chat_template", "size", "bpw", "qtype", "tune_group_iters",
-                  "refine_passes")
+                  "refine_passes", "profile")
 _SHA_MEMO: dict[tuple[str, int, int], str] = {}
 
 

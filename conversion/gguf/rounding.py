@@ -36,6 +36,7 @@ from mixq.formats.partials import make_partial_dir
 from mixq.quant.ggml.rounding import hessian as kh
 from mixq.quant.device import device_kind, pick_device
 from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN, calibration_rows, load_tokenizer
+from mixq.runtime import profile
 from mixq.runtime.overlap import ahead
 
 # where block-output tuning follows, the 2-bit types take fewer passes. On k256, with the other types at three:
@@ -155,22 +156,25 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
                disable=not progress)
     for stage in layer_hessians(ckpt, ids, device=dev):
         before = set(done)
-        for s, t in embed:  # the first stage: its Linears read the embedding
-            path = work / f"{len(done):05d}.npy"
-            if rounded.encode(s, t, path,
-                              lambda: _encode_embedding(s, t, stage, ckpt, ids, fetch, path, dev, passes[t])):
-                done[s.name] = path
-            bar.update(math.prod(s.shape))
-        embed = []
-        for s, t in by_layer.get(stage.layer, []):
-            path = work / f"{len(done):05d}.npy"
-            im = None if imatrix is None else imatrix.get(s.name)
-            im = None if im is None else np.asarray(im, np.float32)
-            if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, stored, im, path, dev, passes[t])):
-                done[s.name] = path
-            bar.update(math.prod(s.shape))
+        where = profile.walk_label(stage.layer, ckpt.num_hidden_layers)
+        with profile.stage("round", where):  # Hessian rounding of the stage's tensors
+            for s, t in embed:  # the first stage: its Linears read the embedding
+                path = work / f"{len(done):05d}.npy"
+                if rounded.encode(s, t, path,
+                                  lambda: _encode_embedding(s, t, stage, ckpt, ids, fetch, path, dev, passes[t])):
+                    done[s.name] = path
+                bar.update(math.prod(s.shape))
+            embed = []
+            for s, t in by_layer.get(stage.layer, []):
+                path = work / f"{len(done):05d}.npy"
+                im = None if imatrix is None else imatrix.get(s.name)
+                im = None if im is None else np.asarray(im, np.float32)
+                if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, stored, im, path, dev, passes[t])):
+                    done[s.name] = path
+                bar.update(math.prod(s.shape))
         if tuner is not None:
-            with stage.lent_layer() as source:  # the calibration's own copy of the layer: not read in a second time
+            # the calibration's own copy of the layer: not read in a second time
+            with profile.stage("tune", where), stage.lent_layer() as source:
                 _tune_stage(tuner, stage.layer, {n: done[n] for n in done if n not in before}, source)
             for name, blocks in tuner.take_encoded().items():  # ggml's bytes, encoded once for tuning and the file
                 path = work / f"{len(done):05d}.npy"

@@ -1,7 +1,7 @@
 """KLD on held-out text against KLD on the model's own replies, for the k256 GGUF and EXL3 files.
 
-    python bench/quality/own_replies_kld.py --phase convert [--device cuda]   # the quantized files (once)
-    python bench/quality/own_replies_kld.py --phase eval                      # both scores, the result file
+    python bench/quality/own_replies_kld.py --phase convert [--set gguf|exl3] [--device cuda]  # the files, once
+    python bench/quality/own_replies_kld.py --phase eval [--set gguf|exl3]    # both scores into the result file
 
 Files (in $MIXQ_BENCH_WORK/own-replies-k256, made once and reused): `mixq convert --type Q4_K_M` and `--type Q2_K`
 GGUFs of glm5next-k256 (no imatrix), and `mixq convert --format exl3 --bpw 3.05` (calibrated on calibration.txt).
@@ -9,8 +9,9 @@ Each is scored by `mixq eval --engine torch` against the BF16 checkpoint twice:
   held-out  --windows x --ctx tokens of heldout.txt, the second half of each window scored (llama-perplexity);
   replies   `--text generated:16 --prompts heldout.txt`: the reference continues 16 prompts of --prompt-tokens
             tokens of heldout.txt by --gen-tokens tokens (8 greedy, 8 sampled at temperature 1, seeds 1,3,...),
-            and only the continuation tokens are scored. Its token file is kept beside the report and scored again
-            from that file (`--text FILE`) as a check that the replies reuse byte for byte (same scores).
+            and only the continuation tokens are scored. The first set scored generates the replies, keeps their
+            token file and scores it again from that file (`--text FILE`: the reuse check, same scores); a set
+            scored later (the EXL3 one) is scored on that same token file.
 The result JSON (paths relative to the repo) holds both reports, the side-by-side rows and every step's wall time.
 """
 from __future__ import annotations
@@ -49,22 +50,23 @@ def run(res: dict, name: str, cmd: list, work: Path) -> None:
         raise SystemExit(f"{name} failed:\n{(r.stdout + r.stderr)[-3000:]}")
 
 
-def files(work: Path) -> dict[str, Path]:
-    out = {t: work / f"glm5next-k256-{t}.gguf" for t in GGUF_TYPES}
-    out[f"exl3-{EXL3_BPW}"] = work / f"glm5next-k256-exl3-{EXL3_BPW}bpw"
-    return out
+def files(work: Path) -> dict[str, dict[str, Path]]:
+    """The candidates by set: the GGUFs and the EXL3 directory (converted and scored in separate runs)."""
+    return {"gguf": {t: work / f"glm5next-k256-{t}.gguf" for t in GGUF_TYPES},
+            "exl3": {f"exl3-{EXL3_BPW}": work / f"glm5next-k256-exl3-{EXL3_BPW}bpw"}}
 
 
 def convert_phase(a, work: Path, res: dict) -> None:
-    for t in GGUF_TYPES:
-        f = files(work)[t]
-        if not f.exists():
-            run(res, f"convert-{t}", MIXQ + ["convert", MODEL, f, "--format", "gguf", "--type", t], work)
-    d = files(work)[f"exl3-{EXL3_BPW}"]
-    if not (d / "mixq_manifest.json").is_file():
-        run(res, f"convert-exl3-{EXL3_BPW}", MIXQ + ["convert", MODEL, d, "--format", "exl3", "--bpw", EXL3_BPW,
-                                                    "--calibration", CALIBRATION, "--rows", a.rows,
-                                                    "--device", a.device, "--overwrite"], work)
+    if a.set in ("gguf", "all"):
+        for t, f in files(work)["gguf"].items():
+            if not f.exists():
+                run(res, f"convert-{t}", MIXQ + ["convert", MODEL, f, "--format", "gguf", "--type", t], work)
+    if a.set in ("exl3", "all"):
+        d = files(work)["exl3"][f"exl3-{EXL3_BPW}"]
+        if not (d / "mixq_manifest.json").is_file():
+            run(res, f"convert-exl3-{EXL3_BPW}", MIXQ + ["convert", MODEL, d, "--format", "exl3", "--bpw", EXL3_BPW,
+                                                        "--calibration", CALIBRATION, "--rows", a.rows,
+                                                        "--device", a.device, "--overwrite"], work)
 
 
 def side_by_side(held: dict, own: dict) -> list[dict]:
@@ -72,7 +74,7 @@ def side_by_side(held: dict, own: dict) -> list[dict]:
     by_path = {c["path"]: c for c in own["candidates"]}
     for c in held["candidates"]:
         o = by_path[c["path"]]
-        rows.append({"file": Path(c["path"]).name, "format": c["format"], "bytes": c["bytes"],
+        rows.append({"file": Path(c["path"]).name, "format": c["format"], "engine": c["engine"], "bytes": c["bytes"],
                      "bpw": round(c["bpw"], 4),
                      "heldout": {k: c[k] for k in ("kld_mean", "kld_mean_err", "kld_p99", "top1", "positions")},
                      "own_replies": {k: o[k] for k in ("kld_mean", "kld_mean_err", "kld_p99", "top1", "positions")},
@@ -81,24 +83,37 @@ def side_by_side(held: dict, own: dict) -> list[dict]:
 
 
 def eval_phase(a, work: Path, res: dict) -> None:
-    cands = list(files(work).values())
-    missing = [str(c) for c in cands if not c.exists()]
-    if missing:
-        raise SystemExit(f"convert first (--phase convert): missing {missing}")
+    """Score the sets asked for on held-out text and on the replies: the first set scored generates the replies
+    (and scores them again from their token file, the reuse check); a later set scores that token file."""
     common = ["--engine", "torch", "--device", "cpu", "--overwrite"]
-    held, own, again = work / "heldout.json", work / "own.json", work / "own-again.json"
-    run(res, "eval-heldout", MIXQ + ["eval", MODEL, *cands, "--text", TEXT, "--ctx", a.ctx, "--windows", a.windows,
-                                     "--json", held, *common], work)
-    run(res, "eval-own-replies", MIXQ + ["eval", MODEL, *cands, "--text", f"generated:{a.replies}", "--prompts", TEXT,
-                                         "--gen-tokens", a.gen_tokens, "--gen-prompt-tokens", a.prompt_tokens,
-                                         "--json", own, *common], work)
-    tokens = own.with_name(own.stem + ".tokens.json")
-    run(res, "eval-own-replies-again", MIXQ + ["eval", MODEL, *cands, "--text", tokens, "--json", again, *common],
-        work)
-    h, o, g = (json.loads(p.read_text()) for p in (held, own, again))
-    res["reuse_identical"] = [c["kld_mean"] for c in o["candidates"]] == [c["kld_mean"] for c in g["candidates"]]
-    res["rows"] = side_by_side(h, o)
-    res["reports"] = {"heldout": h, "own_replies": o}
+    tokens = work / "own.tokens.json"
+    for name in (("gguf", "exl3") if a.set == "all" else (a.set,)):
+        cands = list(files(work)[name].values())
+        missing = [str(c) for c in cands if not c.exists()]
+        if missing:
+            raise SystemExit(f"convert first (--phase convert --set {name}): missing {missing}")
+        held, own = work / f"heldout-{name}.json", work / f"own-{name}.json"
+        run(res, f"eval-heldout-{name}", MIXQ + ["eval", MODEL, *cands, "--text", TEXT, "--ctx", a.ctx, "--windows",
+                                                 a.windows, "--json", held, *common], work)
+        if not tokens.is_file():
+            run(res, f"eval-own-replies-{name}", MIXQ + [
+                "eval", MODEL, *cands, "--text", f"generated:{a.replies}", "--prompts", TEXT, "--gen-tokens",
+                a.gen_tokens, "--gen-prompt-tokens", a.prompt_tokens, "--save-generated", tokens, "--json", own,
+                *common], work)
+            again = work / f"own-{name}-again.json"
+            run(res, f"eval-own-replies-{name}-from-file", MIXQ + ["eval", MODEL, *cands, "--text", tokens, "--json",
+                                                                  again, *common], work)
+            o, g = (json.loads(p.read_text()) for p in (own, again))
+            keys = ("kld_mean", "top1", "ppl", "positions")
+            res["reuse_identical"] = [[c[k] for k in keys] for c in o["candidates"]] == \
+                [[c[k] for k in keys] for c in g["candidates"]]
+        else:
+            run(res, f"eval-own-replies-{name}", MIXQ + ["eval", MODEL, *cands, "--text", tokens, "--json", own,
+                                                         *common], work)
+        h, o = (json.loads(p.read_text()) for p in (held, own))
+        res.setdefault("reports", {})[name] = {"heldout": h, "own_replies": o}
+    res["rows"] = [r for name in ("gguf", "exl3") if name in res.get("reports", {})
+                   for r in side_by_side(res["reports"][name]["heldout"], res["reports"][name]["own_replies"])]
     res["settings"] = {"ctx": a.ctx, "windows": a.windows, "replies": a.replies, "gen_tokens": a.gen_tokens,
                        "prompt_tokens": a.prompt_tokens, "device": "cpu", "exl3_rows": a.rows}
 
@@ -106,6 +121,7 @@ def eval_phase(a, work: Path, res: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase", choices=("convert", "eval", "all"), default="all")
+    ap.add_argument("--set", choices=("gguf", "exl3", "all"), default="all")
     ap.add_argument("--work", type=Path, default=WORK / "own-replies-k256")
     ap.add_argument("--json", type=Path, default=RESULT)
     ap.add_argument("--device", default="cpu", help="device of the EXL3 conversion")

@@ -264,6 +264,10 @@ def _announce(run: EvalRun, windows: int | None) -> str:
     w = run.windows
     torch_models = (0 if run.reader else 1) + sum(s is not None for s in run.sources)
     capped = windows is not None and w.count == windows
+    if run.generated:
+        return (f"eval: {w.count} of the reference's own replies, {w.scored_per_window} tokens each after "
+                f"{w.first + 1}-token prompts ({w.count * w.scored_per_window:,} scored tokens) through "
+                f"{torch_models} model{'s' if torch_models != 1 else ''}, {run.n_layers} layers each")
     return (f"eval: {w.count} window{'s' if w.count != 1 else ''} of {w.ctx} tokens ({w.count * w.ctx:,} tokens"
             f"{', the first of the text' if capped else ''}) through {torch_models} model"
             f"{'s' if torch_models != 1 else ''}, {run.n_layers} layers each"

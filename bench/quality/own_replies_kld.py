@@ -66,7 +66,7 @@ def convert_phase(a, work: Path, res: dict) -> None:
         if not (d / "mixq_manifest.json").is_file():
             run(res, f"convert-exl3-{EXL3_BPW}", MIXQ + ["convert", MODEL, d, "--format", "exl3", "--bpw", EXL3_BPW,
                                                         "--calibration", CALIBRATION, "--rows", a.rows,
-                                                        "--device", a.device, "--overwrite"], work)
+                                                        "--device", a.device], work)
 
 
 def side_by_side(held: dict, own: dict) -> list[dict]:

@@ -150,6 +150,13 @@ def test_card_carries_both(own_run, tmp_path):
     assert "KLD own replies" in card and "Own replies:" in card
 
 
+def test_spec_spellings():
+    assert gen.parse_text("generated") == gen.GeneratedSpec(gen.DEFAULT_COUNT)
+    assert gen.parse_text("generated:7") == gen.GeneratedSpec(7)
+    assert gen.parse_text("generated_text.txt") == "generated_text.txt"  # a file name, not a spec
+    assert gen.parse_text(Path("generated:3")) == Path("generated:3")  # a Path is always a file
+
+
 @pytest.mark.parametrize("spec", ["generated:0", "generated:x", "generated:3:7", "generated:"])
 def test_bad_spec_refused(mini_model, heldout_text, spec):
     line = error_line(run_cli("eval", mini_model, mini_model, "--text", spec, "--prompts", heldout_text))

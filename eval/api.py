@@ -65,6 +65,7 @@ class EvalRun:
     mine: list[int] = field(default_factory=list)  # this rank's windows (indices into `windows`)
     generated: dict | None = None  # a generated set: gen.summary of it (None: a text file)
     token_file: tuple[Path, str] | None = None  # a newly generated set: (where, its text), written with the report
+    prompts: tuple[torch.Tensor, str | None] | None = None  # replies still to generate: (prompt ids, template file)
 
     @property
     def n_layers(self) -> int:
@@ -107,6 +108,8 @@ def evaluate(reference: str | Path, candidates: list[str | Path] = (), text: str
     with rank_context(o.devices, o.device) as ranks:
         run = _resolve(reference, candidates, text, o, ranks.device if ranks.world > 1 else o.device)
         _validate(run)
+        if run.prompts is not None:  # every input checked: now the replies, once
+            _generate(run, o)
         _split_windows(run, ranks)
         progress = o.progress and ranks.is_main
         if progress:
@@ -191,20 +194,18 @@ def _resolve(reference, candidates, text, o: EvalOptions, device: torch.device |
     elif isinstance(text, gen.GeneratedSpec) or gen.is_token_file(text):
         tokenizer = refm.load_tokenizer(ref_dir)
         if isinstance(text, gen.GeneratedSpec):
-            doc = gen.generate_set(ref_dir, ref.ckpt, tokenizer, text, Path(o.prompts),
-                                   prompt_tokens=o.gen_prompt_tokens, tokens=o.gen_tokens,
-                                   temperature=o.gen_temperature, seed=o.gen_seed, device=dev, progress=o.progress)
-            where = Path(o.save_generated) if o.save_generated else gen.default_token_file(o.json_out)
-            body = gen.token_file_text(doc)
-            token_file = (where, body) if where else None
-            generated = gen.summary(doc, where, body.encode("utf-8"))
-            text_name = str(where or text)
+            # the prompts now (their length sets the windows' the candidates are checked against), the replies
+            # once every input has been checked (_generate)
+            prompts = gen.prompt_ids(tokenizer, ref_dir, Path(o.prompts), text.count, o.gen_prompt_tokens)
+            ctx = int(prompts[0].shape[1]) + o.gen_tokens
+            text_name = str(text)
         else:
             doc = gen.read_token_file(Path(text), _vocab(ref.ckpt.config), ref_dir)
             generated = gen.summary(doc, Path(text), Path(text).read_bytes())
             text_name = str(text)
-        win = gen.windows_of(doc, windows)
-        _check_context(win.ctx, ref_dir, ref.ckpt.config, f"{text_name}'s sequences of")
+            win = gen.windows_of(doc, windows)
+            ctx = win.ctx
+        _check_context(ctx, ref_dir, ref.ckpt.config, f"--text {text_name}: sequences of")
     else:
         if text is None:
             raise InputError("--text is required unless --ref-logits is given")
@@ -218,7 +219,7 @@ def _resolve(reference, candidates, text, o: EvalOptions, device: torch.device |
     cache_type = _cache_type(o.cache_type, cand_list)
     ref_tokens = cands.reference_tokens(ref_dir, _vocab(ref.ckpt.config), tokenizer) if cand_list else None
     for c in cand_list:
-        cands.check_candidate(c, ref_tokens, ref_dir, win.ctx)
+        cands.check_candidate(c, ref_tokens, ref_dir, win.ctx if win is not None else ctx)
     n_layers = ref.ckpt.num_hidden_layers
     native = [ENGINE_FORMATS.get(o.engine) == c.format for c in cand_list]
     if o.engine == exllamav3_engine.ENGINE and any(native):
@@ -226,7 +227,24 @@ def _resolve(reference, candidates, text, o: EvalOptions, device: torch.device |
     sources = [None if own else cands.open_weights(c, n_layers, dev) for c, own in zip(cand_list, native)]
     return EvalRun(ref_dir, ref.ckpt.config, ref, dev, win, text_name, cand_list, sources, reader, o.engine,
                    cache_type, Path(o.save_ref) if o.save_ref else None, o.ref_dtype, o.state_dtype,
-                   o.batch_windows, generated=generated, token_file=token_file)
+                   o.batch_windows, generated=generated, token_file=token_file,
+                   prompts=prompts if isinstance(text, gen.GeneratedSpec) else None)
+
+
+def _generate(run: EvalRun, o: EvalOptions) -> None:
+    """The reference's replies to `run.prompts` (eval/generated.py): the run's windows, its token file (written
+    with the report) and what the report says of them."""
+    ids, template = run.prompts
+    doc = gen.generate_set(run.ref_dir, run.ref.ckpt, ids, template, Path(o.prompts),
+                           prompt_tokens=o.gen_prompt_tokens, tokens=o.gen_tokens, temperature=o.gen_temperature,
+                           seed=o.gen_seed, device=run.device, progress=o.progress)
+    where = Path(o.save_generated) if o.save_generated else gen.default_token_file(o.json_out)
+    body = gen.token_file_text(doc)
+    run.token_file = (where, body) if where else None
+    run.generated = gen.summary(doc, where, body.encode("utf-8"))
+    run.text_name = str(where or run.text_name)
+    run.windows = gen.windows_of(doc, o.windows)
+    run.prompts = None
 
 
 def _check_context(ctx: int, ref_dir: Path, config: dict, what: str) -> None:

@@ -144,17 +144,18 @@ def modes(count: int, temperature: float, seed: int) -> tuple[list[bool], list[i
     return greedy, [None if g else seed + i for i, g in enumerate(greedy)]
 
 
-def generate_set(ref_dir: Path, ref_ckpt, tokenizer, spec: GeneratedSpec, prompts_path: Path, *, prompt_tokens: int,
-                 tokens: int, temperature: float, seed: int, device: torch.device, progress: bool) -> dict:
+def generate_set(ref_dir: Path, ref_ckpt, prompts: torch.Tensor, template: str | None, prompts_path: Path, *,
+                 prompt_tokens: int, tokens: int, temperature: float, seed: int, device: torch.device,
+                 progress: bool) -> dict:
     """Generate the token set (the token file's document): the reference built whole from `ref_ckpt` (float32,
-    NextN left out) continues `spec.count` prompts of `prompts_path`."""
-    prompts, where = prompt_ids(tokenizer, ref_dir, prompts_path, spec.count, prompt_tokens)
+    NextN left out) continues `prompts` (`prompt_ids` of `prompts_path`; `template`: the chat template's file)."""
     n_layers = refm.num_hidden_layers(ref_ckpt.config)
     weights = {n: ref_ckpt.get(n, dtype=torch.float32) for n in ref_ckpt.names() if not classify(n, n_layers).mtp}
     model = refm.build_model(ref_dir, weights, device)
     del weights
-    greedy, seeds = modes(spec.count, temperature, seed)
-    with tqdm(total=tokens, desc=f"generating {spec.count} replies", unit="tok", disable=not progress) as bar:
+    count = int(prompts.shape[0])
+    greedy, seeds = modes(count, temperature, seed)
+    with tqdm(total=tokens, desc=f"generating {count} replies", unit="tok", disable=not progress) as bar:
         cont = generate(model, prompts, tokens, greedy=greedy, seeds=seeds, temperature=temperature,
                         progress=lambda _: bar.update(1))
     del model
@@ -165,9 +166,9 @@ def generate_set(ref_dir: Path, ref_ckpt, tokenizer, spec: GeneratedSpec, prompt
         "vocab": vocab,
         "generation": {"prompts": Path(prompts_path).name, "prompts_sha256": sha256_file(prompts_path),
                        "prompt_text_tokens": prompt_tokens, "prompt_tokens": int(prompts.shape[1]),
-                       "chat_template": Path(where).name if where else None, "tokens": tokens,
+                       "chat_template": Path(template).name if template else None, "tokens": tokens,
                        "temperature": temperature, "seed": seed, "greedy": sum(greedy),
-                       "sampled": spec.count - sum(greedy), "sampler": "torch.multinomial, CPU generator per row",
+                       "sampled": count - sum(greedy), "sampler": "torch.multinomial, CPU generator per row",
                        "stop": "none: every continuation has `tokens` tokens", "kv_cache": True,
                        "dtype": "float32"},
         "sequences": [{"mode": "greedy" if g else "sampled", "seed": s, "prompt": p.tolist(), "continuation": c.tolist()}

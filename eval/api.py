@@ -455,14 +455,15 @@ def _check_logits(path: Path, w: int, logits: torch.Tensor, lp: torch.Tensor) ->
 def _report(run: EvalRun, scored: list, ref_seconds: float | None, state_device: torch.device) -> dict:
     window_tokens = run.windows.count * run.windows.ctx
     ref_params = run.ref.ckpt.params
+    own = run.generated or (run.reader is not None and run.reader.meta.get("text_kind") == "generated")
+    kind = "generated" if own else "text"
     report = {
         "reference": str(run.ref_dir),
         "text": run.text_name,
-        "text_kind": "generated" if run.generated or (run.reader and run.reader.meta.get("text_kind") == "generated")
-        else "text",
         "ctx": run.windows.ctx,
-        "score": "all" if run.windows.first == 0 else "half",
+        "score": "continuation" if kind == "generated" else "all" if run.windows.first == 0 else "half",
         "windows": run.windows.count,
+        "text_kind": kind,
         "engine": run.engine,
         "device": str(run.device),
         "ref_params": ref_params,

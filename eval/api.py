@@ -150,6 +150,9 @@ def _check_generated(text, o: EvalOptions) -> Path | None:
         return None
     if o.prompts is None:
         raise InputError(f"--text {text} needs --prompts FILE (held-out text the prompts are cut from)")
+    if o.windows is not None and o.windows < text.count:
+        raise InputError(f"--windows {o.windows} scores fewer than the {text.count} replies of --text {text}: give "
+                         f"--windows {text.count} (or all), or ask for generated:{o.windows}")
     if len(parse_devices(o.devices or None)) > 1:
         raise InputError(f"--text {text} generates in one process: give one device (then score its token file, "
                          "--save-generated, on several)")

@@ -169,6 +169,7 @@ def test_bad_spec_refused(mini_model, heldout_text, spec):
     (["--text", "generated:2", "--prompts", "HELD", "--ctx", "64"], "--ctx applies to text files"),
     (["--text", "generated:2", "--prompts", "HELD", "--score", "all"], "continuation tokens only"),
     (["--text", "generated:2", "--prompts", "HELD", "--gen-temperature", "-1"], "--gen-temperature"),
+    (["--text", "generated:40", "--prompts", "HELD"], "--windows 32 scores fewer than the 40 replies"),
 ])
 def test_bad_generation_options_refused(mini_model, heldout_text, args, says):
     args = [str(heldout_text) if a == "HELD" else a for a in args]

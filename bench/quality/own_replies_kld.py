@@ -118,9 +118,21 @@ def eval_phase(a, work: Path, res: dict) -> None:
                        "prompt_tokens": a.prompt_tokens, "device": "cpu", "exl3_rows": a.rows}
 
 
+def import_phase(a, res: dict) -> None:
+    """A set scored elsewhere by the same commands (`heldout-SET.json`, `own-SET.json` in --reports, the replies
+    scored from this run's token file): its rows joined to the result."""
+    h, o = (json.loads((a.reports / f"{k}-{a.set}.json").read_text()) for k in ("heldout", "own"))
+    res.setdefault("reports", {})[a.set] = {"heldout": h, "own_replies": o}
+    res["rows"] = [r for name in ("gguf", "exl3") if name in res["reports"]
+                   for r in side_by_side(res["reports"][name]["heldout"], res["reports"][name]["own_replies"])]
+    res.setdefault("imported", {})[a.set] = a.note
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase", choices=("convert", "eval", "all"), default="all")
+    ap.add_argument("--phase", choices=("convert", "eval", "all", "import"), default="all")
+    ap.add_argument("--reports", type=Path, help="--phase import: the directory of a set's two reports")
+    ap.add_argument("--note", default="", help="--phase import: where and how that set was converted and scored")
     ap.add_argument("--set", choices=("gguf", "exl3", "all"), default="all")
     ap.add_argument("--work", type=Path, default=WORK / "own-replies-k256")
     ap.add_argument("--json", type=Path, default=RESULT)
@@ -140,6 +152,8 @@ def main() -> None:
             convert_phase(a, a.work, res)
         if a.phase in ("eval", "all"):
             eval_phase(a, a.work, res)
+        if a.phase == "import":
+            import_phase(a, res)
     finally:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(repo_relative(res), indent=1) + "\n")

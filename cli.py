@@ -256,7 +256,9 @@ def inspect(model: str, as_json: bool) -> None:
 @main.command(name="eval")
 @click.argument("reference")
 @click.argument("candidates", nargs=-1)
-@click.option("--text", type=click.Path(), help="Held-out text file (not needed with --ref-logits).")
+@click.option("--text", type=click.Path(), help="Held-out text file (not needed with --ref-logits); 'generated' or "
+              "'generated:N': N replies the reference writes to --prompts (only their tokens scored); a token file "
+              "(--save-generated) scores those replies again.")
 @_field_options(api.EvalOptions)
 @_reports_errors
 def eval_cmd(reference, candidates, text, **params) -> None:
@@ -270,6 +272,8 @@ def eval_cmd(reference, candidates, text, **params) -> None:
       mixq eval ./GLM-5.3-Flash glm-Q4_K_M.gguf --text heldout.txt
       mixq eval ./GLM-5.3-Flash --text heldout.txt --save-ref ref.bin           # reference once
       mixq eval ./GLM-5.3-Flash glm-exl3 glm.gguf --ref-logits ref.bin --json -
+      mixq eval ./GLM-5.3-Flash glm.gguf --text generated:16 --prompts heldout.txt --json own.json
+      mixq eval ./GLM-5.3-Flash glm-exl3 --text own.tokens.json                 # the same replies again
     """
     given = _given(params, api.EvalOptions)
     json_out = given.pop("json_out", None)

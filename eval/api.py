@@ -25,6 +25,7 @@ from mixq.eval import candidates as cands
 from mixq.eval.family import expand_families, record_scores
 from mixq.eval import exllamav3_engine
 from mixq.runtime import profile
+from mixq.eval import generated as gen
 from mixq.runtime import reference as refm
 from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
@@ -34,7 +35,7 @@ from mixq.runtime.kl_stats import KLAccumulator, log_probs, token_quantities
 from mixq.eval.streamed import StreamedModel, StreamedModels, state_bytes
 from mixq.eval.window_split import gather_in_order, rank_window_ids
 from mixq.eval.options import DEFAULT_CTX, SAVE_REF_ONE_DEVICE, EvalOptions
-from mixq.planning.option_fields import options_from
+from mixq.planning.option_fields import default_of, flag_of, options_from
 from mixq.formats.checkpoint_check import validate_checkpoint
 
 # the candidates an engine other than torch scores itself (the others go through the torch engine)
@@ -63,6 +64,9 @@ class EvalRun:
     batch_windows: int
     ranks: RankContext = field(default_factory=RankContext)
     mine: list[int] = field(default_factory=list)  # this rank's windows (indices into `windows`)
+    generated: dict | None = None  # a generated set: gen.summary of it (None: a text file)
+    token_file: tuple[Path, str] | None = None  # a newly generated set: (where, its text), written with the report
+    prompts: tuple[torch.Tensor, str | None] | None = None  # replies still to generate: (prompt ids, template file)
 
     @property
     def n_layers(self) -> int:
@@ -95,9 +99,11 @@ def evaluate(reference: str | Path, candidates: list[str | Path] = (), text: str
         raise InputError(f"give eval options as EvalOptions or as keywords, not both ({', '.join(sorted(kwargs))})")
     every = list(candidates)  # as given, for the worker ranks of a multi-device run
     candidates, families = expand_families(every)  # a family directory: its members, in the one forward
+    text = gen.parse_text(text)
+    save_generated = _check_generated(text, o)
     check_outputs({"--json": None if o.json_out == "-" else o.json_out, "--markdown": o.markdown_out,
-                   "--save-ref": o.save_ref, "--profile": o.profile},
-                  eval_inputs(reference, candidates, text, o.ref_logits), overwrite=o.overwrite)
+                   "--save-ref": o.save_ref, "--save-generated": save_generated, "--profile": o.profile},
+                  eval_inputs(reference, candidates, text, o.ref_logits, o.prompts), overwrite=o.overwrite)
     if needs_launch(o.devices):
         return launch(evaluate, (reference, every, text, o), o.devices)
     with profile.recording(o.profile, "eval", table=o.progress):
@@ -112,6 +118,9 @@ def _evaluate(reference, candidates: list, text, o: EvalOptions, families) -> di
             _validate(run)
         profile.note_device(run.device)
         profile.note_layers(run.config)
+        if run.prompts is not None:  # every input checked: now the replies, once
+            with profile.stage("generate"):
+                _generate(run, o)
         _split_windows(run, ranks)
         progress = o.progress and ranks.is_main
         if progress:
@@ -122,17 +131,53 @@ def _evaluate(reference, candidates: list, text, o: EvalOptions, families) -> di
         if report is None:
             return None  # a rank other than 0: rank 0 reports
         with profile.stage("write"):
-            _write_outputs(report, o.json_out, o.markdown_out)
+            _write_outputs(report, o.json_out, o.markdown_out, run.token_file)
             record_scores(report, families)  # family.json and each member's <file>.receipt.json
         return report
 
 
 # --- resolve -------------------------------------------------------------------------------------------------------
-def eval_inputs(reference, candidates, text, ref_logits) -> dict[str, Path | None]:
+_GEN_FIELDS = ("gen_tokens", "gen_prompt_tokens", "gen_temperature", "gen_seed", "prompts", "save_generated")
+
+
+def _check_generated(text, o: EvalOptions) -> Path | None:
+    """The --text generated options, checked before any work: the generation settings apply to a generated set
+    only, it needs --prompts, generates in one process and is scored on its continuations alone. Returns where
+    the new token file goes (None: no generation, or no file asked for)."""
+    new = isinstance(text, gen.GeneratedSpec)
+    if not new:
+        for name in _GEN_FIELDS:
+            if getattr(o, name) != default_of(EvalOptions, name):
+                raise InputError(f"{flag_of(EvalOptions, name)} applies to {gen.SPEC_HELP}")
+        if not (text is not None and not o.ref_logits and gen.is_token_file(text)):
+            return None
+    if o.ref_logits:
+        raise InputError(f"--text {text} with --ref-logits: the file's tokens are scored; give one of them")
+    if o.ctx is not None:
+        raise InputError(f"--ctx applies to text files; the windows of --text {text} are its sequences "
+                         "(prompt + continuation)")
+    if o.score != default_of(EvalOptions, "score"):
+        raise InputError(f"--score {o.score}: --text {text} scores the continuation tokens only")
+    if not new:
+        return None
+    if o.prompts is None:
+        raise InputError(f"--text {text} needs --prompts FILE (held-out text the prompts are cut from)")
+    if o.windows is not None and o.windows < text.count:
+        raise InputError(f"--windows {o.windows} scores fewer than the {text.count} replies of --text {text}: give "
+                         f"--windows {text.count} (or all), or ask for generated:{o.windows}")
+    if len(parse_devices(o.devices or None)) > 1:
+        raise InputError(f"--text {text} generates in one process: give one device (then score its token file, "
+                         "--save-generated, on several)")
+    return Path(o.save_generated) if o.save_generated else gen.default_token_file(o.json_out)
+
+
+def eval_inputs(reference, candidates, text, ref_logits, prompts=None) -> dict[str, Path | None]:
     """Every file an evaluation reads, by label: the outputs may replace none of them (a GGUF split candidate
     with all its shards, a directory with every file in it)."""
+    text = None if isinstance(text, gen.GeneratedSpec) else text
     inputs: dict[str, Path | None] = {"REFERENCE": Path(reference), "--text": Path(text) if text else None,
-                                      "--ref-logits": Path(ref_logits) if ref_logits else None}
+                                      "--ref-logits": Path(ref_logits) if ref_logits else None,
+                                      "--prompts": Path(prompts) if prompts else None}
     for c in candidates:
         for p in cands.gguf_split_paths(Path(c)):
             inputs[f"CANDIDATE {p}"] = p
@@ -151,7 +196,7 @@ def _resolve(reference, candidates, text, o: EvalOptions, device: torch.device |
     ref = CheckpointSource(ref_dir)
     validate_checkpoint(ref.ckpt)  # a reference whose config disagrees with its weights: refused
     dev = refm.pick_device(device)
-    reader, win, text_name, tokenizer = None, None, "", None
+    reader, win, text_name, tokenizer, generated, token_file = None, None, "", None, None, None
     if o.ref_logits:
         reader = RefLogitsReader(Path(o.ref_logits))
         if ctx is not None and ctx != reader.ctx:
@@ -161,6 +206,21 @@ def _resolve(reference, candidates, text, o: EvalOptions, device: torch.device |
         reader.check_values(n)
         win = refm.Windows(tokens=reader.tokens[:n], first=reader.first)
         text_name = reader.meta.get("text", "")
+    elif isinstance(text, gen.GeneratedSpec) or gen.is_token_file(text):
+        tokenizer = refm.load_tokenizer(ref_dir)
+        if isinstance(text, gen.GeneratedSpec):
+            # the prompts now (their length sets the windows' the candidates are checked against), the replies
+            # once every input has been checked (_generate)
+            prompts = gen.prompt_ids(tokenizer, ref_dir, Path(o.prompts), text.count, o.gen_prompt_tokens)
+            ctx = int(prompts[0].shape[1]) + o.gen_tokens
+            text_name = str(text)
+        else:
+            doc = gen.read_token_file(Path(text), _vocab(ref.ckpt.config), ref_dir)
+            generated = gen.summary(doc, Path(text), Path(text).read_bytes())
+            text_name = str(text)
+            win = gen.windows_of(doc, windows)
+            ctx = win.ctx
+        _check_context(ctx, ref_dir, ref.ckpt.config, f"--text {text_name}: sequences of")
     else:
         if text is None:
             raise InputError("--text is required unless --ref-logits is given")
@@ -174,7 +234,7 @@ def _resolve(reference, candidates, text, o: EvalOptions, device: torch.device |
     cache_type = _cache_type(o.cache_type, cand_list)
     ref_tokens = cands.reference_tokens(ref_dir, _vocab(ref.ckpt.config), tokenizer) if cand_list else None
     for c in cand_list:
-        cands.check_candidate(c, ref_tokens, ref_dir, win.ctx)
+        cands.check_candidate(c, ref_tokens, ref_dir, win.ctx if win is not None else ctx)
     n_layers = ref.ckpt.num_hidden_layers
     native = [ENGINE_FORMATS.get(o.engine) == c.format for c in cand_list]
     if o.engine == exllamav3_engine.ENGINE and any(native):
@@ -182,7 +242,24 @@ def _resolve(reference, candidates, text, o: EvalOptions, device: torch.device |
     sources = [None if own else cands.open_weights(c, n_layers, dev) for c, own in zip(cand_list, native)]
     return EvalRun(ref_dir, ref.ckpt.config, ref, dev, win, text_name, cand_list, sources, reader, o.engine,
                    cache_type, Path(o.save_ref) if o.save_ref else None, o.ref_dtype, o.state_dtype,
-                   o.batch_windows)
+                   o.batch_windows, generated=generated, token_file=token_file,
+                   prompts=prompts if isinstance(text, gen.GeneratedSpec) else None)
+
+
+def _generate(run: EvalRun, o: EvalOptions) -> None:
+    """The reference's replies to `run.prompts` (eval/generated.py): the run's windows, its token file (written
+    with the report) and what the report says of them."""
+    ids, template = run.prompts
+    doc = gen.generate_set(run.ref_dir, run.ref.ckpt, ids, template, Path(o.prompts),
+                           prompt_tokens=o.gen_prompt_tokens, tokens=o.gen_tokens, temperature=o.gen_temperature,
+                           seed=o.gen_seed, device=run.device, progress=o.progress)
+    where = Path(o.save_generated) if o.save_generated else gen.default_token_file(o.json_out)
+    body = gen.token_file_text(doc)
+    run.token_file = (where, body) if where else None
+    run.generated = gen.summary(doc, where, body.encode("utf-8"))
+    run.text_name = str(where or run.text_name)
+    run.windows = gen.windows_of(doc, o.windows)
+    run.prompts = None
 
 
 def _check_context(ctx: int, ref_dir: Path, config: dict, what: str) -> None:
@@ -220,6 +297,10 @@ def _announce(run: EvalRun, windows: int | None) -> str:
     w = run.windows
     torch_models = (0 if run.reader else 1) + sum(s is not None for s in run.sources)
     capped = windows is not None and w.count == windows
+    if run.generated:
+        return (f"eval: {w.count} of the reference's own replies, {w.scored_per_window} tokens each after "
+                f"{w.first + 1}-token prompts ({w.count * w.scored_per_window:,} scored tokens) through "
+                f"{torch_models} model{'s' if torch_models != 1 else ''}, {run.n_layers} layers each")
     return (f"eval: {w.count} window{'s' if w.count != 1 else ''} of {w.ctx} tokens ({w.count * w.ctx:,} tokens"
             f"{', the first of the text' if capped else ''}) through {torch_models} model"
             f"{'s' if torch_models != 1 else ''}, {run.n_layers} layers each"
@@ -337,7 +418,8 @@ def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict | No
     writer = None
     if run.save_ref:
         writer = RefLogitsWriter(run.save_ref, run.windows.tokens, run.windows.first, _vocab(run.config),
-                                 run.ref_dtype, meta={"reference": str(run.ref_dir), "text": run.text_name})
+                                 run.ref_dtype, meta={"reference": str(run.ref_dir), "text": run.text_name,
+                                       "text_kind": "generated" if run.generated else "text"})
     ref = None if run.reader else _TorchLogits(models, models.models[0], run.windows.first)
     ref_seconds = None
     scored = []
@@ -391,12 +473,15 @@ def _check_logits(path: Path, w: int, logits: torch.Tensor, lp: torch.Tensor) ->
 def _report(run: EvalRun, scored: list, ref_seconds: float | None, state_device: torch.device) -> dict:
     window_tokens = run.windows.count * run.windows.ctx
     ref_params = run.ref.ckpt.params
+    own = run.generated or (run.reader is not None and run.reader.meta.get("text_kind") == "generated")
+    kind = "generated" if own else "text"
     report = {
         "reference": str(run.ref_dir),
         "text": run.text_name,
         "ctx": run.windows.ctx,
-        "score": "all" if run.windows.first == 0 else "half",
+        "score": "continuation" if kind == "generated" else "all" if run.windows.first == 0 else "half",
         "windows": run.windows.count,
+        "text_kind": kind,
         "engine": run.engine,
         "device": str(run.device),
         "ref_params": ref_params,
@@ -408,6 +493,8 @@ def _report(run: EvalRun, scored: list, ref_seconds: float | None, state_device:
         "peak_gpu_mib": None if (g := peak_gpu_mib(run.device)) is None else round(g, 1),
         "candidates": [],
     }
+    if run.generated:
+        report["generated"] = run.generated
     for c, (acc, secs) in zip(run.candidates, scored):
         # bpw: mixq's one figure, file bytes x 8 / reference parameters (file_bpw in plan and convert JSONs too)
         entry = {"path": str(c.path), "format": c.format, "bytes": c.bytes, "bpw": c.bytes * 8 / ref_params}
@@ -421,8 +508,12 @@ def _report(run: EvalRun, scored: list, ref_seconds: float | None, state_device:
     return report
 
 
-def _write_outputs(report: dict, json_out: str | Path | None, markdown_out: str | Path | None) -> None:
-    """--json (a file, or "-" for stdout) and --markdown, each written under a temporary name and renamed."""
+def _write_outputs(report: dict, json_out: str | Path | None, markdown_out: str | Path | None,
+                   token_file: tuple[Path, str] | None = None) -> None:
+    """--json (a file, or "-" for stdout), --markdown and a new token file, each written under a temporary name
+    and renamed."""
+    if token_file is not None:
+        _write_atomic(*token_file)
     if json_out is not None and str(json_out) == "-":
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     elif json_out:

@@ -100,13 +100,22 @@ def _exl3_made_lines(fam, receipt: dict | None) -> list[str]:
 
 
 def _score_lines(doc: dict) -> list[str]:
-    if not any(m.get("scores") for m in doc["members"]):
-        return []
-    s = next(m["scores"] for m in doc["members"] if m.get("scores"))
-    return [f"- Scores: `mixq eval` against the BF16 reference `{s.get('reference', '?')}` on "
-            f"{s.get('windows', '?')} windows of {s.get('ctx', '?')} tokens of `{s.get('text', '?')}`"
-            + (f" (sha256 `{s['text_sha256']}`)" if s.get("text_sha256") else "") + "; KLD in nats, "
-            "± its standard error."]
+    lines = []
+    if any(m.get("scores") for m in doc["members"]):
+        s = next(m["scores"] for m in doc["members"] if m.get("scores"))
+        lines.append(f"- Scores: `mixq eval` against the BF16 reference `{s.get('reference', '?')}` on "
+                     f"{s.get('windows', '?')} windows of {s.get('ctx', '?')} tokens of `{s.get('text', '?')}`"
+                     + (f" (sha256 `{s['text_sha256']}`)" if s.get("text_sha256") else "") + "; KLD in nats, "
+                     "± its standard error.")
+    if any(m.get("scores_own_replies") for m in doc["members"]):
+        s = next(m["scores_own_replies"] for m in doc["members"] if m.get("scores_own_replies"))
+        lines.append(f"- Own replies: the same KLD and top-1 on {s.get('replies', '?')} replies of "
+                     f"{s.get('reply_tokens', '?')} tokens the reference `{s.get('reference', '?')}` wrote itself "
+                     f"({s.get('greedy', '?')} greedy, {s.get('sampled', '?')} sampled) to prompts from "
+                     f"`{s.get('prompts', '?')}`, only the reply tokens scored (`mixq eval --text generated:N`; "
+                     f"token file `{s.get('text', '?')}`, sha256 `{s.get('text_sha256', '?')}`). Held-out text "
+                     "flatters a quant: its own replies are where its errors compound.")
+    return lines
 
 
 def write_card(out_dir: str | Path, *, base_model: str | None = None, overwrite: bool = False,
@@ -129,13 +138,19 @@ def write_card(out_dir: str | Path, *, base_model: str | None = None, overwrite:
         receipt = side["receipt"] if side else None
     else:
         receipt = read_receipt(read_gguf(fam.files[0]).kv)
-    rows_md = [f"| {'directory' if exl3 else 'file'} | bytes | bpw | KLD ± s.e. | top-1 | scored by |",
-               "|---|---:|---:|---:|---:|---|"]
+    own = any(m.get("scores_own_replies") for m in doc["members"])
+    rows_md = [f"| {'directory' if exl3 else 'file'} | bytes | bpw | KLD ± s.e. | top-1 | "
+               + ("KLD own replies | top-1 own replies | " if own else "") + "scored by |",
+               "|---|---:|---:|---:|---:|" + ("---:|---:|" if own else "") + "---|"]
     plot_rows = []
     for m in doc["members"]:
         kld, top1, engine = _score_cells(m.get("scores"))
-        rows_md.append(f"| `{m['file']}` | {m['bytes']:,} ({_mb(m['bytes'])}) | {m['bpw']:.3f} | {kld} | {top1} | "
-                       f"{engine} |")
+        extra = ""
+        if own:
+            okld, otop1, oengine = _score_cells(m.get("scores_own_replies"))
+            extra, engine = f" {okld} | {otop1} |", engine or oengine
+        rows_md.append(f"| `{m['file']}` | {m['bytes']:,} ({_mb(m['bytes'])}) | {m['bpw']:.3f} | {kld} | {top1} |"
+                       f"{extra} {engine} |")
         s = m.get("scores") or {}
         if s.get("kld_mean") is not None:
             plot_rows.append({"reference": base, "format": fam.format, "name": m["file"], "bpw": m["bpw"],

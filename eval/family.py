@@ -86,14 +86,22 @@ def _text_info(report: dict) -> dict:
     text = report.get("text") or ""
     info = {"text": Path(text).name if text else None, "ctx": report.get("ctx"), "windows": report.get("windows"),
             "score": report.get("score")}
-    if text and Path(text).is_file():
+    g = report.get("generated")
+    if g:  # the token file (its sha256 taken from the bytes generated, written or read) and how it was made
+        info.update(text_sha256=g["sha256"], replies=g["sequences"], reply_tokens=g["continuation_tokens"],
+                    greedy=g["greedy"], sampled=g["sampled"], prompts=g["settings"].get("prompts"))
+    elif text and Path(text).is_file():
         info["text_sha256"] = sha256_file(text)
     return info
 
 
+SCORES_KEY = {"text": "scores", "generated": "scores_own_replies"}  # family.json's member keys per text kind
+
+
 def record_scores(report: dict, families: Sequence[Family]) -> None:
     """Each evaluated member's scores (SCORE_KEYS, the engine, the text and its sha256) into its family's
-    family.json (`members[i].scores`) and its `<file>.receipt.json`, both written atomically."""
+    family.json (`members[i].scores`; on the model's own replies `members[i].scores_own_replies`, so a card
+    carries both) and its `<file>.receipt.json`, both written atomically."""
     if not families:
         return
     by_path = {Path(c["path"]).resolve(): c for c in report.get("candidates", [])}
@@ -105,8 +113,10 @@ def record_scores(report: dict, families: Sequence[Family]) -> None:
                 continue
             scores = {k: c.get(k) for k in SCORE_KEYS}
             scores.update(engine=c.get("engine", "torch"), reference=Path(report["reference"]).name, **text)
-            m["scores"] = scores
-            write_receipt_json(f, _receipt(fam, m, f), scores)
+            key = SCORES_KEY.get(report.get("text_kind", "text"), "scores")
+            m[key] = scores
+            if key == "scores":
+                write_receipt_json(f, _receipt(fam, m, f), scores)
         write_json(fam.root / FAMILY_JSON, fam.doc)
 
 

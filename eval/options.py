@@ -82,9 +82,25 @@ class EvalOptions:
                                            click_type="path")
     markdown_out: Union[str, Path, None] = opt(None, "--markdown", "Write a markdown table to OUT.",
                                                click_type="path")
-    overwrite: bool = opt(False, "--overwrite", "Replace existing --json / --markdown / --save-ref / --profile "
-                          "files.", is_flag=True)
+    overwrite: bool = opt(False, "--overwrite", "Replace existing --json / --markdown / --save-ref / "
+                          "--save-generated / --profile files.", is_flag=True)
     profile: Union[str, Path, None] = opt(None, "--profile", PROFILE_HELP, click_type="path")
+    prompts: Union[str, Path, None] = opt(None, "--prompts", "With --text generated: the text the prompts are cut "
+                                          "from (held-out text the model was not trained on).", click_type="path")
+    gen_tokens: int = opt(128, "--gen-tokens", "With --text generated: tokens of each continuation (every one "
+                          "has this length; only these tokens are scored).", show_default=True)
+    gen_prompt_tokens: int = opt(64, "--gen-prompt-tokens", "With --text generated: tokens of the prompts file "
+                                 "per prompt (inside the chat template when the reference has one).",
+                                 show_default=True)
+    gen_temperature: float = opt(1.0, "--gen-temperature", "With --text generated: the temperature of the sampled "
+                                 "half (odd-numbered continuations; even ones are greedy). 0: all greedy.",
+                                 show_default=True)
+    gen_seed: int = opt(0, "--gen-seed", "With --text generated: sampled continuation i draws with seed "
+                        "GEN_SEED + i (recorded in the token file).", show_default=True)
+    save_generated: Union[str, Path, None] = opt(None, "--save-generated", "With --text generated: write the "
+                                                 "token file to FILE [default: beside --json as "
+                                                 "<stem>.tokens.json]; --text FILE scores it again.",
+                                                 click_type="path")
     progress: bool = opt(True, None, "Show the progress bar and the line that says what is scored.", cli=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +123,13 @@ class EvalOptions:
         if self.device is not None:
             set_field(self, "device", parse_device(self.device, flag_of(cls, "device")))
         set_field(self, "devices", parse_devices(self.devices or None))
+        check_int(cls, "gen_tokens", self.gen_tokens)
+        check_int(cls, "gen_prompt_tokens", self.gen_prompt_tokens)
+        check_int(cls, "gen_seed", self.gen_seed, 0)
+        if isinstance(self.gen_temperature, bool) or not isinstance(self.gen_temperature, (int, float)) \
+                or not 0 <= self.gen_temperature < float("inf"):
+            raise InputError(f"--gen-temperature {self.gen_temperature!r}: expected a number >= 0")
+        set_field(self, "gen_temperature", float(self.gen_temperature))
         if self.ref_logits and self.save_ref:
             raise InputError("--save-ref and --ref-logits cannot be combined")
         if len(self.devices) > 1 and self.save_ref:

@@ -22,11 +22,37 @@ def _name(path: str) -> str:
     return Path(path).name or path
 
 
+def text_label(report: dict) -> str:
+    """What a report scored, in a few words: the text file's name, or the generated replies."""
+    g = report.get("generated")
+    if g:
+        return (f"own replies ({g['sequences']} x {g['continuation_tokens']} tokens, {g['greedy']} greedy + "
+                f"{g['sampled']} sampled)")
+    if report.get("text_kind") == "generated":
+        return f"own replies `{_name(report.get('text') or '?')}`"
+    return f"text `{_name(report.get('text') or '?')}`"
+
+
+def _heading(report: dict) -> str:
+    where = f"Reference `{report['reference']}`, "
+    g = report.get("generated")
+    if g:
+        s = g["settings"]
+        sampled = f", {g['sampled']} sampled at temperature {s.get('temperature')} (seeds {g['seeds']})" \
+            if g["sampled"] else ""
+        tpl = f" in the chat template of `{s['chat_template']}`" if s.get("chat_template") else ""
+        return (where + f"the model's own replies `{report['text']}` (sha256 {g['sha256'][:12]}): {g['sequences']} "
+                f"continuations of {g['continuation_tokens']} tokens after prompts of {g['prompt_tokens']} tokens of "
+                f"`{s.get('prompts')}`{tpl}; {g['greedy']} greedy{sampled}; only continuation tokens scored, engine "
+                f"{report.get('engine', 'torch')}")
+    return (where + f"text `{report['text']}`, ctx {report['ctx']} ({report.get('windows', '?')} windows, "
+            f"{report.get('score', 'half')} scored), engine {report.get('engine', 'torch')}")
+
+
 def render_markdown(report: dict) -> str:
     """One `mixq eval` report as a markdown table (probabilities in %)."""
     lines = [
-        f"Reference `{report['reference']}`, text `{report['text']}`, ctx {report['ctx']} "
-        f"({report.get('windows', '?')} windows, {report.get('score', 'half')} scored), engine {report.get('engine', 'torch')}",
+        _heading(report),
         "",
         "| candidate | format | size | bpw | KLD mean ± err | KLD median | KLD p99 | KLD max | top-1 % | PPL ref | PPL | ΔPPL | RMS Δp % | positions | engine |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -64,6 +90,8 @@ def compare_rows(reports: list[dict]) -> list[dict]:
                 {
                     "reference": rep["reference"],
                     "ctx": rep.get("ctx"),
+                    "text": text_label(rep),
+                    "text_kind": rep.get("text_kind", "text"),
                     "name": _name(c["path"]),
                     "path": c["path"],
                     "format": c["format"],
@@ -82,16 +110,21 @@ def compare_rows(reports: list[dict]) -> list[dict]:
 
 
 def compare_markdown(rows: list[dict]) -> str:
-    """One markdown table per reference model."""
+    """One markdown table per reference model; where its reports scored more than one text (held-out text and
+    the model's own replies), a column per text: each candidate's KLD and top-1 side by side."""
     out: list[str] = []
     for ref in dict.fromkeys(r["reference"] for r in rows):
+        mine = [r for r in rows if r["reference"] == ref]
+        texts = list(dict.fromkeys(r.get("text", "") for r in mine))
+        out += [f"Reference `{ref}`", ""]
+        if len(texts) > 1:
+            out += _side_by_side(mine, texts)
+            continue
         out += [
-            f"Reference `{ref}`",
-            "",
             "| quant | format | engine | size | bpw | KLD mean ± err | KLD p99 | top-1 % | ΔPPL |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in (r for r in rows if r["reference"] == ref):
+        for r in mine:
             p99 = "" if r["kld_p99"] is None else f"{r['kld_p99']:.3g}"
             out.append(
                 f"| {r['name']} | {r['format']} | {r['engine']} | {_size(r['bytes'])} | {r['bpw']:.3f} | "
@@ -99,6 +132,21 @@ def compare_markdown(rows: list[dict]) -> str:
             )
         out.append("")
     return "\n".join(out)
+
+
+def _side_by_side(rows: list[dict], texts: list[str]) -> list[str]:
+    """One row per candidate (by path and engine), KLD ± err and top-1 on each text; blank where not scored."""
+    cells = {(r["path"], r["engine"], r.get("text", "")): r for r in rows}
+    head = "| quant | format | engine | size | bpw | " + " | ".join(
+        f"KLD {t} | top-1 % {t}" for t in texts) + " |"
+    out = [head, "|---|---|---|---:|---:|" + "---:|---:|" * len(texts)]
+    for r in {(r["path"], r["engine"]): r for r in rows}.values():
+        line = f"| {r['name']} | {r['format']} | {r['engine']} | {_size(r['bytes'])} | {r['bpw']:.3f} |"
+        for t in texts:
+            c = cells.get((r["path"], r["engine"], t))
+            line += " | |" if c is None else f" {c['kld_mean']:.3g} ± {c['kld_mean_err']:.2g} | {100 * c['top1']:.2f} |"
+        out.append(line)
+    return out + [""]
 
 
 def plot_kld_vs_size(rows: list[dict], out: Path) -> None:

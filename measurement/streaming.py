@@ -40,7 +40,8 @@ from tqdm.auto import tqdm
 from mixq.errors import InputError
 from mixq.formats.glm5next import global_hf_name
 from mixq.measurement.gguf_errors import measure_gguf_errors
-from mixq.measurement.trellis import MEASURE_ROWS, MEASURE_SEQ_LEN, budget_units, measure_curves, parse_sample
+from mixq.measurement import trellis  # MEASURE_ROWS / MEASURE_SEQ_LEN read at call time, as measure_curves does
+from mixq.measurement.trellis import budget_units, measure_curves, parse_sample
 from mixq.planning.gguf_measured import measured_units
 from mixq.quant.device import pick_device
 from mixq.runtime.calibration import calibration_rows, load_tokenizer
@@ -203,8 +204,8 @@ def stream_sensitivity(ckpt, calibration: Sequence[str] | None = None, *, rows: 
     a time; each layer's input streams wait on disk (`spill_dir`, default a temporary directory) between the
     forward and the backward, so host memory does not grow with the depth."""
     dev = pick_device(device)
-    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows or MEASURE_ROWS,
-                           seq_len=seq_len or MEASURE_SEQ_LEN, vocab_size=ckpt.shape(EMBED_NAME)[0])
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows or trellis.MEASURE_ROWS,
+                           seq_len=seq_len or trellis.MEASURE_SEQ_LEN, vocab_size=ckpt.shape(EMBED_NAME)[0])
     n_tok = int(ids.numel())
     stream = DecoderStream(ckpt.config, device=dev, dtype=torch.float32)
     # transformers' own per-expert loop: each expert's Linears are separate F.linear calls the tap can see

@@ -8,18 +8,24 @@ needs the model in memory and one forward per unit. This one needs one layer in 
 2. A backward from the head to layer 0 of the model's own output distribution: for each token a label y is drawn
    from the source model's p, and −log q_y is differentiated. Its gradient g has E[g·gᵀ] = diag(p) − p·pᵀ, the
    Hessian of KL(p‖q) at q = p (the Fisher), so the squared gradients pushed back through the network are the
-   curvature of the end-to-end KLD. Layer by layer (from its stored input, grad enabled) every Linear's output
-   gradient is tapped and its per-row second moment kept: G_j = Σ_t g_tj² / N (N: all calibration tokens). A
-   routed expert sees only its routed tokens and its output is scaled by the router's gate, which the gradient
-   carries: there G_j = Σ_t g_tj² / Σ_t gate_t², to pair with the routing-weighted input covariance
-   R_e = Σ_t gate_t²·x_t·x_tᵀ / N that measurement/trellis.py and measurement/hessians.py already form.
-3. The per-unit error machinery the formats already have, weighted by G (K-FAC, diagonal in the output):
-   cost(Ŵ) ≈ ½ Σ_j G_j·Δw_j·C·Δw_jᵀ nats per token, C the input covariance. EXL3's Hadamard-rotated trellis error
-   is close to isotropic over the rows, so the EXL3 curve is ½·mean(G)·tr(ΔW·C·ΔWᵀ), the trellis curve scaled
+   curvature of the end-to-end KLD. Layer by layer (from its stored input, grad enabled, one calibration row per
+   call) every Linear is tapped: one weight error moves every token of a sequence, so what its error costs is
+   the row's weight gradient Σ_t g_t·x_tᵀ (cross-token terms included; per-token second moments alone put
+   mini's early units 2-5x too low), whose squared norm per output row j, summed over rows, is F_j. With
+   C the input covariance the format's error is measured with (all tokens; for a routed expert the
+   routing-weighted R_e = Σ_t gate_t²·x_t·x_tᵀ / N that measurement/trellis.py and measurement/hessians.py
+   already form, the gate carried by the gradient), G_j = F_j / (N·tr C) makes ½·Σ_j G_j·Δw_j·C·Δw_jᵀ the
+   predicted KLD, exact for i.i.d. noise on the weight.
+3. The per-unit error machinery the formats already have, weighted by G (diagonal in the output):
+   cost(Ŵ) ≈ ½ Σ_j G_j·Δw_j·C·Δw_jᵀ nats per token. EXL3's Hadamard-rotated trellis error is close to isotropic
+   over the rows, so the EXL3 curve is ½·mean(G)·tr(ΔW·C·ΔWᵀ), the trellis curve scaled
    (`exl3_stream_curves`); GGUF's rows are quantized on their own, so its curve keeps the row weights
    (`gguf_stream_curves`, measurement/gguf_errors.py with `row_weights`). token_embd: a row's error enters the
-   first layer's input wherever the token occurs, so its weight is (count + 1)/N per row times the mean squared
-   gradient of the embedding output per column. The head's rows take the exact diagonal Fisher, mean p(1 − p).
+   first layer's input wherever the token occurs, so its weight is count/N per row times the mean squared
+   gradient of the embedding output per column. The head is tapped as a Linear. The DSA indexer's Linears only
+   choose keys (no gradient): they take their layer's median weight. Routing and key choices that a weight error
+   flips are beyond a gradient; on mini the predicted KLD of the oracle's noise is 0.2-1.3x its measured value,
+   lowest in the early layers, and ranks the units as the oracle does (tests/measurement/test_streaming.py).
 
 One measurement of G serves both formats and every size of a family; the curves are in nats/token, as the
 whole-model measurement's are, so the two are comparable (tests compare them on the fixtures).
@@ -227,7 +233,7 @@ def stream_sensitivity(ckpt, calibration: Sequence[str] | None = None, *, rows: 
     emb = grad.double().sum(2).reshape(-1, grad.shape[-1])  # the embedding feeds every stream
     out.embed_cols = emb.square().sum(0) / n_tok
     counts = torch.bincount(ids.reshape(-1), minlength=ckpt.shape(EMBED_NAME)[0]).double()
-    out.embed_rows = (counts + 1.0) / n_tok
+    out.embed_rows = counts / n_tok  # the calibration's token distribution: the cost's expectation over it
     return out
 
 

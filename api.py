@@ -30,7 +30,7 @@ from mixq.errors import FormatError, InputError, MixqError, MixqWarning, PlanErr
 from mixq.eval.options import DEFAULT_WINDOWS, EvalOptions
 from mixq.eval.card import write_card
 from mixq.eval.api import evaluate as _evaluate_streamed
-from mixq.measurement.kld import measure_kld, run_plan
+from mixq.measurement.kld import measure_method, run_plan
 from mixq.measurement.options import PlanOptions
 from mixq.planning.fit import FitResult
 from mixq.planning.offload import OffloadResult
@@ -48,7 +48,7 @@ __all__ = ["inspect", "plan", "measure", "convert", "family", "verify", "evaluat
            "format_report", "format_plan", "render_markdown", "format_demo",
            "MixqError", "InputError", "PlanError", "FormatError", "MixqWarning", "escape"]
 
-MEASURE_METHODS = ("kld", "trellis", "proxy")
+MEASURE_METHODS = ("stream", "kld", "trellis", "proxy")
 
 
 def inspect(path: str | os.PathLike) -> dict:
@@ -86,8 +86,9 @@ def measure(model: str | os.PathLike, fmt: str = "exl3", *, method: str = "kld",
             device: str | None = None, rounding: str = "exact", imatrix=None, gguf_ladder: str = "k",
             progress: bool = True) -> dict[str, dict[float, float]]:
     """Error curves {unit: {bits or type: error}} of every budgeted unit, for `plan(..., measure=curves)` and
-    `convert(..., measure=curves)`: `method` "kld" (end to end, EXL3 or GGUF with the conversion's `rounding`
-    and `imatrix`), "trellis" or "proxy" (EXL3). `out` saves them as the JSON `--measure FILE` reads."""
+    `convert(..., measure=curves)`: `method` "kld" (the whole model, one perturbed forward per unit) or "stream" (one
+    layer in memory, weighted by a streamed backward), both in end-to-end KLD units, EXL3 or GGUF with the conversion's `rounding` and `imatrix`; "trellis" or
+    "proxy" (EXL3). `out` saves them as the JSON `--measure FILE` reads."""
     if method not in MEASURE_METHODS:
         raise InputError(f"measure method {method!r}: expected one of {', '.join(MEASURE_METHODS)}")
     check_outputs({"--measure-out": out}, {"MODEL": model, **{f"--calibration {i + 1}": c
@@ -95,9 +96,9 @@ def measure(model: str | os.PathLike, fmt: str = "exl3", *, method: str = "kld",
                   overwrite=overwrite)
     ckpt = open_checkpoint(model)
     validate_checkpoint(ckpt)
-    if method == "kld":
-        curves = measure_kld(ckpt, fmt, calibration, sample=sample, device=device, rounding=rounding,
-                             imatrix=imatrix, gguf_ladder=gguf_ladder, progress=progress)
+    if method in ("stream", "kld"):
+        curves = measure_method(ckpt, fmt, method, calibration, sample=sample, device=device, rounding=rounding,
+                                imatrix=imatrix, gguf_ladder=gguf_ladder, progress=progress)
     else:
         curves = resolve_measure(ckpt, method, fmt, calibration=calibration, device=device, sample=sample,
                                  progress=progress)
@@ -112,12 +113,12 @@ def _curves_meta(ckpt, method: str) -> dict:
 
 
 def _gguf_family_curves(ckpt, out, *, calibration, imatrix, ladder: str, rounding: str, device, cache,
-                        progress: bool) -> None:
-    """A GGUF family's `measure="kld"` (conversion/gguf/family.CurveMeasurer): the curves `measure(..., method="kld")`
-    makes, saved at `out`, the exact encodes kept in the family's `cache`."""
-    curves = measure_kld(ckpt, "gguf", calibration or (), device=device, rounding=rounding, imatrix=imatrix,
-                         gguf_ladder=ladder, cache=cache, progress=progress)
-    save_curves(curves, out, meta=_curves_meta(ckpt, "kld"))
+                        progress: bool, method: str = "kld") -> None:
+    """A GGUF family's `measure="stream"` or `"kld"` (conversion/gguf/family.CurveMeasurer): the curves
+    `measure(..., method=method)` makes, saved at `out`, the exact encodes kept in the family's `cache`."""
+    curves = measure_method(ckpt, "gguf", method, calibration or (), device=device, rounding=rounding,
+                            imatrix=imatrix, gguf_ladder=ladder, cache=cache, progress=progress)
+    save_curves(curves, out, meta=_curves_meta(ckpt, method))
 
 
 def convert(model: str | os.PathLike, out: str | os.PathLike, options=None, **kwargs):

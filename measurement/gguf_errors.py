@@ -141,10 +141,21 @@ def _parts(store: MeasuredEncodes | None, spec, types, rounding: str) -> dict[st
     return {t: [] for t in types if store.wants(spec, t)}
 
 
-def _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev,
-                  store: MeasuredEncodes | None = None) -> tuple[dict[float, float], float] | None:
+def row_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor, rows: torch.Tensor | None) -> float:
+    """Σ_j rows_j·(ΔW·H·ΔWᵀ)_jj over the rows of W (rows, n) / (E, rows, n), H (n, n) / (E, n, n), `rows` the
+    matching (rows,) / (E, rows) weights; tr(ΔW·H·ΔWᵀ) summed when `rows` is None."""
+    if rows is None:
+        return float(kh.layer_error(w, wq, h).sum())
+    d = w.double() - wq.double()
+    return float((((d @ h.double()) * d).sum(-1) * rows.double()).sum())
+
+
+def _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev, store: MeasuredEncodes | None = None,
+                  rows: torch.Tensor | None = None) -> tuple[dict[float, float], float] | None:
     """({bpw: Σ tr(ΔW·H·ΔWᵀ)}, ggml's own error at the reference type) of one budgeted Linear or expert stack;
-    None without a Hessian. `store`: where the exact encodes are kept for the conversion."""
+    None without a Hessian. `store`: where the exact encodes are kept for the conversion. `rows`: per-row weights
+    of the output error ((rows,) or (E, rows)); routed experts are then weighted with their routing-weighted
+    covariance (StageHessians.routed) instead of the rounding's blended Hessian."""
     errs = dict.fromkeys((gm.type_bpw(t) for t in types), 0.0)
     ref, ref_err = reference_type(types), 0.0
     parts = _parts(store, spec, types, rounding)
@@ -156,14 +167,15 @@ def _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev,
             h = stage.experts(spec, e0, e1)
             if h is None:
                 return None
+            lh, rw = (h, None) if rows is None else (stage.routed(spec, e0, e1), rows[e0:e1])
             w = torch.stack([fetch(spec.hf_names[e]) for e in range(e0, e1)])
             im = _importance(imatrix, spec.name, (E, 0, n))
             im = None if im is None else im[e0:e1]
             for t in types:
                 wq = _encode(w, t, h, im, rounding, dev, None if parts is None else parts.get(t))
-                errs[gm.type_bpw(t)] += float(kh.layer_error(w, wq, h).sum())
+                errs[gm.type_bpw(t)] += row_error(w, wq, lh, rw)
             if rounding != "exact":
-                ref_err += float(kh.layer_error(w, _encode(w, ref, h, im, "exact", dev), h).sum())
+                ref_err += row_error(w, _encode(w, ref, h, im, "exact", dev), lh, rw)
         for t, p in (parts or {}).items():
             _keep(store, spec, t, p)
         return errs, (ref_err if rounding != "exact" else errs[gm.type_bpw(ref)])
@@ -174,18 +186,19 @@ def _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev,
     im = _importance(imatrix, spec.name, spec.shape)
     for t in types:
         wq = _encode(w, t, h, im, rounding, dev, None if parts is None else parts.get(t))
-        errs[gm.type_bpw(t)] = float(kh.layer_error(w, wq, h))
+        errs[gm.type_bpw(t)] = row_error(w, wq, h, rows)
     for t, p in (parts or {}).items():
         _keep(store, spec, t, p)
     if rounding == "exact":
         return errs, errs[gm.type_bpw(ref)]
-    return errs, float(kh.layer_error(w, _encode(w, ref, h, im, "exact", dev), h))
+    return errs, row_error(w, _encode(w, ref, h, im, "exact", dev), h, rows)
 
 
 def _embedding_curve(spec, types, fetch, stage, ckpt, ids: torch.Tensor, rounding: str, dev,
-                     store: MeasuredEncodes | None = None) -> tuple[dict, float]:
+                     store: MeasuredEncodes | None = None, weights: tuple | None = None) -> tuple[dict, float]:
     """({bpw: Σ_rows f_row·δ_row·M·δ_rowᵀ}, exact error at the reference type) of token_embd: rows weighted by
-    how often the calibration text uses the token (+1), M the first layer's embedding metric (else identity)."""
+    how often the calibration text uses the token (+1), M the first layer's embedding metric (else identity).
+    `weights`: (row weights (vocab,), column weights (hidden,)) in place of f and M: Σ_v r_v·Σ_k c_k·δ_vk²."""
     w = fetch(spec.hf_names[0])
     freq = token_frequency(ids, w.shape[0]) + 1.0
     m = embedding_hessian(stage, ckpt, w, freq)
@@ -194,6 +207,8 @@ def _embedding_curve(spec, types, fetch, stage, ckpt, ids: torch.Tensor, roundin
 
     def err(t: str, how: str) -> float:
         d = _encode(w, t, m, None, how, dev, None if parts is None else parts.get(t)).double() - w.double()
+        if weights is not None:
+            return float(((d.square() * weights[1].double()[None, :]).sum(1) * weights[0].double()).sum())
         return float((((d @ metric) * d).sum(1) * freq).sum())
 
     ref = reference_type(types)
@@ -207,14 +222,17 @@ def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladde
                         rounding: str = "exact", imatrix: Mapping[str, np.ndarray] | None = None,
                         rows: int | None = None, seq_len: int | None = None, include_mtp: bool = True,
                         only: Sequence[str] | None = None, device: str | None = None,
-                        cache: EncodeCache | None = None, progress: bool = True) -> GGUFMeasurement:
+                        cache: EncodeCache | None = None, row_weights: Mapping | None = None,
+                        progress: bool = True) -> GGUFMeasurement:
     """Measured error curves {GGUF tensor: {bpw: error}} of every budgeted tensor (module docstring).
 
     `rounding`: "exact" or "hessian" (as the conversion will encode); `imatrix`: GGUF name -> importance (the
     --imatrix the conversion will use; default: ggml's reference path, diag(H) for the types that need one).
     Errors of different units are not comparable until rescaled end to end (measurement/gguf_kld.py). `only`: measure
     just these GGUF tensors (default: every budgeted one). `cache`: a family's encode cache, where the exact
-    encodes are kept for the members' conversions (`MeasuredEncodes`)."""
+    encodes are kept for the members' conversions (`MeasuredEncodes`). `row_weights`: GGUF name -> per-row
+    weights of the output error (measurement/streaming.py: ½ the output-gradient second moments, which puts the
+    curves in nats per token; token_embd: a (rows, columns) pair)."""
     rounding = check_rounding(rounding)
     units = measured_units(ckpt, include_mtp, ladder)
     if only is not None:
@@ -241,15 +259,17 @@ def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladde
     for stage in layer_hessians(ckpt, ids, device=dev):
         for name in embed:  # the first stage: its Linears read the embedding
             spec, types = units[name]
-            curves[name], res.reference_error[name] = _embedding_curve(spec, types, fetch, stage, ckpt, ids,
-                                                                      rounding, dev, store)
+            curves[name], res.reference_error[name] = _embedding_curve(
+                spec, types, fetch, stage, ckpt, ids, rounding, dev, store,
+                None if row_weights is None else row_weights[name])
             res.reference[name] = reference_type(types)
             bar.update(math.prod(spec.shape) * len(types))
         embed = []
         with profile.stage("measure", profile.walk_label(stage.layer, ckpt.num_hidden_layers)):
             for name in by_layer.get(stage.layer, []):
                 spec, types = units[name]
-                c = _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev, store)
+                c = _linear_curve(spec, types, stage, fetch, imatrix, rounding, dev, store,
+                                  None if row_weights is None else row_weights[name])
                 if c is None:
                     raise InputError(f"{name}: the calibration forward never forms this tensor's input; cannot "
                                      "measure")

@@ -77,6 +77,29 @@ class StageHessians:
     @torch.no_grad()
     def experts(self, spec, e0: int, e1: int) -> torch.Tensor | None:
         """Routing-weighted Hessians (e1-e0, n, n) of experts e0..e1-1 of a stacked `*_exps` tensor (see module)."""
+        got = self._routed_pairs(spec, e0, e1)
+        if got is None:
+            return None
+        out = []
+        for e, r in zip(range(e0, e1), got):
+            all_tok = self.stats[spec.hf_names[e]].hessian().to(r.device if r is not None else "cpu")
+            out.append(_normalised(r) + ALL_TOKEN_SHARE * _normalised(all_tok) if r is not None else
+                       _normalised(all_tok))
+        return torch.stack(out)
+
+    @torch.no_grad()
+    def routed(self, spec, e0: int, e1: int) -> torch.Tensor | None:
+        """R_e = Σ_t g_te²·x_t·x_tᵀ / N (e1-e0, n, n) of experts e0..e1-1 of a stacked `*_exps` tensor, unblended
+        and unnormalised: the covariance an expert's output error is weighted with (zero for an expert no token
+        was routed to)."""
+        got = self._routed_pairs(spec, e0, e1)
+        if got is None:
+            return None
+        n = int(spec.shape[-1])
+        return torch.stack([r if r is not None else torch.zeros(n, n) for r in got])
+
+    def _routed_pairs(self, spec, e0: int, e1: int) -> list[torch.Tensor | None] | None:
+        """Each expert's R_e (None for an expert without routed tokens), or None when the stage cannot form them."""
         if spec.transform != "stack" or self.capture is None or not self.capture.x:
             return None
         acc = self.stats.get(spec.hf_names[e0])
@@ -87,18 +110,18 @@ class StageHessians:
         x, g = self._routed
         down = spec.hf_names[0].endswith("down_proj.weight")
         mod = self.capture.module
-        out = []
+        out: list[torch.Tensor | None] = []
         for e in range(e0, e1):
             rows = g[:, e].nonzero().squeeze(1)
+            if not rows.numel():
+                out.append(None)
+                continue
             xe = x[rows].to(mod.gate_up_proj.device)
             if down:
                 xe = expert_activation(mod, e, xe)
             xg = xe.double() * g[rows, e:e + 1].to(xe.device, torch.float64)
-            r = (xg.T @ xg / max(x.shape[0], 1)).float()
-            all_tok = self.stats[spec.hf_names[e]].hessian().to(r.device)
-            out.append(_normalised(r) + ALL_TOKEN_SHARE * _normalised(all_tok) if rows.numel() else
-                       _normalised(all_tok))
-        return torch.stack(out)
+            out.append((xg.T @ xg / max(x.shape[0], 1)).float())
+        return out
 
 
 def token_frequency(input_ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -17,8 +17,10 @@ from tqdm.auto import tqdm
 
 from mixq.measurement.trellis import budget_units, measure_curves, parse_sample, save_curves
 from mixq.formats.outputs import check_outputs
-from mixq.measurement.options import PlanOptions
+from mixq.measurement.options import MEASURE_MODES, PlanOptions
 from mixq.measurement.plan_run import run_plan as plan
+from mixq.measurement.streaming import stream_curves
+from mixq.measurement.options import END_TO_END
 from mixq.errors import InputError
 from mixq.measurement import gguf_kld  # gguf_kld.gguf_kld_curves looked up per call (tests replace it)
 from mixq.quant.device import pick_device
@@ -52,19 +54,44 @@ def run_plan(model: str | None, options: PlanOptions):
                 profile.note_device(pick_device(o.device))
                 validate_checkpoint(ckpt)  # what convert refuses, plan refuses, before planning or measuring
         curves = None
-        if o.measure == "kld":
+        if o.measure in END_TO_END:
             if model is None:
-                raise InputError("--measure kld runs MODEL end to end: give MODEL, not --from-config")
+                raise InputError(f"--measure {o.measure} runs MODEL: give MODEL, not --from-config")
             t0 = time.time()
-            curves = measure_kld(ckpt, o.fmt, o.calibration, sample=o.measure_sample, device=o.device,
-                                 rounding=o.rounding, imatrix=o.imatrix, gguf_ladder=o.gguf_ladder,
-                                 progress=o.progress)
+            curves = measure_method(ckpt, o.fmt, o.measure, o.calibration, sample=o.measure_sample,
+                                    device=o.device, rounding=o.rounding, imatrix=o.imatrix,
+                                    gguf_ladder=o.gguf_ladder, progress=o.progress)
             if o.measure_out:
                 save_curves(curves, o.measure_out, meta={"model": str(ckpt.path), "method": o.measure,
                                                          "seconds": round(time.time() - t0, 1)})
         # the checkpoint opened and checked here, not opened a second time (--measure trellis / proxy: measured
         # there, its stages recorded as they run)
         return plan(model if ckpt is None else ckpt, o, curves)
+
+
+def measure_method(ckpt, fmt: str, method: str, calibration: Sequence[str] = (), *, sample: str = "auto",
+                   device: str | None = None, rounding: str = "exact", imatrix=None, gguf_ladder: str = "k",
+                   cache=None, progress: bool = True) -> dict[str, dict[float, float]]:
+    """End-to-end curves {unit: {bits or type: KLD}} by `method`: "stream" (measurement/streaming.py: one layer
+    in memory) or "kld" (`measure_kld`: the whole model, one forward per unit; the oracle)."""
+    if method == "kld":
+        return measure_kld(ckpt, fmt, calibration, sample=sample, device=device, rounding=rounding, imatrix=imatrix,
+                           gguf_ladder=gguf_ladder, cache=cache, progress=progress)
+    if method != "stream":
+        raise InputError(f"--measure {method!r}: not an end-to-end measurement ({', '.join(END_TO_END)})")
+    return stream_curves(ckpt, fmt, calibration or None, sample=sample, device=device, rounding=rounding,
+                         imatrix=_means(ckpt, imatrix) if fmt == "gguf" else None, gguf_ladder=gguf_ladder,
+                         cache=cache, progress=progress)
+
+
+def _means(ckpt, imatrix):
+    """The GGUF importance vectors of `imatrix` (a file, an IMatrix, means or None), by GGUF tensor name."""
+    if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
+        im = check_names(read_imatrix(imatrix), [s.name for s in gguf_tensors(ckpt)], f"--imatrix {imatrix}")
+        return im.means()
+    if isinstance(imatrix, IMatrix):
+        return imatrix.means()
+    return imatrix
 
 
 def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = "auto", device: str | None = None,
@@ -74,19 +101,15 @@ def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str 
     (``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and ``imatrix``, a file, an IMatrix or
     means; ``cache``: a family's EncodeCache, given the exact encodes)."""
     if fmt == "gguf":
-        if isinstance(imatrix, (str, bytes)) or hasattr(imatrix, "__fspath__"):
-            im = check_names(read_imatrix(imatrix), [s.name for s in gguf_tensors(ckpt)], f"--imatrix {imatrix}")
-            imatrix = im.means()
-        elif isinstance(imatrix, IMatrix):
-            imatrix = imatrix.means()
         return gguf_kld.gguf_kld_curves(ckpt, calibration or None, ladder=gguf_ladder, rounding=rounding,
-                                        imatrix=imatrix, device=device, cache=cache, progress=progress)
+                                        imatrix=_means(ckpt, imatrix), device=device, cache=cache,
+                                        progress=progress)
     return kld_curves(ckpt, calibration or None, device=device, sample=sample, progress=progress)
 
 
 def _path_or_none(value):
     """A value that names a file (str or path-like), else None (a mode name such as 'kld', a mapping, None)."""
-    if isinstance(value, str) and value in ("kld", "trellis", "proxy"):
+    if isinstance(value, str) and value in MEASURE_MODES:
         return None
     return value if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__") else None
 

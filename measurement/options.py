@@ -24,7 +24,8 @@ from mixq.quant.device import parse_device
 FORMATS = ("exl3", "gguf")
 FIT_OFFLOAD = "offload"  # --fit given bare: the --gpu/--cpu machine
 GGUF_LADDERS = ("k", "iq")
-MEASURE_MODES = ("kld", "trellis", "proxy")
+MEASURE_MODES = ("stream", "kld", "trellis", "proxy")
+END_TO_END = ("stream", "kld")  # the modes whose curves are in end-to-end KLD units (EXL3 and GGUF)
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,11 @@ class PlanOptions:
                            "IQ2_XXS..IQ4_XS.", choices=GGUF_LADDERS, show_default=True)
     measure: Union[str, Path, Mapping, None] = opt(
         None, "--measure",
-        "EXL3 sensitivity mode. Alone (= 'kld'): a calibration pass measures each unit's loss at every "
-        "rate with the trellis quantizer, scaled to the unit's end-to-end KLD (holds the model in "
-        "memory); 'trellis' = the per-Linear loss alone (for models that do not fit; it mis-ranks "
-        "units); 'proxy' = the cheap Hessian-trace proxy; or a JSON file of curves {unit: {bits: error}}.",
+        "Sensitivity mode. Alone (= 'kld'): each unit perturbed and the whole model run end to end (holds the "
+        "model in memory); 'stream' = each unit's error at every rate or type, weighted by the end-to-end KLD's "
+        "curvature from one streamed backward (one layer in memory); EXL3 only: 'trellis' = the per-Linear loss "
+        "alone (it mis-ranks units), 'proxy' = the cheap Hessian-trace proxy; or a JSON file of curves "
+        "{unit: {bits: error}}.",
         click_type="text", flag_value="kld")
     measure_out: Union[str, Path, None] = opt(None, "--measure-out",
                                               "--measure: save the measured curves as JSON for reuse.",
@@ -196,7 +198,7 @@ class PlanOptions:
         if self.profile is not None and self.measure is None:
             raise InputError("--profile applies to `plan --measure` (a plan alone runs no model)")
         if (self.rounding != "exact" or self.imatrix is not None) and not (
-                self.fmt == "gguf" and self.measure == "kld"):
+                self.fmt == "gguf" and self.measure in END_TO_END):
             raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure "
                              "them)")
         if self.fmt == "gguf" and self.measure in ("trellis", "proxy"):

@@ -77,8 +77,11 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
                    seq_len: int | None = None, rates: Sequence[float] | None = None,
                    device: str | None = None, strips: int | None | str = "auto",
                    experts: int | None | str = "auto", scale_tiles: int = 4, seed: int = 0,
+                   weights: Mapping[str, float] | None = None,
                    progress: bool = True) -> dict[str, dict[float, float]]:
     """Measured curves {unit key: {bits: proxy loss}} of every budgeted EXL3 unit of ``ckpt`` (module docstring).
+    ``weights``: HF name -> the factor each matrix's loss is weighted with (``measurement/streaming.py``: ½·mean
+    of its output-gradient second moments); a unit's matrices share one.
 
     rows / seq_len / rates: None = ``MEASURE_ROWS`` / ``MEASURE_SEQ_LEN`` / ``RATES`` (read at call time).
     strips / experts: "auto" = ``SAMPLING`` for the device; None = all; an int = that many rotated 16-column
@@ -119,7 +122,7 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
                 us = groups[key]
                 if key.endswith(".experts"):
                     loss = _measure_experts(stage, us, cap, fetch, rates, strips, experts, scale_tiles,
-                                            seed + 1000 * stage.layer, dev)
+                                            seed + 1000 * stage.layer, dev, weights)
                 else:
                     (u,) = us
                     acc = stage.stats.get(u.hf_names[0])
@@ -130,6 +133,8 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
                     w = u.assemble(fetch).to(dev)
                     loss = qs.measure(w, h.to(dev), rates, strips=strips, scale_tiles=scale_tiles,
                                       seed=seed)[:, 0]
+                    if weights is not None:
+                        loss = loss * float(weights[u.hf_names[0]])
                 curves[key] = {float(b): float(v) for b, v in zip(rates, loss.tolist())}
                 bar.update(1)
         if cap is not None:
@@ -144,8 +149,9 @@ def measure_curves(ckpt, calibration: Sequence[str] | None = None, *, rows: int 
 
 @torch.no_grad()
 def _measure_experts(stage, us, cap: RoutingCapture | None, fetch, rates, strips, experts, scale_tiles, seed,
-                     dev) -> torch.Tensor:
-    """Summed loss of all routed experts of one layer, from a routing-mass-scaled sample of experts."""
+                     dev, weights: Mapping[str, float] | None = None) -> torch.Tensor:
+    """Summed loss of all routed experts of one layer, from a routing-mass-scaled sample of experts (each expert's
+    matrices weighted by ``weights``, and the sample scaled by the weighted mass, when given)."""
     by = {}
     for u in us:  # Exl3Units "...experts.{e}.{gate,up,down}_proj"
         parts = u.key.rsplit(".", 2)
@@ -161,6 +167,8 @@ def _measure_experts(stage, us, cap: RoutingCapture | None, fetch, rates, strips
         return torch.zeros(len(rates), dtype=torch.float64)
     total = torch.zeros(len(rates), dtype=torch.float64)
     gu_w, gu_h, gu_l, dn_w, dn_h, dn_l = [], [], [], [], [], []
+    gu_f, dn_f = [], []  # each matrix's loss weight
+    wt = (lambda n: 1.0) if weights is None else (lambda n: float(weights[n]))  # noqa: E731
     for e in picked:
         rows = g[:, e].nonzero().squeeze(1)
         xe, ge = x[rows], g[rows, e:e + 1]
@@ -173,18 +181,27 @@ def _measure_experts(stage, us, cap: RoutingCapture | None, fetch, rates, strips
             gu_w.append(u.assemble(fetch))
             gu_h.append(stage.stats[u.hf_names[0]].hessian())
             gu_l.append(r_gu)
+            gu_f.append(wt(u.hf_names[0]))
         u = by[e]["down_proj"]
         dn_w.append(u.assemble(fetch))
         dn_h.append(stage.stats[u.hf_names[0]].hessian())
         dn_l.append(r_dn)
-    for ws, hs, ls in ((gu_w, gu_h, gu_l), (dn_w, dn_h, dn_l)):
+        dn_f.append(wt(u.hf_names[0]))
+    for ws, hs, ls, fs in ((gu_w, gu_h, gu_l, gu_f), (dn_w, dn_h, dn_l, dn_f)):
         per = ws[0].numel() + 2 * hs[0].numel()  # weight + LDLQ and loss Hessians per matrix
         step = max(1, min(len(ws), EXPERT_BATCH_ELEMS // per))
         for i in range(0, len(ws), step):  # stacked calls of bounded size (288 experts on GLM-5.3)
             st = lambda t: torch.stack(t[i:i + step]).to(dev)  # noqa: E731
-            total += qs.measure(st(ws), st(hs), rates, loss_hessian=st(ls), strips=strips,
-                                scale_tiles=scale_tiles, seed=seed + i).sum(1)
-    return total * float(mass.sum() / mass[picked].sum())
+            f = torch.tensor(fs[i:i + step], dtype=torch.float64)
+            total += (qs.measure(st(ws), st(hs), rates, loss_hessian=st(ls), strips=strips,
+                                 scale_tiles=scale_tiles, seed=seed + i) * f).sum(1)
+    if weights is None:
+        return total * float(mass.sum() / mass[picked].sum())
+    # the sample stands for every expert in proportion to its weighted routing mass
+    w_e = torch.tensor([wt(by[e]["down_proj"].hf_names[0]) + 2 * wt(by[e]["gate_proj"].hf_names[0])
+                        for e in range(n_exp)], dtype=torch.float64)
+    wm = mass * w_e
+    return total * float(wm.sum() / wm[picked].sum().clamp_min(1e-300))
 
 
 def predicted_loss(plan, curves: Mapping[str, Mapping[float, float]], ckpt) -> float:
@@ -269,12 +286,12 @@ def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | N
         return None
     if isinstance(measure, Mapping):
         return {k: {float(b): float(v) for b, v in c.items()} for k, c in measure.items()}
-    if measure in ("trellis", "proxy", "kld"):
-        if fmt != "exl3":
-            raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
-        if measure == "kld":
-            raise InputError("--measure kld runs the model end to end: use mixq.measurement.kld.run_plan "
+    if measure in ("trellis", "proxy", "kld", "stream"):
+        if measure in ("kld", "stream"):
+            raise InputError(f"--measure {measure} measures end-to-end curves: use mixq.measurement.kld.run_plan "
                              "(what `mixq plan` runs)")
+        if fmt != "exl3":
+            raise InputError(f"--measure {measure} is EXL3's trellis measurement")
         t0 = time.time()
         if measure == "proxy":
 

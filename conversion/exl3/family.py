@@ -27,7 +27,8 @@ from mixq.conversion.gguf.family import CLOSE, FAMILY_JSON, FAMILY_VERSION, Fami
 from mixq.conversion.gguf.receipt import cached_file_sha256, receipt_options
 from mixq.formats.receipt import mixq_version
 from mixq.conversion.job import JOB_DIR
-from mixq.measurement.trellis import curves_meta, load_curves, resolve_measure
+from mixq.measurement.streaming import stream_curves
+from mixq.measurement.trellis import curves_meta, load_curves, resolve_measure, save_curves
 from mixq.conversion.options import FamilyOptions, FamilyTarget
 from mixq.formats.outputs import check_output_dir
 from mixq.conversion.exl3.pipeline import run_exl3
@@ -41,7 +42,7 @@ from mixq.planning.planner import plan_model
 from mixq.formats.model_files import read_json
 
 CURVES_SUFFIX = ".exl3-curves.json"
-MEASURE_MODES = ("trellis", "proxy", "kld")
+MEASURE_MODES = ("stream", "trellis", "proxy", "kld")
 
 
 def member_dir(out_dir: Path, model_name: str, target: FamilyTarget) -> Path:
@@ -147,7 +148,11 @@ def _curves(ckpt, base, path: Path | None, info: dict) -> dict:
     """The curves every member is planned from (measured here when the family has none yet)."""
     if path is None:
         return resolve_measure(ckpt, base.measure, "exl3")
-    if info.get("measured"):
+    if info.get("measured") and info["method"] == "stream":
+        curves = stream_curves(ckpt, "exl3", list(base.calibration) or None, device=base.device,
+                               progress=base.progress)
+        save_curves(curves, path, meta={"model": str(ckpt.path), "method": "stream"})
+    elif info.get("measured"):
         resolve_measure(ckpt, info["method"], "exl3", calibration=list(base.calibration) or None,
                         measure_out=str(path), device=base.device, progress=base.progress)
         info["sha256"] = cached_file_sha256(path)

@@ -119,15 +119,15 @@ def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer
                    **({"head_bits": base.head_bits} if base.head_bits is not None else {}),
                    **({"mtp_bits": base.mtp_bits} if base.mtp_bits is not None else {}))
     if curves_info is not None and curves_info.get("measured") and measure_curves is None:
-        raise InputError("--measure kld: the end-to-end measurement runs through mixq.api (`mixq convert`, "
-                         "mixq.api.convert or mixq.family)")
+        raise InputError(f"--measure {curves_info['method']}: the end-to-end measurement runs through mixq.api "
+                         "(`mixq convert`, mixq.api.convert or mixq.family)")
     out.mkdir(parents=True, exist_ok=True)
     imatrix, im_info = _calibration(model, out, name, fam)
     cache = EncodeCache(out / CACHE_DIR)
     if curves_info is not None and curves_info.get("measured"):
         measure_curves(ckpt, curves_path, calibration=list(fam.imatrix_calibration or base.calibration) or None,
                        imatrix=imatrix, ladder=base.gguf_ladder or "k", rounding=base.rounding, device=base.device,
-                       cache=cache, progress=base.progress)
+                       cache=cache, progress=base.progress, method=curves_info["method"])
         curves_info["sha256"] = cached_file_sha256(curves_path)
     measure = curves_path if curves_path is not None else base.measure
     todo, kept = [], []
@@ -169,9 +169,9 @@ def _curves_source(out: Path, name: str, base) -> tuple[Path | None, dict | None
     if isinstance(m, Mapping):
         return None, {"file": "in-memory", "sha256": receipt_options(base)["measure"]["sha256"], "measured": False}
     if str(m) in ("trellis", "proxy"):
-        raise InputError(f"--measure {m}: EXL3's measurement; a GGUF family measures with --measure kld, or give "
-                         "--measure FILE")
-    if str(m) != "kld":
+        raise InputError(f"--measure {m}: EXL3's measurement; a GGUF family measures with --measure stream or "
+                         "kld, or give --measure FILE")
+    if str(m) not in ("kld", "stream"):
         p = Path(m)
         if not p.is_file():
             raise InputError(f"--measure {p}: file not found")
@@ -179,7 +179,7 @@ def _curves_source(out: Path, name: str, base) -> tuple[Path | None, dict | None
     path = out / f"{name}{CURVES_SUFFIX}"
     if path.exists() and not path.is_file():
         raise InputError(f"{path} exists and is not a curves file; remove it")
-    info = {"file": path.name, "method": "kld", "measured": not path.is_file()}
+    info = {"file": path.name, "method": str(m), "measured": not path.is_file()}
     if path.is_file():
         info["sha256"] = cached_file_sha256(path)
     return path, info

@@ -269,10 +269,10 @@ def _curves(measure):
     """--measure for GGUF: a curves mapping as given, or the JSON file `mixq plan --measure-out` wrote."""
     if measure is None or isinstance(measure, Mapping):
         return measure
-    if str(measure) in ("kld", "trellis", "proxy"):
+    if str(measure) in ("stream", "kld", "trellis", "proxy"):
         raise InputError(f"--measure {measure}: one GGUF file is planned from curves measured before it (`mixq plan "
                          "MODEL --format gguf --measure --measure-out CURVES.json`, then --measure CURVES.json); "
-                         "a family (--size A,B,C) measures its own with --measure kld")
+                         "a family (--size A,B,C) measures its own with --measure stream (or kld)")
     return load_curves(measure)
 
 

@@ -188,7 +188,8 @@ def _part_measured(calls: list):
     """A family's curve measurer for the test: the real layer-error measurement (measurement/gguf_errors) of MEASURED,
     its exact encodes kept in the family's cache, and synthetic curves for the other units (numel·4^-bpw; the
     end-to-end rescaling is eval's, tested in test_gguf_errors)."""
-    def measure(ckpt, out, *, calibration, imatrix, ladder, rounding, device, cache, progress):
+    def measure(ckpt, out, *, calibration, imatrix, ladder, rounding, device, cache, progress, method):
+        assert method == "kld"
         im = read_imatrix(imatrix).means()
         m = measure_gguf_errors(ckpt, calibration, ladder=ladder, rounding=rounding, imatrix=im, rows=2, seq_len=64,
                                 only=MEASURED, cache=cache, progress=False)
@@ -234,7 +235,7 @@ def test_measured_family_serves_every_member_from_the_measurement(k256_model, tm
 
 def test_measured_family_errors_are_one_line(k256_model, mini_model, tmp_path):
     size = mix_bytes(k256_model)[-1]
-    assert "a family (--size A,B,C) measures its own with --measure kld" in error_line(
+    assert "a family (--size A,B,C) measures its own with --measure stream (or kld)" in error_line(
         run_cli("convert", k256_model, tmp_path / "one.gguf", "--size", str(size), "--measure", "kld"))
     assert "--measure proxy: EXL3's measurement" in error_line(
         run_cli("convert", k256_model, tmp_path / "f", "--format", "gguf", "--size", "12MB,14MB",

@@ -109,7 +109,7 @@ def test_measured_errors_of_embedding_head_and_experts(k256, calibration_text):
 
 
 def test_cli_plan_gguf_measure_passes_rounding_and_imatrix(k256_model, tmp_path, monkeypatch):
-    """`mixq plan --format gguf --size S --measure --rounding hessian --imatrix IMX --measure-out F`: the measurement
+    """`mixq plan --format gguf --size S --measure kld --rounding hessian --imatrix IMX --measure-out F`: the oracle
     gets the conversion's rounding and imatrix, the curves are saved, the plan budgets the embedding."""
     import json
 
@@ -133,7 +133,7 @@ def test_cli_plan_gguf_measure_passes_rounding_and_imatrix(k256_model, tmp_path,
     write_imatrix(tmp_path / "imx.gguf", im)
     out = tmp_path / "curves.json"
     r = CliRunner().invoke(main, ["plan", str(k256_model), "--format", "gguf", "--size", str(NAMED_MIX_BYTES[1]),
-                                  "--measure", "--rounding", "hessian", "--imatrix", str(tmp_path / "imx.gguf"),
+                                  "--measure", "kld", "--rounding", "hessian", "--imatrix", str(tmp_path / "imx.gguf"),
                                   "--measure-out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     assert seen["rounding"] == "hessian" and seen["ladder"] == "k"

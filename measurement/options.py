@@ -41,7 +41,7 @@ class PlanOptions:
                             click_type="float")
     size: int | None = opt(None, "--size", "Target total bytes of the model files: 108GB (10^9) or 100GiB (2^30).",
                            click_type="text")
-    qtype: str | None = opt(None, "--type", "GGUF: a llama-quantize mix (Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, Q8_0).",
+    qtype: str | None = opt(None, "--type", "GGUF: a llama-quantize type name (Q4_K_M, IQ2_XXS, Q4_0, ...).",
                             click_type="text")
     overrides: tuple[str, ...] = opt((), "--override",
                                      "PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF); role, glob or regex.",
@@ -76,7 +76,7 @@ class PlanOptions:
                                                     multiple=True, click_type="path", must_exist=True)
     rounding: str = opt("exact", "--rounding", "GGUF --measure: the rounding the conversion will use (the curves "
                         "measure it).", choices=ROUNDINGS, show_default=True)
-    imatrix: Any = opt(None, "--imatrix", "GGUF --measure: the imatrix the conversion will use.",
+    imatrix: Any = opt(None, "--imatrix", "GGUF --measure or --type: the imatrix the conversion will use.",
                        click_type="path", must_exist=True)
     fit: int | None = opt(None, "--fit", "Memory to fit (weights + cache + reserve), e.g. 121GB.", click_type="text")
     context: int | None = opt(None, "--context", "Context length for --fit, e.g. 262144 or 256K.",
@@ -138,10 +138,12 @@ class PlanOptions:
 
     def _check_measure(self) -> None:
         """The measurement options that this format and mode use; the others are errors, never dropped."""
-        if (self.rounding != "exact" or self.imatrix is not None) and not (
-                self.fmt == "gguf" and self.measure == "kld"):
-            raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure "
-                             "them)")
+        gguf_kld = self.fmt == "gguf" and self.measure == "kld"
+        if self.rounding != "exact" and not gguf_kld:
+            raise InputError("--rounding applies to `plan --format gguf --measure` (the curves measure it)")
+        if self.imatrix is not None and not (gguf_kld or (self.fmt == "gguf" and self.qtype is not None)):
+            raise InputError("--imatrix applies to `plan --format gguf --measure` (the curves measure it) and to "
+                             "`plan --format gguf --type` (a named mix may choose otherwise with one)")
         if self.fmt == "gguf" and self.measure in ("trellis", "proxy"):
             raise InputError(f"--measure {self.measure} is EXL3's trellis measurement; GGUF measures with "
                              "--measure alone")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from mixq.errors import PlanError
 from mixq.formats.glm5next import gguf_policy
 from mixq.formats.gguf_names import gguf_tensors
 from mixq.formats.model_files import read_json
@@ -56,9 +57,11 @@ def outside_bytes(specs: Sequence, types: Sequence[str], in_budget: Sequence[boo
     return fixed + gm.header_bytes([(s.name, len(s.shape)) for s in specs], kv)
 
 
-def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k") -> Plan:
+def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k",
+              imatrix_given: bool = False) -> Plan:
     """Every tensor of ``ckpt``'s GGUF: a llama-quantize mix (``qtype``) reproduced exactly, or ladder types per
-    budgeted tensor to the target, the rest at their floor, override or source type."""
+    budgeted tensor to the target, the rest at their floor, override or source type. ``imatrix_given``: the
+    conversion has an importance matrix (some mixes choose otherwise with one, as llama-quantize does)."""
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
     ctx = gguf_mix_context(ckpt, include_mtp)
     src = ["F32" if s.policy == "f32" else "BF16" for s in specs]
@@ -76,7 +79,11 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
     kv = gguf_metadata_bytes(ckpt, ctx.n_layer_all)
     in_budget = [quantizable[i] and not s.mtp and s.role not in ("lm_head", "embed") for i, s in enumerate(specs)]
     if qtype is not None:
-        types = gm.mix_types([(s.name, s.shape, src[i]) for i, s in enumerate(specs)], qtype, ctx, manual=manual)
+        default = gm.MIX_DEFAULT[gm.normalize_mix(qtype)]
+        if not gm.has_encoder(default):
+            raise PlanError(f"--type {qtype.upper()}: not implemented yet (mixq has no {default} encoder)")
+        types = gm.mix_types([(s.name, s.shape, src[i]) for i, s in enumerate(specs)], qtype, ctx, manual=manual,
+                             imatrix=imatrix_given)
     else:
         types, units, unit_types = [""] * len(specs), [], {}
         role_bits = {r: gm.type_bpw(t) for r, t in gm.GGUF_ROLE_TYPES.items()}

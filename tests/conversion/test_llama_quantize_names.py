@@ -82,6 +82,7 @@ def _file_type(path) -> int:
     return int(f.parts[f.data[0]][0])
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("mix,with_imatrix", CASES, ids=[f"{m}-{'imx' if i else 'plain'}" for m, i in CASES])
 def test_exact_file_equals_llama_quantize(mix, with_imatrix, k256_model, work):
     d, imx, bf16 = work

@@ -8,7 +8,8 @@ from gguf import GGUFReader
 import mixq
 
 
-@pytest.mark.parametrize("target", [{"qtype": "Q4_K_M"}, {"bpw": 5.0}], ids=["Q4_K_M", "bpw5"])
+@pytest.mark.parametrize("target", [{"qtype": "Q4_K_M"}, {"qtype": "IQ3_M"}, {"bpw": 5.0}],
+                         ids=["Q4_K_M", "IQ3_M", "bpw5"])
 def test_every_planned_tensor_is_written_with_its_type_and_bytes(mini_model, tmp_path, target):
     plan = mixq.plan(mini_model, "gguf", **target)
     out = tmp_path / "m.gguf"

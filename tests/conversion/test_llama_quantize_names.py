@@ -31,7 +31,10 @@ EARLIER = ("Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5
 WRITABLE = tuple(m for m in gm.MIX_NAMES if gm.has_encoder(gm.MIX_DEFAULT[m]))
 # with mixq's imatrix: every mix takes one, and the very-low-bit ones need it. (The mixes whose rules read whether
 # an imatrix is given, IQ3_XXS / IQ4_NL / IQ4_XS / Q4_0 / Q5_0, differ only in layers below n_layer/8: none on k256.)
-CASES = [(m, True) for m in sorted(WRITABLE, key=lambda m: m in EARLIER)]
+# cheapest encoders first within each group, so that a stopped run has the most cases
+_COST = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K_S", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ3_XXS", "IQ2_M",
+         "IQ2_S", "IQ2_XS", "IQ2_XXS")
+CASES = [(m, True) for m in sorted(WRITABLE, key=lambda m: (m in EARLIER, _COST.index(m) if m in _COST else 0))]
 
 
 @pytest.fixture(scope="module")

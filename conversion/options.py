@@ -90,7 +90,7 @@ CONVERT_FLAGS: dict[str, dict[str, Any]] = {
     "--refine-passes": dict(help="GGUF --rounding hessian: descent passes over the codes and scales after the "
                             "rounding's feedback walk (0 = the walk alone).  [default: 0 for IQ2_S and 1 for Q2_K "
                             "and IQ2_XS where tuning follows, else 3]", click_type="int"),
-    "--type": dict(help="GGUF: llama-quantize type/mix (Q4_K_M, Q8_0, BF16, ...).", click_type="text"),
+    "--type": dict(help="GGUF: a llama-quantize type name (Q4_K_M, IQ2_XXS, Q4_0, BF16, ...).", click_type="text"),
     "--imatrix": dict(help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).", click_type="path"),
     "--gguf-ladder": dict(help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  "
                           f"[default: {GGUF_LADDERS[0]}]", choices=GGUF_LADDERS),
@@ -387,15 +387,15 @@ def encodable_type(name: str, what: str) -> str:
 
 
 def _gguf_mix_name(qtype: str) -> str:
-    """--type: F32/F16/BF16, or a llama-quantize mix name (Q4_K_M, Q8_0, ...), upper-cased."""
+    """--type: F32/F16/BF16, or a llama-quantize type name (Q4_K_M, IQ2_XXS, Q4_0, ...), upper-cased."""
     q = str(qtype).upper()
     if q in FLOAT_TYPES:
         return q
     try:
         gguf_mix.normalize_mix(q)
     except MixqError:
-        raise InputError(f"--type {qtype!r}: unknown; use F32, F16, BF16 or a mix "
-                         f"({', '.join(sorted(gguf_mix.MIX_DEFAULT))})") from None
+        raise InputError(f"--type {qtype!r}: unknown; use F32, F16, BF16 or a llama-quantize type "
+                         f"({', '.join(gguf_mix.MIX_NAMES)})") from None
     return q
 
 

@@ -43,7 +43,7 @@ class PlanOptions:
                             click_type="float")
     size: int | None = opt(None, "--size", "Target total bytes of the model files: 108GB (10^9) or 100GiB (2^30).",
                            click_type="text")
-    qtype: str | None = opt(None, "--type", "GGUF: a llama-quantize mix (Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K, Q8_0).",
+    qtype: str | None = opt(None, "--type", "GGUF: a llama-quantize type name (Q4_K_M, IQ2_XXS, Q4_0, ...).",
                             click_type="text")
     overrides: tuple[str, ...] = opt((), "--override",
                                      "PATTERN=BITS (EXL3) or PATTERN=TYPE (GGUF); role, glob or regex.",
@@ -84,7 +84,7 @@ class PlanOptions:
                                                     multiple=True, click_type="path", must_exist=True)
     rounding: str = opt("exact", "--rounding", "GGUF --measure: the rounding the conversion will use (the curves "
                         "measure it).", choices=ROUNDINGS, show_default=True)
-    imatrix: Any = opt(None, "--imatrix", "GGUF --measure: the imatrix the conversion will use.",
+    imatrix: Any = opt(None, "--imatrix", "GGUF --measure or --type: the imatrix the conversion will use.",
                        click_type="path", must_exist=True)
     fit: int | str | None = opt(None, "--fit", "Memory to fit (weights + cache + reserve), e.g. 121GB; bare, with "
                                 "--gpu and --cpu: llama.cpp's expert offload.", click_type="text",
@@ -197,10 +197,12 @@ class PlanOptions:
         """The measurement options that this format and mode use; the others are errors, never dropped."""
         if self.profile is not None and self.measure is None:
             raise InputError("--profile applies to `plan --measure` (a plan alone runs no model)")
-        if (self.rounding != "exact" or self.imatrix is not None) and not (
-                self.fmt == "gguf" and self.measure in END_TO_END):
-            raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure "
-                             "them)")
+        gguf_measured = self.fmt == "gguf" and self.measure in END_TO_END
+        if self.rounding != "exact" and not gguf_measured:
+            raise InputError("--rounding applies to `plan --format gguf --measure` (the curves measure it)")
+        if self.imatrix is not None and not (gguf_measured or (self.fmt == "gguf" and self.qtype is not None)):
+            raise InputError("--imatrix applies to `plan --format gguf --measure` (the curves measure it) and to "
+                             "`plan --format gguf --type` (a named mix may choose otherwise with one)")
         if self.fmt == "gguf" and self.measure in ("trellis", "proxy"):
             raise InputError(f"--measure {self.measure} is EXL3's trellis measurement; GGUF measures with "
                              "--measure alone")

@@ -84,10 +84,12 @@ def outside_bytes(specs: Sequence, types: Sequence[str], in_budget: Sequence[boo
 
 
 def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k",
-              sides: SideBudgets | None = None) -> Plan:
+              sides: SideBudgets | None = None, imatrix_given: bool = False) -> Plan:
     """Every tensor of ``ckpt``'s GGUF: a llama-quantize mix (``qtype``) reproduced exactly, or ladder types per
     budgeted tensor to the target, the rest at their floor, override or source type. ``sides`` (instead of a
-    target): one byte budget per side of a split machine, each side's tensor data planned to its own budget."""
+    target): one byte budget per side of a split machine, each side's tensor data planned to its own budget.
+    ``imatrix_given``: the conversion has an importance matrix (some mixes choose otherwise with one, as
+    llama-quantize does)."""
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
     ctx = gguf_mix_context(ckpt, include_mtp)
     src = ["F32" if s.policy == "f32" else "BF16" for s in specs]
@@ -105,7 +107,11 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
     kv = gguf_metadata_bytes(ckpt, ctx.n_layer_all)
     in_budget = [quantizable[i] and not s.mtp and s.role not in ("lm_head", "embed") for i, s in enumerate(specs)]
     if qtype is not None:
-        types = gm.mix_types([(s.name, s.shape, src[i]) for i, s in enumerate(specs)], qtype, ctx, manual=manual)
+        default = gm.MIX_DEFAULT[gm.normalize_mix(qtype)]
+        if not gm.has_encoder(default):
+            raise PlanError(f"--type {qtype.upper()}: not implemented yet (mixq has no {default} encoder)")
+        types = gm.mix_types([(s.name, s.shape, src[i]) for i, s in enumerate(specs)], qtype, ctx, manual=manual,
+                             imatrix=imatrix_given)
     else:
         types, units, unit_types = [""] * len(specs), [], {}
         rbits = role_bits()

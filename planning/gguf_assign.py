@@ -38,10 +38,11 @@ def pure_types(specs, outtype: str) -> list[str]:
 
 
 def planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k", overrides=(),
-                   head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None) -> list[str]:
+                   head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None,
+                   imatrix_given=False) -> list[str]:
     plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
                       gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits, mtp_bits=mtp_bits,
-                      measure=measure)
+                      measure=measure, imatrix_given=imatrix_given)
     by = {t.name: t.type for t in plan.tensors}
     missing = [s.name for s in specs if s.name not in by]
     if missing:
@@ -51,9 +52,11 @@ def planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k"
 
 def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=(), output_tensor_type=None,
                  token_embedding_type=None, include_mtp=True, gguf_ladder="k", overrides=(),
-                 head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None) -> list[str]:
+                 head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None,
+                 imatrix_given=False) -> list[str]:
     """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides.
-    `measure`: measured curves {tensor: {bpw: error}} for a --bpw/--size plan (measurement/gguf_errors)."""
+    `measure`: measured curves {tensor: {bpw: error}} for a --bpw/--size plan (measurement/gguf_errors);
+    `imatrix_given`: the conversion has an importance matrix (a named mix may choose otherwise with one)."""
     if sum(v is not None for v in (qtype, bpw, size)) != 1:
         raise InputError("give exactly one of --type, --bpw, --size")
     if qtype is not None and qtype.upper() in FLOAT_TYPES:
@@ -61,7 +64,7 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
     else:
         types = planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
                                gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits,
-                               mtp_bits=mtp_bits, measure=measure)
+                               mtp_bits=mtp_bits, measure=measure, imatrix_given=imatrix_given)
     rx = []
     for item in tensor_type:
         if isinstance(item, str):

@@ -6,12 +6,14 @@ gguf-glm5-next.md §3.3-3.4; ``V:src/llama-quant.cpp``):
 
 1. not quantizable (§4.2 + the glm5-next exclusion list) -> the source type the converter wrote;
 2. ``--tensor-type`` style overrides: first regex (searched in the GGUF name) that matches wins and skips the mix;
-3. otherwise the mix rules (``llama_tensor_get_type_impl``) including the glm5-next Q8_0 floor;
+3. otherwise the mix rules (``llama_tensor_get_type_impl``) including the glm5-next Q8_0 floor, restated as rows
+   (RULES, CONDITIONS) for every ftype name llama-quantize takes (MIXES, ``V:tools/quantize/quantize.cpp``);
 4. the shape fallback for rows that are not a multiple of the block size (§4.4).
 
 Counters: tensors are visited in llama.cpp's loader order (layer number, then name; non-``blk`` names first);
-``i_attention_wv`` counts the attn_v-like tensors in that order; ffn_down uses the layer parsed from the name
-(MoE) against ``n_layer_all`` = trunk + NextN blocks.
+``i_attention_wv`` counts the attn_v-like tensors in that order; ffn_down / ffn_gate / ffn_up use the layer parsed
+from the name (MoE) against ``n_layer_all`` = trunk + NextN blocks, except that the IQ1/IQ2 mixes count ffn_down
+tensors in loader order (two per MoE layer) against the same ``n_layer_all``.
 """
 from __future__ import annotations
 
@@ -19,17 +21,49 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from gguf.constants import GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType, LlamaFileType
 
 from mixq.errors import FormatError, PlanError
 from mixq.formats import gguf_layout
 from mixq.quant.ggml.registry import SUPPORTED
 
-MIX_DEFAULT = {
-    "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K",
-    "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q8_0": "Q8_0",
-}
-MIX_ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # V:tools/quantize/quantize.cpp:34-75
+# --- the named mixes: llama-quantize's ftype names, their file-type ids and default types ------------------------
+@dataclass(frozen=True)
+class Mix:
+    """One llama-quantize ftype: the ggml type its quantizable tensors take unless a rule bumps them."""
+    name: str
+    default: str
+
+    @property
+    def file_type(self) -> int:
+        """general.file_type of the file (gguf-py's LlamaFileType, the same ids as llama.h's llama_ftype)."""
+        return int(LlamaFileType["MOSTLY_" + self.name])
+
+
+# V:src/llama-quant.cpp llama_ftype_get_default_type; names as V:tools/quantize/quantize.cpp QUANT_OPTIONS
+MIXES: dict[str, Mix] = {m.name: m for m in (
+    Mix("Q4_0", "Q4_0"), Mix("Q4_1", "Q4_1"), Mix("Q5_0", "Q5_0"), Mix("Q5_1", "Q5_1"), Mix("Q8_0", "Q8_0"),
+    Mix("Q2_K", "Q2_K"), Mix("Q2_K_S", "Q2_K"), Mix("Q3_K_S", "Q3_K"), Mix("Q3_K_M", "Q3_K"), Mix("Q3_K_L", "Q3_K"),
+    Mix("Q4_K_S", "Q4_K"), Mix("Q4_K_M", "Q4_K"), Mix("Q5_K_S", "Q5_K"), Mix("Q5_K_M", "Q5_K"), Mix("Q6_K", "Q6_K"),
+    Mix("IQ1_S", "IQ1_S"), Mix("IQ1_M", "IQ1_M"), Mix("IQ2_XXS", "IQ2_XXS"), Mix("IQ2_XS", "IQ2_XS"),
+    Mix("IQ2_S", "IQ2_XS"), Mix("IQ2_M", "IQ2_S"), Mix("IQ3_XXS", "IQ3_XXS"), Mix("IQ3_XS", "IQ3_S"),
+    Mix("IQ3_S", "IQ3_S"), Mix("IQ3_M", "IQ3_S"), Mix("IQ4_NL", "IQ4_NL"), Mix("IQ4_XS", "IQ4_XS"),
+)}
+MIX_DEFAULT = {n: m.default for n, m in MIXES.items()}
+MIX_ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}  # V:tools/quantize/quantize.cpp QUANT_OPTIONS
+MIX_NAMES: tuple[str, ...] = tuple(MIXES)
+
+
+def requires_imatrix(type_name: str, tensor_name: str, mix: str | None = None) -> bool:
+    """Whether llama-quantize refuses to write ``tensor_name`` as ``type_name`` without importance data: the
+    very-low-bit types (gguf_layout.QUANTIZE_REQUIRES_IMATRIX) and Q2_K inside a Q2_K_S file, token_embd and
+    output excepted (V:src/llama-quant.cpp tensor_requires_imatrix), unless ggml's encoder itself needs it."""
+    t = type_name.upper()
+    if t in gguf_layout.GGML_REQUIRES_IMATRIX:
+        return True
+    if tensor_name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return False
+    return t in gguf_layout.QUANTIZE_REQUIRES_IMATRIX or (t == "Q2_K" and str(mix).upper() == "Q2_K_S")
 
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
             "IQ4_XS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL",
@@ -122,10 +156,6 @@ def _category(name: str) -> str:
     return "other"
 
 
-def _use_more_bits(i: int, n: int) -> bool:
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
 def loader_order(names: Sequence[str]) -> list[int]:
     """Indices of ``names`` in llama.cpp's ``weights_map`` order: blk number (-1 for others), then name."""
     def key(i: int):
@@ -149,85 +179,174 @@ class MixContext:
     policy: Callable[[str], str | None] = _no_policy
 
 
+# --- the per-tensor bumps of each mix (V:src/llama-quant.cpp llama_tensor_get_type_impl), restated as rows -------
+def _m(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class Bump:
+    """A tensor of a category, quantized with one of `mixes`, takes type `to` when condition `when` holds. A
+    category's rows are read in order and the first that applies decides; none applies: the mix's default type."""
+    mixes: frozenset[str]
+    to: str
+    when: str = "always"
+
+
+LOW_BIT = _m("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M")  # one branch of their own for the body
+_IQ1, _IQ2_SM = _m("IQ1_S", "IQ1_M"), _m("IQ2_S", "IQ2_M")
+_ALL = frozenset(MIXES)
+# output.weight (and a tied token_embd): Q8_0 when its rows do not hold the default type's block, else these at Q5_K,
+# else Q6_K unless the mix's default is Q8_0
+OUTPUT_Q5_K = LOW_BIT | _m("IQ3_XXS")
+_ATTN_OUT_E8 = _m("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M",
+                  "IQ4_XS")
+
+# keys: "<branch>:<category>", branch "low" for the LOW_BIT mixes, "std" for the others
+RULES: dict[str, tuple[Bump, ...]] = {
+    "any:token_embd": (Bump(_m("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"), "Q2_K"),
+                       Bump(_m("IQ2_S", "IQ2_M", "IQ3_XXS"), "IQ3_S")),
+    "low:attn_v": (Bump(LOW_BIT, "Q4_K", "gqa4_or_experts4"), Bump(_IQ2_SM, "IQ3_S"), Bump(LOW_BIT, "Q2_K")),
+    "low:attn_k": (Bump(LOW_BIT, "Q4_K", "experts8"),),
+    "low:ffn_down": (Bump(_IQ2_SM, "IQ3_S", "counted_first_eighth"), Bump(LOW_BIT, "Q2_K", "counted_first_eighth")),
+    "low:attn_output": (Bump(LOW_BIT, "Q5_K", "experts8"), Bump(_IQ1, "IQ2_XXS"), Bump(_IQ2_SM, "IQ3_S")),
+    "std:attn_v": (
+        Bump(_ALL, "Q8_0", "experts8"),  # llama.cpp sets it after the bumps, over them
+        Bump(_m("Q2_K"), "Q4_K", "gqa4"), Bump(_m("Q2_K"), "Q3_K"),
+        Bump(_m("Q2_K_S"), "Q4_K", "gqa4"),
+        Bump(_m("IQ3_XXS"), "Q4_K", "gqa4"), Bump(_m("IQ3_XXS"), "IQ3_S", "no_imatrix"),
+        Bump(_m("IQ3_XS", "IQ3_S"), "Q4_K", "gqa4"),
+        Bump(_m("IQ3_M"), "Q4_K"),
+        Bump(_m("Q3_K_M"), "Q5_K", "first_two_v"), Bump(_m("Q3_K_M"), "Q4_K"),
+        Bump(_m("Q3_K_L"), "Q5_K"),
+        Bump(_m("IQ4_NL", "IQ4_XS"), "Q5_K", "gqa4"),
+        Bump(_m("Q4_K_M", "Q5_K_M"), "Q6_K", "more_bits_v"),
+        Bump(_m("Q4_K_S"), "Q5_K", "first_four_v"),
+    ),
+    "std:attn_k": (Bump(_ALL, "Q8_0", "experts8"), Bump(_m("IQ3_XS"), "IQ3_XXS"), Bump(_m("IQ3_XXS"), "IQ2_S")),
+    "std:attn_q": (Bump(_m("IQ3_XS"), "IQ3_XXS"), Bump(_m("IQ3_XXS"), "IQ2_S")),
+    "std:ffn_down": (
+        Bump(_m("Q2_K"), "Q3_K"),
+        Bump(_m("Q2_K_S"), "Q4_K", "first_eighth"),
+        Bump(_m("IQ3_XXS"), "Q4_K", "first_eighth_no_imatrix"), Bump(_m("IQ3_XXS"), "Q3_K", "no_imatrix"),
+        Bump(_m("Q3_K_M"), "Q5_K", "first_sixteenth"), Bump(_m("Q3_K_M"), "Q4_K"),
+        Bump(_m("IQ3_M"), "Q4_K", "first_eighth"), Bump(_m("IQ3_M"), "Q4_K", "experts8_more_bits"),
+        Bump(_m("Q3_K_L"), "Q5_K"),
+        Bump(_m("Q4_K_M"), "Q6_K", "more_bits"),
+        Bump(_m("IQ4_NL", "IQ4_XS"), "Q5_K", "first_eighth_no_imatrix"),
+        Bump(_m("Q5_K_M"), "Q6_K", "more_bits"),
+        Bump(_m("Q4_K_S"), "Q5_K", "first_eighth"),
+        Bump(_m("Q4_0"), "Q4_1", "first_eighth_imatrix"), Bump(_m("Q5_0"), "Q5_1", "first_eighth_imatrix"),
+    ),
+    "std:attn_output": (
+        Bump(_ATTN_OUT_E8, "Q5_K", "experts8"),
+        Bump(_m("Q2_K"), "Q3_K", "not_experts8"), Bump(_m("IQ3_XXS"), "IQ3_S", "not_experts8"),
+        Bump(_m("Q3_K_M"), "Q4_K", "not_experts8"), Bump(_m("Q3_K_L"), "Q5_K", "not_experts8"),
+        Bump(_m("IQ3_M"), "Q4_K", "not_experts8"),
+    ),
+    "std:ffn_gate": (Bump(_m("IQ3_XS"), "IQ3_XXS", "middle_layers"),),
+    "std:ffn_up": (Bump(_m("IQ3_XS"), "IQ3_XXS", "middle_layers"),),
+}
+
+
+@dataclass(frozen=True)
+class _Where:
+    """What the conditions read: the tensor's layer (or count) of its category and that count's total, the
+    attn_v-like count and total, the ffn_down count, the model's GQA and experts, and whether an imatrix is given."""
+    i: int
+    n: int
+    i_v: int
+    n_v: int
+    i_down: int
+    gqa: int
+    n_expert: int
+    imatrix: bool
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+CONDITIONS: dict[str, Callable[[_Where], bool]] = {
+    "always": lambda w: True,
+    "gqa4": lambda w: w.gqa >= 4,
+    "gqa4_or_experts4": lambda w: w.gqa >= 4 or w.n_expert >= 4,
+    "experts8": lambda w: w.n_expert == 8,
+    "not_experts8": lambda w: w.n_expert != 8,
+    "no_imatrix": lambda w: not w.imatrix,
+    "first_two_v": lambda w: w.i_v < 2,
+    "first_four_v": lambda w: w.i_v < 4,
+    "more_bits_v": lambda w: _use_more_bits(w.i_v, w.n_v),
+    "first_eighth": lambda w: w.i < w.n // 8,
+    "first_sixteenth": lambda w: w.i < w.n // 16,
+    "first_eighth_no_imatrix": lambda w: w.i < w.n // 8 and not w.imatrix,
+    "first_eighth_imatrix": lambda w: w.i < w.n // 8 and w.imatrix,
+    "more_bits": lambda w: _use_more_bits(w.i, w.n),
+    "experts8_more_bits": lambda w: w.n_expert == 8 and _use_more_bits(w.i, w.n),
+    "middle_layers": lambda w: w.n // 8 <= w.i < 7 * w.n // 8,
+    # the IQ1/IQ2 mixes count ffn_down tensors in loader order (an MoE layer has two: exps and shexp)
+    "counted_first_eighth": lambda w: w.i_down < w.n // 8,
+}
+
+
 def normalize_mix(mix: str) -> str:
+    """The llama-quantize mix a ``--type`` names (case-insensitive, Q3_K/Q4_K/Q5_K aliases); PlanError if none."""
     m = mix.upper()
     m = MIX_ALIASES.get(m, m)
     if m not in MIX_DEFAULT:
-        raise PlanError(f"unknown GGUF mix {mix!r}: use one of {', '.join(sorted(MIX_DEFAULT))}")
+        raise PlanError(f"unknown GGUF mix {mix!r}: use one of {', '.join(MIX_NAMES)}")
     return m
 
 
-def _mix_rule(mix: str, default: str, name: str, ne0: int, cat: str, ctx: MixContext, state: dict) -> str:
-    """``llama_tensor_get_type_impl`` restricted to the K-quant / Q8_0 mixes (gguf-facts.md §4.3, §4.6)."""
-    new = default
+def _layer(name: str, cat: str, ctx: MixContext, state: dict) -> int:
+    """The layer an FFN rule reads: parsed from ``blk.N.`` in an MoE model (its experts are not in layer order),
+    else the count of that category so far."""
+    if ctx.n_expert <= 1:
+        return state["i_" + cat]
+    m = _BLK.match(name)
+    if not m:
+        raise PlanError(f"cannot determine the layer of {name}")
+    i = int(m.group(1))
+    if i >= ctx.n_layer_all:
+        raise PlanError(f"{name}: layer {i} is beyond the model's {ctx.n_layer_all} blocks")
+    return i
+
+
+def _mix_rule(mix: str, default: str, name: str, ne0: int, cat: str, ctx: MixContext, state: dict,
+              imatrix: bool) -> str:
+    """The type of one quantizable tensor under ``mix`` (no override): the glm5-next Q8_0 floor, the output rule,
+    then the first row of RULES for its category that applies (gguf-facts.md §4.3, §4.6)."""
     if ctx.policy(name) == Q8_FLOOR:  # the architecture's Q8_0 floor, before everything else
         return "Q8_0"
     if cat == "output" or (state["tied"] and cat == "token_embd"):
-        if ne0 % block_size(new):
+        if ne0 % block_size(default):
             return "Q8_0"
-        return new if new == "Q8_0" else "Q6_K"
-    if cat == "token_embd":
-        return new
-    if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
-        i, n = state["i_attn_v"], state["n_attn_v"]
-        if mix == "Q2_K":
-            new = "Q4_K" if ctx.n_gqa >= 4 else "Q3_K"
-        elif mix == "Q3_K_M":
-            new = "Q5_K" if i < 2 else "Q4_K"
-        elif mix == "Q3_K_L":
-            new = "Q5_K"
-        elif mix in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i, n):
-            new = "Q6_K"
-        elif mix == "Q4_K_S" and i < 4:
-            new = "Q5_K"
-        if ctx.n_expert == 8:
-            new = "Q8_0"
-        state["i_attn_v"] += 1
-        return new
-    if cat == "attn_k":
-        return "Q8_0" if ctx.n_expert == 8 else new
-    if cat == "ffn_down":
-        if ctx.n_expert > 1:
-            m = _BLK.match(name)
-            if not m:
-                raise PlanError(f"cannot determine the layer of {name}")
-            i_layer = int(m.group(1))
-        else:
-            i_layer = state["i_ffn_down"]
+        if mix in OUTPUT_Q5_K:
+            return "Q5_K"
+        return default if default == "Q8_0" else "Q6_K"
+    branch = "any" if cat == "token_embd" else "low" if mix in LOW_BIT else "std"
+    key = "attn_v" if cat in ("attn_v", "attn_qkv", "attn_kv_b") else cat
+    i = n = 0
+    if key in ("ffn_down", "ffn_gate", "ffn_up"):
+        i = state["i_" + key] if branch == "low" else _layer(name, key, ctx, state)
         n = ctx.n_layer_all
-        if mix == "Q2_K":
-            new = "Q3_K"
-        elif mix == "Q3_K_M":
-            new = "Q5_K" if i_layer < n // 16 else "Q4_K"
-        elif mix == "Q3_K_L":
-            new = "Q5_K"
-        elif mix == "Q4_K_M":
-            if _use_more_bits(i_layer, n):
-                new = "Q6_K"
-        elif mix == "Q5_K_M" and _use_more_bits(i_layer, n):
-            new = "Q6_K"
-        elif mix == "Q4_K_S" and i_layer < n // 8:
-            new = "Q5_K"
-        state["i_ffn_down"] += 1
-        return new
-    if cat == "attn_output":
-        if ctx.n_expert == 8:
-            if mix in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q4_K_S", "Q4_K_M"):
-                new = "Q5_K"
-        elif mix == "Q2_K":
-            new = "Q3_K"
-        elif mix == "Q3_K_M":
-            new = "Q4_K"
-        elif mix == "Q3_K_L":
-            new = "Q5_K"
-        return new
+    where = _Where(i=i, n=n, i_v=state["i_attn_v"], n_v=state["n_attn_v"], i_down=state["i_ffn_down"],
+                   gqa=ctx.n_gqa, n_expert=ctx.n_expert, imatrix=imatrix)
+    new = default
+    for row in RULES.get(f"{branch}:{key}", ()):
+        if mix in row.mixes and CONDITIONS[row.when](where):
+            new = row.to
+            break
+    if "i_" + key in state:  # the counts advance only where llama.cpp's rules look at the tensor
+        state["i_" + key] += 1
     return new
 
 
 def mix_types(tensors: Sequence[tuple[str, tuple[int, ...], str]], mix: str, ctx: MixContext,
               tensor_types: Sequence[tuple[str, str]] = (), manual: dict[int, str] | None = None,
-              stats: dict | None = None) -> list[str]:
-    """The type llama-quantize gives each ``(gguf_name, numpy_shape, source_type)`` for ``mix``.
+              stats: dict | None = None, imatrix: bool = False) -> list[str]:
+    """The type llama-quantize gives each ``(gguf_name, numpy_shape, source_type)`` for ``mix``; ``imatrix``:
+    whether an importance matrix is given (some mixes choose differently with one, as llama-quantize does).
 
     ``tensor_types``: ``(regex, TYPE)`` pairs like ``--tensor-type`` (pattern lower-cased, searched in the name,
     first match wins, skips the mix rules and the Q8_0 floor, the shape fallback still applies); ``manual``:
@@ -243,7 +362,7 @@ def mix_types(tensors: Sequence[tuple[str, tuple[int, ...], str]], mix: str, ctx
         except re.error as e:
             raise PlanError(f"bad --tensor-type pattern {pat!r}: {e}") from None
         ggml_type(typ)
-    state = {"i_attn_v": 0, "i_ffn_down": 0,
+    state = {"i_attn_v": 0, "i_ffn_down": 0, "i_ffn_gate": 0, "i_ffn_up": 0,
              "n_attn_v": sum(1 for n in names if _category(n) in ("attn_v", "attn_qkv", "attn_kv_b")),
              "tied": "output.weight" not in names}
     out: list[str] = [""] * len(tensors)
@@ -261,7 +380,7 @@ def mix_types(tensors: Sequence[tuple[str, tuple[int, ...], str]], mix: str, ctx
                 new, is_manual = typ, True
                 break
         if not is_manual:
-            new = _mix_rule(mix, default, name, int(shape[-1]), _category(name), ctx, state)
+            new = _mix_rule(mix, default, name, int(shape[-1]), _category(name), ctx, state, imatrix)
         if is_quantized_type(new):
             fb = fallback(new, int(shape[-1]))
             state["n_fallback"] = state.get("n_fallback", 0) + (fb != new)

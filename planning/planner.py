@@ -27,7 +27,7 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
                overrides: Sequence[str | tuple[str, str]] = (), head_bits: float = DEFAULT_HEAD_BITS, mtp_bits: float = DEFAULT_MTP_BITS,
                vision_bits: float | None = None, include_mtp: bool = True,
                measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = "k",
-               sides: SideBudgets | None = None) -> Plan:
+               sides: SideBudgets | None = None, imatrix_given: bool = False) -> Plan:
     """Plan every tensor of ``ckpt`` for ``fmt`` ("exl3" | "gguf").
 
     Targets (at most one): ``bpw`` (EXL3: exllamav3's ``bits`` convention; GGUF: bytes·8/elements of the
@@ -37,6 +37,7 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
     planning/gguf_measured.plan_gguf_measured, which also budgets token_embd and output.weight).
     ``gguf_ladder``: custom GGUF candidate types, "k" (Q2_K..Q8_0, what mixq writes) or "iq" (adds IQ2_XXS..IQ4_XS).
     ``sides``: GGUF only, instead of a target: a byte budget per side of a split machine (planning/offload).
+    ``imatrix_given``: a GGUF ``qtype`` converted with an importance matrix (llama-quantize's mixes depend on it).
     A path ``ckpt`` is opened and checked against its config (``validate_checkpoint``), as convert checks it."""
     if isinstance(ckpt, (str, Path)):
         ckpt = open_checkpoint(ckpt)
@@ -61,7 +62,8 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
                                   mtp_bits=mtp_bits)
     elif fmt == "gguf":
         plan = plan_gguf(ckpt, bpw=bpw, size=size_b, qtype=qtype, overrides=ovs, head_bits=head_bits,
-                          mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder, sides=sides)
+                          mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder, sides=sides,
+                          imatrix_given=imatrix_given)
     else:
         raise InputError(f"--format {fmt!r}: exl3 or gguf")
     check_plan(ckpt, plan)  # what plan shows, convert can write (one check for both)

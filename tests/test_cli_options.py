@@ -94,7 +94,8 @@ def test_keywords_build_the_options_and_unknown_ones_are_one_error():
     ({"fit": "121GB", "context": "8K", "size": "100GB"}, "do not combine"),
     ({"device": "tpu"}, "--device 'tpu'"),
     ({"measure_sample": "x"}, "--measure-sample 'x'"),
-    ({"rounding": "hessian"}, "--rounding and --imatrix apply"),
+    ({"rounding": "hessian"}, "--rounding applies"),
+    ({"imatrix": "x.gguf", "bpw": 4}, "--imatrix applies"),
     ({"fmt": "onnx"}, "--format 'onnx'"),
 ])
 def test_plan_options_are_checked_when_built(kwargs, message):

@@ -115,7 +115,7 @@ def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer
     planned_with = _check_curves(ckpt, base, curves_path, curves_info)
     for t, _ in members:  # a target the planner refuses is refused before any work
         plan_model(ckpt, "gguf", **{t.kind: t.value}, overrides=base.overrides, include_mtp=base.include_mtp,
-                   gguf_ladder=base.gguf_ladder or "k", measure=planned_with,
+                   gguf_ladder=base.gguf_ladder or "k", measure=planned_with, imatrix_given=True,
                    **({"head_bits": base.head_bits} if base.head_bits is not None else {}),
                    **({"mtp_bits": base.mtp_bits} if base.mtp_bits is not None else {}))
     if curves_info is not None and curves_info.get("measured") and measure_curves is None:

@@ -33,9 +33,8 @@ from mixq.formats import mmproj  # mmproj.write_mmproj looked up per call (tests
 from mixq.formats.chat_template import model_template, prepare_template
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import scan_finite, validate_checkpoint
-from mixq.formats.gguf_layout import (FLOAT_TYPES, GGML_REQUIRES_IMATRIX, QUANTIZE_REQUIRES_IMATRIX,
-                                      tensor_bytes)
-from mixq.formats.gguf_names import OUTPUT, TOKEN_EMBD, build_tensor, gguf_tensors
+from mixq.formats.gguf_layout import FLOAT_TYPES, tensor_bytes
+from mixq.formats.gguf_names import TOKEN_EMBD, build_tensor, gguf_tensors
 from mixq.formats.gguf_tokenizer import add_tokenizer, tokenizer_metadata
 from mixq.formats.gguf_writer import KV, TensorOut, gguf_file_nbytes, glm5next_kv, output_set, write_gguf
 from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
@@ -214,8 +213,7 @@ def _plan(run: _GGUFRun) -> None:
         run.imatrix_obj = im
     _fit_size(run)
     for s, t in zip(run.specs, run.types):  # fail before writing anything, naming the first such tensor
-        exempt = s.name in (TOKEN_EMBD, OUTPUT) and t not in GGML_REQUIRES_IMATRIX  # llama-quantize's exception
-        if t in QUANTIZE_REQUIRES_IMATRIX and not exempt and (run.imx is None or run.imx.get(s.name) is None):
+        if gguf_mix.requires_imatrix(t, s.name, o.qtype) and (run.imx is None or run.imx.get(s.name) is None):
             why = "the imatrix has no entry for it" if run.imx is not None else "no --imatrix given"
             raise InputError(f"{s.name}: {t} needs an importance matrix ({why}; llama-quantize refuses it too); "
                              "make one with `mixq imatrix`")
@@ -235,7 +233,8 @@ def _assign(run: _GGUFRun, size: int | None) -> list[str]:
                         token_embedding_type=o.token_embedding_type, include_mtp=o.include_mtp,
                         gguf_ladder=o.gguf_ladder or "k", overrides=o.overrides,
                         head_bits=DEFAULT_HEAD_BITS if o.head_bits is None else o.head_bits,
-                        mtp_bits=DEFAULT_MTP_BITS if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure))
+                        mtp_bits=DEFAULT_MTP_BITS if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure),
+                        imatrix_given=o.imatrix is not None)
 
 
 def _fit_size(run: _GGUFRun) -> None:

@@ -259,3 +259,27 @@ def test_expert_slices_read_ahead_round_as_one_at_a_time(k256_specs, calibration
             for e0 in range(0, E, 3)]
     walk.close()
     assert E % 3 and np.array_equal(np.load(tmp_path / "a.npy"), np.concatenate(want))
+
+
+@pytest.mark.slow
+def test_mini_iq4_xs_mix_with_hessian_rounding_reads_back(mini_model, calibration_text, tmp_path):
+    """A llama-quantize name beyond the K-quant mixes (`--type IQ4_XS`: IQ4_NL on mini's 128-wide rows, output at
+    Q8_0) with `--rounding hessian`: llama-quantize's layout, the covered tensors' codes changed, and gguf-py reads
+    every tensor back to finite weights."""
+    import gguf
+
+    from mixq.conversion.gguf.pipeline import convert_gguf
+
+    kw = dict(qtype="IQ4_XS", threads=1, progress=False)
+    convert_gguf(mini_model, tmp_path / "exact.gguf", **kw)
+    convert_gguf(mini_model, tmp_path / "hess.gguf", rounding="hessian", calibration=[calibration_text], rows=2,
+                 seq_len=64, tune_iters=2, **kw)
+    assert _layout(tmp_path / "exact.gguf") == _layout(tmp_path / "hess.gguf")
+    ta = {t.name: t for t in gguf.GGUFReader(tmp_path / "exact.gguf").tensors}
+    tb = {t.name: t for t in gguf.GGUFReader(tmp_path / "hess.gguf").tensors}
+    assert {"IQ4_NL", "Q8_0"} <= {t.tensor_type.name for t in tb.values()}
+    changed = [n for n in ta if bytes(ta[n].data) != bytes(tb[n].data)]
+    assert "blk.1.ffn_up_exps.weight" in changed and "blk.0.attn_q.weight" in changed
+    for t in tb.values():
+        w = gguf.dequantize(t.data, t.tensor_type)
+        assert np.isfinite(w).all(), t.name

@@ -143,4 +143,4 @@ def test_cli_plan_gguf_measure_passes_rounding_and_imatrix(k256_model, tmp_path,
     types = {t["name"]: t["type"] for t in plan["tensors"]}
     assert types["token_embd.weight"] != "BF16"
     r = CliRunner().invoke(main, ["plan", str(k256_model), "--format", "gguf", "--bpw", "4", "--rounding", "hessian"])
-    assert r.exit_code == 2 and "--rounding and --imatrix apply to" in r.output
+    assert r.exit_code == 2 and "--rounding applies to" in r.output

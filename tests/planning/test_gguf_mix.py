@@ -125,3 +125,51 @@ def test_file_size_counts_header_and_alignment():
     total, head = gm.gguf_file_bytes(tensors, kv_bytes=100)
     assert head == 224 and head % 32 == 0  # 24 + 100 + (8+8+4+16+4+8) + (8+1+4+8+4+8) = 205 -> 224
     assert total == head + 128 + 32  # 102 -> 128, 20 -> 32
+
+
+def test_every_llama_quantize_name_is_a_mix_with_its_file_type():
+    # V:tools/quantize/quantize.cpp QUANT_OPTIONS (less Q1_0, Q2_0, TQ*, MXFP4_MOE, COPY and the float types);
+    # ids: llama.h's llama_ftype
+    ids = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12,
+           "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19,
+           "IQ2_XS": 20, "Q2_K_S": 21, "IQ3_XS": 22, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26,
+           "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29, "IQ4_XS": 30, "IQ1_M": 31}
+    assert {n: m.file_type for n, m in gm.MIXES.items()} == ids
+    assert gm.normalize_mix("iq2_xxs") == "IQ2_XXS" and gm.normalize_mix("q4_k") == "Q4_K_M"
+    assert gm.MIX_DEFAULT["IQ2_S"] == "IQ2_XS" and gm.MIX_DEFAULT["IQ2_M"] == "IQ2_S"
+    assert gm.MIX_DEFAULT["IQ3_XS"] == gm.MIX_DEFAULT["IQ3_M"] == "IQ3_S"
+
+
+def test_low_bit_mixes_count_ffn_down_tensors_not_layers():
+    # V:src/llama-quant.cpp: in the IQ1/IQ2 mixes the first n_layer_all/8 ffn_down tensors in loader order
+    # (46 // 8 = 5: blk.0-2 dense ffn_down, then blk.3's exps, ...) take Q2_K (IQ3_S for IQ2_S / IQ2_M); attn_v-like
+    # tensors take Q4_K with more than 4 experts; output Q5_K; token_embd Q2_K / IQ3_S
+    rows = _flash_names()
+    ctx = gm.MixContext(n_layer_all=46, n_expert=288, policy=gguf_policy)
+    t = dict(zip([r[0] for r in rows], gm.mix_types(rows, "IQ2_XXS", ctx, imatrix=True)))
+    downs = [n for n, _, _ in rows if "ffn_down" in n]
+    assert [t[n] for n in downs[:6]] == ["Q2_K"] * 5 + ["IQ2_XXS"]
+    assert downs[3] == "blk.3.ffn_down_exps.weight" and t["blk.45.ffn_down_exps.weight"] == "IQ2_XXS"
+    assert t["blk.0.attn_v.weight"] == "Q4_K" and t["output.weight"] == "Q5_K" and t["token_embd.weight"] == "Q2_K"
+    assert t["blk.5.ffn_gate_exps.weight"] == "IQ2_XXS" and t["blk.3.attn_q_b.weight"] == "Q8_0"
+    m = dict(zip([r[0] for r in rows], gm.mix_types(rows, "IQ2_M", ctx, imatrix=True)))
+    assert m["blk.4.ffn_down_exps.weight"] == "IQ3_S" and m["blk.9.ffn_down_exps.weight"] == "IQ2_S"
+    assert m["token_embd.weight"] == "IQ3_S"
+
+
+def test_imatrix_changes_the_mixes_that_read_it():
+    rows = _flash_names()
+    ctx = gm.MixContext(n_layer_all=46, n_expert=288, policy=gguf_policy)
+    names = [r[0] for r in rows]
+    for mix, without, with_ in (("IQ4_XS", "Q5_K", "IQ4_XS"), ("Q4_0", "Q4_0", "Q4_1"), ("Q5_0", "Q5_0", "Q5_1"),
+                                ("IQ3_XXS", "Q4_K", "IQ3_XXS")):
+        a = dict(zip(names, gm.mix_types(rows, mix, ctx, imatrix=False)))
+        b = dict(zip(names, gm.mix_types(rows, mix, ctx, imatrix=True)))
+        assert (a["blk.0.ffn_down.weight"], b["blk.0.ffn_down.weight"]) == (without, with_), mix
+        assert a["blk.20.ffn_down_exps.weight"] == b["blk.20.ffn_down_exps.weight"] != "Q5_K" or mix == "IQ3_XXS"
+    x = dict(zip(names, gm.mix_types(rows, "IQ3_XXS", ctx)))
+    assert x["blk.0.attn_v.weight"] == "IQ3_S" and x["blk.20.ffn_down_exps.weight"] == "Q3_K"
+    assert gm.requires_imatrix("Q2_K", "blk.0.ffn_up.weight", "Q2_K_S")
+    assert not gm.requires_imatrix("Q2_K", "blk.0.ffn_up.weight", "Q2_K")
+    assert not gm.requires_imatrix("Q2_K", "token_embd.weight", "Q2_K_S")
+    assert gm.requires_imatrix("IQ2_XXS", "token_embd.weight")  # ggml's own encoder asserts it

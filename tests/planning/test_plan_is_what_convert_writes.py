@@ -8,7 +8,8 @@ from gguf import GGUFReader
 import mixq
 
 
-@pytest.mark.parametrize("target", [{"qtype": "Q4_K_M"}, {"bpw": 5.0}], ids=["Q4_K_M", "bpw5"])
+@pytest.mark.parametrize("target", [{"qtype": "Q4_K_M"}, {"qtype": "IQ3_M"}, {"bpw": 5.0}],
+                         ids=["Q4_K_M", "IQ3_M", "bpw5"])
 def test_every_planned_tensor_is_written_with_its_type_and_bytes(mini_model, tmp_path, target):
     plan = mixq.plan(mini_model, "gguf", **target)
     out = tmp_path / "m.gguf"
@@ -17,3 +18,14 @@ def test_every_planned_tensor_is_written_with_its_type_and_bytes(mini_model, tmp
     planned = {t.name: (t.type, t.bytes) for t in plan.tensors}
     assert written == planned
     assert len({t for t, _ in planned.values()}) > 2  # a mix, not one type everywhere
+
+
+def test_plan_type_with_imatrix_plans_what_an_imatrix_conversion_takes(k256_model, tmp_path):
+    """llama-quantize's IQ3_XXS mix puts the attn_v tensors at IQ3_S without an importance matrix and keeps them at
+    IQ3_XXS with one: `plan --type IQ3_XXS --imatrix IMX` plans the latter (the file is only named, not read)."""
+    imx = tmp_path / "imx.gguf"
+    imx.write_bytes(b"")
+    without = {t.name: t.type for t in mixq.plan(k256_model, "gguf", qtype="IQ3_XXS").tensors}
+    with_ = {t.name: t.type for t in mixq.plan(k256_model, "gguf", qtype="IQ3_XXS", imatrix=imx).tensors}
+    assert without["blk.0.attn_v.weight"] == "IQ3_S" and with_["blk.0.attn_v.weight"] == "IQ3_XXS"
+    assert without["blk.0.attn_q.weight"] == with_["blk.0.attn_q.weight"] == "IQ2_S"

@@ -67,6 +67,7 @@ PLAN_CASES = [
     ("exl3-mtp-bits-16", ["--format", "exl3", "--bpw", "4", "--mtp-bits", "16"], "--mtp-bits 16"),
     ("gguf-override-no-encoder", ["--format", "gguf", "--type", "Q4_K_M", "--override", "attn=IQ1_S"],
      "cannot write"),
+    ("gguf-type-iq1", ["--format", "gguf", "--type", "IQ1_M"], "--type IQ1_M: not implemented yet"),
 ]
 
 

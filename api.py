@@ -166,7 +166,7 @@ def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Seque
     "entries", "chunks", "chunk_size", "datasets"}."""
     o = _options(ImatrixOptions, options, kwargs, "imatrix", calibration=calibration or None)
     return make_imatrix(model, out, list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len, device=o.device,
-                        progress=o.progress, overwrite=o.overwrite)
+                        progress=o.progress, overwrite=o.overwrite, gpu_memory=o.gpu_memory)
 
 
 def demo(out_dir: str | os.PathLike = "mixq-demo", *, skip: Sequence[str] = (), progress: bool = False) -> dict:

@@ -55,7 +55,8 @@ STAGES: dict[str, StageFact] = {f.name: f for f in (
     StageFact("gguf_tuning", "weights tuned together in one stage (routed experts grouped to fit)", False,
               "the descent moves a stage's weights together: experts tuned in other groups end at other codes. "
               "The default groups come from the device's free memory, as they always did"),
-    StageFact("gguf_encode", "weights per encoder chunk on the device", True,
+    StageFact("gguf_encode", "weights per encoder chunk on the device (CPU worker processes: none, each holds "
+              "one task of rows and the source tensor is cut once)", True,
               "ggml's block encodings are row by row; a chunk only batches rows"),
     StageFact("eval_forward", "where the hidden streams live: the device when they fit, else the host", True,
               "the streams are stored, not computed, where they live; each layer still runs one window at a time"),
@@ -418,9 +419,12 @@ def gguf_estimate(budget: MemoryBudget, shapes: ModelShapes, *, hessian: bool, r
         est.stages.append(rounding_need(budget, shapes, rounding_default, cal.fixed))
         if tune:
             est.stages.append(tuning_need(budget, shapes, tune_bytes_per_weight, cal.fixed))
+    source = 2 * 4 * largest_tensor  # the float32 source tensor being cut, and its encoded copy
     if encode_default is not None:
         est.stages.append(encode_need(budget, encode_default, shapes.hidden))
-    est.host_extra = 2 * 4 * largest_tensor + host_workers * task_weights * BYTES["encode_weight"]
+        est.host_extra = source
+    else:  # CPU worker processes: the host is the device
+        est.stages.append(StageNeed("gguf_encode", source + host_workers * task_weights * BYTES["encode_weight"]))
     if hessian:  # the streams, and the source layer read on the host before it goes to the device
         est.host_extra += calibration_host(shapes, rows, seq_len) + _layer_bytes(shapes)
     return est

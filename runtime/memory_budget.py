@@ -214,7 +214,8 @@ class MemoryEstimate:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes for a person: GiB, or MiB below one GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
 
 
 # --- shapes --------------------------------------------------------------------------------------------------------

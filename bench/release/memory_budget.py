@@ -19,6 +19,8 @@ without a GPU), the up-front line (`mixq VERB: memory: ...`) and the estimate th
 not started is recorded under "skipped".
 
     python bench/release/memory_budget.py --work DIR --json bench/results/memory_budget.json
+    python bench/release/memory_budget.py --estimate-only --json bench/results/memory_budget_estimate_glm53.json
+        # no run: every verb's up-front estimate for GLM-5.3-Flash's config (shapes only) on a CUDA device
     python bench/release/memory_budget.py --work DIR --json OUT.json --small --device cpu --budgets 4GB,1MB \\
         --verbs imatrix,gguf,eval --gguf-args="--type Q8_0"      # the same code on a toy slice, on the CPU
 
@@ -153,8 +155,9 @@ def build_model(args, work: Path) -> tuple[Path, dict]:
     return work / "slice" / "bf16", {"built": res, "experts": args.experts, "small": args.small}
 
 
-def verb_command(verb: str, model: Path, work: Path, tag: str, budget: str, args, imatrix: Path | None) -> tuple:
-    """(argv, OUT, the --json file) of one verb's run."""
+def verb_command(verb: str, model: Path, work: Path, tag: str, budget: str, args, other: Path | None) -> tuple:
+    """(argv, OUT, the --json file) of one verb's run; `other`: the gguf verb's imatrix, the eval verb's candidate
+    when this budget made none (that of an earlier budget)."""
     mixq = [sys.executable, "-m", "mixq"]
     cal = ["--rows", str(args.rows), "--seq-len", str(args.seq_len)]
     dev = ["--device", args.device] if args.device else []
@@ -175,18 +178,73 @@ def verb_command(verb: str, model: Path, work: Path, tag: str, budget: str, args
         cmd = mixq + ["convert", str(model), str(out), *extra, "--gpu-memory", budget, "--overwrite", "--json"]
         if hessian:
             cmd += cal
-        if imatrix is not None:
-            cmd += ["--imatrix", str(imatrix)]
+        if other is not None:
+            cmd += ["--imatrix", str(other)]
         return cmd + dev, out, js
     cand = work / f"gguf-{tag}.gguf"
+    cand = cand if cand.is_file() or other is None else other
     return mixq + ["eval", str(model), str(cand), "--text", str(SHARED / "data" / "heldout.txt"), "--ctx",
                    str(args.eval_ctx), "--windows", str(args.eval_windows), "--gpu-memory", budget, "--json",
                    str(js), "--overwrite"] + dev, None, js
 
 
+def estimates(config: Path, budgets: list[str], args) -> dict:
+    """Every verb's up-front estimate and pieces (runtime/memory_budget.py) for a checkpoint's shapes (`config`: a
+    config.json, shapes only) on a CUDA device under each budget, as the verbs compute them, without running."""
+    import torch
+
+    from mixq.conversion.exl3.pipeline import MAX_BATCH
+    from mixq.conversion.gguf.rounding import expert_slice
+    from mixq.conversion.gguf.tuning import BYTES_PER_TUNED_WEIGHT
+    from mixq.errors import InputError
+    from mixq.eval.streamed import state_bytes
+    from mixq.formats.checkpoint import checkpoint_from_config
+    from mixq.formats.gguf_names import gguf_tensors
+    from mixq.planning.sizes import parse_size
+    from mixq.quant.ggml.torch_encoders import chunk_weights
+    from mixq.runtime import memory_budget as mb
+    from mixq.runtime.kl_stats import ROW_CHUNK
+
+    ck = checkpoint_from_config(config)
+    shapes = mb.checkpoint_shapes(ck)
+    cuda = torch.device("cuda")
+    specs = gguf_tensors(ck, include_mtp=False)
+    stack = max((s for s in specs if s.transform == "stack"), key=lambda s: s.shape[-2] * s.shape[-1])
+    largest = max(int(torch.Size(s.shape).numel()) for s in specs)
+    out: dict = {"config": str(config), "shapes": {k: v for k, v in vars(shapes).items() if k != "layer_inputs"},
+                 "calibration": {"rows": args.rows, "seq_len": args.seq_len},
+                 "eval": {"ctx": args.eval_ctx, "windows": args.eval_windows}, "budgets": {}}
+    for b in budgets:
+        budget = mb.MemoryBudget(cuda, parse_size(b), True)
+        ests = {
+            "exl3": mb.exl3_estimate(budget, shapes, rows=args.rows, seq_len=args.seq_len, batch_rows=4,
+                                     default_batch=MAX_BATCH),
+            "gguf_hessian": mb.gguf_estimate(budget, shapes, hessian=True, rows=args.rows, seq_len=args.seq_len,
+                                             tune=True, tune_bytes_per_weight=BYTES_PER_TUNED_WEIGHT,
+                                             rounding_default=expert_slice(stack.shape[-2], stack.shape[-1], cuda),
+                                             encode_default=chunk_weights("Q4_K", cuda), largest_tensor=largest),
+            "imatrix": mb.imatrix_estimate(budget, shapes, rows=args.rows, seq_len=args.seq_len),
+            "eval": mb.eval_estimate(budget, shapes, ctx=args.eval_ctx, batch_windows=1, models=2,
+                                     state_bytes=state_bytes(ck.config, args.eval_windows, args.eval_ctx),
+                                     kl_default=ROW_CHUNK)[0],
+        }
+        row = {}
+        for verb, est in ests.items():
+            d = est.to_dict()
+            d["line"] = est.line()
+            try:
+                est.check()
+                d["refusal"] = None
+            except InputError as e:
+                d["refusal"] = f"mixq: error: {e}"
+            row[verb] = d
+        out["budgets"][b] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, required=True, help="directory for the slice and every output")
+    ap.add_argument("--work", type=Path, default=None, help="directory for the slice and every output")
     ap.add_argument("--json", type=Path, required=True, help="results (rewritten after every run)")
     ap.add_argument("--model", type=Path, default=None, help="a glm5_next checkpoint instead of the built slice")
     ap.add_argument("--experts", type=int, default=288)
@@ -200,13 +258,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-ctx", type=int, default=4096)
     ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--deadline-s", type=float, default=None, help="the whole run (build included)")
+    ap.add_argument("--estimate-only", action="store_true",
+                    help="no run: the verbs' estimates for --model's (or GLM-5.3-Flash's) config under each budget")
     args = ap.parse_args(argv)
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if args.estimate_only:
+        config = (args.model / "config.json") if args.model is not None else \
+            SHARED / "models" / "glm-5.3-flash-shape" / "config.json"
+        result = {"argv": sys.argv[1:] if argv is None else argv, **estimates(config, budgets, args)}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(repo_relative(result), indent=2) + "\n")
+        return result
+    if args.work is None:
+        ap.error("--work is required unless --estimate-only")
     t_start = time.time()
     verbs = [v.strip() for v in args.verbs.split(",") if v.strip()]
     bad = [v for v in verbs if v not in VERBS]
     if bad:
         raise SystemExit(f"--verbs: unknown {bad[0]}; use {', '.join(VERBS)}")
-    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     env_note = {"device": args.device or "cuda when present", "gpu": _gpu_name()}
@@ -218,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.json.write_text(json.dumps(repo_relative(result), indent=2) + "\n")
 
     imatrix_any: Path | None = None
+    gguf_any: Path | None = None
     for budget in budgets:
         tag = re.sub(r"[^A-Za-z0-9]+", "", budget)
         imatrix: Path | None = None
@@ -227,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
                 result["skipped"].append({"verb": verb, "budget": budget, "why": "deadline"})
                 continue
             imx = imatrix or imatrix_any
-            cmd, out, js = verb_command(verb, model, work, tag, budget, args, imx if verb == "gguf" else None)
+            cmd, out, js = verb_command(verb, model, work, tag, budget, args, imx if verb == "gguf" else gguf_any)
             log = work / f"{verb}-{tag}.log"
             js.unlink(missing_ok=True)
             res = run_child(cmd, log, left, stdout=None if verb == "eval" else js)  # --json on stdout
@@ -235,6 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["runs"].append(entry)
             if verb == "imatrix" and res["rc"] == 0 and out is not None and out.is_file():
                 imatrix = imatrix_any = out
+            if verb == "gguf" and res["rc"] == 0 and out is not None and out.is_file():
+                gguf_any = out
             save()
     result["seconds"] = round(time.time() - t_start, 1)
     save()

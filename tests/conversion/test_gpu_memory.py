@@ -37,7 +37,7 @@ def test_the_flag_is_offered(command):
 def test_convert_gguf_refuses_a_budget_it_cannot_meet(k256_model, tmp_path):
     out = tmp_path / "x.gguf"
     line = error_line(run_cli("convert", k256_model, out, "--type", "Q8_0", "--gpu-memory", "1MB"))
-    assert line.startswith("mixq: error: --gpu-memory 0.00 GiB: the gguf_encode stage needs ")
+    assert line.startswith("mixq: error: --gpu-memory 0.95 MiB: the gguf_encode stage needs ")
     assert " bytes " in line and "on cpu" in line
     assert list(tmp_path.iterdir()) == []
 

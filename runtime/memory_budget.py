@@ -26,6 +26,7 @@ import torch
 
 from mixq.errors import InputError
 from mixq.formats.exl3_layout import pad_up
+from mixq.runtime.layer_stream import BATCH_ROWS
 
 GIB = 2**30
 
@@ -404,7 +405,6 @@ def eval_logits_need(budget: MemoryBudget, shapes: ModelShapes, ctx: int, defaul
 
 
 # --- what each verb runs -------------------------------------------------------------------------------------------
-CALIBRATION_BATCH_ROWS = 4  # runtime/layer_stream.DecoderStream's rows per layer call, which every caller keeps
 
 
 def gguf_estimate(budget: MemoryBudget, shapes: ModelShapes, *, hessian: bool, rows: int, seq_len: int,
@@ -415,7 +415,7 @@ def gguf_estimate(budget: MemoryBudget, shapes: ModelShapes, *, hessian: bool, r
     `host_workers` of `task_weights` each). Host: the source tensor being cut and its encoding."""
     est = MemoryEstimate(budget)
     if hessian:
-        cal = calibration_need(shapes, rows, seq_len, CALIBRATION_BATCH_ROWS)
+        cal = calibration_need(shapes, rows, seq_len, BATCH_ROWS)
         est.stages.append(cal)
         est.stages.append(rounding_need(budget, shapes, rounding_default, cal.fixed))
         if tune:
@@ -446,7 +446,7 @@ def exl3_estimate(budget: MemoryBudget, shapes: ModelShapes, *, rows: int, seq_l
 def imatrix_estimate(budget: MemoryBudget, shapes: ModelShapes, *, rows: int, seq_len: int) -> MemoryEstimate:
     """`mixq imatrix`: the calibration forward with Σ x² accumulators."""
     est = MemoryEstimate(budget)
-    est.stages.append(calibration_need(shapes, rows, seq_len, CALIBRATION_BATCH_ROWS, full=False))
+    est.stages.append(calibration_need(shapes, rows, seq_len, BATCH_ROWS, full=False))
     est.host_extra = calibration_host(shapes, rows, seq_len) + _layer_bytes(shapes)
     return est
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import mixq
 from cli_helpers import error_line, run_cli
@@ -91,3 +92,28 @@ def test_gguf_bytes_do_not_depend_on_the_budget(k256_model, tmp_path):
     assert next(s for s in small.memory["stages"] if s["stage"] == "gguf_rounding")["piece"] == 2
     assert (tmp_path / "default.gguf").read_bytes() == (tmp_path / "small.gguf").read_bytes()
     assert mixq.verify(tmp_path / "small.gguf")["ok"]
+
+
+def test_exl3_stacks_shrink_only_where_the_budget_is_below_them(k256_model):
+    """k256's MoE layer: without a budget (or with a large one) its 16 routed experts go in the default stacks;
+    a budget of three units' bytes stacks three at a time. The stack is not piece-invariant (one global scale
+    and one seed per stack), so the default is kept wherever it fits."""
+    from mixq.conversion.exl3.pipeline import batches
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.formats.exl3_names import exl3_layout
+    from mixq.runtime.memory_budget import MemoryBudget, exl3_unit_bytes
+
+    units = [u for u in exl3_layout(open_checkpoint(k256_model)) if u.stage == "layer.1" and u.kind == "trellis"]
+    items = [(u, True) for u in units]
+    bits = {u.key: 3.0 for u in units}
+    default = batches(items, bits)
+    assert batches(items, bits, MemoryBudget(torch.device("cpu"), 2**50, True)) == default
+    assert max(len(g) for g in default) == 16
+    expert = units[max(default, key=len)[0]].shape  # the routed experts' (out, in)
+    budget = 3 * exl3_unit_bytes(*expert)
+    small = batches(items, bits, MemoryBudget(torch.device("cpu"), budget, True))
+    for g in small:
+        shape = units[g[0]].shape
+        assert len(g) <= max(1, budget // exl3_unit_bytes(*shape))
+    assert max(len(g) for g in small if units[g[0]].shape == expert) == 3
+    assert sorted(i for g in small for i in g) == sorted(i for g in default for i in g)

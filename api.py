@@ -163,7 +163,8 @@ def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Seque
             options: ImatrixOptions | None = None, **kwargs) -> dict:
     """A llama.cpp GGUF importance matrix of `model` from a calibration forward, written to `out`. `options`: an
     ImatrixOptions, or its fields as keywords (`rows`, `seq_len`, `device`, `overwrite`). Returns {"file",
-    "entries", "chunks", "chunk_size", "datasets"}."""
+    "entries", "chunks", "chunk_size", "datasets", "memory"} ("memory": the up-front estimate of
+    runtime/memory_budget.py)."""
     o = _options(ImatrixOptions, options, kwargs, "imatrix", calibration=calibration or None)
     return make_imatrix(model, out, list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len, device=o.device,
                         progress=o.progress, overwrite=o.overwrite, gpu_memory=o.gpu_memory)

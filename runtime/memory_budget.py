@@ -292,7 +292,8 @@ def _activation_bytes(shapes: ModelShapes, rows: int, seq: int) -> int:
             + rows * shapes.heads * seq * seq * BYTES["score"])
 
 
-def calibration_need(shapes: ModelShapes, rows: int, seq_len: int, batch_rows: int, *, full: bool = True) -> StageNeed:
+def calibration_need(shapes: ModelShapes, rows: int, seq_len: int, batch_rows: int, *,
+                     full: bool = True) -> StageNeed:
     """The calibration forward on the device: one layer's weights, its accumulators (Σ x·xᵀ float32 per distinct
     input, or the Σ x² vectors of an imatrix) and one batch's activations (the hidden streams of all rows stay on
     the host: `calibration_host`)."""
@@ -382,7 +383,8 @@ def encode_need(budget: MemoryBudget, default: int, row: int) -> StageNeed:
     return StageNeed("gguf_encode", 0, BYTES["encode_weight"], piece, default)
 
 
-def eval_forward_need(shapes: ModelShapes, ctx: int, batch_windows: int, state_bytes: int, models: int = 2) -> StageNeed:
+def eval_forward_need(shapes: ModelShapes, ctx: int, batch_windows: int, state_bytes: int,
+                      models: int = 2) -> StageNeed:
     """The eval forward: one model's layer at a time (dequantized float32 and the module's copy), one batch of
     windows' activations, and every model's hidden streams when they live on the device (`state_bytes`: one
     model's, 0 when they live on the host)."""

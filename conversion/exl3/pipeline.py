@@ -35,7 +35,8 @@ from mixq.quant.device import resolve_device
 
 from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
-from mixq.runtime.memory_budget import MemoryBudget, announce, checkpoint_shapes, exl3_batch, exl3_estimate, resolve_budget
+from mixq.runtime.memory_budget import (MemoryBudget, announce, checkpoint_shapes, exl3_batch, exl3_estimate,
+                                        resolve_budget)
 from mixq.runtime.overlap import WriteBehind, host_stack
 from mixq.conversion.exl3.drafter import convert_drafter
 from mixq.conversion.exl3.ranks import encode_batches, scan_share, share_job, shared_state

@@ -205,8 +205,10 @@ class MemoryEstimate:
         kind = f"GPU {dev}" if dev.type == "cuda" else f"device {dev}"
         src = "--gpu-memory" if self.budget.given else "free memory"
         top = f" (largest stage: {big.stage})" if big is not None else ""
+        short = "" if self.device_need <= self.budget.bytes or self.budget.given else \
+            " (more than is free: give --gpu-memory to be held to it)"
         return (f"memory: {kind} needs ~{_gib(self.device_need)}{top} of a {_gib(self.budget.bytes)} budget "
-                f"({src}); host ~{_gib(self.host_need)}")
+                f"({src}){short}; host ~{_gib(self.host_need)}")
 
     def to_dict(self) -> dict:
         return {"device": str(self.budget.device), "budget_bytes": self.budget.bytes, "budget_given":
@@ -469,9 +471,12 @@ def eval_estimate(budget: MemoryBudget, shapes: ModelShapes, *, ctx: int, batch_
 
 
 def announce(est: MemoryEstimate, verb: str, *, show: bool = True, flag: str = "--gpu-memory") -> dict:
-    """The up-front step of a verb: the line on stderr (when `show`), then the refusal of a budget its smallest
-    piece cannot meet (InputError, before any work). Returns the estimate as the result's `memory` entry."""
+    """The up-front step of a verb: the line on stderr (when `show`), then the refusal of a given budget its
+    smallest piece cannot meet (InputError, before any work). Without --gpu-memory the free memory sets the pieces
+    and a shortfall is said on the line, not refused: the figures are estimates, and the free memory is not
+    something the user chose. Returns the estimate as the result's `memory` entry."""
     if show:
         print(f"mixq {verb}: {est.line()}", file=sys.stderr, flush=True)
-    est.check(flag)
+    if est.budget.given:
+        est.check(flag)
     return est.to_dict()

@@ -460,11 +460,12 @@ def eval_estimate(budget: MemoryBudget, shapes: ModelShapes, *, ctx: int, batch_
     """`mixq eval`: the forward (every model's hidden streams on the device when they fit beside one layer and one
     batch of windows, else on the host) and the logits' KL passes. Returns (estimate, streams on the device)."""
     est = MemoryEstimate(budget)
-    on_device = budget.device.type != "cpu"
+    on_device = budget.device.type != "cpu" and models > 0
     if on_device:
         with_states = eval_forward_need(shapes, ctx, batch_windows, state_bytes, models)
         on_device = with_states.need <= budget.bytes
-    est.stages.append(eval_forward_need(shapes, ctx, batch_windows, state_bytes if on_device else 0, models))
+    if models > 0:  # no torch forward when every model's logits come from a file or an engine
+        est.stages.append(eval_forward_need(shapes, ctx, batch_windows, state_bytes if on_device else 0, models))
     est.stages.append(eval_logits_need(budget, shapes, ctx, kl_default))
     est.host_extra = (0 if on_device else models * state_bytes) + _layer_bytes(shapes) // 2
     return est, on_device

@@ -279,7 +279,10 @@ def main(argv: list[str] | None = None) -> dict:
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     env_note = {"device": args.device or "cuda when present", "gpu": _gpu_name()}
-    result: dict = {"argv": sys.argv[1:] if argv is None else argv, "env": env_note, "runs": [], "skipped": []}
+    given = list(sys.argv[1:] if argv is None else argv)
+    # the scratch directory is this machine's, not part of the result
+    shown = ["WORK" if i > 0 and given[i - 1] == "--work" else a for i, a in enumerate(given)]
+    result: dict = {"argv": shown, "env": env_note, "runs": [], "skipped": []}
     model, result["model"] = build_model(args, work)
 
     def save() -> None:

@@ -476,8 +476,14 @@ def announce(est: MemoryEstimate, verb: str, *, show: bool = True, flag: str = "
     smallest piece cannot meet (InputError, before any work). Without --gpu-memory the free memory sets the pieces
     and a shortfall is said on the line, not refused: the figures are estimates, and the free memory is not
     something the user chose. Returns the estimate as the result's `memory` entry."""
-    if show:
-        print(f"mixq {verb}: {est.line()}", file=sys.stderr, flush=True)
     if est.budget.given:
         est.check(flag)
+    if show:
+        say(est, verb)
     return est.to_dict()
+
+
+def say(est: MemoryEstimate, verb: str) -> None:
+    """The up-front line on stderr (a verb whose later checks can still refuse its input says it after them, so
+    that a refusal stays the one line on stderr)."""
+    print(f"mixq {verb}: {est.line()}", file=sys.stderr, flush=True)

@@ -35,8 +35,8 @@ from mixq.quant.device import resolve_device
 
 from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
-from mixq.runtime.memory_budget import (MemoryBudget, announce, checkpoint_shapes, exl3_batch, exl3_estimate,
-                                        resolve_budget)
+from mixq.runtime.memory_budget import (MemoryBudget, MemoryEstimate, announce, checkpoint_shapes, exl3_batch,
+                                        exl3_estimate, resolve_budget, say)
 from mixq.runtime.overlap import WriteBehind, host_stack
 from mixq.conversion.exl3.drafter import convert_drafter
 from mixq.conversion.exl3.ranks import encode_batches, scan_share, share_job, shared_state
@@ -167,6 +167,8 @@ def run_exl3(model, out, opts: Exl3Options) -> ConvertResult:
         _validate(run)
         _memory(run)
         _plan(run)
+        if run.progress:  # after every check of the input: a refusal stays the one line on stderr
+            say(run.estimate, "convert")
         out_existed = run.out.exists()
         _start_job(run)
         try:
@@ -207,6 +209,7 @@ class _Exl3Run:
     ids: torch.Tensor | None = None  # the calibration rows (token ids)
     budget: MemoryBudget | None = None  # --gpu-memory less the calibration's resident part: the trellis stacks'
     memory: dict | None = None          # the up-front estimate, as the result reports it
+    estimate: MemoryEstimate | None = None
 
     @property
     def progress(self) -> bool:
@@ -249,7 +252,8 @@ def _memory(run: _Exl3Run) -> None:
     budget = resolve_budget(o.gpu_memory, run.device)
     est = exl3_estimate(budget, checkpoint_shapes(run.ckpt), rows=o.rows, seq_len=o.seq_len,
                         batch_rows=o.batch_rows, default_batch=MAX_BATCH)
-    run.memory = announce(est, "convert", show=run.progress)
+    run.memory = announce(est, "convert", show=False)
+    run.estimate = est
     run.budget = budget.less(est.stage("calibration").fixed) if budget.given else None
 
 

@@ -46,12 +46,13 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
     dev = resolve_device(device)  # before the checkpoint is read: a missing CUDA is a one-line error
     ckpt = open_checkpoint(model)
     validate_checkpoint(ckpt)
+    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
+                           vocab_size=int(ckpt.text_config["vocab_size"]))
+    # after the inputs are checked (a refusal stays the one line on stderr), before the forward
     est = imatrix_estimate(resolve_budget(gpu_memory, dev), checkpoint_shapes(ckpt), rows=rows, seq_len=seq_len)
     said = announce(est, "imatrix", show=progress)
     if memory is not None:
         memory.update(said)
-    ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
-                           vocab_size=int(ckpt.text_config["vocab_size"]))
     specs = [s for s in gguf_tensors(ckpt, include_mtp=False)
              if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != TOKEN_EMBD]
     by_hf: dict[str, list] = {}

@@ -63,7 +63,7 @@ from mixq.conversion.result import ConvertResult
 from mixq.quant.device import pick_device, resolve_device
 from mixq.quant.ggml.torch_encoders import chunk_weights
 from mixq.runtime.memory_budget import (MemoryBudget, MemoryEstimate, announce, checkpoint_shapes, gguf_estimate,
-                                        resolve_budget)
+                                        resolve_budget, say)
 
 METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alignment beyond the tensor data
 # --size: re-plans with the measured header overshoot taken off the budget; the receipt's type counts move the
@@ -90,6 +90,8 @@ def run_gguf(model, out, opts: GGUFOptions, cache: EncodeCache | None = None) ->
     _validate(run)
     _memory(run)
     _plan(run)
+    if opts.progress:  # after every check of the input: a refusal stays the one line on stderr
+        say(run.pieces, "convert")
     mm_out = Path(opts.mmproj) if opts.mmproj is not None else None
     with gguf_partials_lock(run.out, mm_out), writing(run.out, *([mm_out] if mm_out else [])):
         files = _write(run)
@@ -247,7 +249,7 @@ def _memory(run: _GGUFRun) -> None:
                         rounding_default=_rounding_default(run), encode_default=encode_default,
                         largest_tensor=max(math.prod(s.shape) for s in run.specs), host_workers=workers,
                         task_weights=TASK_WEIGHTS)
-    run.memory = announce(est, "convert", show=o.progress)
+    run.memory = announce(est, "convert", show=False)
     run.pieces = est
 
 

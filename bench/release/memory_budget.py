@@ -221,7 +221,8 @@ def estimates(config: Path, budgets: list[str], args) -> dict:
                                      default_batch=MAX_BATCH),
             "gguf_hessian": mb.gguf_estimate(budget, shapes, hessian=True, rows=args.rows, seq_len=args.seq_len,
                                              tune=True, tune_bytes_per_weight=BYTES_PER_TUNED_WEIGHT,
-                                             rounding_default=expert_slice(stack.shape[-2], stack.shape[-1], cuda),
+                                             rounding_default=min(stack.shape[0], expert_slice(
+                                                 stack.shape[-2], stack.shape[-1], cuda)),
                                              encode_default=chunk_weights("Q4_K", cuda), largest_tensor=largest),
             "imatrix": mb.imatrix_estimate(budget, shapes, rows=args.rows, seq_len=args.seq_len),
             "eval": mb.eval_estimate(budget, shapes, ctx=args.eval_ctx, batch_windows=1, models=2,

@@ -259,7 +259,7 @@ def _rounding_default(run: _GGUFRun) -> int:
     if not stacks:
         return 1
     s = max(stacks, key=lambda s: math.prod(s.shape[-2:]))
-    return expert_slice(s.shape[-2], s.shape[-1], pick_device(run.opts.device))
+    return min(s.shape[0], expert_slice(s.shape[-2], s.shape[-1], pick_device(run.opts.device)))
 
 
 def _assign(run: _GGUFRun, size: int | None) -> list[str]:

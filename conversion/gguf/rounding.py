@@ -67,14 +67,14 @@ def passes_for(qtype: str, given: int | None = None, tuned: bool = True) -> int:
     return TUNED_REFINE_PASSES.get(qtype, REFINE_PASSES) if tuned else REFINE_PASSES
 
 
-def expert_slice(rows: int, n: int, dev: torch.device, budget: MemoryBudget | None = None) -> int:
-    """Routed experts (rows x n each) rounded per call on `dev` (SLICE_HESSIAN_BYTES, SLICE_WEIGHTS), fewer where
-    the memory budget holds fewer (runtime/memory_budget.py; each expert rounds the same either way)."""
+def expert_slice(rows: int, n: int, dev: torch.device) -> int:
+    """Routed experts (rows x n each) rounded per call on `dev` (SLICE_HESSIAN_BYTES, SLICE_WEIGHTS); a memory
+    budget may take fewer (runtime/memory_budget.rounding_slice: each expert rounds the same either way)."""
     kind = device_kind(dev)
     per = SLICE_HESSIAN_BYTES[kind] // (8 * n * n)
     if SLICE_WEIGHTS[kind] is not None:
         per = min(per, SLICE_WEIGHTS[kind] // (rows * n))
-    return rounding_slice(budget, rows, n, max(1, per))
+    return max(1, per)
 
 
 def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out: Path, dev,
@@ -84,7 +84,7 @@ def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out
     ahead, on a worker thread, while the device rounds the slice before."""
     if spec.transform == "stack":
         E, n = len(spec.hf_names), spec.shape[-1]
-        step = expert_slice(spec.shape[-2], n, dev, budget)
+        step = rounding_slice(budget, spec.shape[-2], n, min(E, expert_slice(spec.shape[-2], n, dev)))
         slices = [(e0, min(E, e0 + step)) for e0 in range(0, E, step)]
 
         def read(r: tuple[int, int]) -> torch.Tensor:

@@ -86,7 +86,7 @@ def test_gguf_bytes_do_not_depend_on_the_budget(k256_model, tmp_path):
               threads=1, progress=False)
     ref = run_gguf(k256_model, tmp_path / "default.gguf", GGUFOptions(**kw))
     rounding = next(s for s in ref.memory["stages"] if s["stage"] == "gguf_rounding")
-    assert rounding["piece"] == rounding["default_piece"] == 16
+    assert rounding["piece"] == rounding["default_piece"] == 16  # the stack's 16 experts in one call
     budget = rounding["fixed"] + 2 * rounding["per_piece"] + 1
     small = run_gguf(k256_model, tmp_path / "small.gguf", GGUFOptions(**kw, gpu_memory=budget))
     assert next(s for s in small.memory["stages"] if s["stage"] == "gguf_rounding")["piece"] == 2

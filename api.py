@@ -167,11 +167,13 @@ def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite
 def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Sequence[str] | None = None,
             options: ImatrixOptions | None = None, **kwargs) -> dict:
     """A llama.cpp GGUF importance matrix of `model` from a calibration forward, written to `out`. `options`: an
-    ImatrixOptions, or its fields as keywords (`rows`, `seq_len`, `device`, `overwrite`, `profile`). Returns
-    {"file", "entries", "chunks", "chunk_size", "datasets"}."""
+    ImatrixOptions, or its fields as keywords (`rows`, `seq_len`, `device`, `overwrite`, `profile`,
+    `gpu_memory`). Returns {"file", "entries", "chunks", "chunk_size", "datasets", "memory"} ("memory": the
+    up-front estimate of runtime/memory_budget.py)."""
     o = _options(ImatrixOptions, options, kwargs, "imatrix", calibration=calibration or None)
     return make_imatrix(model, out, list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len, device=o.device,
-                        progress=o.progress, overwrite=o.overwrite, profile_out=o.profile)
+                        progress=o.progress, overwrite=o.overwrite, profile_out=o.profile,
+                        gpu_memory=o.gpu_memory)
 
 
 def demo(out_dir: str | os.PathLike = "mixq-demo", *, skip: Sequence[str] = (), progress: bool = False) -> dict:

@@ -106,6 +106,10 @@ CONVERT_FLAGS: dict[str, dict[str, Any]] = {
     "--mmproj-type": dict(help=f"GGUF: mmproj matrix type.  [default: {MMPROJ_TYPES[0]}]", choices=MMPROJ_TYPES,
                           case_sensitive=False),
     "--profile": dict(help=PROFILE_HELP, click_type="path"),
+    "--gpu-memory": dict(help="Memory budget of the device (e.g. 24GB, 80GiB; on a CPU device, the host working "
+                         "set): every stage works in pieces that fit it, and a budget its smallest piece cannot meet "
+                         "is refused before any work (docs/memory-model.md) [default: what the device has free].",
+                         click_type="text", metavar="SIZE"),
     "--threads": dict(help="GGUF: CPU encoder worker processes (1 = in this process; output bytes do not depend on "
                       "it) [default: all cores, or the GPU when present].", click_type="int"),
 }
@@ -132,6 +136,13 @@ def _size(cls, name: str, v, *, zero_ok: bool = False) -> None:
     parse_size_option(flag_of(cls, name), v, zero_ok=zero_ok)
 
 
+
+
+def _set_budget(options) -> None:
+    """--gpu-memory as bytes (parsed once here; None: the device's free memory, runtime/memory_budget.py)."""
+    if options.gpu_memory is not None:
+        object.__setattr__(options, "gpu_memory", parse_size_option(flag_of(type(options), "gpu_memory"),
+                                                                   options.gpu_memory))
 
 
 def _device(cls, v) -> None:
@@ -216,6 +227,7 @@ class Exl3Options(_Options):
     vision_bits: float | None = _opt(None, "--vision-bits")
     include_mtp: bool = _opt(True, "--no-mtp")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
+    gpu_memory: int | str | None = _opt(None, "--gpu-memory")
     codebook: str = _opt("mul1", "codebook")
     batch_rows: int = _opt(4, "batch_rows")
     profile: Union[str, Path, None] = _opt(None, "--profile")
@@ -235,6 +247,7 @@ class Exl3Options(_Options):
         if self.codebook not in CODEBOOKS:
             raise InputError(f"codebook {self.codebook!r}: expected one of {', '.join(CODEBOOKS)}")
         _device(cls, self.device)
+        _set_budget(self)
         self._set_devices()
 
     def _set_devices(self) -> None:
@@ -285,6 +298,7 @@ class GGUFOptions(_Options):
     mmproj_type: str = _opt("F16", "--mmproj-type")
     threads: int | None = _opt(None, "--threads")
     device: str | None = _opt(None, "--device")
+    gpu_memory: int | str | None = _opt(None, "--gpu-memory")
     rounding: str = _opt("exact", "--rounding")
     calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
     rows: int = _opt(CALIBRATION_ROWS, "--rows")
@@ -322,6 +336,7 @@ class GGUFOptions(_Options):
         if self.tokenizer_pre is not None:  # a name llama.cpp does not know verifies, then fails to load
             check_pre(self.tokenizer_pre, flag_of(cls, "tokenizer_pre"))
         _device(cls, self.device)
+        _set_budget(self)
         _size(cls, "shard_size", self.shard_size, zero_ok=True)
         self._set("rounding", check_rounding(self.rounding))
         self._set("calibration", as_tuple(self.calibration))
@@ -572,6 +587,8 @@ class ImatrixOptions:
     seq_len: int = opt(CALIBRATION_SEQ_LEN, "--seq-len", "Tokens per calibration row.", click_type="int",
                        show_default=True)
     device: Any = opt(None, "--device", "cuda|cpu [default: cuda when available].", click_type="text")
+    gpu_memory: int | str | None = opt(None, "--gpu-memory", CONVERT_FLAGS["--gpu-memory"]["help"],
+                                       click_type="text", metavar="SIZE")
     overwrite: bool = opt(False, "--overwrite", "Replace an existing OUT (and --profile file).", is_flag=True)
     profile: Union[str, Path, None] = opt(None, "--profile", PROFILE_HELP, click_type="path")
     progress: bool = opt(True, None, "Show the progress bar.", cli=False)
@@ -583,3 +600,4 @@ class ImatrixOptions:
         _positive_int(cls, "seq_len", self.seq_len, 2)
         if self.device is not None:
             object.__setattr__(self, "device", parse_device(self.device, flag_of(cls, "device")))
+        _set_budget(self)

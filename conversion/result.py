@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 COMMON_KEYS = ("format", "out", "files", "bytes", "bpw", "tensors", "seconds", "peak_rss_mib", "file_bytes",
-               "ref_params", "file_bpw")
+               "ref_params", "file_bpw", "memory")
 EXL3_KEYS = ("bits", "head_bits", "shards", "quantized", "fallbacks", "resumed_stages", "device")
 GGUF_KEYS = ("types", "tokenizer_pre", "mtp", "chat_template", "mmproj", "threads", "device")
 
@@ -46,6 +46,7 @@ class ConvertResult:
     threads: int | None = None
     file_bytes: int = 0
     ref_params: int | None = None
+    memory: dict | None = None  # the up-front memory estimate and the pieces (runtime/memory_budget.py)
 
     def __post_init__(self) -> None:
         if self.format == "exl3":

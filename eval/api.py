@@ -31,7 +31,8 @@ from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
 from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter, roundtrip
 from mixq.eval.report import render_markdown
-from mixq.runtime.kl_stats import KLAccumulator, log_probs, token_quantities
+from mixq.runtime.kl_stats import ROW_CHUNK, KLAccumulator, log_probs, token_quantities
+from mixq.runtime.memory_budget import announce, checkpoint_shapes, eval_estimate, resolve_budget
 from mixq.eval.streamed import StreamedModel, StreamedModels, state_bytes
 from mixq.eval.window_split import gather_in_order, rank_window_ids
 from mixq.eval.options import DEFAULT_CTX, SAVE_REF_ONE_DEVICE, EvalOptions
@@ -67,6 +68,9 @@ class EvalRun:
     generated: dict | None = None  # a generated set: gen.summary of it (None: a text file)
     token_file: tuple[Path, str] | None = None  # a newly generated set: (where, its text), written with the report
     prompts: tuple[torch.Tensor, str | None] | None = None  # replies still to generate: (prompt ids, template file)
+    memory: dict | None = None        # the up-front memory estimate (runtime/memory_budget.py)
+    streams_on_device: bool | None = None  # --gpu-memory's choice of where the hidden streams live
+    kl_rows: int = ROW_CHUNK          # rows of logits per KL pass (the budget's piece)
 
     @property
     def n_layers(self) -> int:
@@ -123,6 +127,7 @@ def _evaluate(reference, candidates: list, text, o: EvalOptions, families) -> di
                 _generate(run, o)
         _split_windows(run, ranks)
         progress = o.progress and ranks.is_main
+        _memory(run, o.gpu_memory, progress)
         if progress:
             tqdm.write(_announce(run, o.windows), file=sys.stderr)
         reset_peaks(run.device)
@@ -320,6 +325,22 @@ def _split_windows(run: EvalRun, ranks: RankContext) -> None:
     run.mine = rank_window_ids(run.windows.count, run.batch_windows, ranks)
 
 
+def _memory(run: EvalRun, gpu_memory: int | None, show: bool) -> None:
+    """The device and host memory the forward and the scoring need, said on stderr before any work; a
+    --gpu-memory one layer and one window cannot meet is refused here (runtime/memory_budget.py). A given budget
+    decides where the hidden streams live and the rows of each KL pass."""
+    names = (0 if run.reader else 1) + sum(s is not None for s in run.sources)
+    budget = resolve_budget(gpu_memory, run.device)
+    est, on_device = eval_estimate(
+        budget, checkpoint_shapes(run.ref.ckpt), ctx=run.windows.ctx, batch_windows=run.batch_windows,
+        models=names, state_bytes=state_bytes(run.config, len(run.mine), run.windows.ctx, run.state_dtype),
+        kl_default=ROW_CHUNK)
+    run.memory = announce(est, "eval", show=show)
+    if budget.given:
+        run.streams_on_device = on_device
+        run.kl_rows = est.stage("eval_logits").piece
+
+
 def _vocab(config: dict) -> int:
     return int(config.get("text_config", config)["vocab_size"])
 
@@ -329,6 +350,8 @@ def _state_device(run: EvalRun, n_models: int) -> torch.device:
     """The GPU when every model's hidden streams fit in GPU_STATE_SHARE of its free memory, else the host."""
     if run.device.type != "cuda" or n_models == 0:
         return torch.device("cpu")
+    if run.streams_on_device is not None:  # --gpu-memory decided
+        return run.device if run.streams_on_device else torch.device("cpu")
     need = n_models * state_bytes(run.config, len(run.mine), run.windows.ctx, run.state_dtype)
     free, _ = torch.cuda.mem_get_info(run.device)
     return run.device if need <= GPU_STATE_SHARE * free else torch.device("cpu")
@@ -444,7 +467,7 @@ def _finalize(run: EvalRun, models: StreamedModels, progress: bool) -> dict | No
                         _check_logits(run.candidates[i].path, w, logits, lp)
                         with profile.stage("score", "head"):
                             per_window.append(token_quantities(lp.to(logits.device), logits,
-                                                               run.windows.targets(w)))
+                                                               run.windows.targets(w), rows=run.kl_rows))
                 if p == 0 and ref is not None:
                     ref_seconds = (gather_in_order(run.ranks, [], [], ref.seconds) or (None, None))[1]
                 if cand is not None and (got := gather_in_order(run.ranks, run.mine, per_window, cand.seconds)):
@@ -489,6 +512,7 @@ def _report(run: EvalRun, scored: list, ref_seconds: float | None, state_device:
         "ref_logits": str(run.reader.path if run.reader else run.save_ref or "") or None,
         "state_dtype": run.state_dtype,
         "state_device": str(state_device),
+        "memory": run.memory,
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "peak_gpu_mib": None if (g := peak_gpu_mib(run.device)) is None else round(g, 1),
         "candidates": [],

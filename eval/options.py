@@ -17,6 +17,7 @@ from mixq.eval.llamacpp import CACHE_TYPES
 from mixq.eval.reflogits import REF_DTYPES
 from mixq.eval.streamed import STATE_DTYPES
 from mixq.planning.option_fields import check_choice, check_int, flag_of, opt, set_field
+from mixq.planning.sizes import parse_size_option
 from mixq.quant.device import parse_device
 from mixq.runtime.distributed import parse_devices
 
@@ -73,6 +74,11 @@ class EvalOptions:
                                       click_type="text")
     devices: tuple[str, ...] = opt((), "--devices", "Deal the windows over several devices of one type (0,1 or "
                                    "cpu,cpu; or run under torchrun); the same numbers.", click_type="text")
+    gpu_memory: int | str | None = opt(None, "--gpu-memory", "Memory budget of the device (e.g. 24GB, 80GiB; on a "
+                                       "CPU device, the host working set): the hidden streams move to the host and "
+                                       "the logits are scored in smaller pieces to fit it; a budget one layer and "
+                                       "one window cannot meet is refused before any work [default: what the "
+                                       "device has free].", click_type="text", metavar="SIZE")
     state_dtype: str = opt("float32", "--state-dtype", "Storage of the hidden states of all windows (bfloat16 "
                            "halves them; float32 gives a whole-model forward's numbers).",
                            choices=tuple(STATE_DTYPES), show_default=True)
@@ -130,6 +136,8 @@ class EvalOptions:
                 or not 0 <= self.gen_temperature < float("inf"):
             raise InputError(f"--gen-temperature {self.gen_temperature!r}: expected a number >= 0")
         set_field(self, "gen_temperature", float(self.gen_temperature))
+        if self.gpu_memory is not None:
+            set_field(self, "gpu_memory", parse_size_option(flag_of(cls, "gpu_memory"), self.gpu_memory))
         if self.ref_logits and self.save_ref:
             raise InputError("--save-ref and --ref-logits cannot be combined")
         if len(self.devices) > 1 and self.save_ref:

@@ -26,18 +26,20 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
 ROW_CHUNK = 64  # rows per float64 pass: bounds temporaries to ~64·vocab·8 bytes (80 MB at GLM-5.3's 154,880)
 
 
-def token_quantities(ref_logprobs: torch.Tensor, cand_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+def token_quantities(ref_logprobs: torch.Tensor, cand_logits: torch.Tensor, targets: torch.Tensor, *,
+                     rows: int = ROW_CHUNK) -> dict[str, torch.Tensor]:
     """Per-position quantities for scored rows.
 
     ref_logprobs: (n, vocab) reference log-probabilities (`log_probs` of the reference logits); cand_logits:
     (n, vocab) candidate logits (any normalisation); targets: (n,) the true next tokens. Returns float64
-    tensors kld, nll, nll_ref, dp and a bool tensor same_top, all of shape (n,), on the CPU.
+    tensors kld, nll, nll_ref, dp and a bool tensor same_top, all of shape (n,), on the CPU. `rows` per float64
+    pass (the memory budget's piece: every row is computed on its own, so the values do not depend on it).
     """
     if ref_logprobs.shape != cand_logits.shape:
         raise ValueError(f"reference {tuple(ref_logprobs.shape)} and candidate {tuple(cand_logits.shape)} shapes differ")
     parts = [
-        _rows(ref_logprobs[i : i + ROW_CHUNK], cand_logits[i : i + ROW_CHUNK], targets[i : i + ROW_CHUNK])
-        for i in range(0, ref_logprobs.shape[0], ROW_CHUNK)
+        _rows(ref_logprobs[i : i + rows], cand_logits[i : i + rows], targets[i : i + rows])
+        for i in range(0, ref_logprobs.shape[0], max(1, int(rows)))
     ]
     return {k: torch.cat([p[k] for p in parts]) for k in ("kld", "nll", "nll_ref", "dp", "same_top")}
 

@@ -205,6 +205,11 @@ def write_values(module: nn.Module, layer: int, values: Mapping[str, torch.Tenso
                 _fill_row(row, parts, get)
 
 
+# rows per layer call of the calibration and tuning passes: the Hessian sums and the tuning's held-out batches are
+# made per batch, so it is part of what a conversion computes (runtime/memory_budget.py counts one batch)
+BATCH_ROWS = 4
+
+
 class DecoderStream:
     """transformers' glm5_next text decoder on the meta device, materialised and run one layer at a time.
 
@@ -213,7 +218,7 @@ class DecoderStream:
     """
 
     def __init__(self, config: dict, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 batch_rows: int = 4) -> None:
+                 batch_rows: int = BATCH_ROWS) -> None:
         from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
 

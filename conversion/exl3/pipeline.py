@@ -36,6 +36,8 @@ from mixq.quant.device import resolve_device
 from mixq.runtime import profile
 from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
+from mixq.runtime.memory_budget import (MemoryBudget, MemoryEstimate, announce, checkpoint_shapes, exl3_batch,
+                                        exl3_estimate, resolve_budget, say)
 from mixq.runtime.overlap import WriteBehind, host_stack
 from mixq.conversion.exl3.drafter import convert_drafter
 from mixq.conversion.exl3.ranks import encode_batches, scan_share, share_job, shared_state
@@ -95,9 +97,12 @@ MAX_BATCH = 16
 MAX_BATCH_ELEMS = 1 << 29
 
 
-def batches(items: list[tuple[Exl3Unit, bool]], bits: dict[str, float]) -> list[list[int]]:
+def batches(items: list[tuple[Exl3Unit, bool]], bits: dict[str, float],
+            budget: MemoryBudget | None = None) -> list[list[int]]:
     """Group the indices of trellis units (with a flag: has a Hessian) into stacked calls: same shape, same
-    rate, same Hessian presence, consecutive in stage order, at most MAX_BATCH per call."""
+    rate, same Hessian presence, consecutive in stage order, at most MAX_BATCH per call, and no more than
+    `budget` (--gpu-memory) holds: a smaller stack than the default encodes other codes (runtime/memory_budget
+    STAGES["exl3_encode"])."""
     groups: dict[tuple, list[int]] = {}
     order: list[tuple] = []
     for i, (u, has_h) in enumerate(items):
@@ -112,6 +117,7 @@ def batches(items: list[tuple[Exl3Unit, bool]], bits: dict[str, float]) -> list[
         out_f, in_f = key[0]
         per = out_f * in_f + (in_f * in_f if key[2] else 0)
         step = max(1, min(MAX_BATCH, MAX_BATCH_ELEMS // max(per, 1)))
+        step = exl3_batch(budget, out_f, in_f, key[2], step)
         out.extend(idx[i:i + step] for i in range(0, len(idx), step))
     return out
 
@@ -161,8 +167,11 @@ def run_exl3(model, out, opts: Exl3Options) -> ConvertResult:
         with profile.stage("open"):
             run = _resolve(model, out, opts, ranks)
             _validate(run)
+        _memory(run)
         with profile.stage("plan"):
             _plan(run)
+        if run.progress:  # after every check of the input: a refusal stays the one line on stderr
+            say(run.estimate, "convert")
         out_existed = run.out.exists()
         with profile.stage("scan"):  # every weight read once for NaN/Inf (not on --resume)
             _start_job(run)
@@ -205,6 +214,9 @@ class _Exl3Run:
     resumed: int = 0
     ranks: RankContext = field(default_factory=RankContext)
     ids: torch.Tensor | None = None  # the calibration rows (token ids)
+    budget: MemoryBudget | None = None  # --gpu-memory less the calibration's resident part: the trellis stacks'
+    memory: dict | None = None          # the up-front estimate, as the result reports it
+    estimate: MemoryEstimate | None = None
 
     @property
     def progress(self) -> bool:
@@ -240,6 +252,18 @@ def _validate(run: _Exl3Run) -> None:
     check_output_dir(run.out)
     Job.check_target(run.out, resume=run.opts.resume)  # before the plan and the weight scan, not after
     run.ids = _calibration_ids(run)  # a missing or broken tokenizer is refused before OUT is created
+
+
+def _memory(run: _Exl3Run) -> None:
+    """The device and host memory the conversion needs, said on stderr before any work; a --gpu-memory the
+    calibration or one trellis unit cannot meet is refused here (runtime/memory_budget.py)."""
+    o = run.opts
+    budget = resolve_budget(o.gpu_memory, run.device)
+    est = exl3_estimate(budget, checkpoint_shapes(run.ckpt), rows=o.rows, seq_len=o.seq_len,
+                        batch_rows=o.batch_rows, default_batch=MAX_BATCH)
+    run.memory = announce(est, "convert", show=False)
+    run.estimate = est
+    run.budget = budget.less(est.stage("calibration").fixed) if budget.given else None
 
 
 def _calibration_ids(run: _Exl3Run) -> torch.Tensor:
@@ -401,7 +425,7 @@ def _encode_stage(run: _Exl3Run, stage: str, stats: dict | None):
         return res
 
     with profile.stage("encode", where):  # the trellis (and the copies of the raw tensors)
-        groups = batches([(u, h is not None) for u, h in zip(trellis_units, hs)], run.bits)
+        groups = batches([(u, h is not None) for u, h in zip(trellis_units, hs)], run.bits, run.budget)
         costs = [sum(math.prod(trellis_units[i].padded) for i in g) for g in groups]
         for g, res in encode_batches(run.ranks, groups, costs, prepare, encode, keep_deq=keep):
             for u, (tensors, deq) in zip([trellis_units[i] for i in g], res):
@@ -444,7 +468,7 @@ def _finalize(run: _Exl3Run, t0: float) -> ConvertResult:
                          seconds=time.time() - t0, peak_rss_mib=rss_peak_mib(), shards=sorted(man["shards"]),
                          tensors=len(man["tensors"]), quantized=sum(u.kind == "trellis" for u in units),
                          fallbacks=run.fallbacks, resumed_stages=run.resumed, ref_params=run.ckpt.params,
-                         device=_device_name(run))
+                         device=_device_name(run), memory=run.memory)
 
 
 def _device_name(run: _Exl3Run) -> str:

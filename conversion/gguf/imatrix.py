@@ -21,6 +21,7 @@ from mixq.runtime.calibration import (CALIBRATION_ROWS, CALIBRATION_SEQ_LEN, Lay
                                       load_tokenizer)
 
 from mixq.formats.outputs import check_free_space, check_outputs, writing
+from mixq.runtime.memory_budget import announce, checkpoint_shapes, imatrix_estimate, resolve_budget
 
 
 def imatrix_bytes(model) -> int:
@@ -34,12 +35,15 @@ def imatrix_bytes(model) -> int:
 
 
 def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, device: str | None = None,
-                    datasets: list[str] | None = None, progress: bool = True):
+                    datasets: list[str] | None = None, progress: bool = True, gpu_memory: int | None = None,
+                    memory: dict | None = None):
     """Importance matrix of `model` from a calibration forward (runtime/calibration, layer by layer), keyed by
     GGUF tensor name as llama-imatrix keys it: Σx² per input column and the row count, one vector per expert
     for `*_exps`. Differences to llama-imatrix: every calibration token passes through every routed expert
     (so expert counts equal the token count, none is left at 0), and output.weight is always included.
-    Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix."""
+    Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix.
+    `gpu_memory`: the device's budget (None: its free memory); the estimate is said on stderr (with `progress`),
+    a budget the calibration cannot meet refused, and the estimate stored into `memory` when given."""
     dev = resolve_device(device)  # before the checkpoint is read: a missing CUDA is a one-line error
     with profile.stage("open"):
         ckpt = open_checkpoint(model)
@@ -48,6 +52,11 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
         validate_checkpoint(ckpt)
         ids = calibration_rows(load_tokenizer(ckpt.path), calibration, rows=rows, seq_len=seq_len,
                                vocab_size=int(ckpt.text_config["vocab_size"]))
+    # after the inputs are checked (a refusal stays the one line on stderr), before the forward
+    est = imatrix_estimate(resolve_budget(gpu_memory, dev), checkpoint_shapes(ckpt), rows=rows, seq_len=seq_len)
+    said = announce(est, "imatrix", show=progress)
+    if memory is not None:
+        memory.update(said)
     specs = [s for s in gguf_tensors(ckpt, include_mtp=False)
              if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != TOKEN_EMBD]
     by_hf: dict[str, list] = {}
@@ -75,7 +84,8 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
 
 
 def make_imatrix(model, out, calibration=None, *, rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, device: str | None = None,
-                 progress: bool = True, overwrite: bool = False, profile_out=None) -> dict:
+                 progress: bool = True, overwrite: bool = False, profile_out=None,
+                 gpu_memory: int | None = None) -> dict:
     """Collect an importance matrix (`collect_imatrix`) and write it in llama.cpp's GGUF imatrix format. OUT may
     not be an input, nor an existing file unless `overwrite`. `profile_out`: write the run's profile there
     (runtime/profile.py)."""
@@ -84,14 +94,16 @@ def make_imatrix(model, out, calibration=None, *, rows: int = CALIBRATION_ROWS, 
                   overwrite=overwrite)
     out = Path(out)
     check_free_space(out, imatrix_bytes(model), "the importance matrix")
+    memory: dict = {}
     with profile.recording(profile_out, "imatrix", "gguf", table=progress):
-        im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress)
+        im = collect_imatrix(model, calibration, rows=rows, seq_len=seq_len, device=device, progress=progress,
+                             gpu_memory=gpu_memory, memory=memory)
         if not im.sums:  # a file with no entries would be refused by every conversion that reads it
             raise InputError(f"OUT {out}: the calibration forward gave no tensor importance data; nothing written")
         out.parent.mkdir(parents=True, exist_ok=True)
         with writing(out), profile.stage("write"):
             path = write_imatrix(out, im)
     return {"file": str(path), "entries": len(im.sums), "chunks": im.chunk_count, "chunk_size": im.chunk_size,
-            "datasets": im.datasets}
+            "datasets": im.datasets, "memory": memory}
 
 

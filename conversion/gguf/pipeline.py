@@ -20,6 +20,7 @@ and the outputs -> plan the types -> encode tensor by tensor and write (shards) 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Mapping
 
 import numpy as np
+import torch
 
 from mixq.errors import InputError, PlanError
 from mixq.formats import mmproj  # mmproj.write_mmproj looked up per call (tests replace it)
@@ -46,7 +48,9 @@ from mixq.planning.gguf_assign import assign_types
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.measurement.encode_cache import EncodeCache
 from mixq.conversion.gguf.receipt import conversion_receipt
-from mixq.conversion.gguf.rounding import hessian_rounded
+from mixq.conversion.gguf.rounding import expert_slice, hessian_rounded
+from mixq.conversion.gguf.tuning import BYTES_PER_TUNED_WEIGHT
+from mixq.conversion.gguf.workers import TASK_WEIGHTS
 from mixq.conversion.gguf.workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
 from mixq.conversion.gguf.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (re-exported)
 from mixq.conversion.job import rss_peak_mib
@@ -55,8 +59,11 @@ from mixq.conversion.options import GGUFOptions, options_for
 from mixq.formats.outputs import (check_distinct, check_free_space, check_output_file, gguf_partials_lock,
                                   writing)
 from mixq.conversion.result import ConvertResult
-from mixq.quant.device import resolve_device
+from mixq.quant.device import pick_device, resolve_device
+from mixq.quant.ggml.torch_encoders import chunk_weights
 from mixq.runtime import profile
+from mixq.runtime.memory_budget import (MemoryBudget, MemoryEstimate, announce, checkpoint_shapes, gguf_estimate,
+                                        resolve_budget, say)
 
 METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alignment beyond the tensor data
 # --size: re-plans with the measured header overshoot taken off the budget; the receipt's type counts move the
@@ -82,8 +89,11 @@ def run_gguf(model, out, opts: GGUFOptions, cache: EncodeCache | None = None) ->
         run = _resolve(model, out, opts)
         run.cache = cache
         _validate(run)
+    _memory(run)
     with profile.stage("plan"):
         _plan(run)
+    if opts.progress:  # after every check of the input: a refusal stays the one line on stderr
+        say(run.pieces, "convert")
     mm_out = Path(opts.mmproj) if opts.mmproj is not None else None
     with gguf_partials_lock(run.out, mm_out), writing(run.out, *([mm_out] if mm_out else [])):
         files = _write(run)
@@ -118,6 +128,9 @@ class _GGUFRun:
     template_report: dict | None = None
     cache: EncodeCache | None = None  # a family's encode cache; None: every tensor encoded here
     tmeta: object | None = None       # tokenizer metadata, read once (the --size fit measures the header with it)
+    budget: MemoryBudget | None = None  # --gpu-memory on the device that works (runtime/memory_budget.py)
+    memory: dict | None = None          # the up-front estimate, as the result reports it
+    pieces: MemoryEstimate | None = None
 
 
 def _resolve(model, out, opts: GGUFOptions) -> _GGUFRun:
@@ -225,6 +238,34 @@ def _plan(run: _GGUFRun) -> None:
     check_free_space(run.out, need, "the GGUF output")
 
 
+def _memory(run: _GGUFRun) -> None:
+    """The device and host memory the conversion needs, said on stderr before any work, and the pieces that keep
+    every stage within --gpu-memory (runtime/memory_budget.py); a budget the smallest piece of a stage cannot
+    meet is refused here."""
+    o = run.opts
+    hessian = o.rounding == "hessian"
+    device = pick_device(o.device) if hessian else torch.device(run.device or "cpu")
+    run.budget = resolve_budget(o.gpu_memory, device)
+    encode_default = chunk_weights("Q4_K", device) if run.device is not None else None
+    workers = run.threads if run.device is None and run.threads > 1 else 0
+    est = gguf_estimate(run.budget, checkpoint_shapes(run.ckpt), hessian=hessian, rows=o.rows, seq_len=o.seq_len,
+                        tune=o.tune_iters > 0, tune_bytes_per_weight=BYTES_PER_TUNED_WEIGHT,
+                        rounding_default=_rounding_default(run), encode_default=encode_default,
+                        largest_tensor=max(math.prod(s.shape) for s in run.specs), host_workers=workers,
+                        task_weights=TASK_WEIGHTS)
+    run.memory = announce(est, "convert", show=False)
+    run.pieces = est
+
+
+def _rounding_default(run: _GGUFRun) -> int:
+    """Routed experts per Hessian-rounding call without a budget, for the largest stack."""
+    stacks = [s for s in run.specs if s.transform == "stack"]
+    if not stacks:
+        return 1
+    s = max(stacks, key=lambda s: math.prod(s.shape[-2:]))
+    return min(s.shape[0], expert_slice(s.shape[-2], s.shape[-1], pick_device(run.opts.device)))
+
+
 def _assign(run: _GGUFRun, size: int | None) -> list[str]:
     """The ggml types of run.specs for the options, to `size` bytes when the target is a size."""
     o = run.opts
@@ -295,8 +336,10 @@ def _write(run: _GGUFRun) -> list[Path]:
     n_layers = ckpt.num_hidden_layers
     with _rounded(run, load) as pre, profile.Switch() as switch:
         keys, cached = _cache_keys(run, outs, pre, load)
+        piece = run.pieces.stage("gguf_encode") if run.pieces is not None else None
         with TensorEncoder([i for i in items if i[0] not in pre and i[0] not in cached], load,
-                           threads=run.threads, device=run.device) as enc:
+                           threads=run.threads, device=run.device,
+                           chunk=piece.piece if piece is not None and run.budget.given else None) as enc:
             enc.start()  # workers spawn and build their code tables while the tokenizer and metadata are read
             kv, tokenizer, outs = _metadata(run)
 
@@ -373,7 +416,15 @@ def _rounded(run: _GGUFRun, load):
                            calibration=list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
                            tune_iters=o.tune_iters, tune_group_iters=o.tune_group_iters,
                            refine_passes=o.refine_passes, device=o.device,
-                           progress=o.progress, cache=run.cache, load=load)
+                           progress=o.progress, cache=run.cache, load=load, budget=_stage_budget(run))
+
+
+def _stage_budget(run: _GGUFRun) -> MemoryBudget | None:
+    """The budget the rounding and tuning pieces share: --gpu-memory less what the calibration keeps resident."""
+    if run.budget is None or run.pieces is None:
+        return None
+    cal = run.pieces.stage("calibration")
+    return run.budget.less(cal.fixed if cal is not None else 0)
 
 
 def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> ConvertResult:
@@ -386,7 +437,8 @@ def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> Con
                          bpw=8.0 * total / max(params, 1), tensors=len(run.specs), seconds=time.time() - t0,
                          peak_rss_mib=rss_peak_mib(), types=counts, tokenizer_pre=run.tokenizer_pre,
                          mtp=run.opts.include_mtp, chat_template=run.template_report, mmproj=mm,
-                         threads=run.threads, device=run.device or "cpu", ref_params=run.ckpt.params)
+                         threads=run.threads, device=run.device or "cpu", ref_params=run.ckpt.params,
+                         memory=run.memory)
 
 
 def _thread_count(threads: int | None) -> int:

@@ -20,10 +20,11 @@ from mixq.planning.types import numel
 
 # options that never change a byte of the output, or are output paths, or are recorded elsewhere in the receipt
 # (tune_group_iters and refine_passes: under calibration.hessian, when given); EXL3's devices and resume too: a
-# family records its members' options with this
+# family records its members' options with this; gpu_memory: the pieces it sets change memory, not bytes, except
+# the expert groups of block-output tuning, which the free memory set before it (runtime/memory_budget.STAGES)
 NOT_IN_RECEIPT = ("threads", "device", "devices", "resume", "progress", "overwrite", "mmproj", "imatrix",
                   "calibration", "measure", "chat_template", "size", "bpw", "qtype", "tune_group_iters",
-                  "refine_passes", "profile")
+                  "refine_passes", "profile", "gpu_memory")
 _SHA_MEMO: dict[tuple[str, int, int], str] = {}
 
 

@@ -30,13 +30,14 @@ from tqdm.auto import tqdm
 
 from mixq.measurement.encode_cache import EncodeCache, array_sha256
 from mixq.measurement.hessians import DAMP, REFINE_PASSES, embedding_hessian, layer_hessians, token_frequency
-from mixq.conversion.gguf.tuning import LayerTuner
+from mixq.conversion.gguf.tuning import BYTES_PER_TUNED_WEIGHT, LayerTuner
 from mixq.conversion.options import DEFAULT_TUNE_ITERS
 from mixq.formats.partials import make_partial_dir
 from mixq.quant.ggml.rounding import hessian as kh
 from mixq.quant.device import device_kind, pick_device
 from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN, calibration_rows, load_tokenizer
 from mixq.runtime import profile
+from mixq.runtime.memory_budget import MemoryBudget, rounding_slice, tuning_weights
 from mixq.runtime.overlap import ahead
 
 # where block-output tuning follows, the 2-bit types take fewer passes. On k256, with the other types at three:
@@ -68,7 +69,8 @@ def passes_for(qtype: str, given: int | None = None, tuned: bool = True) -> int:
 
 
 def expert_slice(rows: int, n: int, dev: torch.device) -> int:
-    """Routed experts (rows x n each) rounded per call on `dev` (SLICE_HESSIAN_BYTES, SLICE_WEIGHTS)."""
+    """Routed experts (rows x n each) rounded per call on `dev` (SLICE_HESSIAN_BYTES, SLICE_WEIGHTS); a memory
+    budget may take fewer (runtime/memory_budget.rounding_slice: each expert rounds the same either way)."""
     kind = device_kind(dev)
     per = SLICE_HESSIAN_BYTES[kind] // (8 * n * n)
     if SLICE_WEIGHTS[kind] is not None:
@@ -77,13 +79,13 @@ def expert_slice(rows: int, n: int, dev: torch.device) -> int:
 
 
 def _encode_spec(spec, qtype: str, stage, fetch, imatrix: np.ndarray | None, out: Path, dev,
-                 refine: int = REFINE_PASSES) -> bool:
+                 refine: int = REFINE_PASSES, budget: MemoryBudget | None = None) -> bool:
     """Encode one covered tensor of this stage into `out` (.npy); False when the stage has no Hessian for it.
     `fetch(name)`: the source weight as stored (widened where it is rounded). A stack's expert slices are read one
     ahead, on a worker thread, while the device rounds the slice before."""
     if spec.transform == "stack":
         E, n = len(spec.hf_names), spec.shape[-1]
-        step = expert_slice(spec.shape[-2], n, dev)
+        step = rounding_slice(budget, spec.shape[-2], n, min(E, expert_slice(spec.shape[-2], n, dev)))
         slices = [(e0, min(E, e0 + step)) for e0 in range(0, E, step)]
 
         def read(r: tuple[int, int]) -> torch.Tensor:
@@ -114,7 +116,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
                            rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, tune_iters: int = DEFAULT_TUNE_ITERS,
                            tune_group_iters: int | None = None, refine_passes: int | None = None,
                            device: str | None = None, progress: bool = True, cache: EncodeCache | None = None,
-                           load: Callable[[str], tuple] | None = None) -> dict[str, Path]:
+                           load: Callable[[str], tuple] | None = None,
+                           budget: MemoryBudget | None = None) -> dict[str, Path]:
     """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
     in `work_dir`: {GGUF name: path}; with tuning, also the blocks ggml's encoder made for the tuner (the tensors
     Hessian rounding leaves to it, which the tuner needs as the file holds them), so that the writer does not
@@ -128,7 +131,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     `cache` (a family's, with `load(name) -> (GGUF tensor, imatrix)` for its keys): the codes before tuning depend
     only on the source weights, the imatrix and the source model's calibration forward, not on the member, so a
     (tensor, type) another member already rounded is served from the cache (the same bytes); tuning, which runs
-    on this member's own quantized streams, is always this member's."""
+    on this member's own quantized streams, is always this member's. `budget` (--gpu-memory): the routed experts
+    per rounding call and the weights per tuning stage within it (runtime/memory_budget.py)."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     todo = [(s, t) for s, t in zip(specs, types) if covered(s, t)]
@@ -150,8 +154,11 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     rounded = _CachedRounding(cache, load, str(ckpt.path), tags)
     tuner = None
     if tune_iters > 0:
+        max_weights = None  # without a given budget: the device's free memory, as tuning_budget counts it
+        if budget is not None and budget.given:
+            max_weights = tuning_weights(budget, BYTES_PER_TUNED_WEIGHT)
         tuner = LayerTuner(ckpt, ids, specs, types, imatrix=imatrix, iters=tune_iters, group_iters=tune_group_iters,
-                           device=dev)
+                           device=dev, max_weights=max_weights)
     bar = tqdm(total=sum(math.prod(s.shape) for s, _ in todo), desc="hessian rounding", unit="w", unit_scale=True,
                disable=not progress)
     for stage in layer_hessians(ckpt, ids, device=dev):
@@ -169,7 +176,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
                 path = work / f"{len(done):05d}.npy"
                 im = None if imatrix is None else imatrix.get(s.name)
                 im = None if im is None else np.asarray(im, np.float32)
-                if rounded.encode(s, t, path, lambda: _encode_spec(s, t, stage, stored, im, path, dev, passes[t])):
+                if rounded.encode(s, t, path,
+                                  lambda: _encode_spec(s, t, stage, stored, im, path, dev, passes[t], budget)):
                     done[s.name] = path
                 bar.update(math.prod(s.shape))
         if tuner is not None:
@@ -249,8 +257,8 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
                     imatrix: Mapping[str, np.ndarray] | None = None, calibration=None,
                     rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, tune_iters: int = DEFAULT_TUNE_ITERS, tune_group_iters: int | None = None,
                     refine_passes: int | None = None, device: str | None = None, progress: bool = True,
-                    cache: EncodeCache | None = None, load: Callable[[str], tuple] | None = None
-                    ) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
+                    cache: EncodeCache | None = None, load: Callable[[str], tuple] | None = None,
+                    budget: MemoryBudget | None = None) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
     """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
 
     The encoded tensors are spilled into a `.NAME.partial-hessian-*` directory next to `out` (the converter's
@@ -261,7 +269,7 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
         paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
                                        rows=rows, seq_len=seq_len, tune_iters=tune_iters,
                                        tune_group_iters=tune_group_iters, refine_passes=refine_passes,
-                                       device=device, progress=progress, cache=cache, load=load)
+                                       device=device, progress=progress, cache=cache, load=load, budget=budget)
         yield {n: (lambda p=p: np.load(p)) for n, p in paths.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)

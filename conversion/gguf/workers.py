@@ -54,11 +54,13 @@ THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
               "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")
 
 
-def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device: str | None = None) -> np.ndarray:
+def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device: str | None = None,
+           chunk: int | None = None) -> np.ndarray:
     """Encode a float32 array (..., n) as ggml `qtype`: float arrays for F32/F16, raw block bytes otherwise.
 
     `imatrix` is (n,) or, for stacked 3-D tensors, (E, n): one importance vector per expert/slice. `device`
-    (e.g. "cuda"): the quantized types run on mixq's torch encoders there (same bytes); None or "cpu": numpy."""
+    (e.g. "cuda"): the quantized types run on mixq's torch encoders there (same bytes); None or "cpu": numpy.
+    `chunk`: weights per device call there (None: the device's default; runtime/memory_budget.encode_chunk)."""
     q = qtype.upper()
     x = np.ascontiguousarray(x, dtype=np.float32)
     if q == "F32":
@@ -77,7 +79,7 @@ def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, device:
             raise InputError(f"imatrix has {imx.shape[0]} vectors for {mats.shape[0]} matrices")
     if device is not None and str(device) != "cpu" and q in encoders.SUPPORTED:
         im = None if imx is None else np.broadcast_to(imx, (mats.shape[0], n))
-        res = encoders.quantize_stacked(mats, q, im, device=device)  # groups of experts per device call
+        res = encoders.quantize_stacked(mats, q, im, device=device, chunk=chunk)  # groups of experts per device call
         return res.reshape(x.shape[:-1] + (res.shape[-1],))
     out = []
     for e in range(mats.shape[0]):
@@ -179,9 +181,9 @@ def _worker_init(parent: int) -> None:
 
 
 def _worker_encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None, label: str,
-                   device: str | None = None) -> np.ndarray:
+                   device: str | None = None, chunk: int | None = None) -> np.ndarray:
     try:
-        return encode(x, qtype, imatrix, device)
+        return encode(x, qtype, imatrix, device, chunk)
     except InputError as e:
         raise InputError(f"{label}: {e}") from None
 
@@ -252,14 +254,17 @@ class TensorEncoder:
     tensor is asked for, so the first failing tensor is the one reported, whatever the thread count.
     Use as a context manager (`with TensorEncoder(...) as enc:`): leaving it stops the workers, killing them
     when an exception leaves. `start()` spawns them early; otherwise the first task does.
-    `device` (e.g. "cuda"): every tensor is encoded in this process on that device, no worker processes."""
+    `device` (e.g. "cuda"): every tensor is encoded in this process on that device, no worker processes, in
+    pieces of `chunk` weights (None: the device's default)."""
 
     def __init__(self, items: Sequence[tuple[str, str, str]], load: Callable[[str], tuple[np.ndarray, np.ndarray | None]],
-                 threads: int = 1, task_weights: int | None = None, device: str | None = None):
+                 threads: int = 1, task_weights: int | None = None, device: str | None = None,
+                 chunk: int | None = None):
         self.items = [(n, q.upper(), lab) for n, q, lab in items]
         self.load = load
         self.device = None if device is None or str(device) == "cpu" else str(device)
         self.threads = 1 if self.device else max(1, int(threads))
+        self.chunk = chunk  # weights per device call (the memory budget's piece); None: the device's default
         self.task_weights = task_weights  # None: TASK_WEIGHTS, or TASK_WEIGHTS_IQ for the i-quants
         self._pos = {n: i for i, (n, _, _) in enumerate(self.items)}
         self._asked = 0                      # index of the next tensor get() must be asked for
@@ -287,7 +292,7 @@ class TensorEncoder:
         _, qtype, label = self.items[i]
         if self.threads == 1 or qtype in FLOAT_TYPES:
             x, w = self.load(name)
-            return _worker_encode(x, qtype, w, label, self.device)
+            return _worker_encode(x, qtype, w, label, self.device, self.chunk)
         self._fill()
         t = self._tensors[name]
         while True:

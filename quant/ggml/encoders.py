@@ -146,12 +146,13 @@ def quantize(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, *,
     return out
 
 
-def quantize_tensor(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_tensor(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None = None, *,
+                    chunk: int | None = None) -> torch.Tensor:
     """Encode float rows ``x`` (rows, n) on x's device with the torch encoders (:mod:`torch_encoders`).
 
     Same contract and bytes as :func:`quantize`; returns uint8 (rows, bytes_per_row) on x's device.
     ``imatrix`` is (n,) for every row or (rows, n) with each row's own (stacked experts); it may live
-    on any device.
+    on any device. ``chunk``: weights per device call (None: the device's default; the bytes do not depend on it).
     """
     if qtype in REQUIRES_IMATRIX and imatrix is None:
         raise InputError(f"{qtype} needs an importance matrix (as in llama.cpp)")
@@ -166,15 +167,15 @@ def quantize_tensor(x: torch.Tensor, qtype: str, imatrix: torch.Tensor | None = 
         imatrix = imatrix.to(device=x.device, dtype=torch.float32).contiguous()
         if not bool(torch.isfinite(imatrix).all()):
             raise InputError("ggml quantize: imatrix contains non-finite values")
-    return torch_encoders.encode(x, qtype, imatrix, row_bytes(qtype, x.shape[1]))
+    return torch_encoders.encode(x, qtype, imatrix, row_bytes(qtype, x.shape[1]), chunk=chunk)
 
 
 def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = None, *,
-                     device: str | torch.device = "cpu") -> np.ndarray:
+                     device: str | torch.device = "cpu", chunk: int | None = None) -> np.ndarray:
     """Encode a stack of matrices (E, rows, n), e.g. routed experts, as llama-quantize does.
 
     ``imatrix`` is (E, n) or flat (E*n,) as stored in imatrix files: expert e uses its own slice.
-    Returns uint8 (E, rows, bytes_per_row).
+    Returns uint8 (E, rows, bytes_per_row). ``chunk``: weights per device call (None: the device's default).
     """
     x = np.asarray(x)
     if x.ndim != 3:
@@ -188,15 +189,17 @@ def quantize_stacked(x: np.ndarray, qtype: str, imatrix: np.ndarray | None = Non
         im = im.reshape(E, n)
     dev = _device(device)
     if dev.type != "cpu":
-        return _quantize_stacked_on(dev, x, qtype, im)
+        return _quantize_stacked_on(dev, x, qtype, im, chunk)
     return np.stack([quantize(x[e], qtype, None if im is None else im[e], device=device) for e in range(E)])
 
 
-def _quantize_stacked_on(dev: torch.device, x: np.ndarray, qtype: str, im: np.ndarray | None) -> np.ndarray:
+def _quantize_stacked_on(dev: torch.device, x: np.ndarray, qtype: str, im: np.ndarray | None,
+                         chunk: int | None = None) -> np.ndarray:
     """quantize_stacked on an accelerator: groups of experts per call, each row carrying its expert's imatrix
     (the groups bound the device copies of the stack and of its per-row imatrix)."""
     E, rows, n = x.shape
-    per = max(1, torch_encoders.chunk_weights(qtype, dev) // max(1, rows * n))
+    chunk = chunk or torch_encoders.chunk_weights(qtype, dev)
+    per = max(1, chunk // max(1, rows * n))
     out = np.empty((E, rows, row_bytes(qtype, n)), dtype=np.uint8)
     for e0 in range(0, E, per):
         e1 = min(E, e0 + per)
@@ -205,5 +208,5 @@ def _quantize_stacked_on(dev: torch.device, x: np.ndarray, qtype: str, im: np.nd
         if im is not None:
             imt = torch.from_numpy(np.ascontiguousarray(im[e0:e1])).to(dev)[:, None].expand(e1 - e0, rows, n)
             imt = imt.reshape(-1, n)
-        out[e0:e1] = quantize_tensor(xt, qtype, imt).cpu().numpy().reshape(e1 - e0, rows, -1)
+        out[e0:e1] = quantize_tensor(xt, qtype, imt, chunk=chunk).cpu().numpy().reshape(e1 - e0, rows, -1)
     return out

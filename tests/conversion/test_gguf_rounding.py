@@ -283,3 +283,25 @@ def test_mini_iq4_xs_mix_with_hessian_rounding_reads_back(mini_model, calibratio
     for t in tb.values():
         w = gguf.dequantize(t.data, t.tensor_type)
         assert np.isfinite(w).all(), t.name
+
+
+@pytest.mark.slow
+def test_expert_slices_of_any_size_give_the_same_codes(k256_specs, calibration_text, tmp_path, monkeypatch):
+    """--gpu-memory's piece of the Hessian rounding (runtime/memory_budget.STAGES["gguf_rounding"]): a stack rounded
+    2 experts a call and 16 a call (k256's 16 experts at once) has the same bytes."""
+    import mixq.measurement.hessians as gh
+    from mixq.runtime.calibration import calibration_rows, load_tokenizer
+
+    ck, specs, types = k256_specs
+    spec = next(s for s in specs if s.name == "blk.1.ffn_up_exps.weight")
+    ids = calibration_rows(load_tokenizer(ck.path), [calibration_text], rows=2, seq_len=32,
+                           vocab_size=int(ck.text_config["vocab_size"]))
+    walk = gh.layer_hessians(ck, ids)
+    stage = next(s for s in walk if s.layer == spec.layer)
+    dev = torch.device("cpu")
+    for step in (2, 16):
+        monkeypatch.setattr(gr, "expert_slice", lambda rows, n, d, step=step: step)
+        assert gr._encode_spec(spec, "Q3_K", stage, lambda n: ck.get(n, dtype=None), None, tmp_path / f"{step}.npy",
+                               dev, 1)
+    walk.close()
+    assert np.array_equal(np.load(tmp_path / "2.npy"), np.load(tmp_path / "16.npy"))

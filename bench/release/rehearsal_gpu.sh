@@ -14,7 +14,7 @@
 # with ggml's exact rounding (--gguf-fallback) for verify, eval and the llama.cpp load.
 #
 # An H200: a 288-expert EXL3 layer has peaked at 82 GiB of GPU memory (bench/results/glm53_slice_288_exl3.json).
-# Until `--profile` is in the CLI, REHEARSAL_ARGS=--no-profile; REHEARSAL_ARGS also passes other driver options.
+# REHEARSAL_ARGS passes other driver options (e.g. --no-profile).
 # Expected calls (288 experts): 1 build + EXL3 convert (cut), 2 EXL3 --resume to the end + verify, 3 EXL3 evals and
 # exllamav3 load + free + imatrix, 4 GGUF hessian convert (cut), 5 GGUF exact + verify + eval + llama.cpp load +
 # projection. A machine is held at most 30 minutes: calls 4-5 usually start on a fresh one (STATE.json).
@@ -31,18 +31,8 @@ STATE=${1:-}
 DEADLINE=${REHEARSAL_DEADLINE_S:-540}
 WORK=${REHEARSAL_WORK:-/tmp/rehearsal}
 start=$SECONDS
-mkdir -p "$OUT" shared /tmp/pp "$WORK"
-for p in .pack/*.tar.xz; do
-    [ -e "$p" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
-        "$p" shared
-done
-if [ -d .whl ] && [ ! -e /tmp/site/.mixq-wheels ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && touch /tmp/site/.mixq-wheels
-fi
-ln -sfn "$PWD" /tmp/pp/mixq
-export PYTHONPATH=/tmp/site:/tmp/pp${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
-export MIXQ_SHARED="$PWD/shared"
+mkdir -p "$OUT" "$WORK"
+source bench/tools/device_env.sh
 if [ ! -f shared/models/glm-5.3-flash-shape/config.json ]; then
     echo "rehearsal_gpu.sh: shared/models/glm-5.3-flash-shape/config.json is missing" | tee "$OUT/rehearsal_log.txt"
     exit 2

@@ -70,8 +70,11 @@ def parse_text(text: str | Path | None) -> str | Path | GeneratedSpec | None:
     return GeneratedSpec(int(count))
 
 
-def is_token_file(path: str | Path) -> bool:
-    """Whether `path` is a token file this module wrote (its first bytes carry the format tag)."""
+def is_token_file(path: str | Path | None) -> bool:
+    """Whether `path` is a token file this module wrote (its first bytes carry the format tag); no `--text` is
+    not one (the caller names what is missing)."""
+    if path is None:
+        return False
     p = Path(path)
     try:
         with open(p, "rb") as f:

@@ -10,6 +10,7 @@ ROWS, SEQ = 4, 32
 
 
 # ~2 min on one free core, far more on a busy one: its own limit, well above pyproject's 600 s for every test
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 @pytest.mark.timeout(3600)
 def test_real_trellis_end_to_end(tmp_path):
     """The real encoder on a minimal tiny model (KDA + DSA layer, 2 experts, NextN, vocab 512): verify passes,

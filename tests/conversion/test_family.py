@@ -146,6 +146,7 @@ def test_members_load_in_llama_cpp(family, mini_model, heldout_text):
         assert (t == top[-1]).float().mean() > 0.8
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_hessian_family_rounds_each_tensor_type_once_and_matches_single_conversions(mini_model, calibration_text,
                                                                                      tmp_path, monkeypatch):
     """`--rounding hessian`: a (tensor, type) two members share is Hessian-rounded once (its codes before tuning
@@ -201,6 +202,7 @@ def _part_measured(calls: list):
     return measure
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_measured_family_serves_every_member_from_the_measurement(k256_model, tmp_path):
     sizes = mix_bytes(k256_model)
     out, calls = tmp_path / "fam", []

@@ -131,6 +131,7 @@ def test_convert_rounding_hessian_same_layout_loads_and_verifies(mix, k256_model
     assert _llama_logits_finite(tmp_path / "hess.gguf")
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_mini_iq4nl_experts_are_rounded_tuned_and_load(mini_model, calibration_text, tmp_path):
     """On mini (128-wide rows) IQ2_S experts fall back to IQ4_NL and the K-quants to Q5_0/Q8_0: with
     `--rounding hessian` the IQ4_NL stacks get their own codes and the Q5_0 tensors learned block scales, the

@@ -92,6 +92,7 @@ def test_first_failing_tensor_is_reported_whatever_the_look_ahead():
         assert str(ei.value).startswith("T1 -> blk.9: ") and "NaN" in str(ei.value), threads
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_k256_q4_k_m_file_identical_at_1_and_2_threads(k256_model, tmp_path):
     """Whole k256 GGUF, Q4_K_M with an imatrix (importance paths, per-expert slices): same sha256 at N=1 and 2."""
     im = _synthetic_imatrix(k256_model)

@@ -30,6 +30,7 @@ def _eval(mini_model, cands, text, **kw):
     return evaluate(mini_model, cands, text, ctx=CTX, windows=WINDOWS, device="cpu", progress=False, **kw)
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_family_eval_runs_the_reference_once(fam_dir, mini_model, heldout_text, monkeypatch):
     calls: list[int] = []
     layer = CheckpointSource.layer

@@ -82,6 +82,7 @@ def peak_of(model: Path, text: Path) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_peak_memory_does_not_grow_with_layers(heldout_text, tmp_path):
     """12 layers of ~25 MB (fp32) each against 3: held in memory together, the 12-layer run would need ~0.9 GB
     more (reference and candidate); streamed, one layer of each is resident at a time."""

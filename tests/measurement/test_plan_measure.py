@@ -57,6 +57,7 @@ def tiny2(tmp_path_factory) -> Path:
                                  layer_types=("linear_attention", "linear_attention"))
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_cli_plan_measure_tiny(tiny2, tmp_path, monkeypatch):
     """`mixq plan --measure --json` on a tiny random checkpoint with heavy sampling (2 rates, 1 strip,
     1 expert, 2 calibration rows), then `--measure FILE` reuses the saved curves and gives the same plan."""

@@ -52,6 +52,7 @@ def test_strip_sample_deterministic_spread_and_stratified():
     assert sum(wb) == 24
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_measured_curve_decreases_and_matches_full_quantization(layer0):
     ck, hs = layer0
     w, h = ck.get(Q_PROJ), hs[Q_PROJ]

@@ -21,6 +21,7 @@ def _units(n: int) -> list[Exl3Unit]:
                      src_shapes=[(128, 256)]) for i in range(n)]
 
 
+@pytest.mark.slow  # one of the longest of the default run: bench/results/ci_fresh_clone_283e8d1_durations.tsv
 def test_batch_without_dequantized_weights_stores_the_same_tensors():
     """Stages whose weights nobody reads again (head, NextN, vision, the drafter) skip the dequantization and
     store the very same tensors; the dequantized weight that does come back is the stored tensors' decode."""

@@ -28,6 +28,7 @@ from mixq.runtime.distributed import parse_devices
 from mixq.formats.gguf_layout import FLOAT_TYPES
 from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
+from mixq.planning.gguf_rules import RULE_FLAGS, encodable_type, tensor_type_rules
 from mixq.planning.option_fields import as_tuple, flag_of, opt
 
 OPTIONS_VERSION = 1
@@ -91,10 +92,7 @@ CONVERT_FLAGS: dict[str, dict[str, Any]] = {
     "--imatrix": dict(help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).", click_type="path"),
     "--gguf-ladder": dict(help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  "
                           f"[default: {GGUF_LADDERS[0]}]", choices=GGUF_LADDERS),
-    "--tensor-type": dict(help="GGUF: REGEX=TYPE on GGUF tensor names (repeatable; first match wins).",
-                          multiple=True),
-    "--output-tensor-type": dict(help="GGUF: type of output.weight.", click_type="text"),
-    "--token-embedding-type": dict(help="GGUF: type of token_embd.weight.", click_type="text"),
+    **RULE_FLAGS,  # --tensor-type, --output-tensor-type, --token-embedding-type: as `mixq plan` reads them
     "--tokenizer-pre": dict(help="GGUF: force tokenizer.ggml.pre (e.g. gpt-2, glm4).", click_type="text"),
     "--chat-template": dict(help="GGUF: embed this Jinja file as tokenizer.chat_template.", click_type="path"),
     "--fix-chat-template": dict(help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).",
@@ -292,7 +290,7 @@ class GGUFOptions(_Options):
     def __post_init__(self) -> None:
         cls = type(self)
         self._set("overrides", as_tuple(self.overrides))
-        self._set("tensor_type", tuple(_tensor_type_pair(x) for x in as_tuple(self.tensor_type)))
+        self._set("tensor_type", tensor_type_rules(self.tensor_type))
         if self.qtype is None and self.bpw is None and self.size is None:
             raise InputError("give a target: --type, --bpw or --size")
         self._check_target(("qtype", "bpw", "size"))
@@ -348,34 +346,6 @@ class GGUFOptions(_Options):
                                      "(its calibration pass)")
         if self.measure is not None and self.qtype is not None:
             raise InputError(f"--measure plans a GGUF to --bpw or --size, not --type {self.qtype}")
-
-
-def _tensor_type_pair(item) -> tuple[str, str]:
-    """("REGEX", "TYPE") from "REGEX=TYPE" or a pair; the regex compiles and the type can be written."""
-    if isinstance(item, str):
-        if "=" not in item:
-            raise InputError(f"--tensor-type {item!r}: expected REGEX=TYPE")
-        item = tuple(item.rsplit("=", 1))
-    if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise InputError(f"--tensor-type {item!r}: expected REGEX=TYPE")
-    pat, qtype = str(item[0]), str(item[1])
-    try:
-        re.compile(pat)
-    except re.error as e:
-        raise InputError(f"--tensor-type {pat!r}: bad regex ({e})") from None
-    return pat, encodable_type(qtype, f"--tensor-type {pat}={qtype}")
-
-
-def encodable_type(name: str, what: str) -> str:
-    """The upper-case ggml type `name` if mixq can write it, else InputError naming `what`."""
-    t = str(name).upper()
-    try:
-        gguf_mix.ggml_type(t)
-    except MixqError:
-        raise InputError(f"{what}: unknown GGUF type {name!r}") from None
-    if not gguf_mix.has_encoder(t):
-        raise InputError(f"{what}: mixq has no encoder for {t} (it writes {', '.join(gguf_mix.encodable_types())})")
-    return t
 
 
 def _gguf_mix_name(qtype: str) -> str:

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from mixq.measurement.trellis import budget_units, measure_curves, parse_sample, save_curves
+from mixq.measurement.trellis import DEFAULT_SAMPLE, MEASURE_MODES, budget_units, measure_curves, parse_sample, save_curves
 from mixq.formats.outputs import check_outputs
 from mixq.measurement.options import PlanOptions
 from mixq.measurement.plan_run import run_plan as plan
@@ -59,7 +59,7 @@ def run_plan(model: str | None, options: PlanOptions):
     return plan(model if ckpt is None else ckpt, o, curves)
 
 
-def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = "auto", device: str | None = None,
+def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = DEFAULT_SAMPLE, device: str | None = None,
                 rounding: str = "exact", imatrix=None, gguf_ladder: str = "k", cache=None,
                 progress: bool = True) -> dict[str, dict[float, float]]:
     """End-to-end KLD curves {unit: {bits or type: KLD}} of every budgeted unit: EXL3 (``kld_curves``) or GGUF
@@ -78,12 +78,12 @@ def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str 
 
 def _path_or_none(value):
     """A value that names a file (str or path-like), else None (a mode name such as 'kld', a mapping, None)."""
-    if isinstance(value, str) and value in ("kld", "trellis", "proxy"):
+    if isinstance(value, str) and value in MEASURE_MODES:
         return None
     return value if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__") else None
 
 
-def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | None = None, sample: str = "auto",
+def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | None = None, sample: str = DEFAULT_SAMPLE,
                progress: bool = True) -> dict[str, dict[float, float]]:
     """The measured trellis curves of every budgeted unit (``convert.measure.measure_curves``) in KLD units."""
     strips, experts = parse_sample(sample)

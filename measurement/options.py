@@ -1,8 +1,10 @@
-"""Typed options of `mixq plan`: one frozen dataclass, every value parsed and checked once when it is built.
+"""Typed options of `mixq plan` and `mixq.measure`: frozen dataclasses, every value parsed and checked once when
+built.
 
-`PlanOptions` holds every setting of a plan (the target, the role bits, the measurement, the memory fit); sizes are
-bytes, the context is tokens, the device a torch.device by the time it exists. Checks that need the model (its
-vision tower, its config) run in `measurement/kld.run_plan` and the planner.
+`PlanOptions` holds every setting of a plan (the target, the role bits, the GGUF type rules, the measurement, the
+memory fit); sizes are bytes, the context is tokens, the device a torch.device by the time it exists. Checks that
+need the model (its vision tower, its config) run in `measurement/kld.run_plan` and the planner.
+`MeasureOptions` holds the settings of a measurement of error curves on its own (`mixq.measure`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 
 from mixq.errors import InputError
 from mixq.measurement.hessians import ROUNDINGS, check_rounding
-from mixq.measurement.trellis import parse_sample
+from mixq.measurement.trellis import DEFAULT_SAMPLE, MEASURE_MODES, parse_sample
+from mixq.planning.gguf_mix import LADDERS
+from mixq.planning.gguf_rules import RULE_FLAGS, TypeRules, encodable_type, tensor_type_rules
 from mixq.planning.option_fields import (as_tuple, check_choice, check_int, check_positive, flag_of, opt,
                                          set_field)
 from mixq.planning.sizes import parse_context, parse_size_option
@@ -22,8 +26,7 @@ from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.quant.device import parse_device
 
 FORMATS = ("exl3", "gguf")
-GGUF_LADDERS = ("k", "iq")
-MEASURE_MODES = ("kld", "trellis", "proxy")
+GGUF_LADDERS = tuple(LADDERS)  # the custom GGUF candidate ladders; the first is the default
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,10 @@ class PlanOptions:
     vision_bits: float | None = opt(None, "--vision-bits", "EXL3 vision tower bits (default: source precision).",
                                     click_type="float")
     include_mtp: bool = opt(True, "--no-mtp", "Leave the NextN block out.", negate=True)
-    gguf_ladder: str = opt("k", "--gguf-ladder", "Custom GGUF candidate types: K-quants, or K-quants plus "
+    tensor_type: tuple[tuple[str, str], ...] = opt((), "--tensor-type", **RULE_FLAGS["--tensor-type"])
+    output_tensor_type: str | None = opt(None, "--output-tensor-type", **RULE_FLAGS["--output-tensor-type"])
+    token_embedding_type: str | None = opt(None, "--token-embedding-type", **RULE_FLAGS["--token-embedding-type"])
+    gguf_ladder: str = opt(GGUF_LADDERS[0], "--gguf-ladder", "Custom GGUF candidate types: K-quants, or K-quants plus "
                            "IQ2_XXS..IQ4_XS.", choices=GGUF_LADDERS, show_default=True)
     measure: Union[str, Path, Mapping, None] = opt(
         None, "--measure",
@@ -61,20 +67,20 @@ class PlanOptions:
         "rate with the trellis quantizer, scaled to the unit's end-to-end KLD (holds the model in "
         "memory); 'trellis' = the per-Linear loss alone (for models that do not fit; it mis-ranks "
         "units); 'proxy' = the cheap Hessian-trace proxy; or a JSON file of curves {unit: {bits: error}}.",
-        click_type="text", flag_value="kld")
+        click_type="text", flag_value=MEASURE_MODES[0])
     measure_out: Union[str, Path, None] = opt(None, "--measure-out",
                                               "--measure: save the measured curves as JSON for reuse.",
                                               click_type="path")
     overwrite: bool = opt(False, "--overwrite", "Replace an existing --measure-out file.", is_flag=True)
     measure_sample: Any = opt(
-        "auto", "--measure-sample",
+        DEFAULT_SAMPLE, "--measure-sample",
         "--measure: STRIPS,EXPERTS sampled per matrix / per layer (e.g. 4,8), 'all', or 'auto' "
         "(1,2 on CPU; on CUDA all, or 8,16 beyond 2e9 budgeted weights).", click_type="text", show_default=True)
     device: torch.device | None = opt(None, "--device", "--measure: cuda|cpu [default: cuda when available].",
                                       click_type="text")
     calibration: tuple[Union[str, Path], ...] = opt((), "--calibration", "--measure: calibration text.",
                                                     multiple=True, click_type="path", must_exist=True)
-    rounding: str = opt("exact", "--rounding", "GGUF --measure: the rounding the conversion will use (the curves "
+    rounding: str = opt(ROUNDINGS[0], "--rounding", "GGUF --measure: the rounding the conversion will use (the curves "
                         "measure it).", choices=ROUNDINGS, show_default=True)
     imatrix: Any = opt(None, "--imatrix", "GGUF --measure: the imatrix the conversion will use.",
                        click_type="path", must_exist=True)
@@ -110,8 +116,23 @@ class PlanOptions:
             set_field(self, "measure_sample", parse_sample(self.measure_sample))
         if self.device is not None:
             set_field(self, "device", parse_device(self.device, flag_of(cls, "device")))
+        self._check_rules()
         self._check_fit()
         self._check_measure()
+
+    def _check_rules(self) -> None:
+        """--tensor-type, --output-tensor-type, --token-embedding-type: parsed as convert parses them, GGUF only."""
+        cls = type(self)
+        set_field(self, "tensor_type", tensor_type_rules(self.tensor_type))
+        for name in ("output_tensor_type", "token_embedding_type"):
+            if getattr(self, name) is not None:
+                set_field(self, name, encodable_type(getattr(self, name), flag_of(cls, name)))
+        if self.type_rules() and self.fmt != "gguf":
+            raise InputError("--tensor-type, --output-tensor-type and --token-embedding-type apply to --format gguf")
+
+    def type_rules(self) -> TypeRules:
+        """The GGUF type rules of this plan (planning/gguf_rules), as convert applies them."""
+        return TypeRules(self.tensor_type, self.output_tensor_type, self.token_embedding_type)
 
     def _check_fit(self) -> None:
         """--fit and its companions as bytes and tokens; each only where it applies."""
@@ -130,6 +151,9 @@ class PlanOptions:
             if self.context is not None or self.cache is not None or self.devices:
                 raise InputError("--context/--cache/--devices only apply with --fit")
             return
+        if self.type_rules():
+            raise InputError("--fit plans by role; --tensor-type, --output-tensor-type and --token-embedding-type "
+                             "apply to a --type, --bpw or --size plan")
         set_field(self, "fit", parse_size_option("--fit", self.fit))
         if self.context is None:
             raise InputError("--fit needs --context TOKENS")

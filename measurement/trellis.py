@@ -44,6 +44,9 @@ from mixq.quant.device import pick_device
 MEASURE_ROWS = 16
 MEASURE_SEQ_LEN = 256
 RATES: tuple[float, ...] = al.EXL3_RATES
+# --measure modes: end to end (the default), the per-Linear trellis loss, the Hessian-trace proxy
+MEASURE_MODES = ("kld", "trellis", "proxy")
+DEFAULT_SAMPLE = "auto"  # --measure-sample: see parse_sample
 EXPERT_BATCH_ELEMS = 1 << 27  # elements of weights + Hessians per stacked expert call
 # (strips per matrix, experts per layer): None = all
 SAMPLING: dict[str, tuple[int | None, int | None]] = {"cpu": (1, 2), "cuda": (None, None),
@@ -251,7 +254,7 @@ def parse_sample(text: str) -> tuple[int | None | str, int | None | str]:
 
 def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | None, fmt: str, *,
                     calibration: Sequence[str] | None = None, measure_out: str | None = None,
-                    device: str | None = None, sample: str = "auto",
+                    device: str | None = None, sample: str = DEFAULT_SAMPLE,
                     progress: bool = True) -> dict[str, dict[float, float]] | None:
     """``--measure`` of ``mixq plan``: None -> None; "trellis" -> ``measure_curves``; "proxy" -> the
     Hessian-trace proxy (``planning.measure_proxy``); curves already measured (a mapping, e.g. the end-to-end KLD
@@ -264,7 +267,7 @@ def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | N
         return None
     if isinstance(measure, Mapping):
         return {k: {float(b): float(v) for b, v in c.items()} for k, c in measure.items()}
-    if measure in ("trellis", "proxy", "kld"):
+    if measure in MEASURE_MODES:
         if fmt != "exl3":
             raise InputError("--measure (sensitivity mode) is implemented for EXL3 only")
         if measure == "kld":

@@ -27,7 +27,7 @@ from mixq.conversion.gguf.family import CLOSE, FAMILY_JSON, FAMILY_VERSION, Fami
 from mixq.conversion.gguf.receipt import cached_file_sha256, receipt_options
 from mixq.formats.receipt import mixq_version
 from mixq.conversion.job import JOB_DIR
-from mixq.measurement.trellis import curves_meta, load_curves, resolve_measure
+from mixq.measurement.trellis import MEASURE_MODES, curves_meta, load_curves, resolve_measure
 from mixq.conversion.options import FamilyOptions, FamilyTarget
 from mixq.formats.outputs import check_output_dir
 from mixq.conversion.exl3.pipeline import run_exl3
@@ -41,7 +41,6 @@ from mixq.planning.planner import plan_model
 from mixq.formats.model_files import read_json
 
 CURVES_SUFFIX = ".exl3-curves.json"
-MEASURE_MODES = ("trellis", "proxy", "kld")
 
 
 def member_dir(out_dir: Path, model_name: str, target: FamilyTarget) -> Path:

@@ -51,7 +51,7 @@ from mixq.conversion.gguf.rounding import hessian_rounded
 from mixq.conversion.gguf.workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
 from mixq.conversion.gguf.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (re-exported)
 from mixq.conversion.job import rss_peak_mib
-from mixq.measurement.trellis import load_curves
+from mixq.measurement.trellis import MEASURE_MODES, load_curves
 from mixq.conversion.options import GGUFOptions, options_for
 from mixq.formats.outputs import (check_distinct, check_free_space, check_output_file, gguf_partials_lock,
                                   writing)
@@ -263,7 +263,7 @@ def _curves(measure):
     """--measure for GGUF: a curves mapping as given, or the JSON file `mixq plan --measure-out` wrote."""
     if measure is None or isinstance(measure, Mapping):
         return measure
-    if str(measure) in ("kld", "trellis", "proxy"):
+    if str(measure) in MEASURE_MODES:
         raise InputError(f"--measure {measure}: one GGUF file is planned from curves measured before it (`mixq plan "
                          "MODEL --format gguf --measure --measure-out CURVES.json`, then --measure CURVES.json); "
                          "a family (--size A,B,C) measures its own with --measure kld")

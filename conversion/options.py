@@ -22,6 +22,7 @@ from mixq.errors import InputError, MixqError
 from mixq.planning.sizes import parse_size_option
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.measurement.hessians import ROUNDINGS, check_rounding  # noqa: F401  (ROUNDINGS: the --rounding choices)
+from mixq.measurement.options import GGUF_LADDERS
 from mixq.quant.device import parse_device
 from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN
 from mixq.runtime.distributed import parse_devices
@@ -29,14 +30,13 @@ from mixq.formats.gguf_layout import FLOAT_TYPES
 from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
 from mixq.planning.gguf_rules import RULE_FLAGS, encodable_type, tensor_type_rules
-from mixq.planning.option_fields import as_tuple, flag_of, opt
+from mixq.planning.option_fields import as_tuple, default_of, flag_of, opt
 
 OPTIONS_VERSION = 1
 # GGUF --rounding hessian: descent steps per stage of the block-output tuning (conversion/gguf/tuning.py)
 DEFAULT_TUNE_ITERS = 200
 DEFAULT_EXL3_SHARD = 8192 * 2**20
 MMPROJ_TYPES = ("F16", "Q8_0")
-GGUF_LADDERS = ("k", "iq")
 CODEBOOKS = ("mul1", "mcg")
 
 
@@ -273,10 +273,10 @@ class GGUFOptions(_Options):
     chat_template: Union[str, Path, None] = _opt(None, "--chat-template")
     fix_chat_template: bool = _opt(False, "--fix-chat-template")
     mmproj: Union[str, Path, None] = _opt(None, "--mmproj")
-    mmproj_type: str = _opt("F16", "--mmproj-type")
+    mmproj_type: str = _opt(MMPROJ_TYPES[0], "--mmproj-type")
     threads: int | None = _opt(None, "--threads")
     device: str | None = _opt(None, "--device")
-    rounding: str = _opt("exact", "--rounding")
+    rounding: str = _opt(ROUNDINGS[0], "--rounding")
     calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
     rows: int = _opt(CALIBRATION_ROWS, "--rows")
     seq_len: int = _opt(CALIBRATION_SEQ_LEN, "--seq-len")
@@ -335,13 +335,11 @@ class GGUFOptions(_Options):
             if self.overrides and self.qtype in FLOAT_TYPES:
                 raise InputError(f"--override applies to quantized mixes, not to --type {self.qtype}; "
                                  "use --tensor-type REGEX=TYPE")
-        if self.mmproj is None and self.mmproj_type != "F16":
+        if self.mmproj is None and self.mmproj_type != default_of(GGUFOptions, "mmproj_type"):
             raise InputError("--mmproj-type applies with --mmproj only")
         if self.rounding != "hessian":
-            for name, default in (("calibration", ()), ("rows", CALIBRATION_ROWS), ("seq_len", CALIBRATION_SEQ_LEN),
-                                  ("tune_iters", DEFAULT_TUNE_ITERS), ("tune_group_iters", None),
-                                  ("refine_passes", None)):
-                if getattr(self, name) != default:
+            for name in ("calibration", "rows", "seq_len", "tune_iters", "tune_group_iters", "refine_passes"):
+                if getattr(self, name) != default_of(GGUFOptions, name):
                     raise InputError(f"{flag_of(GGUFOptions, name)} applies to GGUF with --rounding hessian "
                                      "(its calibration pass)")
         if self.measure is not None and self.qtype is not None:
@@ -497,7 +495,9 @@ def family_options(fmt: str = "gguf", **kwargs) -> FamilyOptions:
     """FamilyOptions of format `fmt` from convert's keyword options (`size` / `bpw` as lists or "A,B,C"); every
     option is checked as one conversion checks it (the first member's options are built here)."""
     kw = dict(kwargs)
-    fmt = kw.pop("format", None) or fmt
+    fmt = str(kw.pop("format", None) or fmt).lower()
+    if fmt not in OPTION_CLASSES:
+        raise InputError(f"unknown format {fmt!r}; expected gguf or exl3")
     targets = family_targets(kw.pop("size", None), kw.pop("bpw", None))
     if fmt == "exl3":
         if kw.get("resume"):
@@ -510,7 +510,7 @@ def family_options(fmt: str = "gguf", **kwargs) -> FamilyOptions:
     if kw.get("mmproj") is not None:
         raise InputError("--mmproj with a family: write the projector once, with a single conversion")
     cal = {}
-    if str(kw.get("rounding", "exact")).lower() == "exact" and kw.get("imatrix") is None:
+    if str(kw.get("rounding", ROUNDINGS[0])).lower() == ROUNDINGS[0] and kw.get("imatrix") is None:
         # --rounding exact has no calibration pass of its own: the family's calibration makes its imatrix
         cal = {"imatrix_calibration": as_tuple(kw.pop("calibration", ())),
                "imatrix_rows": kw.pop("rows", CALIBRATION_ROWS), "imatrix_seq_len": kw.pop("seq_len", CALIBRATION_SEQ_LEN)}

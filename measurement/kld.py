@@ -15,9 +15,10 @@ from typing import Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from mixq.measurement.trellis import DEFAULT_SAMPLE, MEASURE_MODES, budget_units, measure_curves, parse_sample, save_curves
+from mixq.measurement.trellis import (DEFAULT_SAMPLE, MEASURE_MODES, budget_units, measure_curves, parse_sample,
+                                      resolve_measure, save_curves)
 from mixq.formats.outputs import check_outputs
-from mixq.measurement.options import PlanOptions
+from mixq.measurement.options import MeasureOptions, PlanOptions
 from mixq.measurement.plan_run import run_plan as plan
 from mixq.errors import InputError
 from mixq.measurement import gguf_kld  # gguf_kld.gguf_kld_curves looked up per call (tests replace it)
@@ -57,6 +58,40 @@ def run_plan(model: str | None, options: PlanOptions):
                                                      "seconds": round(time.time() - t0, 1)})
     # the checkpoint opened and checked here, not opened a second time
     return plan(model if ckpt is None else ckpt, o, curves)
+
+
+def run_measure(model, options: MeasureOptions) -> dict[str, dict[float, float]]:
+    """What `mixq.measure` runs: the outputs and inputs checked, MODEL opened and checked against its config, then
+    the curves of `options.method` (``measure_kld`` or ``trellis.resolve_measure``), saved at `options.out`."""
+    o = options
+    check_outputs({"--measure-out": o.out}, {"MODEL": model, **{f"--calibration {i + 1}": c
+                                                              for i, c in enumerate(o.calibration)}},
+                  overwrite=o.overwrite)
+    ckpt = open_checkpoint(model)
+    validate_checkpoint(ckpt)
+    if o.method == "kld":
+        curves = measure_kld(ckpt, o.fmt, o.calibration, sample=o.sample, device=o.device, rounding=o.rounding,
+                             imatrix=o.imatrix, gguf_ladder=o.gguf_ladder, progress=o.progress)
+    else:
+        curves = resolve_measure(ckpt, o.method, o.fmt, calibration=o.calibration, device=o.device, sample=o.sample,
+                                 progress=o.progress)
+    if o.out is not None:
+        save_curves(curves, o.out, meta=_curves_meta(ckpt, o.method))
+    return curves
+
+
+def family_curves(ckpt, out, *, calibration, imatrix, ladder: str, rounding: str, device, cache,
+                  progress: bool) -> None:
+    """A GGUF family's `measure="kld"` (conversion/gguf/family.CurveMeasurer): the curves `run_measure` makes with
+    method "kld", saved at `out`, the exact encodes kept in the family's `cache`."""
+    curves = measure_kld(ckpt, "gguf", calibration or (), device=device, rounding=rounding, imatrix=imatrix,
+                         gguf_ladder=ladder, cache=cache, progress=progress)
+    save_curves(curves, out, meta=_curves_meta(ckpt, "kld"))
+
+
+def _curves_meta(ckpt, method: str) -> dict:
+    """What a curves file records of its measurement (the same for `run_measure` and a family's)."""
+    return {"model": str(ckpt.path), "method": method}
 
 
 def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = DEFAULT_SAMPLE, device: str | None = None,

@@ -101,7 +101,6 @@ class PlanOptions:
         cls = type(self)
         set_field(self, "fmt", check_choice(cls, "fmt", str(self.fmt).lower(), FORMATS))
         set_field(self, "overrides", as_tuple(self.overrides))
-        set_field(self, "calibration", as_tuple(self.calibration))
         targets = [n for n in ("bpw", "size", "qtype") if getattr(self, n) is not None]
         if len(targets) > 1:
             raise InputError("give at most one of --bpw, --size, --type")
@@ -110,12 +109,7 @@ class PlanOptions:
                 set_field(self, name, float(check_positive(cls, name, getattr(self, name))))
         if self.size is not None:
             set_field(self, "size", parse_size_option("--size", self.size))
-        check_choice(cls, "gguf_ladder", self.gguf_ladder, GGUF_LADDERS)
-        set_field(self, "rounding", check_rounding(self.rounding))
-        if not isinstance(self.measure_sample, tuple):
-            set_field(self, "measure_sample", parse_sample(self.measure_sample))
-        if self.device is not None:
-            set_field(self, "device", parse_device(self.device, flag_of(cls, "device")))
+        parse_measurement(self, "measure_sample")
         self._check_rules()
         self._check_fit()
         self._check_measure()
@@ -162,10 +156,62 @@ class PlanOptions:
 
     def _check_measure(self) -> None:
         """The measurement options that this format and mode use; the others are errors, never dropped."""
-        if (self.rounding != "exact" or self.imatrix is not None) and not (
+        if (self.rounding != ROUNDINGS[0] or self.imatrix is not None) and not (
                 self.fmt == "gguf" and self.measure == "kld"):
             raise InputError("--rounding and --imatrix apply to `plan --format gguf --measure` (the curves measure "
                              "them)")
         if self.fmt == "gguf" and self.measure in ("trellis", "proxy"):
             raise InputError(f"--measure {self.measure} is EXL3's trellis measurement; GGUF measures with "
                              "--measure alone")
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """Settings of `mixq.measure`: the error curves of every budgeted unit for `fmt`, measured by `method`
+    ("kld": end to end, EXL3 or GGUF with the conversion's `rounding` and `imatrix`; "trellis" or "proxy": EXL3)
+    on `calibration` text, and saved at `out` when given. `device` a torch.device; `sample` the parsed
+    (strips, experts) pair."""
+
+    fmt: str = opt("exl3", "--format", "The format the curves plan.", choices=FORMATS)
+    method: str = opt(MEASURE_MODES[0], "--method", "kld: each unit's end-to-end KLD; trellis: the per-Linear "
+                      "trellis loss (EXL3); proxy: the Hessian-trace proxy (EXL3).", choices=MEASURE_MODES)
+    calibration: tuple[Union[str, Path], ...] = opt((), "--calibration", "Calibration text (repeatable) "
+                                                    "[default: built-in sample].", multiple=True,
+                                                    click_type="path", must_exist=True)
+    out: Union[str, Path, None] = opt(None, "--measure-out", "Save the curves as the JSON --measure FILE reads.",
+                                      click_type="path")
+    overwrite: bool = opt(False, "--overwrite", "Replace an existing --measure-out file.", is_flag=True)
+    sample: Any = opt(DEFAULT_SAMPLE, "--measure-sample", "EXL3: STRIPS,EXPERTS sampled per matrix / per layer, "
+                      "'all', or 'auto'.", click_type="text", show_default=True)
+    device: torch.device | None = opt(None, "--device", "cuda|cpu [default: cuda when available].",
+                                      click_type="text")
+    rounding: str = opt(ROUNDINGS[0], "--rounding", "GGUF: the rounding the conversion will use.",
+                        choices=ROUNDINGS, show_default=True)
+    imatrix: Any = opt(None, "--imatrix", "GGUF: the imatrix the conversion will use (a file, an IMatrix or means).",
+                       click_type="path", must_exist=True)
+    gguf_ladder: str = opt(GGUF_LADDERS[0], "--gguf-ladder", "GGUF: the candidate types measured.",
+                           choices=GGUF_LADDERS, show_default=True)
+    progress: bool = opt(True, None, "Show progress bars while measuring.", cli=False)
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        set_field(self, "fmt", check_choice(cls, "fmt", str(self.fmt).lower(), FORMATS))
+        check_choice(cls, "method", self.method, MEASURE_MODES)
+        parse_measurement(self, "sample")
+        if self.fmt == "gguf" and self.method != "kld":
+            raise InputError(f"--method {self.method} is EXL3's; GGUF measures with --method kld")
+        if (self.rounding != ROUNDINGS[0] or self.imatrix is not None) and self.fmt != "gguf":
+            raise InputError("--rounding and --imatrix apply to a GGUF measurement (the curves measure them)")
+
+
+def parse_measurement(options, sample: str) -> None:
+    """The settings every measurement reads, parsed in place on a frozen options object: the calibration files as a
+    tuple, the GGUF ladder and rounding checked, field `sample` as its (strips, experts) pair, the device as a
+    torch.device."""
+    cls = type(options)
+    set_field(options, "calibration", as_tuple(options.calibration))
+    check_choice(cls, "gguf_ladder", options.gguf_ladder, GGUF_LADDERS)
+    set_field(options, "rounding", check_rounding(options.rounding))
+    set_field(options, sample, parse_sample(getattr(options, sample)))
+    if options.device is not None:
+        set_field(options, "device", parse_device(options.device, flag_of(cls, "device")))

@@ -69,6 +69,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 from paths import SHARED, repo_relative  # noqa: E402
 
+from mixq.formats.gguf_layout import FLOAT_TYPES  # noqa: E402
+
 SHAPE_CONFIG = SHARED / "models" / "glm-5.3-flash-shape" / "config.json"
 DEFAULT_REFERENCE = REPO / "bench" / "results" / "glm53_slice.json"  # the 16-expert H200 run
 LAYER_KINDS = {"kda-dense": ("linear_attention", "dense"), "kda-moe": ("linear_attention", "sparse"),
@@ -536,7 +538,7 @@ def _encode_probe(p: Probe) -> None:
     from mixq.quant.ggml import encoders
 
     for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
-        p.wrap([kquants], fn, lambda x, qtype, *a, **k: f"encode/{qtype}", group="encode",
+        p.wrap([encoders], fn, lambda x, qtype, *a, **k: f"encode/{qtype}", group="encode",
                info=lambda x, *a, **k: {"w": int(x.size if hasattr(x, "size") and not callable(x.size)
                                                   else x.numel())})
 
@@ -936,7 +938,7 @@ def _tune_summary(done: list[dict], closed: list[dict], st: str) -> dict | None:
     inline = [e for e in done if e.get("thread") != "behind"]
     behind = [e for e in done if e.get("thread") == "behind"]
     stored = {t: x for t, x in _weights_seconds(closed, "stored_values/", lay).items()
-              if t not in ("F32", "F16", "BF16")}  # floats are only rounded
+              if t not in FLOAT_TYPES}  # floats are only rounded
     d = {"seconds": round(lay["t1"] - lay["t0"], 2), "state": "cut" if "elapsed" in lay else "done",
          "stages": stages, "groups": groups, "max_weights": grp["max_weights"] if grp else None,
          "codes_init_s": round(_secs(done, "codes_init/", lay), 2),
@@ -1457,7 +1459,7 @@ def _eager_for(types: set[str]) -> None:
     from mixq.quant.ggml import encoders
 
     for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
-        orig = getattr(kquants, fn)
+        orig = getattr(encoders, fn)
 
         def eager(x, qtype, *a, _orig=orig, **k):
             if qtype not in types:
@@ -1471,7 +1473,7 @@ def _eager_for(types: set[str]) -> None:
                     os.environ.pop("MIXQ_KQUANT_FUSED")
                 else:
                     os.environ["MIXQ_KQUANT_FUSED"] = old
-        setattr(kquants, fn, eager)
+        setattr(encoders, fn, eager)
 
 
 GGUF_TYPES = {"Q4_K_M": {"qtype": "Q4_K_M"}, "iq-2.6bpw": {"bpw": 2.6, "gguf_ladder": "iq"}}
@@ -1493,7 +1495,7 @@ def stage_gguf(work: Path, device: str, rows: int = 64, seq_len: int = 512, eage
         _eager_for(set(eager_types.split(",")))
     probe = Probe(log_over=2.0, log_path=_LOG)
     for fn in ("quantize_stacked", "quantize_tensor", "quantize"):
-        probe.wrap([kquants], fn, lambda x, qtype, *a, **k: f"encode/{qtype}", group="encode",
+        probe.wrap([encoders], fn, lambda x, qtype, *a, **k: f"encode/{qtype}", group="encode",
                    info=lambda x, *a, **k: {"w": int(x.size if hasattr(x, "size") and not callable(x.size)
                                                       else x.numel())})
     _calibration_probe(probe)
@@ -1599,7 +1601,7 @@ def _hessian_types(work: Path) -> list[str]:
     ck = open_checkpoint(work / "bf16")
     kw = {k: v for k, v in HESSIAN_PLAN.items() if k != "rounding"}
     mine = set(assign_types(ck, gguf_tensors(ck), **kw))
-    return sorted((mine | set(_release_gguf_weights())) - {"F32", "F16", "BF16"})
+    return sorted((mine | set(_release_gguf_weights())) - set(FLOAT_TYPES))
 
 
 def stage_gguf_hessian(work: Path, device: str, rows: int = 64, seq_len: int = 512, tune_iters: int = 200,
@@ -1872,7 +1874,7 @@ def stage_dequant(work: Path, device: str, rounds: int = 3, max_weights: int = 2
     slice's GGUF candidate (capped per type) and one synthetic tensor of each quantized type of the release's
     108 GB plan. Its JSON goes to WORK/gguf_dequant_speed.json and into this stage's result."""
     gg = next((work / n for n in reversed(EVAL_CANDIDATES) if n.endswith(".gguf") and (work / n).is_file()), None)
-    types = sorted(t for t in _release_gguf_weights() if t not in ("F32", "F16", "BF16"))
+    types = sorted(t for t in _release_gguf_weights() if t not in FLOAT_TYPES)
     js = work / "gguf_dequant_speed.json"
     js.unlink(missing_ok=True)
     cuda = device != "cpu"
@@ -2278,7 +2280,7 @@ def project_gguf(st: dict, layers: tuple, experts: int, counts: dict, ref: dict 
                        "types": sorted(borrowed), "factor": 1.0})
     real = _release_gguf_weights()
     mean_rate = sum(rates.values()) / len(rates) if rates else float("nan")
-    quant = {t: w for t, w in real.items() if t not in ("F32", "F16", "BF16")}
+    quant = {t: w for t, w in real.items() if t not in FLOAT_TYPES}
     enc = sum(w / rates.get(t, mean_rate) for t, w in quant.items())
     out["types_at_mean_rate"] = {t: round(w / 1e9, 2) for t, w in quant.items() if t not in rates}
     out["rates_mweights_per_s"] = {t: {"rate": round(r / 1e6, 2), "from": "this run" if t in measured
@@ -2727,7 +2729,7 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
         parts.update(_layer_tuning(tensors, tunes[kind], iters, budget, r, groups_from,
                                    None if decode is None else (*decode, _slice_stacks(hp.get("stages") or {}))))
         encode_s = sum(math.prod(s.shape) / 1e6 / _exact_rate(exact, t, r) for s, t, c in tensors
-                       if not c and t not in ("F32", "F16", "BF16"))
+                       if not c and t not in FLOAT_TYPES)
         # ggml's encode of those tensors runs once: in the tuner, on its device at the same rates, where the layer
         # is tuned (the writer takes its blocks), else at the write
         tuned_layer = tunes[kind] is not None
@@ -2763,7 +2765,7 @@ def project_gguf_hessian(st: dict, layers: tuple, ref: dict | None, exact: dict,
             return rate
         return _exact_rate(exact, t, r)
     nextn = sum(math.prod(s.shape) / 1e6 / nextn_rate(t) for s, t, c in groups.get("nextn", [])
-                if t not in ("F32", "F16", "BF16"))
+                if t not in FLOAT_TYPES)
     head = _head_seconds(groups.get("head", []), hp, tunes["kda-dense"], iters, rates, r)
     read_rate = ((st.get("load") or {}).get("bf16") or {}).get("gb_per_s") or 3.5
     spill = sum(_type_bytes(t, math.prod(s.shape)) for k, g in groups.items() if k != "nextn" for s, t, c in g if c)

@@ -24,7 +24,7 @@ from mixq.conversion.options import (Exl3Options, FamilyOptions, GGUFOptions, Im
 from mixq.formats.outputs import writing
 from mixq.planning.display import format_plan
 from mixq.conversion.result import ConvertResult
-from mixq.demo_run import format_demo, run_demo
+from mixq.demo_run import DEMO_DIR, format_demo, run_demo
 from mixq.errors import FormatError, InputError, MixqError, MixqWarning, PlanError, escape
 from mixq.eval.options import DEFAULT_WINDOWS, EvalOptions
 from mixq.eval.card import write_card
@@ -40,8 +40,8 @@ from mixq.quant.device import resolve_device
 
 __all__ = ["inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "card", "imatrix",
            "demo",
-           "output_format", "PlanOptions", "MeasureOptions", "EvalOptions", "ImatrixOptions", "Exl3Options", "GGUFOptions",
-           "FamilyOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
+           "output_format", "PlanOptions", "MeasureOptions", "EvalOptions", "ImatrixOptions", "Exl3Options",
+           "GGUFOptions", "FamilyOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
            "format_report", "format_plan", "render_markdown", "format_demo",
            "MixqError", "InputError", "PlanError", "FormatError", "MixqWarning", "escape"]
 
@@ -132,7 +132,7 @@ def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Seque
                         progress=o.progress, overwrite=o.overwrite)
 
 
-def demo(out_dir: str | os.PathLike = "mixq-demo", *, skip: Sequence[str] = (), progress: bool = False) -> dict:
+def demo(out_dir: str | os.PathLike = DEMO_DIR, *, skip: Sequence[str] = (), progress: bool = False) -> dict:
     """A tiny random glm5_next model through every step in `out_dir` (`format_demo` renders the report)."""
     return run_demo(out_dir, progress=progress, skip=tuple(skip))
 

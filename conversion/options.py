@@ -26,6 +26,7 @@ from mixq.measurement.options import GGUF_LADDERS
 from mixq.quant.device import parse_device
 from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN
 from mixq.runtime.distributed import parse_devices
+from mixq.runtime.layer_stream import BATCH_ROWS
 from mixq.formats.gguf_layout import FLOAT_TYPES
 from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
@@ -211,7 +212,7 @@ class Exl3Options(_Options):
     include_mtp: bool = _opt(True, "--no-mtp")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
     codebook: str = _opt("mul1", "codebook")
-    batch_rows: int = _opt(4, "batch_rows")
+    batch_rows: int = _opt(BATCH_ROWS, "batch_rows")
     progress: bool = _opt(True, "progress")
 
     def __post_init__(self) -> None:

@@ -57,7 +57,7 @@ def outside_bytes(specs: Sequence, types: Sequence[str], in_budget: Sequence[boo
     return fixed + gm.header_bytes([(s.name, len(s.shape)) for s in specs], kv)
 
 
-def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k",
+def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder=gm.DEFAULT_LADDER,
               type_rules: TypeRules | None = None) -> Plan:
     """Every tensor of ``ckpt``'s GGUF: a llama-quantize mix (``qtype``) reproduced exactly, or ladder types per
     budgeted tensor to the target, the rest at their floor, override or source type; then ``type_rules``

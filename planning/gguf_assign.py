@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from mixq.errors import InputError, PlanError
 from mixq.formats.gguf_layout import FLOAT_TYPES
+from mixq.planning.gguf_mix import DEFAULT_LADDER
 from mixq.planning.gguf_rules import TypeRules, fallback_type
 from mixq.planning.planner import plan_model
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
@@ -23,7 +24,7 @@ def pure_types(specs, outtype: str) -> list[str]:
     return out
 
 
-def planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k", overrides=(),
+def planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder=DEFAULT_LADDER, overrides=(),
                    head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None,
                    type_rules: TypeRules | None = None) -> list[str]:
     plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
@@ -37,7 +38,7 @@ def planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder="k"
 
 
 def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=(), output_tensor_type=None,
-                 token_embedding_type=None, include_mtp=True, gguf_ladder="k", overrides=(),
+                 token_embedding_type=None, include_mtp=True, gguf_ladder=DEFAULT_LADDER, overrides=(),
                  head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None) -> list[str]:
     """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides
     (planning/gguf_rules.TypeRules, which `mixq plan` applies the same way).

@@ -18,7 +18,7 @@ from mixq.planning.types import DEFAULT_MTP_BITS
 MEASURED_ROLES = ("embed", "lm_head")  # budgeted by a measured plan on top of the planner's budget roles
 
 
-def measured_units(ckpt, include_mtp: bool = True, ladder: str = "k") -> dict[str, tuple]:
+def measured_units(ckpt, include_mtp: bool = True, ladder: str = gm.DEFAULT_LADDER) -> dict[str, tuple]:
     """The GGUF tensors a measured plan budgets -> (spec, ladder types): what the planner budgets (its budget
     roles, not pinned to Q8_0, not NextN) plus token_embd and output.weight (large levers; the role plan pins them)."""
     out = {}
@@ -76,7 +76,7 @@ def fill_remaining(units: Sequence, levels: dict[str, float], remaining: float) 
 
 
 def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw: float | None = None,
-                       size: int | None = None, ladder: str = "k", include_mtp: bool = True,
+                       size: int | None = None, ladder: str = gm.DEFAULT_LADDER, include_mtp: bool = True,
                        mtp_bits: float = DEFAULT_MTP_BITS, type_rules: TypeRules | None = None):
     """A GGUF --bpw/--size plan from measured curves (``gguf_kld_curves``): every budgeted tensor plus token_embd
     and output.weight get the ladder type that minimises the summed predicted KLD within the budget (the

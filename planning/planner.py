@@ -18,6 +18,7 @@ from mixq.planning.sizes import parse_size
 from mixq.planning.check import check_plan
 from mixq.planning.exl3 import plan_exl3
 from mixq.planning.gguf import plan_gguf
+from mixq.planning.gguf_mix import DEFAULT_LADDER
 from mixq.planning.gguf_measured import plan_gguf_measured
 from mixq.planning.gguf_rules import TypeRules
 from mixq.planning.overrides import parse_overrides
@@ -27,7 +28,7 @@ from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS, Plan
 def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | None = None, qtype: str | None = None,
                overrides: Sequence[str | tuple[str, str]] = (), head_bits: float = DEFAULT_HEAD_BITS, mtp_bits: float = DEFAULT_MTP_BITS,
                vision_bits: float | None = None, include_mtp: bool = True,
-               measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = "k",
+               measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = DEFAULT_LADDER,
                type_rules: TypeRules | None = None) -> Plan:
     """Plan every tensor of ``ckpt`` for ``fmt`` ("exl3" | "gguf").
 

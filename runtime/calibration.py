@@ -31,7 +31,7 @@ from mixq.formats import glm5next
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
 from mixq.runtime.distributed import block_owner
-from mixq.runtime.layer_stream import DecoderStream, module_sources, module_to_hf
+from mixq.runtime.layer_stream import BATCH_ROWS, DecoderStream, module_sources, module_to_hf
 from mixq.formats.model_files import parse_json
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class LayerCalibrator:
     """
 
     def __init__(self, ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = 4,
+                 dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = BATCH_ROWS,
                  start_layer: int = 0, state: dict | None = None, ranks: RankContext | None = None,
                  advance_with_weights: bool = False) -> None:
         self.ckpt = ckpt

@@ -205,6 +205,9 @@ def write_values(module: nn.Module, layer: int, values: Mapping[str, torch.Tenso
                 _fill_row(row, parts, get)
 
 
+BATCH_ROWS = 4  # rows per layer call when a caller does not say (independent sequences, run together)
+
+
 class DecoderStream:
     """transformers' glm5_next text decoder on the meta device, materialised and run one layer at a time.
 
@@ -213,7 +216,7 @@ class DecoderStream:
     """
 
     def __init__(self, config: dict, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 batch_rows: int = 4) -> None:
+                 batch_rows: int = BATCH_ROWS) -> None:
         from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
 

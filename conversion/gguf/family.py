@@ -115,7 +115,7 @@ def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer
     planned_with = _check_curves(ckpt, base, curves_path, curves_info)
     for t, _ in members:  # a target the planner refuses is refused before any work
         plan_model(ckpt, "gguf", **{t.kind: t.value}, overrides=base.overrides, include_mtp=base.include_mtp,
-                   gguf_ladder=base.gguf_ladder or "k", measure=planned_with,
+                   gguf_ladder=base.gguf_ladder or gm.DEFAULT_LADDER, measure=planned_with,
                    **({"head_bits": base.head_bits} if base.head_bits is not None else {}),
                    **({"mtp_bits": base.mtp_bits} if base.mtp_bits is not None else {}))
     if curves_info is not None and curves_info.get("measured") and measure_curves is None:
@@ -126,8 +126,8 @@ def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer
     cache = EncodeCache(out / CACHE_DIR)
     if curves_info is not None and curves_info.get("measured"):
         measure_curves(ckpt, curves_path, calibration=list(fam.imatrix_calibration or base.calibration) or None,
-                       imatrix=imatrix, ladder=base.gguf_ladder or "k", rounding=base.rounding, device=base.device,
-                       cache=cache, progress=base.progress)
+                       imatrix=imatrix, ladder=base.gguf_ladder or gm.DEFAULT_LADDER, rounding=base.rounding,
+                       device=base.device, cache=cache, progress=base.progress)
         curves_info["sha256"] = cached_file_sha256(curves_path)
     measure = curves_path if curves_path is not None else base.measure
     todo, kept = [], []
@@ -195,7 +195,7 @@ def _check_curves(ckpt, base, path: Path | None, info: dict | None) -> Mapping |
         return base.measure
     if not info.get("measured"):
         return load_curves(path)
-    units = measured_units(ckpt, base.include_mtp, base.gguf_ladder or "k")
+    units = measured_units(ckpt, base.include_mtp, base.gguf_ladder or gm.DEFAULT_LADDER)
     return {name: {gm.type_bpw(t): 1.0 for t in types} for name, (_, types) in units.items()}
 
 

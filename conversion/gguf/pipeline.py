@@ -227,7 +227,7 @@ def _assign(run: _GGUFRun, size: int | None) -> list[str]:
     return assign_types(run.ckpt, run.specs, qtype=o.qtype, bpw=o.bpw, size=size,
                         tensor_type=o.tensor_type, output_tensor_type=o.output_tensor_type,
                         token_embedding_type=o.token_embedding_type, include_mtp=o.include_mtp,
-                        gguf_ladder=o.gguf_ladder or "k", overrides=o.overrides,
+                        gguf_ladder=o.gguf_ladder or gguf_mix.DEFAULT_LADDER, overrides=o.overrides,
                         head_bits=DEFAULT_HEAD_BITS if o.head_bits is None else o.head_bits,
                         mtp_bits=DEFAULT_MTP_BITS if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure))
 

@@ -41,8 +41,8 @@ from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.device import same_device
 from mixq.quant.ggml.rounding import block_tuning as bt
 from mixq.quant.ggml.rounding import levels as gl
-from mixq.runtime.layer_stream import (EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stack_rows,
-                                       stacked_block, stacked_parts, write_values)
+from mixq.runtime.layer_stream import (BATCH_ROWS, EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params,
+                                       stack_rows, stacked_block, stacked_parts, write_values)
 from mixq.runtime.overlap import ahead, host_empty
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps
@@ -277,7 +277,7 @@ class LayerTuner:
 
     def __init__(self, ckpt, input_ids: torch.Tensor, specs: Sequence, types: Sequence[str], *,
                  imatrix: Mapping[str, np.ndarray] | None = None, iters: int = DEFAULT_TUNE_ITERS,
-                 lr: float | None = None, scale_lr: float | None = None, batch_rows: int = 4,
+                 lr: float | None = None, scale_lr: float | None = None, batch_rows: int = BATCH_ROWS,
                  device: str | torch.device = "cpu", max_weights: int | None = None,
                  group_iters: int | None = None) -> None:
         self.ckpt, self.ids = ckpt, input_ids.long()

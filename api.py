@@ -45,6 +45,7 @@ __all__ = ["inspect", "plan", "measure", "convert", "family", "verify", "evaluat
            "format_report", "format_plan", "render_markdown", "format_demo",
            "MixqError", "InputError", "PlanError", "FormatError", "MixqWarning", "escape"]
 
+
 def inspect(path: str | os.PathLike) -> dict:
     """What is in a checkpoint directory (or hub id), a config.json (shapes only) or a .gguf: roles, tensor
     counts, parameters, bytes, layer types. `format_report` renders it."""

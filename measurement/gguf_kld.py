@@ -76,7 +76,8 @@ def kld_scaled(measurement: GGUFMeasurement, klds: Mapping[str, float]) -> dict[
 
 def gguf_kld_curves(ckpt, calibration: Sequence[str] | None = None, *, ladder: str = DEFAULT_LADDER,
                     rounding: str = ROUNDINGS[0], imatrix: Mapping[str, np.ndarray] | None = None,
-                    device: str | None = None, cache: EncodeCache | None = None, progress: bool = True) -> dict[str, dict[float, float]]:
+                    device: str | None = None, cache: EncodeCache | None = None,
+                    progress: bool = True) -> dict[str, dict[float, float]]:
     """Measured GGUF curves {unit: {bpw: predicted KLD}} for `plan_model(..., measure=)` (module docstring).
     `cache`: a family's encode cache, given the measurement's exact encodes (measurement/gguf_errors)."""
     m = measure_gguf_errors(ckpt, calibration, ladder=ladder, rounding=rounding, imatrix=imatrix, device=device,

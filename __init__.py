@@ -14,7 +14,8 @@ from mixq.errors import FormatError, InputError, MixqError, MixqWarning, PlanErr
 
 # the names of mixq.api.__all__ that are not the errors above (tests check the two lists agree)
 _API = ("inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "card", "imatrix",
-        "demo", "output_format", "PlanOptions", "EvalOptions", "ImatrixOptions", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
+        "demo", "output_format", "PlanOptions", "MeasureOptions", "EvalOptions", "ImatrixOptions", "Exl3Options",
+        "GGUFOptions", "FamilyOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
         "format_report", "format_plan", "render_markdown", "format_demo")
 
 __all__ = ["MixqError", "MixqWarning", "InputError", "PlanError", "FormatError", "escape", "__version__", *_API]

@@ -18,37 +18,33 @@ from typing import Sequence
 from mixq.conversion import api as convert_api
 from mixq.conversion.api import output_format, verify
 from mixq.conversion.gguf.imatrix import make_imatrix
-from mixq.measurement.trellis import resolve_measure, save_curves
-from mixq.conversion.exl3.family import run_exl3_family
-from mixq.conversion.gguf.family import FamilyResult, run_family
-from mixq.conversion.options import Exl3Options, GGUFOptions, ImatrixOptions, family_options, options_for
-from mixq.formats.outputs import check_outputs, writing
+from mixq.conversion.gguf.family import FamilyResult
+from mixq.conversion.options import (Exl3Options, FamilyOptions, GGUFOptions, ImatrixOptions, family_options,
+                                     options_for)
+from mixq.formats.outputs import writing
 from mixq.planning.display import format_plan
 from mixq.conversion.result import ConvertResult
-from mixq.demo_run import format_demo, run_demo
+from mixq.demo_run import DEMO_DIR, format_demo, run_demo
 from mixq.errors import FormatError, InputError, MixqError, MixqWarning, PlanError, escape
 from mixq.eval.options import DEFAULT_WINDOWS, EvalOptions
 from mixq.eval.card import write_card
 from mixq.eval.api import evaluate as _evaluate_streamed
-from mixq.measurement.kld import measure_method, run_plan
-from mixq.measurement.options import PlanOptions
+from mixq.measurement.kld import family_curves, run_measure, run_plan
+from mixq.measurement.options import MeasureOptions, PlanOptions
 from mixq.planning.fit import FitResult
 from mixq.planning.offload import OffloadResult
 from mixq.planning.option_fields import cli_fields, options_from
 from mixq.planning.types import Plan
 from mixq.eval.report import compare, render_markdown
-from mixq.formats.checkpoint import open_checkpoint
-from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.formats.model_summary import format_report, inspect_path
 from mixq.quant.device import resolve_device
 
 __all__ = ["inspect", "plan", "measure", "convert", "family", "verify", "evaluate", "compare", "card", "imatrix",
            "demo",
-           "output_format", "PlanOptions", "EvalOptions", "ImatrixOptions", "Exl3Options", "GGUFOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
+           "output_format", "PlanOptions", "MeasureOptions", "EvalOptions", "ImatrixOptions", "Exl3Options",
+           "GGUFOptions", "FamilyOptions", "options_for", "ConvertResult", "DEFAULT_WINDOWS",
            "format_report", "format_plan", "render_markdown", "format_demo",
            "MixqError", "InputError", "PlanError", "FormatError", "MixqWarning", "escape"]
-
-MEASURE_METHODS = ("stream", "kld", "trellis", "proxy")
 
 
 def inspect(path: str | os.PathLike) -> dict:
@@ -68,11 +64,12 @@ def plan(model: str | os.PathLike | None = None, fmt: str | None = None, options
     return run_plan(None if model is None else str(model), options)
 
 
-def _options(cls, options, kwargs: dict, verb: str, **positional):
-    """`options` as given, or built from keywords (and the positional ones that were given); not both."""
+def _options(cls, options, kwargs: dict, verb: str, build=None, **positional):
+    """`options` as given, or built from keywords (and the positional ones that were given) by `build` (default:
+    `cls`'s fields, an unknown keyword an InputError); not both."""
     kwargs = {**{k: v for k, v in positional.items() if v is not None}, **kwargs}
     if options is None:
-        return options_from(cls, kwargs, verb)
+        return build(**kwargs) if build is not None else options_from(cls, kwargs, verb)
     if not isinstance(options, cls):
         raise InputError(f"{verb} options: expected {cls.__name__}, not {type(options).__name__}")
     if kwargs:
@@ -81,50 +78,20 @@ def _options(cls, options, kwargs: dict, verb: str, **positional):
     return options
 
 
-def measure(model: str | os.PathLike, fmt: str = "exl3", *, method: str = "kld", calibration: Sequence[str] = (),
-            out: str | os.PathLike | None = None, overwrite: bool = False, sample: str = "auto",
-            device: str | None = None, rounding: str = "exact", imatrix=None, gguf_ladder: str = "k",
-            progress: bool = True) -> dict[str, dict[float, float]]:
+def measure(model: str | os.PathLike, fmt: str | None = None, options: MeasureOptions | None = None,
+            **kwargs) -> dict[str, dict[float, float]]:
     """Error curves {unit: {bits or type: error}} of every budgeted unit, for `plan(..., measure=curves)` and
-    `convert(..., measure=curves)`: `method` "kld" (the whole model, one perturbed forward per unit) or "stream" (one
-    layer in memory, weighted by a streamed backward), both in end-to-end KLD units, EXL3 or GGUF with the conversion's `rounding` and `imatrix`; "trellis" or
-    "proxy" (EXL3). `out` saves them as the JSON `--measure FILE` reads."""
-    if method not in MEASURE_METHODS:
-        raise InputError(f"measure method {method!r}: expected one of {', '.join(MEASURE_METHODS)}")
-    check_outputs({"--measure-out": out}, {"MODEL": model, **{f"--calibration {i + 1}": c
-                                                            for i, c in enumerate(calibration)}},
-                  overwrite=overwrite)
-    ckpt = open_checkpoint(model)
-    validate_checkpoint(ckpt)
-    if method in ("stream", "kld"):
-        curves = measure_method(ckpt, fmt, method, calibration, sample=sample, device=device, rounding=rounding,
-                                imatrix=imatrix, gguf_ladder=gguf_ladder, progress=progress)
-    else:
-        curves = resolve_measure(ckpt, method, fmt, calibration=calibration, device=device, sample=sample,
-                                 progress=progress)
-    if out is not None:
-        save_curves(curves, out, meta=_curves_meta(ckpt, method))
-    return curves
-
-
-def _curves_meta(ckpt, method: str) -> dict:
-    """What a curves file records of its measurement (the same for `measure` and a family's)."""
-    return {"model": str(ckpt.path), "method": method}
-
-
-def _gguf_family_curves(ckpt, out, *, calibration, imatrix, ladder: str, rounding: str, device, cache,
-                        progress: bool, method: str = "kld") -> None:
-    """A GGUF family's `measure="stream"` or `"kld"` (conversion/gguf/family.CurveMeasurer): the curves
-    `measure(..., method=method)` makes, saved at `out`, the exact encodes kept in the family's `cache`."""
-    curves = measure_method(ckpt, "gguf", method, calibration or (), device=device, rounding=rounding,
-                            imatrix=imatrix, gguf_ladder=ladder, cache=cache, progress=progress)
-    save_curves(curves, out, meta=_curves_meta(ckpt, method))
+    `convert(..., measure=curves)`. `options`: a MeasureOptions, or its fields as keywords (`method` "kld": end to
+    end, the whole model in memory; "stream": end to end, one layer in memory, weighted by a streamed backward; both
+    EXL3 or GGUF with the conversion's `rounding` and `imatrix`; or "trellis" / "proxy" (EXL3); `out` saves the
+    curves as the JSON `--measure FILE` reads; an unknown keyword is an InputError)."""
+    return run_measure(model, _options(MeasureOptions, options, kwargs, "measure", fmt=fmt))
 
 
 def convert(model: str | os.PathLike, out: str | os.PathLike, options=None, **kwargs):
     """Convert `model` to `out` (mixq.conversion.api.convert: the options, result and errors there); a GGUF family
     given `measure="kld"` measures its curves end to end here, once."""
-    return convert_api.convert(model, out, options, measure_curves=_gguf_family_curves, **kwargs)
+    return convert_api.convert(model, out, options, measure_curves=family_curves, **kwargs)
 
 
 def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLike] = (),
@@ -143,19 +110,16 @@ def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLik
         return _evaluate_streamed(reference, list(candidates), text, options)
 
 
-def family(model: str | os.PathLike, out_dir: str | os.PathLike, fmt: str = "gguf", **options) -> FamilyResult:
-    """A family in `out_dir` from one pass: `size` ("A,B,C" or a list) or `bpw` (likewise), the other options as
-    `convert` takes them for `fmt` (docs/family.md). GGUF: one calibration and one encode per (tensor, type);
-    EXL3 ("exl3"): one set of error curves, each member calibrated and encoded on its own.
-    `convert(model, out_dir, fmt, size="A,B,C")` does the same."""
-    fmt = str(options.pop("format", None) or fmt).lower()
-    if fmt not in ("gguf", "exl3"):
-        raise InputError(f"unknown format {fmt!r}; expected gguf or exl3")
-    with convert_api.profiled(model, out_dir, options.get("profile"), fmt, overwrite=bool(options.get("overwrite")),
-                              progress=options.get("progress", True)):
-        if fmt == "exl3":
-            return run_exl3_family(model, out_dir, family_options("exl3", **options))
-        return run_family(model, out_dir, family_options(**options), _gguf_family_curves)
+def family(model: str | os.PathLike, out_dir: str | os.PathLike, fmt: str | None = None,
+           options: FamilyOptions | None = None, **kwargs) -> FamilyResult:
+    """A family in `out_dir` from one pass. `options`: a FamilyOptions, or `size` ("A,B,C" or a list) or `bpw`
+    (likewise) and the other options as `convert` takes them for `fmt` ("gguf" unless given; docs/family.md).
+    GGUF: one calibration and one encode per (tensor, type); EXL3 ("exl3"): one set of error curves, each member
+    calibrated and encoded on its own. `convert(model, out_dir, fmt, size="A,B,C")` does the same."""
+    o = _options(FamilyOptions, options, kwargs, "family", build=family_options, format=fmt)
+    with convert_api.profiled(model, out_dir, o.base.profile, o.base.format, overwrite=o.base.overwrite,
+                              progress=o.base.progress):
+        return convert_api.family(model, out_dir, o, measure_curves=family_curves)
 
 
 def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite: bool = False) -> dict:
@@ -176,7 +140,7 @@ def imatrix(model: str | os.PathLike, out: str | os.PathLike, calibration: Seque
                         gpu_memory=o.gpu_memory)
 
 
-def demo(out_dir: str | os.PathLike = "mixq-demo", *, skip: Sequence[str] = (), progress: bool = False) -> dict:
+def demo(out_dir: str | os.PathLike = DEMO_DIR, *, skip: Sequence[str] = (), progress: bool = False) -> dict:
     """A tiny random glm5_next model through every step in `out_dir` (`format_demo` renders the report)."""
     return run_demo(out_dir, progress=progress, skip=tuple(skip))
 

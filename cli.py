@@ -429,7 +429,7 @@ def plan(model, per_tensor, as_json, **params) -> None:
 
 
 @main.command()
-@click.option("--out", "out_dir", default="mixq-demo", show_default=True, type=click.Path(),
+@click.option("--out", "out_dir", default=api.DEMO_DIR, show_default=True, type=click.Path(),
               help="Directory for the tiny checkpoint and every step's output.")
 @click.option("--no-exl3", is_flag=True, help="Leave out the EXL3 conversion (the slowest step without a GPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the demo report as JSON.")

@@ -42,6 +42,7 @@ EVAL_CTX, EVAL_WINDOWS = 128, 4
 DEMO_MARK = ".mixq-demo"  # marks a directory the demo made, so a later demo may replace its files
 SPECIAL_TOKENS = ("<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|observation|>",
                   "<|system|>")
+DEMO_DIR = "mixq-demo"  # where `mixq demo` writes when not told
 
 
 def write_demo_tokenizer(out_dir: Path, vocab: int) -> Path:
@@ -160,7 +161,7 @@ def demo_dir(out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def run_demo(out_dir: str | os.PathLike = "mixq-demo", *, seed: int = 0, progress: bool = False,
+def run_demo(out_dir: str | os.PathLike = DEMO_DIR, *, seed: int = 0, progress: bool = False,
              skip: tuple[str, ...] = ()) -> dict:
     """Write ``out_dir/tiny-glm5next`` (reused when already there) and run every step of ``STEPS`` on it but
     those in ``skip``; returns {"out", "seconds", "steps": {name: summary with "seconds"}}. ``progress``: one

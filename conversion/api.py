@@ -16,8 +16,8 @@ from pathlib import Path
 
 from mixq.errors import InputError
 
-from mixq.conversion.options import (OPTION_CLASSES, Exl3Options, GGUFOptions, family_options, flag_of, is_family, options_for,
-                      replace)
+from mixq.conversion.options import (OPTION_CLASSES, Exl3Options, FamilyOptions, GGUFOptions, family_options, flag_of,
+                                     is_family, options_for, replace)
 from mixq.conversion.result import ConvertResult
 from mixq.conversion.exl3.pipeline import run_exl3
 from mixq.conversion.gguf.pipeline import run_gguf
@@ -90,14 +90,19 @@ def profiled(model, out, path, fmt: str | None, *, overwrite: bool = False, prog
 
 
 def _family(model, out, fmt: str | None, kwargs: dict, measure_curves=None):
-    """`--size A,B,C` / `--bpw x,y,z`: a family in the directory `out` (GGUF: conversion/gguf/family.py; EXL3:
-    conversion/exl3/family.py)."""
+    """`--size A,B,C` / `--bpw x,y,z`: a family in the directory `out`."""
     if fmt is None:
         raise InputError(f"--size/--bpw with several targets writes a family into the directory {out}: give "
                          "--format gguf or --format exl3")
-    if fmt == "exl3":
-        return run_exl3_family(model, out, family_options("exl3", **kwargs))
-    return run_family(model, out, family_options(**kwargs), measure_curves)
+    return family(model, out, family_options(fmt, **kwargs), measure_curves)
+
+
+def family(model, out, options: FamilyOptions, measure_curves=None):
+    """The family `options` describes in the directory `out` (GGUF: conversion/gguf/family.py, `measure_curves` as
+    `convert` takes it; EXL3: conversion/exl3/family.py). Returns its FamilyResult."""
+    if options.base.format == "exl3":
+        return run_exl3_family(model, out, options)
+    return run_family(model, out, options, measure_curves)
 
 
 def _check_exl3_out(out, kwargs: dict) -> None:

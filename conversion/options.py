@@ -22,20 +22,22 @@ from mixq.errors import InputError, MixqError
 from mixq.planning.sizes import parse_size_option
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS
 from mixq.measurement.hessians import ROUNDINGS, check_rounding  # noqa: F401  (ROUNDINGS: the --rounding choices)
+from mixq.measurement.options import GGUF_LADDERS
 from mixq.quant.device import parse_device
 from mixq.runtime.calibration import CALIBRATION_ROWS, CALIBRATION_SEQ_LEN
 from mixq.runtime.distributed import parse_devices
+from mixq.runtime.layer_stream import BATCH_ROWS
 from mixq.formats.gguf_layout import FLOAT_TYPES
 from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
-from mixq.planning.option_fields import as_tuple, flag_of, opt
+from mixq.planning.gguf_rules import RULE_FLAGS, encodable_type, tensor_type_rules
+from mixq.planning.option_fields import as_tuple, default_of, flag_of, opt
 
 OPTIONS_VERSION = 1
 # GGUF --rounding hessian: descent steps per stage of the block-output tuning (conversion/gguf/tuning.py)
 DEFAULT_TUNE_ITERS = 200
 DEFAULT_EXL3_SHARD = 8192 * 2**20
 MMPROJ_TYPES = ("F16", "Q8_0")
-GGUF_LADDERS = ("k", "iq")
 CODEBOOKS = ("mul1", "mcg")
 PROFILE_HELP = ("Write where the run's time goes to FILE as JSON: seconds, bytes read and written, peak host and "
                 "GPU memory, per stage and per layer (replaced only with --overwrite, where the command has it); a "
@@ -94,10 +96,7 @@ CONVERT_FLAGS: dict[str, dict[str, Any]] = {
     "--imatrix": dict(help="GGUF: llama.cpp imatrix file (GGUF or legacy .dat).", click_type="path"),
     "--gguf-ladder": dict(help="GGUF --bpw/--size: candidate types, K-quants or K-quants plus IQ2_XXS..IQ4_XS.  "
                           f"[default: {GGUF_LADDERS[0]}]", choices=GGUF_LADDERS),
-    "--tensor-type": dict(help="GGUF: REGEX=TYPE on GGUF tensor names (repeatable; first match wins).",
-                          multiple=True),
-    "--output-tensor-type": dict(help="GGUF: type of output.weight.", click_type="text"),
-    "--token-embedding-type": dict(help="GGUF: type of token_embd.weight.", click_type="text"),
+    **RULE_FLAGS,  # --tensor-type, --output-tensor-type, --token-embedding-type: as `mixq plan` reads them
     "--tokenizer-pre": dict(help="GGUF: force tokenizer.ggml.pre (e.g. gpt-2, glm4).", click_type="text"),
     "--chat-template": dict(help="GGUF: embed this Jinja file as tokenizer.chat_template.", click_type="path"),
     "--fix-chat-template": dict(help="GGUF: rewrite template constructs llama.cpp's engine rejects (x.0 -> x[0]).",
@@ -229,7 +228,7 @@ class Exl3Options(_Options):
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
     gpu_memory: int | str | None = _opt(None, "--gpu-memory")
     codebook: str = _opt("mul1", "codebook")
-    batch_rows: int = _opt(4, "batch_rows")
+    batch_rows: int = _opt(BATCH_ROWS, "batch_rows")
     profile: Union[str, Path, None] = _opt(None, "--profile")
     progress: bool = _opt(True, "progress")
 
@@ -295,11 +294,11 @@ class GGUFOptions(_Options):
     chat_template: Union[str, Path, None] = _opt(None, "--chat-template")
     fix_chat_template: bool = _opt(False, "--fix-chat-template")
     mmproj: Union[str, Path, None] = _opt(None, "--mmproj")
-    mmproj_type: str = _opt("F16", "--mmproj-type")
+    mmproj_type: str = _opt(MMPROJ_TYPES[0], "--mmproj-type")
     threads: int | None = _opt(None, "--threads")
     device: str | None = _opt(None, "--device")
     gpu_memory: int | str | None = _opt(None, "--gpu-memory")
-    rounding: str = _opt("exact", "--rounding")
+    rounding: str = _opt(ROUNDINGS[0], "--rounding")
     calibration: tuple[Union[str, Path], ...] = _opt((), "--calibration")
     rows: int = _opt(CALIBRATION_ROWS, "--rows")
     seq_len: int = _opt(CALIBRATION_SEQ_LEN, "--seq-len")
@@ -314,7 +313,7 @@ class GGUFOptions(_Options):
     def __post_init__(self) -> None:
         cls = type(self)
         self._set("overrides", as_tuple(self.overrides))
-        self._set("tensor_type", tuple(_tensor_type_pair(x) for x in as_tuple(self.tensor_type)))
+        self._set("tensor_type", tensor_type_rules(self.tensor_type))
         if self.qtype is None and self.bpw is None and self.size is None:
             raise InputError("give a target: --type, --bpw or --size")
         self._check_target(("qtype", "bpw", "size"))
@@ -360,45 +359,15 @@ class GGUFOptions(_Options):
             if self.overrides and self.qtype in FLOAT_TYPES:
                 raise InputError(f"--override applies to quantized mixes, not to --type {self.qtype}; "
                                  "use --tensor-type REGEX=TYPE")
-        if self.mmproj is None and self.mmproj_type != "F16":
+        if self.mmproj is None and self.mmproj_type != default_of(GGUFOptions, "mmproj_type"):
             raise InputError("--mmproj-type applies with --mmproj only")
         if self.rounding != "hessian":
-            for name, default in (("calibration", ()), ("rows", CALIBRATION_ROWS), ("seq_len", CALIBRATION_SEQ_LEN),
-                                  ("tune_iters", DEFAULT_TUNE_ITERS), ("tune_group_iters", None),
-                                  ("refine_passes", None)):
-                if getattr(self, name) != default:
+            for name in ("calibration", "rows", "seq_len", "tune_iters", "tune_group_iters", "refine_passes"):
+                if getattr(self, name) != default_of(GGUFOptions, name):
                     raise InputError(f"{flag_of(GGUFOptions, name)} applies to GGUF with --rounding hessian "
                                      "(its calibration pass)")
         if self.measure is not None and self.qtype is not None:
             raise InputError(f"--measure plans a GGUF to --bpw or --size, not --type {self.qtype}")
-
-
-def _tensor_type_pair(item) -> tuple[str, str]:
-    """("REGEX", "TYPE") from "REGEX=TYPE" or a pair; the regex compiles and the type can be written."""
-    if isinstance(item, str):
-        if "=" not in item:
-            raise InputError(f"--tensor-type {item!r}: expected REGEX=TYPE")
-        item = tuple(item.rsplit("=", 1))
-    if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise InputError(f"--tensor-type {item!r}: expected REGEX=TYPE")
-    pat, qtype = str(item[0]), str(item[1])
-    try:
-        re.compile(pat)
-    except re.error as e:
-        raise InputError(f"--tensor-type {pat!r}: bad regex ({e})") from None
-    return pat, encodable_type(qtype, f"--tensor-type {pat}={qtype}")
-
-
-def encodable_type(name: str, what: str) -> str:
-    """The upper-case ggml type `name` if mixq can write it, else InputError naming `what`."""
-    t = str(name).upper()
-    try:
-        gguf_mix.ggml_type(t)
-    except MixqError:
-        raise InputError(f"{what}: unknown GGUF type {name!r}") from None
-    if not gguf_mix.has_encoder(t):
-        raise InputError(f"{what}: mixq has no encoder for {t} (it writes {', '.join(gguf_mix.encodable_types())})")
-    return t
 
 
 def _gguf_mix_name(qtype: str) -> str:
@@ -550,7 +519,9 @@ def family_options(fmt: str = "gguf", **kwargs) -> FamilyOptions:
     """FamilyOptions of format `fmt` from convert's keyword options (`size` / `bpw` as lists or "A,B,C"); every
     option is checked as one conversion checks it (the first member's options are built here)."""
     kw = dict(kwargs)
-    fmt = kw.pop("format", None) or fmt
+    fmt = str(kw.pop("format", None) or fmt).lower()
+    if fmt not in OPTION_CLASSES:
+        raise InputError(f"unknown format {fmt!r}; expected gguf or exl3")
     targets = family_targets(kw.pop("size", None), kw.pop("bpw", None))
     if fmt == "exl3":
         if kw.get("resume"):
@@ -563,7 +534,7 @@ def family_options(fmt: str = "gguf", **kwargs) -> FamilyOptions:
     if kw.get("mmproj") is not None:
         raise InputError("--mmproj with a family: write the projector once, with a single conversion")
     cal = {}
-    if str(kw.get("rounding", "exact")).lower() == "exact" and kw.get("imatrix") is None:
+    if str(kw.get("rounding", ROUNDINGS[0])).lower() == ROUNDINGS[0] and kw.get("imatrix") is None:
         # --rounding exact has no calibration pass of its own: the family's calibration makes its imatrix
         cal = {"imatrix_calibration": as_tuple(kw.pop("calibration", ())),
                "imatrix_rows": kw.pop("rows", CALIBRATION_ROWS), "imatrix_seq_len": kw.pop("seq_len", CALIBRATION_SEQ_LEN)}

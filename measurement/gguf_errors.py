@@ -218,7 +218,7 @@ def _embedding_curve(spec, types, fetch, stage, ckpt, ids: torch.Tensor, roundin
     return curve, (curve[gm.type_bpw(ref)] if rounding == "exact" else err(ref, "exact"))
 
 
-def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladder: str = "k",
+def measure_gguf_errors(ckpt, calibration: Sequence[str] | None = None, *, ladder: str = gm.DEFAULT_LADDER,
                         rounding: str = "exact", imatrix: Mapping[str, np.ndarray] | None = None,
                         rows: int | None = None, seq_len: int | None = None, include_mtp: bool = True,
                         only: Sequence[str] | None = None, device: str | None = None,

@@ -20,9 +20,11 @@ from tqdm.auto import tqdm
 
 from mixq.measurement.encode_cache import EncodeCache
 from mixq.measurement.gguf_errors import GGUFMeasurement, measure_gguf_errors
+from mixq.measurement.hessians import ROUNDINGS
 from mixq.planning.gguf_measured import measured_units
+from mixq.planning.gguf_mix import DEFAULT_LADDER
 from mixq.errors import InputError
-from mixq.runtime.reference import PerturbedKLD
+from mixq.runtime.reference import KLD_ROWS, KLD_SEQ_LEN, PerturbedKLD
 from mixq.quant.ggml import encoders
 from mixq.quant.ggml.rounding import hessian as kh
 
@@ -34,7 +36,7 @@ def _dequantized(x: torch.Tensor, qtype: str, imatrix: np.ndarray | None) -> tor
 
 
 def unit_klds(ckpt, measurement: GGUFMeasurement, calibration: Sequence[str] | None = None, *,
-              imatrix: Mapping[str, np.ndarray] | None = None, rows: int = 8, seq_len: int = 256,
+              imatrix: Mapping[str, np.ndarray] | None = None, rows: int = KLD_ROWS, seq_len: int = KLD_SEQ_LEN,
               device: str | None = None, seed: int = 0, progress: bool = True) -> dict[str, float]:
     """Each unit's KLD (model with that unit alone at its reference type ‖ source model), mean over calibration
     tokens. Experts are encoded one by one with their own imatrix slice, as the converter does."""
@@ -72,9 +74,10 @@ def kld_scaled(measurement: GGUFMeasurement, klds: Mapping[str, float]) -> dict[
     return out
 
 
-def gguf_kld_curves(ckpt, calibration: Sequence[str] | None = None, *, ladder: str = "k", rounding: str = "exact",
-                    imatrix: Mapping[str, np.ndarray] | None = None, device: str | None = None,
-                    cache: EncodeCache | None = None, progress: bool = True) -> dict[str, dict[float, float]]:
+def gguf_kld_curves(ckpt, calibration: Sequence[str] | None = None, *, ladder: str = DEFAULT_LADDER,
+                    rounding: str = ROUNDINGS[0], imatrix: Mapping[str, np.ndarray] | None = None,
+                    device: str | None = None, cache: EncodeCache | None = None,
+                    progress: bool = True) -> dict[str, dict[float, float]]:
     """Measured GGUF curves {unit: {bpw: predicted KLD}} for `plan_model(..., measure=)` (module docstring).
     `cache`: a family's encode cache, given the measurement's exact encodes (measurement/gguf_errors)."""
     m = measure_gguf_errors(ckpt, calibration, ladder=ladder, rounding=rounding, imatrix=imatrix, device=device,

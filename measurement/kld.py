@@ -15,22 +15,25 @@ from typing import Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from mixq.measurement.trellis import budget_units, measure_curves, parse_sample, save_curves
+from mixq.measurement.trellis import (DEFAULT_SAMPLE, END_TO_END, MEASURE_MODES, budget_units, measure_curves,
+                                      parse_sample, resolve_measure, save_curves)
 from mixq.formats.outputs import check_outputs
-from mixq.measurement.options import MEASURE_MODES, PlanOptions
+from mixq.measurement.options import MeasureOptions, PlanOptions
 from mixq.measurement.plan_run import run_plan as plan
 from mixq.measurement.streaming import stream_curves
-from mixq.measurement.options import END_TO_END
 from mixq.errors import InputError
+from mixq.measurement.hessians import ROUNDINGS
+from mixq.planning.gguf_mix import DEFAULT_LADDER
 from mixq.measurement import gguf_kld  # gguf_kld.gguf_kld_curves looked up per call (tests replace it)
 from mixq.quant.device import pick_device
 from mixq.runtime import profile
-from mixq.runtime.reference import PerturbedKLD
+from mixq.runtime.reference import KLD_ROWS, KLD_SEQ_LEN, PerturbedKLD
 from mixq.formats.checkpoint import open_checkpoint
 from mixq.formats.checkpoint_check import validate_checkpoint
 from mixq.formats.gguf_names import gguf_tensors
 from mixq.formats.imatrix_file import IMatrix, check_names, read_imatrix
 
+REF_BITS = 3.0  # the trellis rate whose weight-space error perturbs each unit
 TRELLIS_D = 1.1  # trellis MSE / (2^-2K · mean W²) on incoherent weights (1.09-1.14 measured for K = 2..4)
 
 
@@ -69,9 +72,10 @@ def run_plan(model: str | None, options: PlanOptions):
         return plan(model if ckpt is None else ckpt, o, curves)
 
 
-def measure_method(ckpt, fmt: str, method: str, calibration: Sequence[str] = (), *, sample: str = "auto",
-                   device: str | None = None, rounding: str = "exact", imatrix=None, gguf_ladder: str = "k",
-                   cache=None, progress: bool = True) -> dict[str, dict[float, float]]:
+def measure_method(ckpt, fmt: str, method: str, calibration: Sequence[str] = (), *,
+                   sample: str = DEFAULT_SAMPLE, device: str | None = None, rounding: str = ROUNDINGS[0],
+                   imatrix=None, gguf_ladder: str = DEFAULT_LADDER, cache=None,
+                   progress: bool = True) -> dict[str, dict[float, float]]:
     """End-to-end curves {unit: {bits or type: KLD}} by `method`: "stream" (measurement/streaming.py: one layer
     in memory) or "kld" (`measure_kld`: the whole model, one forward per unit; the oracle)."""
     if method == "kld":
@@ -94,9 +98,45 @@ def _means(ckpt, imatrix):
     return imatrix
 
 
-def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = "auto", device: str | None = None,
-                rounding: str = "exact", imatrix=None, gguf_ladder: str = "k", cache=None,
-                progress: bool = True) -> dict[str, dict[float, float]]:
+def run_measure(model, options: MeasureOptions) -> dict[str, dict[float, float]]:
+    """What `mixq.measure` runs: the outputs and inputs checked, MODEL opened and checked against its config, then
+    the curves of `options.method` (``measure_method`` end to end, or ``trellis.resolve_measure``), saved at
+    `options.out`."""
+    o = options
+    check_outputs({"--measure-out": o.out}, {"MODEL": model, **{f"--calibration {i + 1}": c
+                                                              for i, c in enumerate(o.calibration)}},
+                  overwrite=o.overwrite)
+    ckpt = open_checkpoint(model)
+    validate_checkpoint(ckpt)
+    if o.method in END_TO_END:
+        curves = measure_method(ckpt, o.fmt, o.method, o.calibration, sample=o.sample, device=o.device,
+                                rounding=o.rounding, imatrix=o.imatrix, gguf_ladder=o.gguf_ladder,
+                                progress=o.progress)
+    else:
+        curves = resolve_measure(ckpt, o.method, o.fmt, calibration=o.calibration, device=o.device, sample=o.sample,
+                                 progress=o.progress)
+    if o.out is not None:
+        save_curves(curves, o.out, meta=_curves_meta(ckpt, o.method))
+    return curves
+
+
+def family_curves(ckpt, out, *, calibration, imatrix, ladder: str, rounding: str, device, cache,
+                  progress: bool, method: str = MEASURE_MODES[0]) -> None:
+    """A GGUF family's `measure="kld"` or `"stream"` (conversion/gguf/family.CurveMeasurer): the curves
+    `run_measure` makes with `method`, saved at `out`, the exact encodes kept in the family's `cache`."""
+    curves = measure_method(ckpt, "gguf", method, calibration or (), device=device, rounding=rounding,
+                            imatrix=imatrix, gguf_ladder=ladder, cache=cache, progress=progress)
+    save_curves(curves, out, meta=_curves_meta(ckpt, method))
+
+
+def _curves_meta(ckpt, method: str) -> dict:
+    """What a curves file records of its measurement (the same for `run_measure` and a family's)."""
+    return {"model": str(ckpt.path), "method": method}
+
+
+def measure_kld(ckpt, fmt: str, calibration: Sequence[str] = (), *, sample: str = DEFAULT_SAMPLE,
+                device: str | None = None, rounding: str = ROUNDINGS[0], imatrix=None,
+                gguf_ladder: str = DEFAULT_LADDER, cache=None, progress: bool = True) -> dict[str, dict[float, float]]:
     """End-to-end KLD curves {unit: {bits or type: KLD}} of every budgeted unit: EXL3 (``kld_curves``) or GGUF
     (``eval.gguf_kld.gguf_kld_curves`` with the conversion's ``rounding`` and ``imatrix``, a file, an IMatrix or
     means; ``cache``: a family's EncodeCache, given the exact encodes)."""
@@ -114,8 +154,8 @@ def _path_or_none(value):
     return value if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__") else None
 
 
-def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | None = None, sample: str = "auto",
-               progress: bool = True) -> dict[str, dict[float, float]]:
+def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | None = None,
+               sample: str = DEFAULT_SAMPLE, progress: bool = True) -> dict[str, dict[float, float]]:
     """The measured trellis curves of every budgeted unit (``convert.measure.measure_curves``) in KLD units."""
     strips, experts = parse_sample(sample)
     curves = measure_curves(ckpt, calibration, device=device, strips=strips, experts=experts, progress=progress)
@@ -124,8 +164,8 @@ def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | 
     return kld_weighted(curves, gains)
 
 
-def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = None, *, rows: int = 8,
-              seq_len: int = 256, ref_bits: float = 3.0, device: str | None = None, seed: int = 0,
+def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = None, *, rows: int = KLD_ROWS,
+              seq_len: int = KLD_SEQ_LEN, ref_bits: float = REF_BITS, device: str | None = None, seed: int = 0,
               progress: bool = True) -> dict[str, float]:
     """Each unit's end-to-end cost: the KLD (model with that unit perturbed ‖ source model, mean over calibration
     tokens, `mixq eval`'s KLD) after adding i.i.d. Gaussian noise of the trellis's weight-space error at ``ref_bits``
@@ -148,7 +188,7 @@ def kld_gains(ckpt, units: Sequence[str], calibration: Sequence[str] | None = No
 
 
 def kld_weighted(curves: Mapping[str, Mapping[float, float]], gains: Mapping[str, float],
-                 ref_bits: float = 3.0) -> dict[str, dict[float, float]]:
+                 ref_bits: float = REF_BITS) -> dict[str, dict[float, float]]:
     """Curves in KLD units: each unit's measured trellis curve keeps its shape and is scaled so that its value at
     ``ref_bits`` is the unit's measured end-to-end KLD (``kld_gains``)."""
     out = {}

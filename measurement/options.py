@@ -1,8 +1,10 @@
-"""Typed options of `mixq plan`: one frozen dataclass, every value parsed and checked once when it is built.
+"""Typed options of `mixq plan` and `mixq.measure`: frozen dataclasses, every value parsed and checked once when
+built.
 
-`PlanOptions` holds every setting of a plan (the target, the role bits, the measurement, the memory fit); sizes are
-bytes, the context is tokens, the device a torch.device by the time it exists. Checks that need the model (its
-vision tower, its config) run in `measurement/kld.run_plan` and the planner.
+`PlanOptions` holds every setting of a plan (the target, the role bits, the GGUF type rules, the measurement, the
+memory fit); sizes are bytes, the context is tokens, the device a torch.device by the time it exists. Checks that
+need the model (its vision tower, its config) run in `measurement/kld.run_plan` and the planner.
+`MeasureOptions` holds the settings of a measurement of error curves on its own (`mixq.measure`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 
 from mixq.errors import InputError
 from mixq.measurement.hessians import ROUNDINGS, check_rounding
-from mixq.measurement.trellis import parse_sample
+from mixq.measurement.trellis import DEFAULT_SAMPLE, END_TO_END, MEASURE_MODES, parse_sample
+from mixq.planning.gguf_mix import LADDERS
+from mixq.planning.gguf_rules import RULE_FLAGS, TypeRules, encodable_type, tensor_type_rules
 from mixq.planning.option_fields import (as_tuple, check_choice, check_int, check_positive, flag_of, opt,
                                          set_field)
 from mixq.planning.sizes import parse_card_sizes, parse_context, parse_size_option
@@ -23,9 +27,7 @@ from mixq.quant.device import parse_device
 
 FORMATS = ("exl3", "gguf")
 FIT_OFFLOAD = "offload"  # --fit given bare: the --gpu/--cpu machine
-GGUF_LADDERS = ("k", "iq")
-MEASURE_MODES = ("stream", "kld", "trellis", "proxy")
-END_TO_END = ("stream", "kld")  # the modes whose curves are in end-to-end KLD units (EXL3 and GGUF)
+GGUF_LADDERS = tuple(LADDERS)  # the custom GGUF candidate ladders; the first is the default
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,10 @@ class PlanOptions:
     vision_bits: float | None = opt(None, "--vision-bits", "EXL3 vision tower bits (default: source precision).",
                                     click_type="float")
     include_mtp: bool = opt(True, "--no-mtp", "Leave the NextN block out.", negate=True)
-    gguf_ladder: str = opt("k", "--gguf-ladder", "Custom GGUF candidate types: K-quants, or K-quants plus "
+    tensor_type: tuple[tuple[str, str], ...] = opt((), "--tensor-type", **RULE_FLAGS["--tensor-type"])
+    output_tensor_type: str | None = opt(None, "--output-tensor-type", **RULE_FLAGS["--output-tensor-type"])
+    token_embedding_type: str | None = opt(None, "--token-embedding-type", **RULE_FLAGS["--token-embedding-type"])
+    gguf_ladder: str = opt(GGUF_LADDERS[0], "--gguf-ladder", "Custom GGUF candidate types: K-quants, or K-quants plus "
                            "IQ2_XXS..IQ4_XS.", choices=GGUF_LADDERS, show_default=True)
     measure: Union[str, Path, Mapping, None] = opt(
         None, "--measure",
@@ -64,7 +69,7 @@ class PlanOptions:
         "curvature from one streamed backward (one layer in memory); EXL3 only: 'trellis' = the per-Linear loss "
         "alone (it mis-ranks units), 'proxy' = the cheap Hessian-trace proxy; or a JSON file of curves "
         "{unit: {bits: error}}.",
-        click_type="text", flag_value="kld")
+        click_type="text", flag_value=MEASURE_MODES[0])
     measure_out: Union[str, Path, None] = opt(None, "--measure-out",
                                               "--measure: save the measured curves as JSON for reuse.",
                                               click_type="path")
@@ -75,14 +80,14 @@ class PlanOptions:
                                           "per stage and per layer); a per-stage table ends the run on stderr.",
                                           click_type="path")
     measure_sample: Any = opt(
-        "auto", "--measure-sample",
+        DEFAULT_SAMPLE, "--measure-sample",
         "--measure: STRIPS,EXPERTS sampled per matrix / per layer (e.g. 4,8), 'all', or 'auto' "
         "(1,2 on CPU; on CUDA all, or 8,16 beyond 2e9 budgeted weights).", click_type="text", show_default=True)
     device: torch.device | None = opt(None, "--device", "--measure: cuda|cpu [default: cuda when available].",
                                       click_type="text")
     calibration: tuple[Union[str, Path], ...] = opt((), "--calibration", "--measure: calibration text.",
                                                     multiple=True, click_type="path", must_exist=True)
-    rounding: str = opt("exact", "--rounding", "GGUF --measure: the rounding the conversion will use (the curves "
+    rounding: str = opt(ROUNDINGS[0], "--rounding", "GGUF --measure: the rounding the conversion will use (the curves "
                         "measure it).", choices=ROUNDINGS, show_default=True)
     imatrix: Any = opt(None, "--imatrix", "GGUF --measure or --type: the imatrix the conversion will use.",
                        click_type="path", must_exist=True)
@@ -113,7 +118,6 @@ class PlanOptions:
         cls = type(self)
         set_field(self, "fmt", check_choice(cls, "fmt", str(self.fmt).lower(), FORMATS))
         set_field(self, "overrides", as_tuple(self.overrides))
-        set_field(self, "calibration", as_tuple(self.calibration))
         targets = [n for n in ("bpw", "size", "qtype") if getattr(self, n) is not None]
         if len(targets) > 1:
             raise InputError("give at most one of --bpw, --size, --type")
@@ -122,14 +126,24 @@ class PlanOptions:
                 set_field(self, name, float(check_positive(cls, name, getattr(self, name))))
         if self.size is not None:
             set_field(self, "size", parse_size_option("--size", self.size))
-        check_choice(cls, "gguf_ladder", self.gguf_ladder, GGUF_LADDERS)
-        set_field(self, "rounding", check_rounding(self.rounding))
-        if not isinstance(self.measure_sample, tuple):
-            set_field(self, "measure_sample", parse_sample(self.measure_sample))
-        if self.device is not None:
-            set_field(self, "device", parse_device(self.device, flag_of(cls, "device")))
+        parse_measurement(self, "measure_sample")
+        self._check_rules()
         self._check_fit()
         self._check_measure()
+
+    def _check_rules(self) -> None:
+        """--tensor-type, --output-tensor-type, --token-embedding-type: parsed as convert parses them, GGUF only."""
+        cls = type(self)
+        set_field(self, "tensor_type", tensor_type_rules(self.tensor_type))
+        for name in ("output_tensor_type", "token_embedding_type"):
+            if getattr(self, name) is not None:
+                set_field(self, name, encodable_type(getattr(self, name), flag_of(cls, name)))
+        if self.type_rules() and self.fmt != "gguf":
+            raise InputError("--tensor-type, --output-tensor-type and --token-embedding-type apply to --format gguf")
+
+    def type_rules(self) -> TypeRules:
+        """The GGUF type rules of this plan (planning/gguf_rules), as convert applies them."""
+        return TypeRules(self.tensor_type, self.output_tensor_type, self.token_embedding_type)
 
     def _check_fit(self) -> None:
         """--fit and its companions as bytes and tokens; each only where it applies."""
@@ -149,6 +163,9 @@ class PlanOptions:
             if self.context is not None or self.cache is not None or self.devices:
                 raise InputError("--context/--cache/--devices only apply with --fit")
             return
+        if self.type_rules():
+            raise InputError("--fit plans by role; --tensor-type, --output-tensor-type and --token-embedding-type "
+                             "apply to a --type, --bpw or --size plan")
         if self.fit != FIT_OFFLOAD:
             set_field(self, "fit", parse_size_option("--fit", self.fit))
         if self.context is None:
@@ -198,7 +215,7 @@ class PlanOptions:
         if self.profile is not None and self.measure is None:
             raise InputError("--profile applies to `plan --measure` (a plan alone runs no model)")
         gguf_measured = self.fmt == "gguf" and self.measure in END_TO_END
-        if self.rounding != "exact" and not gguf_measured:
+        if self.rounding != ROUNDINGS[0] and not gguf_measured:
             raise InputError("--rounding applies to `plan --format gguf --measure` (the curves measure it)")
         if self.imatrix is not None and not (gguf_measured or (self.fmt == "gguf" and self.qtype is not None)):
             raise InputError("--imatrix applies to `plan --format gguf --measure` (the curves measure it) and to "
@@ -206,3 +223,58 @@ class PlanOptions:
         if self.fmt == "gguf" and self.measure in ("trellis", "proxy"):
             raise InputError(f"--measure {self.measure} is EXL3's trellis measurement; GGUF measures with "
                              "--measure alone")
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """Settings of `mixq.measure`: the error curves of every budgeted unit for `fmt`, measured by `method`
+    ("kld" or "stream": end to end, EXL3 or GGUF with the conversion's `rounding` and `imatrix`; "trellis" or
+    "proxy": EXL3)
+    on `calibration` text, and saved at `out` when given. `device` a torch.device; `sample` the parsed
+    (strips, experts) pair."""
+
+    fmt: str = opt("exl3", "--format", "The format the curves plan.", choices=FORMATS)
+    method: str = opt(MEASURE_MODES[0], "--method", "kld: each unit's end-to-end KLD, the whole model in memory; "
+                      "stream: the same units weighted by one streamed backward, one layer in memory; trellis: the "
+                      "per-Linear trellis loss (EXL3); proxy: the Hessian-trace proxy (EXL3).", choices=MEASURE_MODES)
+    calibration: tuple[Union[str, Path], ...] = opt((), "--calibration", "Calibration text (repeatable) "
+                                                    "[default: built-in sample].", multiple=True,
+                                                    click_type="path", must_exist=True)
+    out: Union[str, Path, None] = opt(None, "--measure-out", "Save the curves as the JSON --measure FILE reads.",
+                                      click_type="path")
+    overwrite: bool = opt(False, "--overwrite", "Replace an existing --measure-out file.", is_flag=True)
+    sample: Any = opt(DEFAULT_SAMPLE, "--measure-sample", "EXL3: STRIPS,EXPERTS sampled per matrix / per layer, "
+                      "'all', or 'auto'.", click_type="text", show_default=True)
+    device: torch.device | None = opt(None, "--device", "cuda|cpu [default: cuda when available].",
+                                      click_type="text")
+    rounding: str = opt(ROUNDINGS[0], "--rounding", "GGUF: the rounding the conversion will use.",
+                        choices=ROUNDINGS, show_default=True)
+    imatrix: Any = opt(None, "--imatrix", "GGUF: the imatrix the conversion will use (a file, an IMatrix or means).",
+                       click_type="path", must_exist=True)
+    gguf_ladder: str = opt(GGUF_LADDERS[0], "--gguf-ladder", "GGUF: the candidate types measured.",
+                           choices=GGUF_LADDERS, show_default=True)
+    progress: bool = opt(True, None, "Show progress bars while measuring.", cli=False)
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        set_field(self, "fmt", check_choice(cls, "fmt", str(self.fmt).lower(), FORMATS))
+        check_choice(cls, "method", self.method, MEASURE_MODES)
+        parse_measurement(self, "sample")
+        if self.fmt == "gguf" and self.method not in END_TO_END:
+            raise InputError(f"--method {self.method} is EXL3's; GGUF measures with --method "
+                             f"{' or '.join(END_TO_END)}")
+        if (self.rounding != ROUNDINGS[0] or self.imatrix is not None) and self.fmt != "gguf":
+            raise InputError("--rounding and --imatrix apply to a GGUF measurement (the curves measure them)")
+
+
+def parse_measurement(options, sample: str) -> None:
+    """The settings every measurement reads, parsed in place on a frozen options object: the calibration files as a
+    tuple, the GGUF ladder and rounding checked, field `sample` as its (strips, experts) pair, the device as a
+    torch.device."""
+    cls = type(options)
+    set_field(options, "calibration", as_tuple(options.calibration))
+    check_choice(cls, "gguf_ladder", options.gguf_ladder, GGUF_LADDERS)
+    set_field(options, "rounding", check_rounding(options.rounding))
+    set_field(options, sample, parse_sample(getattr(options, sample)))
+    if options.device is not None:
+        set_field(options, "device", parse_device(options.device, flag_of(cls, "device")))

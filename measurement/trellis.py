@@ -45,6 +45,11 @@ from mixq.quant.device import pick_device
 MEASURE_ROWS = 16
 MEASURE_SEQ_LEN = 256
 RATES: tuple[float, ...] = al.EXL3_RATES
+# --measure modes: end to end, whole model (bare --measure; the oracle), end to end streamed (one layer in memory),
+# the per-Linear trellis loss, the Hessian-trace proxy
+MEASURE_MODES = ("kld", "stream", "trellis", "proxy")
+END_TO_END = ("kld", "stream")  # the modes whose curves are in end-to-end KLD units (EXL3 and GGUF)
+DEFAULT_SAMPLE = "auto"  # --measure-sample: see parse_sample
 EXPERT_BATCH_ELEMS = 1 << 27  # elements of weights + Hessians per stacked expert call
 # (strips per matrix, experts per layer): None = all
 SAMPLING: dict[str, tuple[int | None, int | None]] = {"cpu": (1, 2), "cuda": (None, None),
@@ -273,7 +278,7 @@ def parse_sample(text: str) -> tuple[int | None | str, int | None | str]:
 
 def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | None, fmt: str, *,
                     calibration: Sequence[str] | None = None, measure_out: str | None = None,
-                    device: str | None = None, sample: str = "auto",
+                    device: str | None = None, sample: str = DEFAULT_SAMPLE,
                     progress: bool = True) -> dict[str, dict[float, float]] | None:
     """``--measure`` of ``mixq plan``: None -> None; "trellis" -> ``measure_curves``; "proxy" -> the
     Hessian-trace proxy (``planning.measure_proxy``); curves already measured (a mapping, e.g. the end-to-end KLD
@@ -286,8 +291,8 @@ def resolve_measure(ckpt, measure: str | Mapping[str, Mapping[float, float]] | N
         return None
     if isinstance(measure, Mapping):
         return {k: {float(b): float(v) for b, v in c.items()} for k, c in measure.items()}
-    if measure in ("trellis", "proxy", "kld", "stream"):
-        if measure in ("kld", "stream"):
+    if measure in MEASURE_MODES:
+        if measure in END_TO_END:
             raise InputError(f"--measure {measure} measures end-to-end curves: use mixq.measurement.kld.run_plan "
                              "(what `mixq plan` runs)")
         if fmt != "exl3":

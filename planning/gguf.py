@@ -11,6 +11,7 @@ from mixq.formats.gguf_names import gguf_tensors
 from mixq.formats.model_files import read_json
 from mixq.planning import allocator as al
 from mixq.planning import gguf_mix as gm
+from mixq.planning.gguf_rules import TypeRules
 from mixq.planning.budget import budget_bits, target_label
 from mixq.planning.overrides import check_unused, first_override
 from mixq.planning.substitutions import Substitutions
@@ -83,11 +84,13 @@ def outside_bytes(specs: Sequence, types: Sequence[str], in_budget: Sequence[boo
     return fixed + gm.header_bytes([(s.name, len(s.shape)) for s in specs], kv)
 
 
-def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder="k",
-              sides: SideBudgets | None = None, imatrix_given: bool = False) -> Plan:
+def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include_mtp, ladder=gm.DEFAULT_LADDER,
+              sides: SideBudgets | None = None, imatrix_given: bool = False,
+              type_rules: TypeRules | None = None) -> Plan:
     """Every tensor of ``ckpt``'s GGUF: a llama-quantize mix (``qtype``) reproduced exactly, or ladder types per
-    budgeted tensor to the target, the rest at their floor, override or source type. ``sides`` (instead of a
-    target): one byte budget per side of a split machine, each side's tensor data planned to its own budget.
+    budgeted tensor to the target, the rest at their floor, override or source type; then ``type_rules``
+    (--tensor-type, --output-tensor-type, --token-embedding-type), as convert applies them. ``sides`` (instead of
+    a target): one byte budget per side of a split machine, each side's tensor data planned to its own budget.
     ``imatrix_given``: the conversion has an importance matrix (some mixes choose otherwise with one, as
     llama-quantize does)."""
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
@@ -160,10 +163,18 @@ def plan_gguf(ckpt, *, bpw, size, qtype, overrides, head_bits, mtp_bits, include
     for i, asked in manual.items():
         subs.note(specs[i].name, asked_by[i], asked, types[i], int(specs[i].shape[-1]))
     subs.warn()
+    if type_rules:
+        types = type_rules.apply(specs, types)
+    return gguf_plan(specs, types, [in_budget[i] and gm.is_quantized_type(t) for i, t in enumerate(types)], kv)
+
+
+def gguf_plan(specs: Sequence, types: Sequence[str], counted: Sequence[bool], kv: int) -> Plan:
+    """The Plan of GGUF tensors `specs` at `types`: each tensor's bytes, the file's bytes with `kv` bytes of
+    metadata, and the bits per weight of the `counted` tensors (the budgeted ones)."""
     tensors = [PlannedTensor(s.name, s.role, list(s.hf_names), tuple(s.shape), None, types[i],
                              gm.tensor_nbytes(types[i], s.shape)) for i, s in enumerate(specs)]
     total, _ = gm.gguf_file_bytes([(t.name, t.shape, t.type) for t in tensors], kv)
-    bud = [t for i, t in enumerate(tensors) if in_budget[i] and gm.is_quantized_type(t.type)]
+    bud = [t for i, t in enumerate(tensors) if counted[i]]
     num = sum(t.bytes * 8 for t in bud)
     den = sum(numel(t.shape) for t in bud)
     return Plan("gguf", total, num / den if den else 0.0, tensors, role_summary(tensors))

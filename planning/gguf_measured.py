@@ -11,13 +11,14 @@ from mixq.formats.gguf_names import gguf_tensors
 from mixq.planning import allocator as al
 from mixq.planning import gguf_mix as gm
 from mixq.planning.budget import budget_bits, target_label
-from mixq.planning.gguf import BUDGET_ROLES, gguf_metadata_bytes, gguf_mix_context, outside_bytes
-from mixq.planning.types import DEFAULT_MTP_BITS, Plan, PlannedTensor, role_summary
+from mixq.planning.gguf import BUDGET_ROLES, gguf_metadata_bytes, gguf_mix_context, gguf_plan, outside_bytes
+from mixq.planning.gguf_rules import TypeRules
+from mixq.planning.types import DEFAULT_MTP_BITS
 
 MEASURED_ROLES = ("embed", "lm_head")  # budgeted by a measured plan on top of the planner's budget roles
 
 
-def measured_units(ckpt, include_mtp: bool = True, ladder: str = "k") -> dict[str, tuple]:
+def measured_units(ckpt, include_mtp: bool = True, ladder: str = gm.DEFAULT_LADDER) -> dict[str, tuple]:
     """The GGUF tensors a measured plan budgets -> (spec, ladder types): what the planner budgets (its budget
     roles, not pinned to Q8_0, not NextN) plus token_embd and output.weight (large levers; the role plan pins them)."""
     out = {}
@@ -75,13 +76,13 @@ def fill_remaining(units: Sequence, levels: dict[str, float], remaining: float) 
 
 
 def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw: float | None = None,
-                       size: int | None = None, ladder: str = "k", include_mtp: bool = True,
-                       mtp_bits: float = DEFAULT_MTP_BITS):
+                       size: int | None = None, ladder: str = gm.DEFAULT_LADDER, include_mtp: bool = True,
+                       mtp_bits: float = DEFAULT_MTP_BITS, type_rules: TypeRules | None = None):
     """A GGUF --bpw/--size plan from measured curves (``gguf_kld_curves``): every budgeted tensor plus token_embd
     and output.weight get the ladder type that minimises the summed predicted KLD within the budget (the
     allocator's hull-greedy solver, then a fill of what it left). Never worse than the role-model plan of the
-    same tensors and budget under the same curves (``never_worse``; the report says which was taken).
-    Returns a ``Plan``."""
+    same tensors and budget under the same curves (``never_worse``; the report says which was taken);
+    ``type_rules`` then retype single tensors, as convert does. Returns a ``Plan``."""
     if (bpw is None) == (size is None):
         raise PlanError("a measured GGUF plan needs exactly one of --bpw, --size")
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
@@ -117,12 +118,10 @@ def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw
     by_bpw = {s: {gm.type_bpw(t): t for t in budgeted[s][1]} for s in budgeted}
     for u in units:
         types[u.key] = by_bpw[u.key][levels[u.key]]
-    tensors = [PlannedTensor(s.name, s.role, list(s.hf_names), tuple(s.shape), None, types[s.name],
-                             gm.tensor_nbytes(types[s.name], s.shape)) for s in specs]
-    total, _ = gm.gguf_file_bytes([(t.name, t.shape, t.type) for t in tensors], kv)
-    bud = [t for t in tensors if t.name in budgeted]
-    plan = Plan("gguf", total, sum(t.bytes * 8 for t in bud) / max(1, sum(math.prod(t.shape) for t in bud)),
-                tensors, role_summary(tensors))
+    written = [types[s.name] for s in specs]
+    if type_rules:
+        written = type_rules.apply(specs, written)
+    plan = gguf_plan(specs, written, [s.name in budgeted for s in specs], kv)
     plan.measured = {"predicted_kld": sum(u.errors[u.levels.index(levels[u.key])] for u in units),
                      "role_plan_taken": role_taken}
     return plan

@@ -399,6 +399,7 @@ GGUF_LADDER: tuple[str, ...] = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0") 
 GGUF_LADDER_IQ: tuple[str, ...] = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K", "IQ3_XXS", "Q3_K", "IQ4_XS", "Q4_K",
                                    "Q5_K", "Q6_K", "Q8_0")
 LADDERS = {"k": GGUF_LADDER, "iq": GGUF_LADDER_IQ}
+DEFAULT_LADDER = "k"  # --gguf-ladder when not given
 GGUF_ROLE_TYPES = {"routed_expert": "Q4_K", "attn": "Q6_K", "shared_expert": "Q6_K", "lm_head": "Q6_K",
                    "dense_mlp": "Q5_K"}
 BITS_TO_TYPE = {2: "Q2_K", 3: "Q3_K", 4: "Q4_K", 5: "Q5_K", 6: "Q6_K", 8: "Q8_0"}
@@ -426,7 +427,7 @@ def has_encoder(type_name: str) -> bool:
     return type_name.upper() in encodable_types()
 
 
-def ladder(ne0: int, floor: str | None = None, kind: str = "k") -> list[str]:
+def ladder(ne0: int, floor: str | None = None, kind: str = DEFAULT_LADDER) -> list[str]:
     """The custom-mix candidate types of a tensor with rows of ``ne0``, after the shape fallback, deduplicated
     (by type and by bits per weight), ascending; ``floor`` drops every type below it; ``kind``: "k" or "iq"."""
     if kind not in LADDERS:

@@ -18,7 +18,9 @@ from mixq.planning.sizes import parse_size
 from mixq.planning.check import check_plan
 from mixq.planning.exl3 import plan_exl3
 from mixq.planning.gguf import SideBudgets, plan_gguf
+from mixq.planning.gguf_mix import DEFAULT_LADDER
 from mixq.planning.gguf_measured import plan_gguf_measured
+from mixq.planning.gguf_rules import TypeRules
 from mixq.planning.overrides import parse_overrides
 from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS, Plan
 
@@ -26,8 +28,9 @@ from mixq.planning.types import DEFAULT_HEAD_BITS, DEFAULT_MTP_BITS, Plan
 def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | None = None, qtype: str | None = None,
                overrides: Sequence[str | tuple[str, str]] = (), head_bits: float = DEFAULT_HEAD_BITS, mtp_bits: float = DEFAULT_MTP_BITS,
                vision_bits: float | None = None, include_mtp: bool = True,
-               measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = "k",
-               sides: SideBudgets | None = None, imatrix_given: bool = False) -> Plan:
+               measure: Mapping[str, Mapping[float, float]] | None = None, gguf_ladder: str = DEFAULT_LADDER,
+               sides: SideBudgets | None = None, imatrix_given: bool = False,
+               type_rules: TypeRules | None = None) -> Plan:
     """Plan every tensor of ``ckpt`` for ``fmt`` ("exl3" | "gguf").
 
     Targets (at most one): ``bpw`` (EXL3: exllamav3's ``bits`` convention; GGUF: bytes·8/elements of the
@@ -38,6 +41,7 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
     ``gguf_ladder``: custom GGUF candidate types, "k" (Q2_K..Q8_0, what mixq writes) or "iq" (adds IQ2_XXS..IQ4_XS).
     ``sides``: GGUF only, instead of a target: a byte budget per side of a split machine (planning/offload).
     ``imatrix_given``: a GGUF ``qtype`` converted with an importance matrix (llama-quantize's mixes depend on it).
+    ``type_rules``: GGUF --tensor-type / --output-tensor-type / --token-embedding-type, applied after the plan.
     A path ``ckpt`` is opened and checked against its config (``validate_checkpoint``), as convert checks it."""
     if isinstance(ckpt, (str, Path)):
         ckpt = open_checkpoint(ckpt)
@@ -51,6 +55,8 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
                          "or --measure)")
     ovs = parse_overrides(overrides)
     if fmt == "exl3":
+        if type_rules:
+            raise InputError("--tensor-type, --output-tensor-type and --token-embedding-type are GGUF options")
         if qtype is not None:
             raise InputError(f"--type {qtype}: named mixes are GGUF only; use --bpw or --size for EXL3")
         plan = plan_exl3(ckpt, bpw=bpw, size=size_b, overrides=ovs, head_bits=head_bits, mtp_bits=mtp_bits,
@@ -59,11 +65,11 @@ def plan_model(ckpt, fmt: str, *, bpw: float | None = None, size: int | str | No
         if qtype is not None or ovs or (bpw is None and size_b is None):
             raise InputError("--measure plans a GGUF to --bpw or --size (not with --type or --override)")
         plan = plan_gguf_measured(ckpt, measure, bpw=bpw, size=size_b, ladder=gguf_ladder, include_mtp=include_mtp,
-                                  mtp_bits=mtp_bits)
+                                  mtp_bits=mtp_bits, type_rules=type_rules)
     elif fmt == "gguf":
         plan = plan_gguf(ckpt, bpw=bpw, size=size_b, qtype=qtype, overrides=ovs, head_bits=head_bits,
                           mtp_bits=mtp_bits, include_mtp=include_mtp, ladder=gguf_ladder, sides=sides,
-                          imatrix_given=imatrix_given)
+                          imatrix_given=imatrix_given, type_rules=type_rules)
     else:
         raise InputError(f"--format {fmt!r}: exl3 or gguf")
     check_plan(ckpt, plan)  # what plan shows, convert can write (one check for both)

@@ -205,8 +205,9 @@ def write_values(module: nn.Module, layer: int, values: Mapping[str, torch.Tenso
                 _fill_row(row, parts, get)
 
 
-# rows per layer call of the calibration and tuning passes: the Hessian sums and the tuning's held-out batches are
-# made per batch, so it is part of what a conversion computes (runtime/memory_budget.py counts one batch)
+# rows per layer call of the calibration and tuning passes (independent sequences, run together): the Hessian sums
+# and the tuning's held-out batches are made per batch, so it is part of what a conversion computes
+# (runtime/memory_budget.py counts one batch)
 BATCH_ROWS = 4
 
 

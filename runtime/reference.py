@@ -157,6 +157,11 @@ def scored_logits(model: torch.nn.Module, window: torch.Tensor, first: int) -> t
     return out.logits[0, :-1].float()
 
 
+# the scorer's calibration when a measurement does not say: every unit is scored on its own, so a few short rows
+KLD_ROWS = 8
+KLD_SEQ_LEN = 256
+
+
 class PerturbedKLD:
     """The source model's log-probs on calibration rows, computed once; then, for any other set of weights, the mean
     KLD (source || the same architecture holding those weights) over the same tokens, `mixq eval`'s KLD. This is

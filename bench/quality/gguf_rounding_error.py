@@ -77,8 +77,8 @@ def main(argv=None) -> int:
         ho = held[s.name][0]
         imx = torch.diagonal(h_all, dim1=-2, dim2=-1).numpy().copy()
         for t in a.types.split(","):
-            exact = (np.stack([kquants.quantize(w[e].numpy(), t, imx[e]) for e in range(w.shape[0])])
-                     if w.ndim == 3 else kquants.quantize(w.numpy(), t, imx))
+            exact = (np.stack([encoders.quantize(w[e].numpy(), t, imx[e]) for e in range(w.shape[0])])
+                     if w.ndim == 3 else encoders.quantize(w.numpy(), t, imx))
 
             def err(b, hh):
                 return float(kh.layer_error(w, torch.from_numpy(kh.dequantize_blocks(b, t)), hh).sum())

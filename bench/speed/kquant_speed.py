@@ -1,9 +1,9 @@
 """Encode speed per ggml type: mixq on CUDA, mixq on CPU (1 core and all cores) and ggml (1 core and all cores).
 
 Same tensors for every encoder, and every result checked byte for byte against ggml's:
-- mixq CUDA: ``kquants.quantize(x, t, im, device="cuda")`` from host numpy to host bytes (the copies count);
-  "resident": ``kquants.quantize_tensor`` of a tensor already on the GPU; "eager": without the fused kernels;
-- mixq CPU 1 core: ``kquants.quantize`` (the numpy encoders) on this thread;
+- mixq CUDA: ``encoders.quantize(x, t, im, device="cuda")`` from host numpy to host bytes (the copies count);
+  "resident": ``encoders.quantize_tensor`` of a tensor already on the GPU; "eager": without the fused kernels;
+- mixq CPU 1 core: ``encoders.quantize`` (the numpy encoders) on this thread;
 - mixq CPU all cores: the same over row chunks in a pool of worker processes (as ``convert --threads``);
 - ggml 1 core / all cores: ``ggml_quantize_chunk`` (libggml-base of llama-cpp-python, or $MIXQ_GGML_BASE_LIB)
   over row chunks in a thread pool (ctypes releases the GIL), as llama-quantize spreads its work.
@@ -77,7 +77,7 @@ def _ggml_pool(x: np.ndarray, t: str, im, pool: ThreadPoolExecutor, parts: int) 
 
 def _mixq_chunk(args) -> np.ndarray:
     x, t, im = args
-    return kquants.quantize(x, t, im)
+    return encoders.quantize(x, t, im)
 
 
 def _mixq_pool(x: np.ndarray, t: str, im, pool: ProcessPoolExecutor, parts: int) -> np.ndarray:
@@ -87,7 +87,7 @@ def _mixq_pool(x: np.ndarray, t: str, im, pool: ProcessPoolExecutor, parts: int)
 
 
 def _mixq_cuda(x: np.ndarray, t: str, im, device: str) -> np.ndarray:
-    out = kquants.quantize(x, t, im, device=device)
+    out = encoders.quantize(x, t, im, device=device)
     torch.cuda.synchronize()
     return out
 
@@ -100,7 +100,7 @@ class _OnDevice:
         self.im = None if im is None else torch.from_numpy(im).to(device)
 
     def __call__(self, t: str, a: np.ndarray) -> np.ndarray:
-        out = kquants.quantize_tensor(self.x[:a.shape[0]], t, self.im)
+        out = encoders.quantize_tensor(self.x[:a.shape[0]], t, self.im)
         torch.cuda.synchronize()
         return out.cpu().numpy()
 
@@ -151,12 +151,12 @@ def run(args) -> dict:
         im_full = np.exp(rng.standard_normal(x.shape[1])).astype(np.float32)
         for t in args.types.split(","):
             for im in ((None, im_full) if args.imatrix == "both" else (im_full,) if args.imatrix == "yes" else (None,)):
-                if x.shape[1] % kquants.block_size(t) or (im is None and t in kquants.REQUIRES_IMATRIX):
+                if x.shape[1] % encoders.block_size(t) or (im is None and t in encoders.REQUIRES_IMATRIX):
                     continue
                 row = {"tensor": tname, "type": t, "imatrix": im is not None, "weights": int(x.size)}
                 enc: dict[str, object] = {}
                 # one-off set-up (codebooks, CUDA context and kernels) outside the timings
-                kquants.quantize(x[:1], t, im)
+                encoders.quantize(x[:1], t, im)
                 if cuda:
                     _mixq_cuda(x[:8], t, im, args.device)
                     on_dev = _OnDevice(x, im, args.device)
@@ -164,7 +164,7 @@ def run(args) -> dict:
                     enc["mixq_cuda_resident"] = lambda a: on_dev(t, a)
                     if args.eager:
                         enc["mixq_cuda_eager"] = lambda a: _eager(lambda: _mixq_cuda(a, t, im, args.device))
-                enc["mixq_cpu_1"] = lambda a: kquants.quantize(a, t, im)
+                enc["mixq_cpu_1"] = lambda a: encoders.quantize(a, t, im)
                 if procs is not None:
                     enc["mixq_cpu_all"] = lambda a: _mixq_pool(a, t, im, procs, 4 * args.cpu_threads)
                 if have_ggml:

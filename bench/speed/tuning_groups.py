@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     specs = [s for s in gguf_tensors(ck) if s.name in TYPES]
     types = [TYPES[s.name] for s in specs]
     t0 = time.perf_counter()
-    encoded = {s.name: (kquants.quantize_stacked if s.transform == "stack" else kquants.quantize)(
+    encoded = {s.name: (encoders.quantize_stacked if s.transform == "stack" else encoders.quantize)(
         build_tensor(s, ck.get).numpy(), t) for s, t in zip(specs, types)}
     encode_s = time.perf_counter() - t0
     stacks = [s for s in specs if s.transform == "stack"]

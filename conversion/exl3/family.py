@@ -28,7 +28,7 @@ from mixq.conversion.gguf.receipt import cached_file_sha256, receipt_options
 from mixq.formats.receipt import mixq_version
 from mixq.conversion.job import JOB_DIR
 from mixq.measurement.streaming import stream_curves
-from mixq.measurement.trellis import curves_meta, load_curves, resolve_measure, save_curves
+from mixq.measurement.trellis import MEASURE_MODES, curves_meta, load_curves, resolve_measure, save_curves
 from mixq.conversion.options import FamilyOptions, FamilyTarget
 from mixq.formats.outputs import check_output_dir
 from mixq.conversion.exl3.pipeline import run_exl3
@@ -42,7 +42,6 @@ from mixq.planning.planner import plan_model
 from mixq.formats.model_files import read_json
 
 CURVES_SUFFIX = ".exl3-curves.json"
-MEASURE_MODES = ("stream", "trellis", "proxy", "kld")
 
 
 def member_dir(out_dir: Path, model_name: str, target: FamilyTarget) -> Path:

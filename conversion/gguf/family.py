@@ -34,7 +34,7 @@ from mixq.measurement.encode_cache import CACHE_DIR, EncodeCache
 from mixq.conversion.gguf.pipeline import run_gguf
 from mixq.conversion.gguf.receipt import cached_file_sha256, receipt_options, receipt_target
 from mixq.conversion.gguf.imatrix import make_imatrix
-from mixq.measurement.trellis import load_curves
+from mixq.measurement.trellis import END_TO_END, MEASURE_MODES, load_curves
 from mixq.conversion.options import FamilyOptions, FamilyTarget
 from mixq.formats.outputs import check_output_file
 from mixq.errors import InputError, MixqError, escape
@@ -115,7 +115,7 @@ def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer
     planned_with = _check_curves(ckpt, base, curves_path, curves_info)
     for t, _ in members:  # a target the planner refuses is refused before any work
         plan_model(ckpt, "gguf", **{t.kind: t.value}, overrides=base.overrides, include_mtp=base.include_mtp,
-                   gguf_ladder=base.gguf_ladder or "k", measure=planned_with, imatrix_given=True,
+                   gguf_ladder=base.gguf_ladder or gm.DEFAULT_LADDER, measure=planned_with, imatrix_given=True,
                    **({"head_bits": base.head_bits} if base.head_bits is not None else {}),
                    **({"mtp_bits": base.mtp_bits} if base.mtp_bits is not None else {}))
     if curves_info is not None and curves_info.get("measured") and measure_curves is None:
@@ -126,8 +126,8 @@ def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer
     cache = EncodeCache(out / CACHE_DIR)
     if curves_info is not None and curves_info.get("measured"):
         measure_curves(ckpt, curves_path, calibration=list(fam.imatrix_calibration or base.calibration) or None,
-                       imatrix=imatrix, ladder=base.gguf_ladder or "k", rounding=base.rounding, device=base.device,
-                       cache=cache, progress=base.progress, method=curves_info["method"])
+                       imatrix=imatrix, ladder=base.gguf_ladder or gm.DEFAULT_LADDER, rounding=base.rounding,
+                       device=base.device, cache=cache, progress=base.progress, method=curves_info["method"])
         curves_info["sha256"] = cached_file_sha256(curves_path)
     measure = curves_path if curves_path is not None else base.measure
     todo, kept = [], []
@@ -168,10 +168,10 @@ def _curves_source(out: Path, name: str, base) -> tuple[Path | None, dict | None
         return None, None
     if isinstance(m, Mapping):
         return None, {"file": "in-memory", "sha256": receipt_options(base)["measure"]["sha256"], "measured": False}
-    if str(m) in ("trellis", "proxy"):
+    if str(m) in MEASURE_MODES and str(m) not in END_TO_END:
         raise InputError(f"--measure {m}: EXL3's measurement; a GGUF family measures with --measure stream or "
                          "kld, or give --measure FILE")
-    if str(m) not in ("kld", "stream"):
+    if str(m) not in END_TO_END:
         p = Path(m)
         if not p.is_file():
             raise InputError(f"--measure {p}: file not found")
@@ -195,7 +195,7 @@ def _check_curves(ckpt, base, path: Path | None, info: dict | None) -> Mapping |
         return base.measure
     if not info.get("measured"):
         return load_curves(path)
-    units = measured_units(ckpt, base.include_mtp, base.gguf_ladder or "k")
+    units = measured_units(ckpt, base.include_mtp, base.gguf_ladder or gm.DEFAULT_LADDER)
     return {name: {gm.type_bpw(t): 1.0 for t in types} for name, (_, types) in units.items()}
 
 

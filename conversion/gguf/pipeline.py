@@ -54,7 +54,7 @@ from mixq.conversion.gguf.workers import TASK_WEIGHTS
 from mixq.conversion.gguf.workers import TensorEncoder, encode  # noqa: F401  (encode: public here since the start)
 from mixq.conversion.gguf.imatrix import collect_imatrix, make_imatrix  # noqa: F401  (re-exported)
 from mixq.conversion.job import rss_peak_mib
-from mixq.measurement.trellis import load_curves
+from mixq.measurement.trellis import MEASURE_MODES, load_curves
 from mixq.conversion.options import GGUFOptions, options_for
 from mixq.formats.outputs import (check_distinct, check_free_space, check_output_file, gguf_partials_lock,
                                   writing)
@@ -272,7 +272,7 @@ def _assign(run: _GGUFRun, size: int | None) -> list[str]:
     return assign_types(run.ckpt, run.specs, qtype=o.qtype, bpw=o.bpw, size=size,
                         tensor_type=o.tensor_type, output_tensor_type=o.output_tensor_type,
                         token_embedding_type=o.token_embedding_type, include_mtp=o.include_mtp,
-                        gguf_ladder=o.gguf_ladder or "k", overrides=o.overrides,
+                        gguf_ladder=o.gguf_ladder or gguf_mix.DEFAULT_LADDER, overrides=o.overrides,
                         head_bits=DEFAULT_HEAD_BITS if o.head_bits is None else o.head_bits,
                         mtp_bits=DEFAULT_MTP_BITS if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure),
                         imatrix_given=o.imatrix is not None)
@@ -309,7 +309,7 @@ def _curves(measure):
     """--measure for GGUF: a curves mapping as given, or the JSON file `mixq plan --measure-out` wrote."""
     if measure is None or isinstance(measure, Mapping):
         return measure
-    if str(measure) in ("stream", "kld", "trellis", "proxy"):
+    if str(measure) in MEASURE_MODES:
         raise InputError(f"--measure {measure}: one GGUF file is planned from curves measured before it (`mixq plan "
                          "MODEL --format gguf --measure --measure-out CURVES.json`, then --measure CURVES.json); "
                          "a family (--size A,B,C) measures its own with --measure stream (or kld)")

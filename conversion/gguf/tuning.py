@@ -41,8 +41,8 @@ from mixq.formats.gguf_names import build_tensor, merge_kv_b, unbuild_tensor
 from mixq.quant.device import same_device
 from mixq.quant.ggml.rounding import block_tuning as bt
 from mixq.quant.ggml.rounding import levels as gl
-from mixq.runtime.layer_stream import (BATCH_ROWS, EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params, stack_rows,
-                                       stacked_block, stacked_parts, write_values)
+from mixq.runtime.layer_stream import (BATCH_ROWS, EMBED_NAME, HEAD_NAME, NORM_NAME, DecoderStream, layer_params,
+                                       stack_rows, stacked_block, stacked_parts, write_values)
 from mixq.runtime.overlap import ahead, host_empty
 
 TUNE_LR = 1.0           # total reach of a code's relaxation: lr / 2 steps

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from mixq.cli import main
 from mixq.conversion.gguf.pipeline import parse_size
-from mixq.planning.gguf_assign import fallback_type
+from mixq.planning.gguf_rules import fallback_type
 from mixq.errors import InputError
 from mixq.formats.gguf_reader import read_gguf
 

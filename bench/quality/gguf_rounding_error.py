@@ -2,7 +2,7 @@
 
     python bench/quality/gguf_rounding_error.py --rows 128 --types Q2_K,Q4_K,IQ2_S --json bench/results/gguf-rounding-error.json
 
-For each tensor (--tensors) and type, tr(ΔW·H·ΔWᵀ) of quant/kquants_hessian (damping and refinement passes as the
+For each tensor (--tensors) and type, tr(ΔW·H·ΔWᵀ) of the Hessian rounding (quant/ggml/rounding/) (damping and refinement passes as the
 converter uses them, and without refinement) divided by that of ggml's own encoder (mixq.quant.ggml.encoders, imatrix =
 the all-token diagonal, as `mixq imatrix` stores it). "in": H from the calibration text the rounding used (--rows x
 512 tokens of calibration.txt); "out": H from held-out text (--heldout-rows x 512 tokens of heldout.txt), i.e.

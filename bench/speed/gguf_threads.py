@@ -47,7 +47,7 @@ def ensure_imatrix(path: Path, rows: int) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name("partial-" + path.name)
-    code = ("import sys; from mixq.conversion.gguf.pipeline import collect_imatrix; "
+    code = ("import sys; from mixq.conversion.gguf.imatrix import collect_imatrix; "
             "from mixq.formats.imatrix_file import write_imatrix; "
             "write_imatrix(sys.argv[4], collect_imatrix(sys.argv[1], [sys.argv[2]], rows=int(sys.argv[3]), seq_len=512))")
     log(f"making the imatrix {path}")
@@ -56,9 +56,9 @@ def ensure_imatrix(path: Path, rows: int) -> Path:
     return path
 
 
-PROBE = ("import sys, time, numpy as np; from mixq.quant import kquants; "
-         "x = np.random.default_rng(0).standard_normal((256, 2048)).astype(np.float32); kquants.quantize(x, 'Q4_K'); "
-         "t = time.perf_counter(); [kquants.quantize(x, 'Q4_K') for _ in range(int(sys.argv[1]))]; "
+PROBE = ("import sys, time, numpy as np; from mixq.quant.ggml import encoders; "
+         "x = np.random.default_rng(0).standard_normal((256, 2048)).astype(np.float32); encoders.quantize(x, 'Q4_K'); "
+         "t = time.perf_counter(); [encoders.quantize(x, 'Q4_K') for _ in range(int(sys.argv[1]))]; "
          "print(time.perf_counter() - t)")
 
 

@@ -1,6 +1,6 @@
 """Compile time of mixq's fused Triton encoder kernels, for a GPU target, without a GPU.
 
-The fused K-quant / i-quant kernels (quant/kquants_fused*.py) compile on their first use on a machine (Triton
+The fused K-quant / i-quant kernels (quant/ggml/triton_kernels/) compile on their first use on a machine (Triton
 caches the result). This compiles each kernel variant the GGUF encoders launch, for the given target, through
 ``triton.compile`` (no device needed: Triton ships ptxas), and prints the seconds and the PTX size of each.
 
@@ -26,7 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from mixq.quant.ggml.triton_kernels import search as kf  # noqa: E402
 from mixq.quant.ggml.triton_kernels import descent as kd  # noqa: E402
 from mixq.quant.ggml.triton_kernels import grid as kg  # noqa: E402
-from mixq.quant.ggml.i_quants import numpy_iq2 as kquants_iq2  # noqa: E402
+from mixq.quant.ggml.i_quants import numpy_iq2  # noqa: E402
 
 # (label, the ggml types that launch it): kernel, [(argument, type)], constexprs
 P32, I32 = "*fp32", "*i32"
@@ -51,7 +51,7 @@ def variants() -> dict[str, tuple]:
         [(n, I32) for n in ("kmap_ptr", "nb_row_ptr", "nb_len_ptr", "nb_ptr", "gcode_ptr", "tmp_ptr", "win_ptr")] + \
         [("on_ptr", "*i8"), ("scale_ptr", P32), ("B", "i32")]
     for qtype, m, ncand in (("IQ2_XXS", 32, 13), ("IQ2_XS", 16, 19), ("IQ2_S", 16, 19), ("IQ3_XXS", 32, 31)):
-        cb = kquants_iq2.codebook(qtype)
+        cb = numpy_iq2.codebook(qtype)
         out[f"grid {qtype}"] = (kg._kernel(), grid_args, dict(
             NCAND=ncand, M=m, GROUP=cb.group, BITS=int(cb.shifts[1]), NLEV=cb.nlev, MAXLEN=int(cb.nb.shape[1]),
             REFINE=0, ON_INIT=1, LANES=kg.LANES))

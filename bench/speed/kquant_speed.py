@@ -36,8 +36,8 @@ import torch  # noqa: E402
 
 from mixq.formats.atomic import write_json  # noqa: E402
 from mixq.quant.ggml import encoders  # noqa: E402
-from mixq.quant.ggml.triton_kernels import search as kquants_fused
-from mixq.quant.ggml import libggml as kquants_ggml
+from mixq.quant.ggml.triton_kernels import search as fused_search  # noqa: E402
+from mixq.quant.ggml import libggml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TYPES = ["Q4_K", "IQ2_S", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ3_XXS",
@@ -71,7 +71,7 @@ def glm53_expert(rows: int = 2048, cols: int = 4096, seed: int = 0) -> np.ndarra
 
 def _ggml_pool(x: np.ndarray, t: str, im, pool: ThreadPoolExecutor, parts: int) -> np.ndarray:
     bounds = np.linspace(0, x.shape[0], min(parts, x.shape[0]) + 1).astype(int)
-    futs = [pool.submit(kquants_ggml.ggml_quantize, x[a:b], t, im) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    futs = [pool.submit(libggml.ggml_quantize, x[a:b], t, im) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     return np.concatenate([f.result() for f in futs])
 
 
@@ -140,7 +140,7 @@ def run(args) -> dict:
     cuda = args.device.startswith("cuda") and torch.cuda.is_available()
     if args.device.startswith("cuda") and not cuda:
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    have_ggml = kquants_ggml.available()
+    have_ggml = libggml.available()
     rng = np.random.default_rng(1)
     threads = ThreadPoolExecutor(args.ggml_threads)
     procs = ProcessPoolExecutor(args.cpu_threads) if args.cpu_threads > 1 else None
@@ -168,7 +168,7 @@ def run(args) -> dict:
                 if procs is not None:
                     enc["mixq_cpu_all"] = lambda a: _mixq_pool(a, t, im, procs, 4 * args.cpu_threads)
                 if have_ggml:
-                    enc["ggml_1"] = lambda a: kquants_ggml.ggml_quantize(a, t, im)
+                    enc["ggml_1"] = lambda a: libggml.ggml_quantize(a, t, im)
                     enc["ggml_all"] = lambda a: _ggml_pool(a, t, im, threads, 4 * args.ggml_threads)
                 outs = {}
                 for name, fn in enc.items():
@@ -183,7 +183,7 @@ def run(args) -> dict:
                     ref = _mixq_pool(x[:most], t, im, procs, 4 * args.cpu_threads) if procs else outs["mixq_cpu_1"]
                 row["equal"] = all(np.array_equal(o, ref[:o.shape[0]]) for o in outs.values())
                 if cuda:
-                    row["fused_variants_ok"] = all(kquants_fused._VARIANTS.values())
+                    row["fused_variants_ok"] = all(fused_search.checked_variants().values())
                 for name in ("mixq_cuda", "mixq_cuda_resident", "mixq_cuda_eager", "mixq_cpu_all", "mixq_cpu_1"):
                     if f"{name}_wps" in row and "ggml_all_wps" in row:
                         row[f"{name}_vs_ggml_all"] = round(row[f"{name}_wps"] / row["ggml_all_wps"], 3)

@@ -271,6 +271,11 @@ def same(a, b) -> bool:
     return bool(torch.equal(a, b))
 
 
+def checked_variants() -> dict[tuple, bool]:
+    """The kernel variants checked so far in this process, each with whether it is trusted (``variant_ok``)."""
+    return dict(_VARIANTS)
+
+
 def variant_ok(key: tuple, check: Callable[[], bool]) -> bool:
     """Whether a kernel variant (``key``: kernel, its compile-time parameters, device) is trusted: on its
     first use ``check`` runs it against the eager search on a slice of the data and edge cases; a

@@ -19,6 +19,9 @@ a resumed conversion is one profile per call) and read back into the result. Ste
   verify-gguf     `mixq verify` of the GGUF file
   eval-gguf       `mixq eval` of the GGUF against the BF16 model (torch engine)
   load-gguf       llama.cpp loads the GGUF and generates a few tokens
+  measure-exl3    `mixq plan --format exl3 --bpw 3.05 --measure stream`: the measured allocation at one layer in
+                  memory (its curves kept in WORK), profiled per layer like the verbs above
+  measure-gguf    the same for GGUF (MEASURE_GGUF_TARGET, exact rounding, the imatrix when made)
   project         the release hours of each run from its profiles (bench/release/release_hours.py, when present)
 
 Each candidate is scored in its own `mixq eval` (the reference forward runs once per candidate): the two outputs
@@ -26,8 +29,8 @@ and the BF16 model do not fit a 64 GB disk together, and a saved reference of 16
 vocabulary would be 40 GB. Peak host memory is the step's main process's (VmHWM, sampled twice a second); the
 profile holds the verb's own peaks.
 
-`--steps` picks steps (aliases: convert, verify, eval, engines, exl3, gguf, all; free-exl3 only by name). The EXL3 rates: a three-layer model planned at
-3.05 bpw is another budget than the release (its attention, dense MLP and head are a larger share), so it is
+`--steps` picks steps (aliases: convert, verify, eval, engines, exl3, gguf, measure, all; free-exl3 only by name).
+The EXL3 rates: a three-layer model planned at 3.05 bpw is another budget than the release (its attention, dense MLP and head are a larger share), so it is
 converted at `--bpw 8` with every budgeted role pinned by `--override ROLE=BITS` to the rate the release's 3.05 bpw
 plan gives it, the NextN block at the default --mtp-bits as there (rehearsal_model.release_exl3_overrides);
 `--exl3-plain` converts at the plain `--bpw 3.05` instead. The GGUF likewise: each budgeted tensor gets, by `--override
@@ -68,16 +71,20 @@ import rehearsal_model as rm  # noqa: E402
 from paths import SHARED  # noqa: E402
 
 STEPS = ("build", "convert-exl3", "verify-exl3", "eval-exl3", "eval-exllamav3", "load-exl3", "free-exl3", "imatrix",
-         "convert-gguf", "verify-gguf", "eval-gguf", "load-gguf", "project")
+         "convert-gguf", "verify-gguf", "eval-gguf", "load-gguf", "measure-exl3", "measure-gguf", "project")
 ALIASES = {"convert": ("convert-exl3", "convert-gguf"), "verify": ("verify-exl3", "verify-gguf"),
            "eval": ("eval-exl3", "eval-gguf"), "engines": ("load-gguf", "load-exl3"),
            "exl3": ("convert-exl3", "verify-exl3", "eval-exl3", "eval-exllamav3", "load-exl3"),
            "gguf": ("imatrix", "convert-gguf", "verify-gguf", "eval-gguf", "load-gguf"),
+           "measure": ("measure-exl3", "measure-gguf"),
            "all": tuple(s for s in STEPS if s != "free-exl3")}
-PROFILED = {"convert-exl3", "imatrix", "convert-gguf", "eval-exl3", "eval-gguf", "eval-exllamav3"}  # take --profile
+PROFILED = {"convert-exl3", "imatrix", "convert-gguf", "eval-exl3", "eval-gguf", "eval-exllamav3",  # take --profile
+            "measure-exl3", "measure-gguf"}
 EXL3_BPW = 3.05
 # every budgeted tensor pinned to the 108 GB plan's type (--gguf-pin), so the target only has to admit them
 GGUF_TARGET = "--bpw 8 --gguf-ladder iq --rounding hessian"
+# the GGUF measurement's plan (the curves do not depend on it): the IQ ladder the release plans from, exact rounding
+MEASURE_GGUF_TARGET = ["--bpw", "4", "--gguf-ladder", "iq"]
 EXL3_CHECKS = ("verify-exl3", "eval-exl3", "eval-exllamav3", "load-exl3")
 # parts of the model a run never touches, declared to release_hours (any other unmeasured kind is an error there)
 ABSENT = {"imatrix": ("nextn", "vision"), "gguf": ("vision",), "gguf-fallback": ("vision",),
@@ -349,6 +356,17 @@ class Rehearsal:
             argv += ["--imatrix", str(self.p.imatrix)]
         self.execute("convert-gguf", argv, note={"target": target, **note})
 
+    def step_measure(self, step: str, fmt: str) -> None:
+        """`mixq plan --measure stream` (one layer in memory): the measured allocation's cost per layer kind, its
+        curves kept in WORK; GGUF with the imatrix when one was made (the conversion's own)."""
+        curves = self.p.work / f"curves-{fmt}.json"
+        target = ["--bpw", str(EXL3_BPW)] if fmt == "exl3" else MEASURE_GGUF_TARGET
+        argv = self.mixq("plan", str(self.p.bf16), "--format", fmt, *target, "--measure", "stream",
+                         "--measure-out", str(curves), "--overwrite", *self.device())
+        if fmt == "gguf" and self.p.imatrix.is_file():
+            argv += ["--imatrix", str(self.p.imatrix)]
+        self.execute(step, argv, note={"curves": curves.name})
+
     def ready(self, step: str, path: Path, source: str) -> bool:
         """Whether `source` finished and its output is still there; else `step` is recorded as skipped."""
         if not self.done(source):
@@ -496,6 +514,8 @@ class Rehearsal:
                  "free-exl3": self.step_free_exl3,
                  "load-gguf": lambda: self.step_load("load-gguf", "--gguf", self.p.gguf, "convert-gguf", "llama_cpp"),
                  "load-exl3": lambda: self.step_load("load-exl3", "--exl3", self.p.exl3, "convert-exl3", "exllamav3"),
+                 "measure-exl3": lambda: self.step_measure("measure-exl3", "exl3"),
+                 "measure-gguf": lambda: self.step_measure("measure-gguf", "gguf"),
                  "project": self.step_project}
         self.steps = steps
         for step in steps:

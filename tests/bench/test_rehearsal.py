@@ -163,6 +163,19 @@ def test_driver_converts_and_verifies_through_the_cli(model, tmp_path):
 
 
 
+@pytest.mark.slow
+def test_the_measure_steps_run_the_streamed_measurement_through_the_cli(model, tmp_path):
+    work = tmp_path / "work"
+    res = drive(work, model, "--steps", "measure")
+    for fmt in ("exl3", "gguf"):
+        last = res["steps"][f"measure-{fmt}"]["attempts"][-1]
+        assert last["rc"] == 0 and last["status"] == "done", last.get("output_tail")
+        assert last["command"].startswith(f"python -m mixq plan WORK/model/bf16 --format {fmt} ")
+        assert "--measure stream --measure-out" in last["command"]
+        curves = json.loads((work / f"curves-{fmt}.json").read_text())
+        assert curves["_meta"]["method"] == "stream" and len(curves) > 2
+
+
 def test_a_fresh_machine_continues_from_a_carried_state(model, tmp_path):
     state = {"calls": [{"call": 1, "steps": "all"}], "steps": {
         "convert-exl3": {"status": "done", "attempts": [{"call": 1, "status": "done", "seconds": 900.0}]},

@@ -64,7 +64,7 @@ def on_host(encode: Encoder) -> Encoder:
     def run(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         with torch.no_grad():
             out = encode(torch.from_numpy(np.ascontiguousarray(xs, dtype=np.float32)),
-                         None if qw is None else torch.from_numpy(np.ascontiguousarray(qw, dtype=np.float32)))
+                         None if qw is None else torch.from_numpy(np.array(qw, dtype=np.float32)))
         return out.numpy()
     return run
 

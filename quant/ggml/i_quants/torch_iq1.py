@@ -17,9 +17,7 @@ ggml's search, reproduced here:
 - 3-bit sub-block scales relative to the super-block scale (IQ1_M refits that scale over the whole
   super-block).
 
-The candidate scan is exact but pruned: a candidate whose fit is clearly below the best one before it
-(by far more than float32 rounding can move the running best) can never win, so only the others are
-compared, in order. Sub-block arrays are (element, sub-block) so that sums run in ggml's float32 order.
+Sub-block arrays are (element, sub-block) so that sums run in ggml's float32 order.
 """
 from __future__ import annotations
 
@@ -38,11 +36,10 @@ D_FACTOR_IQ1_M = f32(1.1125)
 # the level values of a group with a + or - delta: (-1, 0, 1) + delta and (-1, 0, 1) - delta
 _PLUS = (f32(-1 + 0.125), f32(0.125), f32(1 + 0.125))
 _MINUS = (f32(-1 - 0.125), f32(-0.125), f32(1 - 0.125))
-# a candidate below (1 - PRUNE) times the best fit before it cannot win: float32 rounding moves the running
-# best by at most 2^-23 relative per update, so even 1122 updates stay far inside this margin
-PRUNE = 1e-3
 # neighbour slots searched per batch (bounds the gathered tables' memory)
-SLOTS_PER_BATCH = 1 << 22
+SLOTS_PER_BATCH = 1 << 20
+# neighbour-list width bins (the lists hold 12 to 205 entries)
+_WIDTHS = (32, 64, 96, 128, 160, 1 << 30)
 
 
 def _weights(x: torch.Tensor, qw: torch.Tensor | None, m: int) -> torch.Tensor:
@@ -71,31 +68,24 @@ def _pairs(m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _scan(sumqx: torch.Tensor, sumq2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml's candidate scan over dim 0 of (C, B): best = -FLT_MAX; a candidate with sumq2 > 0 and
-    sumqx² > best·sumq2 takes scale = sumqx/sumq2 and best = scale·sumqx. Returns (winner or -1, scale)."""
+    sumqx² > best·sumq2 takes scale = sumqx/sumq2 and best = scale·sumqx. Returns (winner or -1, scale).
+
+    Every candidate's scale, score and square are elementwise and computed at once (the same float32
+    operations); only the comparison with the running best is sequential."""
     C, B = sumqx.shape
     ok = sumq2 > 0
-    fit = torch.where(ok, sumqx.double() ** 2 / torch.where(ok, sumq2, 1.0).double(), -1.0)
-    before = torch.cummax(fit, dim=0).values
-    before = torch.cat([torch.full_like(before[:1], -1.0), before[:-1]])
-    keep = ok & (fit >= before * (1 - PRUNE))
-    pos = torch.cumsum(keep.to(torch.int64), dim=0) - 1
-    K = int(keep.sum(0).max()) if C else 0
-    cols = torch.arange(B, device=sumqx.device).expand(C, B)
-    cand = torch.full((max(K, 1), B), -1, dtype=torch.int64, device=sumqx.device)
-    cand[pos[keep], cols[keep]] = torch.arange(C, device=sumqx.device)[:, None].expand(C, B)[keep]
+    scale = sumqx / torch.where(ok, sumq2, 1.0)
+    score = scale * sumqx
+    sq = sumqx * sumqx
     best = torch.full((B,), -torch.finfo(F32).max, dtype=F32, device=sumqx.device)
-    scale = torch.zeros(B, dtype=F32, device=sumqx.device)
     win = torch.full((B,), -1, dtype=torch.int64, device=sumqx.device)
-    bidx = torch.arange(B, device=sumqx.device)
-    for k in range(K):
-        c = cand[k]
-        cc = c.clamp_min(0)
-        qx, q2 = sumqx[cc, bidx], sumq2[cc, bidx]
-        better = (c >= 0) & (q2 > 0) & (qx * qx > best * q2)
-        scale = torch.where(better, qx / torch.where(better, q2, 1.0), scale)
-        best = torch.where(better, scale * qx, best)
+    for c in range(C):
+        better = ok[c] & (sq[c] > best * sumq2[c])
+        best = torch.where(better, score[c], best)
         win = torch.where(better, c, win)
-    return win, scale
+    found = win >= 0
+    picked = scale.gather(0, win.clamp_min(0)[None])[0]
+    return win, torch.where(found, picked, 0.0)
 
 
 def _levels(x: torch.Tensor, order: torch.Tensor, i1: torch.Tensor, i2: torch.Tensor) -> torch.Tensor:
@@ -116,14 +106,20 @@ def _snap(L: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
     k, b = torch.nonzero(off, as_tuple=True)
     if k.numel():
         rows = cb.nb_row[codes[k, b]]
-        width = int(cb.nb_len[rows].max())
-        step = max(1, SLOTS_PER_BATCH // width)
+        lens = cb.nb_len[rows]
         xv, wv, vv = x[k, :, b], w[k, :, b], vals[k, :, b]
         sc = scale[b]
         best = torch.empty_like(rows)
-        for p0 in range(0, rows.numel(), step):
-            q = slice(p0, p0 + step)
-            best[q] = nearest_entry(cb, rows[q], xv[q], wv[q], sc[q], width, vv[q])
+        lo = 0
+        for hi in _WIDTHS:      # groups binned by neighbour-list length: pad only up to the bin's longest
+            part = torch.nonzero((lens > lo) & (lens <= hi), as_tuple=True)[0]
+            lo = hi
+            if part.numel():
+                width = int(lens[part].max())
+                step = max(1, SLOTS_PER_BATCH // width)
+                for p0 in range(0, part.numel(), step):
+                    q = part[p0:p0 + step]
+                    best[q] = nearest_entry(cb, rows[q], xv[q], wv[q], sc[q], width, vv[q])
         gi = gi.clone()
         gi[k, b] = best
     return gi, off

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
@@ -113,6 +114,24 @@ def test_k256_tensors_match_recorded_ggml(digests, k256_model, case):
     assert _cases.sha(x) == digests["inputs"][case], "fixture tensor changed; re-record"
     got = _digests_of(encoders.quantize, x, {case: slice(None)}, ims, "real")
     assert len(got) == 3 and _mismatches(digests["outputs"], got) == []
+
+
+def _on(device: str):
+    """encoders.quantize's signature over the torch encoders on ``device``."""
+    def encode(x: np.ndarray, qtype: str, imatrix: np.ndarray | None) -> np.ndarray:
+        return encoders.quantize(x, qtype, imatrix, device=device)
+    return encode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bytes_match_recorded_ggml(digests, k256_model):
+    x, where, imats = _tricky()
+    got = _digests_of(_on("cuda"), x, where, imats, "tricky")
+    for case in REAL_CASES:
+        a, ims = _real(k256_model, case)
+        got.update(_digests_of(_on("cuda"), a, {case: slice(None)}, ims, "real"))
+    assert len(got) == 7 * len(where) + 3 * len(REAL_CASES) and _mismatches(digests["outputs"], got) == []
 
 
 def test_layout_and_imatrix_rule():

@@ -22,20 +22,21 @@ Sub-block arrays are (element, sub-block) so that sums run in ggml's float32 ord
 from __future__ import annotations
 
 import torch
+from gguf import quants as gguf_quants
 
 from mixq.errors import InputError
 from mixq.quant.ggml.i_quants.torch_grid import device_codebook, nearest_entry
 from mixq.quant.ggml.k_quants.torch_search import (F32, div_by, f32, fp16_bits, half_bytes, nearest_int, rdiv,
                                                    seq_sum, sqrt)
 
-DELTA = f32(0.125)                  # IQ1S_DELTA = IQ1M_DELTA
+DELTA = f32(gguf_quants.IQ1_S.delta)   # the grid offset, the same for IQ1_M
 GROUP_MAX_EPS_IQ1_S = f32(1e-12)
 GROUP_MAX_EPS_IQ1_M = f32(1e-7)
 D_FACTOR_IQ1_S = f32(1.125)
 D_FACTOR_IQ1_M = f32(1.1125)
 # the level values of a group with a + or - delta: (-1, 0, 1) + delta and (-1, 0, 1) - delta
-_PLUS = (f32(-1 + 0.125), f32(0.125), f32(1 + 0.125))
-_MINUS = (f32(-1 - 0.125), f32(-0.125), f32(1 - 0.125))
+_PLUS = (f32(-1 + DELTA), DELTA, f32(1 + DELTA))
+_MINUS = (f32(-1 - DELTA), -DELTA, f32(1 - DELTA))
 # neighbour slots searched per batch (bounds the gathered tables' memory)
 SLOTS_PER_BATCH = 1 << 20
 # neighbour-list width bins (the lists hold 12 to 205 entries)

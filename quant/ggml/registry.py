@@ -3,7 +3,8 @@
 A type's block layout (weights and bytes per block) and whether ggml insists on an importance matrix are
 formats/gguf_layout's facts, the one table of ggml types; a type adds how its encoders take their input (256-weight
 super-blocks or whole 32-weight-block rows) and two backends with the same bytes: the numpy port (the CPU backend,
-on the converter's worker processes) and the torch encoder (every device; Triton kernels inside it on CUDA). A legacy
+on the converter's worker processes) and the torch encoder (every device; Triton kernels inside it on CUDA); IQ1_S and
+IQ1_M have no numpy port, their CPU backend is the torch encoder run on the host (:func:`on_host`). A legacy
 type's numpy backend covers only the importance path: without an imatrix its bytes are gguf-py's own reference
 quantizer, which is bit-exact with ggml's for those types.
 """
@@ -12,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+import torch
 from gguf import GGMLQuantizationType
 
 from mixq.formats import gguf_layout
-from mixq.quant.ggml.i_quants import numpy_iq2, numpy_iq3, numpy_iq4, torch_iq, torch_iq4
+from mixq.quant.ggml.i_quants import numpy_iq2, numpy_iq3, numpy_iq4, torch_iq, torch_iq1, torch_iq4
 from mixq.quant.ggml.k_quants import numpy_backend as nk
 from mixq.quant.ggml.k_quants import torch_backend as tk
 from mixq.quant.ggml.legacy import numpy_backend as nl
@@ -56,6 +59,16 @@ class GGMLType:
 REGISTRY: dict[str, GGMLType] = {}
 
 
+def on_host(encode: Encoder) -> Encoder:
+    """A torch encoder as a CPU backend: numpy super-blocks in, numpy blocks out (for types without a numpy port)."""
+    def run(xs: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        with torch.no_grad():
+            out = encode(torch.from_numpy(np.ascontiguousarray(xs, dtype=np.float32)),
+                         None if qw is None else torch.from_numpy(np.array(qw, dtype=np.float32)))
+        return out.numpy()
+    return run
+
+
 def register(t: GGMLType) -> GGMLType:
     """Add ``t`` to the registry (one declaration per type)."""
     if t.name in REGISTRY:
@@ -77,6 +90,8 @@ for _t in (
     GGMLType("IQ2_S", True, torch_iq.encode_iq2_s, numpy_iq2.encode_iq2_s),
     GGMLType("IQ3_XXS", True, torch_iq.encode_iq3_xxs, numpy_iq3.encode_iq3_xxs),
     GGMLType("IQ3_S", True, torch_iq.encode_iq3_s, numpy_iq3.encode_iq3_s),
+    GGMLType("IQ1_S", True, torch_iq1.encode_iq1_s, on_host(torch_iq1.encode_iq1_s)),
+    GGMLType("IQ1_M", True, torch_iq1.encode_iq1_m, on_host(torch_iq1.encode_iq1_m)),
     GGMLType("Q8_0", False, tl.encode_q8_0),
     GGMLType("Q4_0", False, tl.encode_q4_0, nl.encode_q4_0, numpy_needs_imatrix=True),
     GGMLType("Q4_1", False, tl.encode_q4_1, nl.encode_q4_1, numpy_needs_imatrix=True),

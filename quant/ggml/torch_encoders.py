@@ -24,12 +24,17 @@ CHUNK_WEIGHTS_CUDA_FUSED = 1 << 26
 CHUNK_WEIGHTS_CUDA_EAGER = {"IQ2_XXS": 1 << 21, "IQ2_XS": 1 << 21, "IQ2_S": 1 << 22, "IQ3_XXS": 1 << 22,
                             "IQ3_S": 1 << 22}
 CHUNK_WEIGHTS_CUDA_EAGER_DEFAULT = 1 << 24
+# the IQ1 types (no fused kernel) score every split of every sub-block at once: ~12 float32 arrays of 35 (IQ1_S)
+# or 38 (IQ1_M) values per weight
+CHUNK_WEIGHTS_IQ1 = {"IQ1_S": 1 << 21, "IQ1_M": 1 << 21}
 
 
 def chunk_weights(qtype: str, device: torch.device) -> int:
     """Weights encoded per chunk for ``qtype`` on ``device``."""
     if device.type == "cpu":
         return CHUNK_WEIGHTS_CPU
+    if qtype in CHUNK_WEIGHTS_IQ1:
+        return CHUNK_WEIGHTS_IQ1[qtype]
     if triton_search.fused_ok(f"cuda:{device.index or 0}" if device.type == "cuda" else str(device)):
         return CHUNK_WEIGHTS_CUDA_FUSED
     return CHUNK_WEIGHTS_CUDA_EAGER.get(qtype, CHUNK_WEIGHTS_CUDA_EAGER_DEFAULT)

@@ -33,7 +33,7 @@ WRITABLE = tuple(m for m in gm.MIX_NAMES if gm.has_encoder(gm.MIX_DEFAULT[m]))
 # an imatrix is given, IQ3_XXS / IQ4_NL / IQ4_XS / Q4_0 / Q5_0, differ only in layers below n_layer/8: none on k256.)
 # cheapest encoders first within each group, so that a stopped run has the most cases
 _COST = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K_S", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_M", "IQ3_XS", "IQ3_XXS", "IQ2_M",
-         "IQ2_S", "IQ2_XS", "IQ2_XXS")
+         "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 CASES = [(m, True) for m in sorted(WRITABLE, key=lambda m: (m in EARLIER, _COST.index(m) if m in _COST else 0))]
 
 

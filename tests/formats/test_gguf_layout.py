@@ -34,6 +34,7 @@ def test_lists():
     assert gl.FLOAT_TYPES == ("F32", "F16", "BF16") and not any(gl.is_quantized(t) for t in gl.FLOAT_TYPES)
     assert gl.is_quantized("IQ4_NL") and not gl.is_quantized("i32")
     assert set(gl.GGML_REQUIRES_IMATRIX) <= set(gl.QUANTIZE_REQUIRES_IMATRIX)
-    assert REQUIRES_IMATRIX == tuple(t for t in REGISTRY if t in gl.GGML_REQUIRES_IMATRIX) == ("IQ2_XXS", "IQ2_XS")
+    assert REQUIRES_IMATRIX == tuple(t for t in REGISTRY if t in gl.GGML_REQUIRES_IMATRIX) == ("IQ2_XXS", "IQ2_XS",
+                                                                                         "IQ1_S")
     for name, t in REGISTRY.items():
         assert (t.block_weights, t.block_bytes) == gl.block_shape(name)

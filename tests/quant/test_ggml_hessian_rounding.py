@@ -45,7 +45,7 @@ def _err(w, blocks, qtype, h) -> float:
 @pytest.mark.parametrize("qtype, ceiling", [("Q2_K", 0.85), ("Q3_K", 0.85), ("Q4_K", 0.85), ("Q5_K", 0.85),
                                              ("Q6_K", 0.85), ("Q4_0", 0.85), ("Q5_1", 0.85), ("Q8_0", 0.85),
                                              ("IQ2_XS", 0.85), ("IQ2_S", 0.85), ("IQ4_NL", 0.85),
-                                             ("IQ4_XS", 0.85)])
+                                             ("IQ4_XS", 0.85), ("IQ1_S", 0.95), ("IQ1_M", 0.95)])
 def test_smaller_layer_error_same_bytes(qtype, ceiling, k256_real):
     w, h, _, _ = k256_real
     imx = torch.diagonal(h).numpy().copy()

@@ -34,7 +34,7 @@ REAL, load_real, real_imatrix = _cases.REAL, _cases.load_real, _cases.real_imatr
 tricky_imatrices, tricky_rows = _cases.tricky_imatrices, _cases.tricky_rows
 
 IQ = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
-SIZES = {"IQ2_XXS": 66, "IQ2_XS": 74, "IQ2_S": 82, "IQ3_XXS": 98, "IQ3_S": 110}
+SIZES = {"IQ2_XXS": 66, "IQ2_XS": 74, "IQ2_S": 82, "IQ3_XXS": 98, "IQ3_S": 110, "IQ1_S": 50, "IQ1_M": 56}
 needs_ggml = pytest.mark.skipif(not libggml.available(),
                                 reason="llama-cpp-python's libggml-base not installed (the ggml oracle)")
 

@@ -13,7 +13,7 @@ GGUF = ["--format", "gguf"]
 # (case id, convert options, fragment of the message)
 OPTION_CASES = [
     ("tensor-type-unknown-type", [*GGUF, "--type", "Q8_0", "--tensor-type", "attn=Q9_K"], "attn=Q9_K"),
-    ("tensor-type-no-encoder", [*GGUF, "--type", "Q8_0", "--tensor-type", "attn=IQ1_M"], "no encoder for IQ1_M"),
+    ("tensor-type-no-encoder", [*GGUF, "--type", "Q8_0", "--tensor-type", "attn=MXFP4"], "no encoder for MXFP4"),
     ("tensor-type-no-equals", [*GGUF, "--type", "Q8_0", "--tensor-type", "attn"], "REGEX=TYPE"),
     ("tensor-type-bad-regex", [*GGUF, "--type", "Q8_0", "--tensor-type", "([=Q8_0"], "bad regex"),
     ("output-tensor-type-unknown", [*GGUF, "--type", "Q8_0", "--output-tensor-type", "FOO"], "--output-tensor-type"),
@@ -65,9 +65,8 @@ PLAN_CASES = [
     ("exl3-dense-mlp-16", ["--format", "exl3", "--bpw", "4", "--override", "dense_mlp=16"], "dense_mlp"),
     ("exl3-attn-16", ["--format", "exl3", "--bpw", "4", "--override", "attn=16"], "attn"),
     ("exl3-mtp-bits-16", ["--format", "exl3", "--bpw", "4", "--mtp-bits", "16"], "--mtp-bits 16"),
-    ("gguf-override-no-encoder", ["--format", "gguf", "--type", "Q4_K_M", "--override", "attn=IQ1_S"],
+    ("gguf-override-no-encoder", ["--format", "gguf", "--type", "Q4_K_M", "--override", "attn=MXFP4"],
      "cannot write"),
-    ("gguf-type-iq1", ["--format", "gguf", "--type", "IQ1_M"], "--type IQ1_M: not implemented yet"),
 ]
 
 

@@ -74,7 +74,7 @@ def test_in_memory_imatrix_naming_nothing_is_refused(tiny_model, tmp_path):
 
 
 # --- i-quants that need importance data -------------------------------------------------------------------------
-# every way a plan can reach IQ2_XXS / IQ2_XS (k256: rows of 256, so no fallback); IQ1_* has no encoder
+# every way a plan can reach IQ2_XXS / IQ2_XS / IQ1_S / IQ1_M (k256: rows of 256, so no fallback)
 IQ_CASES = [
     ("tensor-type", ["--type", "Q4_K_M", "--tensor-type", f"{EXPS}=IQ2_XXS"], "IQ2_XXS"),
     ("override", ["--type", "Q4_K_M", "--override", "routed_expert=IQ2_XS"], "IQ2_XS"),
@@ -83,7 +83,7 @@ IQ_CASES = [
     ("token-embd", ["--type", "Q8_0", "--token-embedding-type", "IQ2_XXS"], "token_embd.weight: IQ2_XXS"),
     ("output", ["--type", "Q8_0", "--output-tensor-type", "IQ2_XS"], "output.weight: IQ2_XS"),
     ("iq1-override", ["--type", "Q4_K_M", "--override", "attn=IQ1_S"], "IQ1_S"),
-    ("iq1-token-embd", ["--type", "Q8_0", "--token-embedding-type", "IQ1_M"], "IQ1_M"),
+    ("iq1-token-embd", ["--type", "Q8_0", "--token-embedding-type", "IQ1_S"], "token_embd.weight: IQ1_S"),
 ]
 
 

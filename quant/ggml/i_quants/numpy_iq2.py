@@ -31,7 +31,7 @@ from mixq.quant.ggml.k_quants.numpy_search import (F32, GROUP_MAX_EPS, f32, fp16
 GROUP_MAX_EPS_IQ2_S = F32(1e-8)
 # ggml's shapes per codebook: weights per entry, bits per packed level, level count, neighbour shells kept
 _SHAPES = {"IQ2_XXS": (8, 2, 3, 2), "IQ2_XS": (8, 2, 3, 2), "IQ2_S": (8, 2, 3, 1),
-           "IQ3_XXS": (4, 3, 8, 2), "IQ3_S": (4, 3, 8, 3)}
+           "IQ3_XXS": (4, 3, 8, 2), "IQ3_S": (4, 3, 8, 3), "IQ1_S": (8, 2, 3, 3)}
 
 
 @dataclass(frozen=True)

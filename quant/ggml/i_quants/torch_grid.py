@@ -66,10 +66,11 @@ def round_levels(idv: torch.Tensor, xval: torch.Tensor, nlev: int) -> torch.Tens
 
 
 def nearest_entry(cb: DeviceCodebook, rows: torch.Tensor, xv: torch.Tensor, wa: torch.Tensor, sc: torch.Tensor,
-                  width: int) -> torch.Tensor:
+                  width: int, values: torch.Tensor | None = None) -> torch.Tensor:
     """Codebook entry minimising sum_i wa_i (sc*p_i - x_i)^2 over each row's neighbour list.
 
-    rows (n,) neighbour-table rows, xv/wa (n, group), sc (n,). Sums run over the entry's elements in
+    rows (n,) neighbour-table rows, xv/wa (n, group), sc (n,); p_i is the value of the entry's level i:
+    ``values`` (n, nlev) per row, else the codebook's 2l+1. Sums run over the entry's elements in
     order and ties go to the earlier neighbour (ggml's strict '<'). Each term takes one of nlev values
     per element: the terms are computed once per group, the running sums over the first `head`
     elements once per level combination, and each neighbour gathers its prefix and adds its
@@ -78,7 +79,8 @@ def nearest_entry(cb: DeviceCodebook, rows: torch.Tensor, xv: torch.Tensor, wa: 
     n = rows.shape[0]
     table = cb.nb_table[:, :width].index_select(0, rows)           # (n, width, 2 + tails)
     cand = table[:, :, 0]
-    diff = sc[:, None, None] * cb.values - xv[:, :, None]            # (n, group, nlev)
+    vals = cb.values if values is None else values[:, None, :]
+    diff = sc[:, None, None] * vals - xv[:, :, None]                 # (n, group, nlev)
     terms = wa[:, :, None] * diff * diff
     part = terms[:, 0]
     for i in range(1, cb.head):

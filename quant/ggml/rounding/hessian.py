@@ -5,17 +5,17 @@
 ``tr(ΔW·H·ΔWᵀ)`` (H = E[x·xᵀ] of the Linear's input) rather than each weight's own (imatrix-weighted) error.
 
 Method (GPTQ/LDLQ error feedback, blocked as ggml blocks are): columns are taken in order, a ggml block (256
-weights of a row for the K-quants, IQ4_XS and the IQ2 types, 32 for the legacy types and IQ4_NL) at a time. When the
-walk reaches a block, its scales, mins and super-scales are chosen by mixq's exact ggml encoder (:mod:`encoders`,
+weights of a row for the K-quants, IQ4_XS and the IQ2 and IQ1 types, 32 for the legacy types and IQ4_NL) at a time.
+When the walk reaches a block, its scales, mins and super-scales are chosen by mixq's exact ggml encoder (:mod:`encoders`,
 with the imatrix or else diag(H) as importance) from the *current* targets, i.e. the weights plus the feedback of
 the errors already made; then every column (scalar types; IQ4_NL and IQ4_XS to the nearest of their 16 table
-levels) or 8-column codebook group (IQ2_S; IQ2_XS with its count of negative signs kept even) is rounded on that
-grid and its error is fed forward to the columns not yet rounded through the upper Cholesky factor U of H⁻¹
+levels) or 8-column codebook group (IQ2_S; IQ2_XS with its count of negative signs kept even; IQ1_S and IQ1_M with
+the group's delta kept) is rounded on that grid and its error is fed forward to the columns not yet rounded through the upper Cholesky factor U of H⁻¹
 (``targets[:, later] -= err·U⁻¹[group] · U[group, later]``), which is the greedy minimiser of the quadratic
 loss column by column. The walk keeps the scales ggml's search gives for those targets, so the block format,
 fp16 rounding and llama.cpp decoding are untouched; :mod:`levels` writes the chosen codes back.
 ``refine`` > 0 then runs that many passes of coordinate descent on the exact quadratic, which the greedy walk
-leaves on the table. Each pass moves, in turn: every code one step up or down (the best of a short list of
+leaves on the table (not for IQ1_S / IQ1_M: their walk is all). Each pass moves, in turn: every code one step up or down (the best of a short list of
 codebook entries per IQ2 group); every sub-block's integer scale and min one step (K-quants, IQ2 types, IQ4_XS)
 (:func:`refine_sub_scales`); every block's fp16 super-scales to their least-squares optimum
 (:func:`refit_super_scales`). Every move is kept only where it lowers the quadratic, and every field stays in its
@@ -48,7 +48,7 @@ from mixq.quant.ggml.triton_kernels import (iq2s as triton_iq2s, iq2s_descent as
                                             refine as triton_refine, subscales as triton_subscales)
 from mixq.quant.ggml.triton_kernels.search import use_fused
 
-SUPPORTED = gl.SCALAR_TYPES + gl.IQ2_TYPES
+SUPPORTED = gl.SCALAR_TYPES + gl.IQ2_TYPES + gl.IQ1_TYPES
 DEFAULT_DAMP = 0.01      # relative diagonal damping of H (GPTQ's default): keeps U finite for rank-deficient H
 REFIT_SCALES = True      # refinement also moves the scales (refine_sub_scales, refit_super_scales)
 LAZY_COLUMNS = 256       # columns updated eagerly; the rest receive the batch's feedback in one matmul
@@ -237,6 +237,35 @@ class _IQ2Rounder:
 
     def finish(self, blocks: np.ndarray) -> np.ndarray:
         return gl.set_iq2_groups_on(blocks, self.qtype, self.index, self.signs)
+
+
+class _IQ1Rounder:
+    """Rounds 8-column groups on the IQ1 ternary codebook: with the group's scale db and delta kept (as ggml's search
+    chose them for the current targets), the entry with the smallest metric-weighted squared error of
+    db·(grid + delta) against the targets."""
+    group = 8
+
+    def __init__(self, qtype: str, device: torch.device) -> None:
+        self.qtype, self.device = qtype, device
+        self.grid = torch.from_numpy(gl.iq1_grid()).to(device)                  # (entries, 8)
+        self.grid2 = self.grid * self.grid
+
+    def start(self, blocks: np.ndarray) -> None:
+        self.index, self.db, self.delta = gl.iq1_groups_on(blocks, self.qtype, self.device)   # (E, rows, 32)
+
+    def round(self, t: torch.Tensor, j: int, metric: torch.Tensor) -> torch.Tensor:
+        g = j // 8
+        db, dl = self.db[..., g:g + 1], self.delta[..., g:g + 1]                 # (E, rows, 1)
+        # Σ m·(db·(c + dl) - t)² over the group = db²·Σ m·c² + 2·db·Σ m·c·(db·dl - t) + a constant
+        r = db * dl - t                                                          # (E, rows, 8)
+        m = metric.unsqueeze(-2)                                                 # (E|1, 1, 8)
+        score = db * db * (m @ self.grid2.T) + 2 * db * ((m * r) @ self.grid.T)  # (E, rows, entries)
+        k = torch.argmin(score, dim=-1)
+        self.index[..., g] = k
+        return db * (self.grid[k] + dl)
+
+    def finish(self, blocks: np.ndarray) -> np.ndarray:
+        return gl.set_iq1_groups_on(blocks, self.qtype, self.index)
 
 
 def _shortlist(db: torch.Tensor, metric: torch.Tensor, t: torch.Tensor, grid: torch.Tensor,
@@ -661,7 +690,8 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
     u = upper_inverse_factor(h3.to(dev), damp).to(torch.float32)          # (E|1, n, n)
     targets = w3.to(dev, torch.float32).clone()
     bs, ts = block_shape(qtype)
-    rounder = (_IQ2Rounder if qtype in gl.IQ2_LAYOUTS else _ScalarRounder)(qtype, dev)
+    rounder = (_IQ2Rounder if qtype in gl.IQ2_LAYOUTS else _IQ1Rounder if qtype in gl.IQ1_TYPES
+               else _ScalarRounder)(qtype, dev)
     g = rounder.group
     out = np.empty((E, R, n // bs * ts), dtype=np.uint8)
     lazy = max(LAZY_COLUMNS, bs)
@@ -685,7 +715,7 @@ def quantize_hessian(w, hessian, qtype: str, imatrix=None, *, damp: float = DEFA
             out[:, :, b0 // bs * ts:(b0 + bs) // bs * ts] = rounder.finish(blocks)
         if c1 < n:
             targets[..., c1:] -= err @ u[:, c0:c1, c1:]
-    if refine:
+    if refine and qtype not in gl.IQ1_TYPES:  # the IQ1 types have no descent passes: the walk alone
         wd, hd = w3.to(dev, torch.float32), _damped(h3.to(dev), damp)
         for _ in range(refine):  # codes, then the sub-block scales and super-scales for those codes
             if qtype in gl.CODE_RANGE:

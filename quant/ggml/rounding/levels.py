@@ -18,7 +18,8 @@ level values, the same for every scalar type (through :func:`table_nearest` / :f
 :func:`table_positions` on any ascending level table, which the IQ2 types' signed levels use too).
 Bit layouts follow ggml's block definitions (docstrings of :mod:`k_quants.numpy_backend` name the byte ranges).
 The IQ2 types (8-weight codebook groups: IQ2_S with free signs, IQ2_XS with an even count of negatives) have
-their own table, ``IQ2_LAYOUTS``, and pair: ``set_iq2_groups`` / ``iq2_group_scales``.
+their own table, ``IQ2_LAYOUTS``, and pair: ``set_iq2_groups`` / ``iq2_group_scales``; the IQ1 types (8-weight
+ternary codebook groups with a ±delta) theirs: ``iq1_groups_on`` / ``set_iq1_groups_on``.
 """
 from __future__ import annotations
 
@@ -557,3 +558,84 @@ def set_iq2_groups(blocks: np.ndarray, qtype: str, index: np.ndarray, signs: np.
     IQ2_XS: an even count) replaced; shapes (..., groups per row). Super-scale and 4-bit scales are kept."""
     return set_iq2_groups_on(blocks, qtype, torch.as_tensor(np.asarray(index, dtype=np.int64)),
                              torch.as_tensor(np.asarray(signs).astype(np.int64)))
+
+
+# --- IQ1: 8-weight groups on the ternary codebook, each with a ±delta offset ------------------------------------
+# a group decodes to db · (grid[index] + delta), grid values in {-1, 0, 1}; IQ1_S keeps one delta sign and one 3-bit
+# scale per 32 weights under the fp16 d at bytes 0-1 (qs at 2-33, qh uint16 per sub-block at 34-49: 3 index bits per
+# group at 3k, the scale at bit 12, the delta sign at bit 15); IQ1_M one 3-bit scale per 16 weights and one delta sign
+# per group (qs at 0-31, qh byte per 16 weights at 32-47: index bits at 0 and 4, delta signs at bits 3 and 7; four
+# uint16 scale words at 48-55 whose top nibbles hold the fp16 d, low nibble first)
+IQ1_TYPES: tuple[str, ...] = ("IQ1_S", "IQ1_M")
+IQ1_ENTRIES = 2048
+
+
+@lru_cache(maxsize=None)
+def iq1_grid() -> np.ndarray:
+    """(2048, 8) float32: the ternary codebook of IQ1_S and IQ1_M (gguf-py's table)."""
+    gguf_quants.IQ1_S.init_grid()
+    return np.asarray(gguf_quants.IQ1_S.grid, dtype=np.float32).reshape(IQ1_ENTRIES, 8)
+
+
+def _iq1_flat(blocks: np.ndarray, qtype: str, device: str | torch.device) -> torch.Tensor:
+    if qtype not in IQ1_TYPES:
+        raise InputError(f"no IQ1 group layout for ggml type {qtype!r}; supported: {', '.join(IQ1_TYPES)}")
+    ts = block_shape(qtype)[1]
+    return torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, ts)).to(device)
+
+
+def _u16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian uint16 words of byte pairs (..., 2k) -> (..., k) int64."""
+    b = b.long()
+    return b[..., 0::2] | (b[..., 1::2] << 8)
+
+
+def iq1_groups_on(blocks: np.ndarray, qtype: str, device: str | torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codebook index int64, scale db float32, delta float32 ±0.125), each (..., groups per row), of every 8-weight
+    group of IQ1 blocks, on `device`."""
+    flat = _iq1_flat(blocks, qtype, device)
+    shape = tuple(blocks.shape[:-1]) + (blocks.shape[-1] // block_shape(qtype)[1] * 32,)
+    delta = float(gguf_quants.IQ1_S.delta)
+    if qtype == "IQ1_S":
+        d = flat[:, 0:2].contiguous().view(torch.float16).to(torch.float32)        # (blocks, 1)
+        qh = _u16(flat[:, 34:50])                                                   # (blocks, 8)
+        hi = torch.stack([(qh >> (3 * k)) & 7 for k in range(4)], dim=2).reshape(-1, 32)
+        index = flat[:, 2:34].long() | (hi << 8)
+        db = (d * (2 * ((qh >> 12) & 7) + 1).to(torch.float32)).repeat_interleave(4, dim=1)
+        sign = torch.where((qh & 0x8000) != 0, -delta, delta).repeat_interleave(4, dim=1)
+    else:
+        qh = flat[:, 32:48].long()                                                  # (blocks, 16)
+        sc = _u16(flat[:, 48:56])                                                   # (blocks, 4)
+        bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0xF0) | ((sc[:, 2] >> 4) & 0xF00) | (sc[:, 3] & 0xF000)
+        d = bits.to(torch.int16).view(torch.float16).to(torch.float32)[:, None]    # (blocks, 1)
+        ls = torch.stack([(sc >> (3 * j)) & 7 for j in range(4)], dim=2).reshape(-1, 16)
+        hi = torch.stack([qh & 7, (qh >> 4) & 7], dim=2).reshape(-1, 32)
+        index = flat[:, 0:32].long() | (hi << 8)
+        db = (d * (2 * ls + 1).to(torch.float32)).repeat_interleave(2, dim=1)
+        neg = torch.stack([(qh & 0x08) != 0, (qh & 0x80) != 0], dim=2).reshape(-1, 32)
+        sign = torch.where(neg, -delta, delta)
+    return index.reshape(shape), db.reshape(shape), sign.to(torch.float32).reshape(shape)
+
+
+def set_iq1_groups_on(blocks: np.ndarray, qtype: str, index: torch.Tensor) -> np.ndarray:
+    """Copy of IQ1 `blocks` with each 8-weight group's codebook index replaced (index (..., groups per row), on any
+    device); scales and delta signs are kept. The blocks come back as numpy."""
+    dev = index.device
+    flat = _iq1_flat(blocks, qtype, dev).clone()
+    idx = index.long().reshape(-1, 32)
+    if bool(((idx < 0) | (idx >= IQ1_ENTRIES)).any()):
+        raise InputError(f"{qtype} codebook indices must lie in [0, {IQ1_ENTRIES - 1}]")
+    hi = idx >> 8
+    if qtype == "IQ1_S":
+        flat[:, 2:34] = (idx & 255).to(torch.uint8)
+        qh = _u16(flat[:, 34:50]) & 0xF000
+        h = hi.reshape(-1, 8, 4)
+        qh = qh | h[:, :, 0] | (h[:, :, 1] << 3) | (h[:, :, 2] << 6) | (h[:, :, 3] << 9)
+        flat[:, 34:50] = torch.stack([qh & 255, qh >> 8], dim=2).reshape(-1, 16).to(torch.uint8)
+    else:
+        flat[:, 0:32] = (idx & 255).to(torch.uint8)
+        h = hi.reshape(-1, 16, 2)
+        qh = (flat[:, 32:48].long() & 0x88) | h[:, :, 0] | (h[:, :, 1] << 4)
+        flat[:, 32:48] = qh.to(torch.uint8)
+    return flat.cpu().numpy().reshape(np.shape(blocks))

@@ -70,6 +70,36 @@ def measure_one(model: str, fmt: str, method: str, device: str | None) -> dict:
     return {"seconds": round(secs, 1), "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
+def sensitivity_check(model: str, rows: int, seq_len: int) -> dict:
+    """The streamed sensitivity alone against the saved EXL3 oracle: its prediction of what the oracle measures at
+    EXL3_REF bits (i.i.d. noise of the trellis's error on one unit, ½·σ²·the sequence Fisher's trace summed over
+    the unit's matrices) ranked against the oracle's curve there; units the backward cannot reach left out."""
+    import torch
+
+    from mixq.formats.checkpoint import open_checkpoint
+    from mixq.measurement import kld as oracle
+    from mixq.measurement import streaming as st
+    from mixq.measurement.trellis import budget_units
+
+    ck = open_checkpoint(SHARED / "models" / MODELS[model])
+    t0, c0 = time.time(), time.process_time()
+    sens = st.stream_sensitivity(ck, rows=rows, seq_len=seq_len, progress=False)
+    secs, cpu = time.time() - t0, time.process_time() - c0
+    pred = {}
+    for key, us in budget_units(ck).items():
+        names = [n for u in us for n in u.hf_names]
+        if all(n in sens.noise for n in names):
+            pred[key] = sum(0.5 * oracle.TRELLIS_D * 2.0 ** (-2 * EXL3_REF)
+                            * float(ck.get(n, dtype=torch.float32).square().mean()) * sens.noise[n] for n in names)
+    orc = unit_costs(load(curves_path(model, "exl3", "kld")), "exl3")
+    rho, n = spearman(pred, orc)
+    return {"spearman": round(rho, 4), "units": n, "oracle_units": len(orc), "rows": rows, "seq_len": seq_len,
+            "seconds": round(secs, 1), "cpu_seconds": round(cpu, 1),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "predicted_over_oracle": {k: round(pred[k] / orc[k], 3) for k in sorted(set(pred) & set(orc))},
+            "oracle_curves": curves_path(model, "exl3", "kld")}
+
+
 def load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -81,7 +111,16 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "FORMAT", "METHOD"), help=argparse.SUPPRESS)
     ap.add_argument("--reuse", action="store_true", help="keep a method's saved curves and timing when present")
+    ap.add_argument("--sensitivity", metavar="MODEL", help="only the streamed sensitivity against MODEL's saved EXL3 "
+                    "oracle (2 x 64 calibration tokens, as the default test)")
     a = ap.parse_args()
+    if a.sensitivity:
+        row = sensitivity_check(a.sensitivity, 2, 64)
+        res = load(RESULT)
+        res[f"{a.sensitivity}_exl3_sensitivity"] = row
+        RESULT.write_text(json.dumps(repo_relative(res), indent=1) + "\n")
+        print(row)
+        return
     if a.one:
         print("RESULT " + json.dumps(measure_one(*a.one, a.device)))
         return

@@ -32,6 +32,7 @@ from mixq.formats.gguf_tokenizer import check_pre
 from mixq.planning import gguf_mix
 from mixq.planning.gguf_rules import RULE_FLAGS, encodable_type, tensor_type_rules
 from mixq.planning.option_fields import as_tuple, default_of, flag_of, opt
+from mixq.planning.pin import PIN_NAMES, parse_pin
 
 OPTIONS_VERSION = 1
 # GGUF --rounding hessian: descent steps per stage of the block-output tuning (conversion/gguf/tuning.py)
@@ -78,6 +79,8 @@ CONVERT_FLAGS: dict[str, dict[str, Any]] = {
                       "them once into OUT/<model>.exl3-curves.json (--measure proxy: the cheap proxy instead); a GGUF "
                       "family with --measure kld measures them once into OUT/<model>.gguf-curves.json, every "
                       "member's encodes then served from that measurement's.", click_type="path"),
+    "--pin": dict(help="With --measure: keep these groups at the role plan's bits / types, comma separated "
+                  f"({', '.join(PIN_NAMES)}).", click_type="text"),
     "--rounding": dict(help="GGUF: exact = ggml's encoder, byte-identical to llama-quantize; hessian = the same "
                        "types and bytes, codes chosen for each layer's output error from a calibration pass "
                        f"(--calibration, --rows, --seq-len).  [default: {ROUNDINGS[0]}]", choices=ROUNDINGS),
@@ -226,6 +229,7 @@ class Exl3Options(_Options):
     vision_bits: float | None = _opt(None, "--vision-bits")
     include_mtp: bool = _opt(True, "--no-mtp")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
+    pin: tuple[str, ...] = _opt((), "--pin")
     gpu_memory: int | str | None = _opt(None, "--gpu-memory")
     codebook: str = _opt("mul1", "codebook")
     batch_rows: int = _opt(BATCH_ROWS, "batch_rows")
@@ -235,6 +239,7 @@ class Exl3Options(_Options):
     def __post_init__(self) -> None:
         cls = type(self)
         self._set("overrides", as_tuple(self.overrides))
+        self._set("pin", parse_pin(self.pin, flag_of(cls, "pin")))
         self._set("calibration", as_tuple(self.calibration))
         self._check_target(("bpw", "size"))
         _positive_int(cls, "rows", self.rows)
@@ -306,6 +311,7 @@ class GGUFOptions(_Options):
     tune_group_iters: int | None = _opt(None, "--tune-group-iters")
     refine_passes: int | None = _opt(None, "--refine-passes")
     measure: Union[str, Path, Mapping, None] = _opt(None, "--measure")
+    pin: tuple[str, ...] = _opt((), "--pin")
     overwrite: bool = _opt(False, "--overwrite")
     profile: Union[str, Path, None] = _opt(None, "--profile")
     progress: bool = _opt(True, "progress")
@@ -313,6 +319,7 @@ class GGUFOptions(_Options):
     def __post_init__(self) -> None:
         cls = type(self)
         self._set("overrides", as_tuple(self.overrides))
+        self._set("pin", parse_pin(self.pin, flag_of(cls, "pin")))
         self._set("tensor_type", tensor_type_rules(self.tensor_type))
         if self.qtype is None and self.bpw is None and self.size is None:
             raise InputError("give a target: --type, --bpw or --size")

@@ -19,6 +19,7 @@ from mixq.measurement.hessians import ROUNDINGS, check_rounding
 from mixq.measurement.trellis import DEFAULT_SAMPLE, END_TO_END, MEASURE_MODES, parse_sample
 from mixq.planning.gguf_mix import LADDERS
 from mixq.planning.gguf_rules import RULE_FLAGS, TypeRules, encodable_type, tensor_type_rules
+from mixq.planning.pin import PIN_NAMES, parse_pin
 from mixq.planning.option_fields import (as_tuple, check_choice, check_int, check_positive, flag_of, opt,
                                          set_field)
 from mixq.planning.sizes import parse_card_sizes, parse_context, parse_size_option
@@ -70,6 +71,8 @@ class PlanOptions:
         "alone (it mis-ranks units), 'proxy' = the cheap Hessian-trace proxy; or a JSON file of curves "
         "{unit: {bits: error}}.",
         click_type="text", flag_value=MEASURE_MODES[0])
+    pin: tuple[str, ...] = opt((), "--pin", "--measure: keep these groups at the role plan's bits / types, comma "
+                               f"separated ({', '.join(PIN_NAMES)}).", click_type="text")
     measure_out: Union[str, Path, None] = opt(None, "--measure-out",
                                               "--measure: save the measured curves as JSON for reuse.",
                                               click_type="path")
@@ -118,6 +121,7 @@ class PlanOptions:
         cls = type(self)
         set_field(self, "fmt", check_choice(cls, "fmt", str(self.fmt).lower(), FORMATS))
         set_field(self, "overrides", as_tuple(self.overrides))
+        set_field(self, "pin", parse_pin(self.pin, flag_of(cls, "pin")))
         targets = [n for n in ("bpw", "size", "qtype") if getattr(self, n) is not None]
         if len(targets) > 1:
             raise InputError("give at most one of --bpw, --size, --type")

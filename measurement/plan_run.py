@@ -36,4 +36,4 @@ def run_plan(model: "str | Checkpoint | None", options: PlanOptions,
         return fit_plan(ckpt, o.fmt, fit=o.fit, context=o.context, cache=o.cache, reserve=o.reserve,
                         mmproj=o.mmproj, devices=o.devices or None, n_seq=o.n_seq, **kw)
     return plan_model(ckpt, o.fmt, bpw=o.bpw, size=o.size, qtype=o.qtype, imatrix_given=o.imatrix is not None,
-                      type_rules=o.type_rules(), **kw)
+                      type_rules=o.type_rules(), pin=o.pin, **kw)

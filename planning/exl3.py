@@ -35,9 +35,11 @@ def allocator_unit(info, name: str) -> str:
     return info.exl3_group
 
 
-def plan_exl3(ckpt, *, bpw, size, overrides, head_bits, mtp_bits, vision_bits, include_mtp, measure) -> Plan:
+def plan_exl3(ckpt, *, bpw, size, overrides, head_bits, mtp_bits, vision_bits, include_mtp, measure,
+              pinned: Mapping[str, float] | None = None) -> Plan:
     """Every tensor of ``ckpt`` as EXL3 stores it: trellis bits per allocator unit to the target, the rest at
-    its storage dtype (``plan_model`` validates the arguments)."""
+    its storage dtype (``plan_model`` validates the arguments). ``pinned``: {HF name: bits} that a unit made
+    only of such tensors keeps (its cost still counts; planning/pin.py)."""
     nl = ckpt.num_hidden_layers
     fixed: dict[str, tuple[float | None, str, int]] = {}  # name -> (bits, storage, bytes) of non-budgeted tensors
     members: dict[str, list[str]] = {}
@@ -79,6 +81,8 @@ def plan_exl3(ckpt, *, bpw, size, overrides, head_bits, mtp_bits, vision_bits, i
     units = []
     for g, names in members.items():
         role, layer, bits = unit_info[g]
+        if bits is None and pinned and all(n in pinned for n in names):
+            bits = pinned[names[0]]
         units.append(al.Unit(key=g, role=role, numel=sum(al.exl3_padded_numel(*linears[n]) for n in names),
                              fixed=bits, layer=layer, n_layers=nl, members=names))
     if measure is not None:

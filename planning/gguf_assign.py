@@ -26,10 +26,12 @@ def pure_types(specs, outtype: str) -> list[str]:
 
 def planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder=DEFAULT_LADDER, overrides=(),
                    head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None,
-                   type_rules: TypeRules | None = None, imatrix_given: bool = False) -> list[str]:
+                   type_rules: TypeRules | None = None, imatrix_given: bool = False, pin=(),
+                   pin_size=None) -> list[str]:
     plan = plan_model(ckpt, "gguf", qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
                       gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits, mtp_bits=mtp_bits,
-                      measure=measure, type_rules=type_rules, imatrix_given=imatrix_given)
+                      measure=measure, type_rules=type_rules, imatrix_given=imatrix_given, pin=pin,
+                      pin_size=pin_size)
     by = {t.name: t.type for t in plan.tensors}
     missing = [s.name for s in specs if s.name not in by]
     if missing:
@@ -40,11 +42,13 @@ def planned_types(ckpt, specs, *, qtype, bpw, size, include_mtp, gguf_ladder=DEF
 def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=(), output_tensor_type=None,
                  token_embedding_type=None, include_mtp=True, gguf_ladder=DEFAULT_LADDER, overrides=(),
                  head_bits=DEFAULT_HEAD_BITS, mtp_bits=DEFAULT_MTP_BITS, measure=None,
-                 imatrix_given: bool = False) -> list[str]:
+                 imatrix_given: bool = False, pin=(), pin_size=None) -> list[str]:
     """Per-GGUF-tensor ggml types, llama-quantize order: (plan or pure policy) -> embed/output -> regex overrides
     (planning/gguf_rules.TypeRules, which `mixq plan` applies the same way).
     `measure`: measured curves {tensor: {bpw: error}} for a --bpw/--size plan (measurement/gguf_errors);
-    `imatrix_given`: the conversion has an importance matrix (a named mix may choose otherwise with one)."""
+    `imatrix_given`: the conversion has an importance matrix (a named mix may choose otherwise with one);
+    `pin`: groups a measured plan keeps at the role plan's types (planning/pin.py), that plan made at `pin_size`
+    when given."""
     if sum(v is not None for v in (qtype, bpw, size)) != 1:
         raise InputError("give exactly one of --type, --bpw, --size")
     rules = TypeRules(tensor_type, output_tensor_type, token_embedding_type)
@@ -52,4 +56,5 @@ def assign_types(ckpt, specs, *, qtype=None, bpw=None, size=None, tensor_type=()
         return rules.apply(specs, pure_types(specs, qtype.upper()))
     return planned_types(ckpt, specs, qtype=qtype, bpw=bpw, size=size, include_mtp=include_mtp,
                          gguf_ladder=gguf_ladder, overrides=overrides, head_bits=head_bits, mtp_bits=mtp_bits,
-                         measure=measure, type_rules=rules, imatrix_given=imatrix_given)
+                         measure=measure, type_rules=rules, imatrix_given=imatrix_given, pin=pin,
+                         pin_size=pin_size)

@@ -40,12 +40,17 @@ def unit_errors(curves: Mapping[str, Mapping[float, float]], name: str, types: S
     return tuple(c[round(gm.type_bpw(t), 6)] for t in types)
 
 
+def predicted(units: Sequence, levels: Mapping[str, float]) -> float:
+    """The summed predicted error of `units` at `levels` (units without a curve, pinned ones, add none)."""
+    return sum(u.errors[u.levels.index(levels[u.key])] for u in units if u.errors is not None)
+
+
 def never_worse(units: Sequence, levels: Mapping[str, float], budget: float,
                 default_bits: Mapping[str, float]) -> tuple[dict[str, float], bool]:
     """`levels` unless the role-model plan of the same units and budget predicts a smaller total measured error
     (the greedy solver is not exact): (levels to use, whether the role plan was taken)."""
     def total(lv: Mapping[str, float]) -> float:
-        return sum(u.errors[u.levels.index(lv[u.key])] for u in units if u.errors is not None)
+        return predicted(units, lv)
 
     role = al.allocate([replace(u, errors=None) for u in units], budget, default_bits=default_bits)
     if total(role) < total(levels):
@@ -77,12 +82,14 @@ def fill_remaining(units: Sequence, levels: dict[str, float], remaining: float) 
 
 def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw: float | None = None,
                        size: int | None = None, ladder: str = gm.DEFAULT_LADDER, include_mtp: bool = True,
-                       mtp_bits: float = DEFAULT_MTP_BITS, type_rules: TypeRules | None = None):
+                       mtp_bits: float = DEFAULT_MTP_BITS, type_rules: TypeRules | None = None,
+                       pinned: Mapping[str, str] | None = None):
     """A GGUF --bpw/--size plan from measured curves (``gguf_kld_curves``): every budgeted tensor plus token_embd
     and output.weight get the ladder type that minimises the summed predicted KLD within the budget (the
     allocator's hull-greedy solver, then a fill of what it left). Never worse than the role-model plan of the
     same tensors and budget under the same curves (``never_worse``; the report says which was taken);
-    ``type_rules`` then retype single tensors, as convert does. Returns a ``Plan``."""
+    ``type_rules`` then retype single tensors, as convert does. ``pinned``: {GGUF name: type} that those budgeted
+    tensors keep (their bytes still count against the budget; planning/pin.py). Returns a ``Plan``."""
     if (bpw is None) == (size is None):
         raise PlanError("a measured GGUF plan needs exactly one of --bpw, --size")
     specs = gguf_tensors(ckpt, include_mtp=include_mtp)
@@ -92,7 +99,13 @@ def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw
     units = []
     for s in specs:
         ne0 = int(s.shape[-1])
-        if s.name in budgeted:
+        if s.name in budgeted and pinned and s.name in pinned:
+            t = pinned[s.name]
+            types[s.name] = t
+            units.append(al.Unit(key=s.name, role=s.role, numel=math.prod(s.shape), levels=(gm.type_bpw(t),),
+                                 costs=(8 * gm.stored_bytes(t, s.shape),), fixed=gm.type_bpw(t), layer=s.layer,
+                                 n_layers=ckpt.num_hidden_layers))
+        elif s.name in budgeted:
             lad = budgeted[s.name][1]
             units.append(al.Unit(key=s.name, role=s.role, numel=math.prod(s.shape),
                                  levels=tuple(gm.type_bpw(t) for t in lad),
@@ -117,11 +130,12 @@ def plan_gguf_measured(ckpt, curves: Mapping[str, Mapping[float, float]], *, bpw
     levels = fill_remaining(units, levels, budget - spent)
     by_bpw = {s: {gm.type_bpw(t): t for t in budgeted[s][1]} for s in budgeted}
     for u in units:
-        types[u.key] = by_bpw[u.key][levels[u.key]]
+        if u.errors is not None:
+            types[u.key] = by_bpw[u.key][levels[u.key]]
     written = [types[s.name] for s in specs]
     if type_rules:
         written = type_rules.apply(specs, written)
     plan = gguf_plan(specs, written, [s.name in budgeted for s in specs], kv)
-    plan.measured = {"predicted_kld": sum(u.errors[u.levels.index(levels[u.key])] for u in units),
+    plan.measured = {"predicted_kld": predicted(units, levels),
                      "role_plan_taken": role_taken}
     return plan

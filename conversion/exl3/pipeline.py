@@ -278,7 +278,7 @@ def _plan(run: _Exl3Run) -> None:
     o = run.opts
     run.plan = plan_model(run.ckpt, "exl3", bpw=o.bpw, size=run.size, overrides=o.overrides, head_bits=o.head_bits,
                           mtp_bits=o.mtp_bits, vision_bits=o.vision_bits, include_mtp=o.include_mtp,
-                          measure=run.measure)
+                          measure=run.measure, pin=o.pin)
     run.units = exl3_layout(run.ckpt, vision_bits=o.vision_bits, include_mtp=o.include_mtp)
     run.bits = unit_bits(run.units, run.plan)
     run.stages = stage_order(run.units)

@@ -275,7 +275,7 @@ def _assign(run: _GGUFRun, size: int | None) -> list[str]:
                         gguf_ladder=o.gguf_ladder or gguf_mix.DEFAULT_LADDER, overrides=o.overrides,
                         head_bits=DEFAULT_HEAD_BITS if o.head_bits is None else o.head_bits,
                         mtp_bits=DEFAULT_MTP_BITS if o.mtp_bits is None else o.mtp_bits, measure=_curves(o.measure),
-                        imatrix_given=o.imatrix is not None)
+                        imatrix_given=o.imatrix is not None, pin=o.pin, pin_size=run.size)
 
 
 def _fit_size(run: _GGUFRun) -> None:

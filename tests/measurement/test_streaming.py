@@ -95,7 +95,7 @@ def test_stream_memory_does_not_grow_with_depth(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_plan_from_saved_stream_measurement_is_identical(tmp_path, monkeypatch):
-    """`mixq plan --measure` (stream, the default) saves its curves; the plan from `--measure FILE` is byte-identical
+    """`mixq plan --measure stream` saves its curves; the plan from `--measure FILE` is byte-identical
     to the one measured in the same run, and the file records the method."""
     import json
 
@@ -111,7 +111,7 @@ def test_plan_from_saved_stream_measurement_is_identical(tmp_path, monkeypatch):
     monkeypatch.setitem(cs.SAMPLING, "cpu", (1, 1))
     out = tmp_path / "curves.json"
     base = ["plan", str(model), "--format", "exl3", "--bpw", "3.05", "--json"]
-    r = CliRunner().invoke(main, base + ["--measure", "--measure-out", str(out)])
+    r = CliRunner().invoke(main, base + ["--measure", "stream", "--measure-out", str(out)])
     assert r.exit_code == 0, r.output
     assert cs.curves_meta(out)["method"] == "stream"
     curves = cs.load_curves(out)

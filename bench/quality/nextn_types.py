@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--formats", default="gguf,exl3", help="the candidate formats: gguf, exl3 or both")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     layer = open_checkpoint(a.model).nextn_layers[0]
@@ -50,14 +51,15 @@ def main() -> None:
     rows: list[dict] = []
     cands: list[Path] = [a.model]
     rows.append({"kind": "bf16", "label": "BF16 (the reference itself)", "path": str(a.model)})
-    for qtype, with_imx in GGUF_ROWS:
+    formats = set(a.formats.split(","))
+    for qtype, with_imx in GGUF_ROWS if "gguf" in formats else ():
         out = a.work / f"nextn-{qtype}{'-imatrix' if with_imx else ''}.gguf"
         mixq.convert(a.model, out, qtype=GGUF_TRUNK, tensor_type=[f"{rule_rx}={qtype}"],
                      imatrix=str(imx) if with_imx else None, overwrite=True, progress=False, device=a.device)
         cands.append(out)
         rows.append({"kind": "gguf", "label": f"GGUF NextN {qtype}{' + imatrix' if with_imx else ''}",
                      "nextn_type": qtype, "imatrix": with_imx, "trunk": GGUF_TRUNK, "path": str(out)})
-    for bits in EXL3_MTP_BITS:
+    for bits in EXL3_MTP_BITS if "exl3" in formats else ():
         out = a.work / f"nextn-exl3-mtp{bits}"
         mixq.convert(a.model, out, "exl3", bpw=EXL3_TRUNK_BPW, head_bits=6, mtp_bits=bits,
                      progress=False, device=a.device)

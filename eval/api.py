@@ -26,6 +26,7 @@ from mixq.eval.family import expand_families, record_scores
 from mixq.eval import exllamav3_engine
 from mixq.runtime import profile
 from mixq.eval import generated as gen
+from mixq.eval import mtp as mtp_head
 from mixq.runtime import reference as refm
 from mixq.eval.llamacpp import LlamaCppScorer
 from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
@@ -135,6 +136,8 @@ def _evaluate(reference, candidates: list, text, o: EvalOptions, families) -> di
         report = _finalize(run, models, progress)
         if report is None:
             return None  # a rank other than 0: rank 0 reports
+        if o.mtp:
+            _mtp(run, models, report)
         with profile.stage("write"):
             _write_outputs(report, o.json_out, o.markdown_out, run.token_file)
             record_scores(report, families)  # family.json and each member's <file>.receipt.json
@@ -367,6 +370,16 @@ def _forward(run: EvalRun, progress: bool) -> StreamedModels:
         models.add(name, src, "reference" if j == 0 and not run.reader else "candidate")
     models.run(progress)
     return models
+
+
+def _mtp(run: EvalRun, models: StreamedModels, report: dict) -> None:
+    """--mtp: every candidate's NextN draft agreement (eval/mtp.py), the reference's beside it."""
+    nextn = run.ref.ckpt.nextn_layers
+    if not nextn:
+        raise InputError(f"--mtp: the reference {run.ref_dir} has no NextN block (num_nextn_predict_layers)")
+    with profile.stage("mtp", "nextn"):
+        mtp_head.add_to_report(report, models, run.candidates, run.sources, run.engine, run.mine,
+                               run.windows.first, nextn[0])
 
 
 # --- finalize ------------------------------------------------------------------------------------------------------

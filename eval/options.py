@@ -107,6 +107,9 @@ class EvalOptions:
                                                  "token file to FILE [default: beside --json as "
                                                  "<stem>.tokens.json]; --text FILE scores it again.",
                                                  click_type="path")
+    mtp: bool = opt(False, "--mtp", "Also score each candidate's NextN (MTP) head: its draft of token t+2 (from its "
+                    "own final hidden state at t and token t+1's embedding) against the reference's own argmax at "
+                    "t+1, beside the reference's NextN head's agreement.", is_flag=True)
     progress: bool = opt(True, None, "Show the progress bar and the line that says what is scored.", cli=False)
 
     def __post_init__(self) -> None:
@@ -142,5 +145,8 @@ class EvalOptions:
             raise InputError("--save-ref and --ref-logits cannot be combined")
         if len(self.devices) > 1 and self.save_ref:
             raise InputError(SAVE_REF_ONE_DEVICE)
+        if self.mtp and (self.ref_logits or len(self.devices) > 1):
+            raise InputError("--mtp runs the reference's NextN head in one process: give no --ref-logits and one "
+                             "device")
         if len(self.devices) > 1 and self.profile is not None:
             raise InputError("--profile records one process: give one device, not --devices")

@@ -65,7 +65,28 @@ def render_markdown(report: dict) -> str:
             f"{100 * c['top1']:.2f} | {c['ppl_ref']:.4f} | {c['ppl']:.4f} | {c['dppl']:+.4f} | {100 * c['rms_dp']:.3f} | {c['positions']} | "
             f"{c.get('engine', 'torch')} |"
         )
+    lines += mtp_markdown(report)
     return "\n".join(lines) + "\n"
+
+
+def mtp_markdown(report: dict) -> list[str]:
+    """The --mtp table: each candidate's NextN draft agreement beside the reference's (empty without --mtp)."""
+    ref = report.get("mtp")
+    if not ref:
+        return []
+    if "agreement" not in ref:
+        return ["", f"NextN draft agreement: not measured ({ref.get('note')})."]
+    lines = ["", f"NextN (MTP) draft agreement with the reference's next-next token over {ref['positions']} "
+             f"positions: reference head {100 * ref['agreement']:.2f} %", "",
+             "| candidate | format | bpw | NextN agreement % | relative to the reference |", "|---|---|---:|---:|---:|"]
+    for c in report["candidates"]:
+        if "mtp_agreement" in c:
+            rel = "" if c.get("mtp_relative") is None else f"{c['mtp_relative']:.4f}"
+            lines.append(f"| {_name(c['path'])} | {c['format']} | {c['bpw']:.3f} | {100 * c['mtp_agreement']:.2f} "
+                         f"| {rel} |")
+        else:
+            lines.append(f"| {_name(c['path'])} | {c['format']} | {c['bpw']:.3f} | not run: {c.get('mtp_note')} | |")
+    return lines
 
 
 def load_report(path: str | Path) -> dict:

@@ -31,7 +31,8 @@ from mixq.formats import glm5next
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
 from mixq.runtime.distributed import block_owner
-from mixq.runtime.layer_stream import BATCH_ROWS, DecoderStream, module_sources, module_to_hf
+from mixq.runtime.layer_stream import BATCH_ROWS, EMBED_NAME, DecoderStream, module_sources, module_to_hf
+from mixq.runtime.nextn import build_nextn, nextn_inputs, nextn_to_hf
 from mixq.formats.model_files import parse_json
 
 if TYPE_CHECKING:
@@ -155,13 +156,16 @@ class LayerCalibrator:
     ranks: a multi-rank run's RankContext (full=True only): routed-expert statistics split over the ranks.
     advance_with_weights: every layer stage will be advanced with its weights (`Stage.advance(weights)`), so the
     statistics pass need not form the routed experts' output (full=True only).
+    nextn: after the head stage, one stage per NextN block (`layer` = its decoder index), its inputs what the block
+    sees in the model: the trunk's final hidden state at t (of the model as advanced) and token t+1's embedding.
     """
 
     def __init__(self, ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = BATCH_ROWS,
                  start_layer: int = 0, state: dict | None = None, ranks: RankContext | None = None,
-                 advance_with_weights: bool = False) -> None:
+                 advance_with_weights: bool = False, nextn: bool = False) -> None:
         self.ckpt = ckpt
+        self.nextn = nextn
         self.stream = DecoderStream(ckpt.config, device=device, dtype=dtype, batch_rows=batch_rows)
         self.device = self.stream.device
         self.dtype = dtype
@@ -214,8 +218,13 @@ class LayerCalibrator:
         return self.stream.batches(self.input_ids.shape[0])
 
     # -- one layer
-    def _run_layer(self, mod: nn.Module, layer: int, stats: dict[str, HessianAccumulator] | None) -> tuple:
-        """Forward all rows through `mod`; accumulate into `stats` when given. Returns (hidden, topk)."""
+    def _run_layer(self, mod: nn.Module, layer: int, stats: dict[str, HessianAccumulator] | None, *,
+                   hidden: torch.Tensor | None = None, topk: torch.Tensor | None = None,
+                   name_of: Callable[[int, str], str] = module_to_hf) -> tuple:
+        """Forward all rows (`hidden`, else the walk's streams) through `mod`; accumulate into `stats` when given.
+        `name_of(layer, local)`: a Linear's checkpoint name. Returns (hidden, topk)."""
+        if hidden is None:
+            hidden, topk = self.hidden, self.topk
         hooks, experts_patch = [], None
         acc_by_input: dict[tuple, HessianAccumulator] = {}
         fed: set[tuple] = set()
@@ -240,7 +249,7 @@ class LayerCalibrator:
         if stats is not None:
             for local, sub in mod.named_modules():
                 if isinstance(sub, nn.Linear):
-                    def pre(m, args, _name=module_to_hf(layer, local + ".weight")):
+                    def pre(m, args, _name=name_of(layer, local + ".weight")):
                         feed(args[0], _name)
                     hooks.append(sub.register_forward_pre_hook(pre))
         experts = getattr(getattr(mod, "mlp", None), "experts", None)
@@ -255,7 +264,7 @@ class LayerCalibrator:
             live.clear()
 
         try:
-            hidden, topk = self.stream.run_layer(mod, self.hidden, self.topk, before_batch=new_batch)
+            hidden, topk = self.stream.run_layer(mod, hidden, topk, before_batch=new_batch)
         finally:
             for hk in hooks:
                 hk.remove()
@@ -341,7 +350,8 @@ class LayerCalibrator:
 
     # -- the walk
     def stages(self) -> Iterator[Stage]:
-        """Yield one Stage per decoder layer (from `start_layer`), then the head stage (lm_head input)."""
+        """Yield one Stage per decoder layer (from `start_layer`), then the head stage (lm_head input), then with
+        `nextn` one stage per NextN block."""
         if self.hidden is None:
             self._embed()
         for i in range(self.start_layer, self.num_layers):
@@ -367,6 +377,28 @@ class LayerCalibrator:
             self._release(i)
             del hidden, topk, stage
         yield self._head_stage()
+        if self.nextn:
+            for j in self.ckpt.nextn_layers[:1]:  # GLM's checkpoints hold one NextN block
+                yield self._nextn_stage(j)
+
+    def _final_hidden(self) -> torch.Tensor:
+        """The trunk's final hidden state norm(mean of the mHC streams) of every row, on the CPU."""
+        w = self._get(glm5next.global_hf_name("norm")).to(self.device, self.dtype)
+        return torch.cat([self.stream.final_hidden(self.hidden[sl], w).cpu() for sl in self._batches()])
+
+    def _nextn_stage(self, layer: int) -> Stage:
+        """The statistics of NextN block `layer`, run on the final hidden states of the walk's model."""
+        final = self._final_hidden()
+        emb = F.embedding(self.input_ids, self._get(EMBED_NAME).to(self.dtype))
+        x = nextn_inputs(final, emb)
+        del final, emb
+        mod = build_nextn(self.text_config, layer, lambda n: self.ckpt.get(n, dtype=None), device=self.device,
+                          dtype=self.dtype)
+        stats: dict[str, HessianAccumulator] = {}
+        self._run_layer(mod, layer, stats, hidden=x, topk=None, name_of=nextn_to_hf)
+        if self.ranks is not None:
+            self._share_expert_hessians(stats)
+        return Stage(layer=layer, stats=stats, module=mod)
 
     def _head_stage(self) -> Stage:
         w = self._get(glm5next.global_hf_name("norm")).to(self.device, self.dtype)

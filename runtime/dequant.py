@@ -62,6 +62,13 @@ class DequantSource:
         """One float32 tensor outside the decoder layers (embedding, final norm, lm_head)."""
         raise NotImplementedError
 
+    def nextn_layer(self, i: int) -> dict[str, torch.Tensor]:
+        """The float32 tensors of NextN block i (its decoder index); empty when the file holds none."""
+        raise NotImplementedError
+
+    def _in_layer(self, hf_name: str, i: int) -> bool:
+        return classify(hf_name, self.num_hidden_layers).layer == i
+
     def _layer_of(self, name: str) -> int | None:
         """Decoder layer of an HF tensor; None for tensors outside the trunk (embeddings, head, vision, NextN)."""
         return classify(name, self.num_hidden_layers).layer if in_text_forward(name, self.num_hidden_layers) else None
@@ -91,6 +98,9 @@ class CheckpointSource(DequantSource):
             raise self._missing(name)
         return self.ckpt.get(name, dtype=torch.float32)
 
+    def nextn_layer(self, i: int) -> dict[str, torch.Tensor]:
+        return {n: self.ckpt.get(n, dtype=torch.float32) for n in self._by_layer.get(None, []) if self._in_layer(n, i)}
+
 
 class _UnitSource(DequantSource):
     """A written file decoded per stored unit (a GGUF tensor, an EXL3 unit): subclasses fill `_by_layer` (layer ->
@@ -109,6 +119,13 @@ class _UnitSource(DequantSource):
         if name not in self._global:
             raise self._missing(name)
         return self._decode([self._global[name]])[name]
+
+    def _unit_hf(self, unit) -> str:
+        """The first HF tensor a stored unit holds."""
+        raise NotImplementedError
+
+    def nextn_layer(self, i: int) -> dict[str, torch.Tensor]:
+        return self._decode([u for u in self._by_layer.get(None, []) if self._in_layer(self._unit_hf(u), i)])
 
 
 class GGUFSource(_UnitSource):
@@ -135,6 +152,9 @@ class GGUFSource(_UnitSource):
             # shapes without decoding: the inverse transforms run on meta tensors
             parts.update(unbuild_tensor(spec, torch.empty(e.shape, device="meta")))
         self._shapes = {n: tuple(t.shape) for n, t in merge_kv_b(parts).items()}
+
+    def _unit_hf(self, unit) -> str:
+        return self._specs[unit].hf_names[0]
 
     def _decode(self, gguf_names: list[str]) -> dict[str, torch.Tensor]:
         parts: dict[str, torch.Tensor] = {}
@@ -180,6 +200,9 @@ class Exl3Source(_UnitSource):
                 if u.part:
                     self._parts.setdefault(n, []).append(u)
         self._shapes = {n: tuple(t.shape) for n, t in shapes.items()}
+
+    def _unit_hf(self, unit) -> str:
+        return unit.hf_names[0]
 
     def _decode(self, units) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

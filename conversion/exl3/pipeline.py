@@ -3,8 +3,9 @@ checkpoint and OUT -> plan -> per stage (embedding, each decoder layer with its 
 NextN, vision) quantize + write a part -> finalize (compile the output directory) -> ConvertResult.
 
 Each decoder layer is calibrated on the hidden states of the already quantized previous layers (the quantized
-weights are handed back to the calibrator), as exllamav3 does. The NextN block and the vision tower are
-quantized without calibration. Only one layer's weights and Hessians are held at a time.
+weights are handed back to the calibrator), as exllamav3 does. The NextN block is calibrated after the head on
+what it sees in that model (the quantized trunk's final hidden state and the next token's embedding); the vision
+tower is quantized without calibration. Only one layer's weights and Hessians are held at a time.
 
 With several devices (`devices`, or under torchrun) every rank runs these steps: the routed experts' calibration
 statistics and the stacked trellis calls are split over the ranks and their results shared
@@ -313,42 +314,44 @@ def _start_job(run: _Exl3Run) -> None:
 
 
 def _run_stages(run: _Exl3Run) -> None:
-    """Embedding, then the calibrated decoder layers and head (resuming after the last finished one), then the
-    uncalibrated NextN block and vision tower; each stage's part is recorded in the job as it is written."""
+    """Embedding, then the calibrated decoder layers, head and NextN block (resuming after the last finished one),
+    then the uncalibrated vision tower; each stage's part is recorded in the job as it is written."""
     job = run.job
     bar = tqdm(total=len(run.stages), desc="exl3", unit="stage", disable=not run.progress, initial=run.resumed)
     if "embed" in run.by_stage and not job.is_done("embed"):
         job.record("embed", _write_stage(run, "embed", None)[0])
         bar.update(1)
-    todo = [s for s in run.stages if (s.startswith("layer.") or s == "head") and not job.is_done(s)]
-    if todo:
+    todo = [s for s in run.stages if s.startswith(("layer.", "mtp.")) or s == "head"]
+    if any(not job.is_done(s) for s in todo):
         _run_calibrated(run, bar)
     for stage in run.stages:
-        if not job.is_done(stage):  # NextN and vision: uncalibrated
+        if not job.is_done(stage):  # vision: uncalibrated
             job.record(stage, _write_stage(run, stage, None)[0])
             bar.update(1)
     bar.close()
 
 
 def _run_calibrated(run: _Exl3Run, bar) -> None:
-    """Decoder layers (calibrated on the already quantized layers before them) and the head."""
+    """Decoder layers (calibrated on the already quantized layers before them), the head and the NextN block."""
     o, ckpt, job = run.opts, run.ckpt, run.job
     state_stage, state = shared_state(run.ranks, job)
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
+    nextn = any(s.startswith("mtp.") for s in run.stages)
     cal = LayerCalibrator(ckpt, run.ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state,
-                          ranks=run.ranks, advance_with_weights=True)
+                          ranks=run.ranks, advance_with_weights=True, nextn=nextn)
     n_layers = ckpt.num_hidden_layers
     with WriteBehind() as behind:  # a stage's part and job record are written while the next stage runs
         for st in profile.timed("calibrate", cal.stages(), lambda st: profile.walk_label(st.layer, n_layers)):
-            stage = f"layer.{st.layer}" if st.layer is not None else "head"
-            if job.is_done(stage):  # the head of a run killed after all layers but before the head
+            trunk = st.layer is not None and st.layer < n_layers
+            stage = f"layer.{st.layer}" if trunk else "head" if st.layer is None else f"mtp.{st.layer}"
+            if job.is_done(stage):  # the head (or NextN) of a run killed after all layers
                 continue
             written, replaced = _encode_stage(run, stage, st.stats)
-            if st.layer is not None:
+            if trunk:
                 # the layer again, on its quantized weights: the next layer's input
                 with profile.stage("advance", profile.walk_label(st.layer, n_layers)):
                     st.advance(replaced)
-            state = cal.state() if st.layer is not None else None  # new tensors each layer: never changed after
+            state = cal.state() if trunk else None  # new tensors each layer: never changed after
             behind.submit(lambda stage=stage, written=written, state=state, fallbacks=list(run.fallbacks):
                           _commit_stage(run, stage, written, state, fallbacks))
             bar.update(1)

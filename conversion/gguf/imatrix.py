@@ -28,7 +28,7 @@ def imatrix_bytes(model) -> int:
     """An upper bound of the imatrix file's size: a float32 sum and a count per input column of every matrix
     (per expert for stacked experts), plus 1 MiB of names and metadata (GLM-5.3: ~0.8 GB)."""
     n = 0
-    for s in gguf_tensors(open_checkpoint(model), include_mtp=False):
+    for s in gguf_tensors(open_checkpoint(model)):
         if len(s.shape) >= 2:
             n += (s.shape[0] if len(s.shape) == 3 else 1) * (int(s.shape[-1]) + 1) * 4
     return n + 2**20
@@ -40,8 +40,9 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
     """Importance matrix of `model` from a calibration forward (runtime/calibration, layer by layer), keyed by
     GGUF tensor name as llama-imatrix keys it: Σx² per input column and the row count, one vector per expert
     for `*_exps`. Differences to llama-imatrix: every calibration token passes through every routed expert
-    (so expert counts equal the token count, none is left at 0), and output.weight is always included.
-    Tensors whose inputs the forward never forms (NextN block, attn_k_b/v_b) get no entry, as in llama-imatrix.
+    (so expert counts equal the token count, none is left at 0), output.weight is always included, and the NextN
+    block is run as the model runs it (the trunk's final hidden state at t with token t+1's embedding), so its
+    matmuls have entries too. attn_k_b/v_b (made from kv_b by a transform) get no entry, as in llama-imatrix.
     `gpu_memory`: the device's budget (None: its free memory); the estimate is said on stderr (with `progress`),
     a budget the calibration cannot meet refused, and the estimate stored into `memory` when given."""
     dev = resolve_device(device)  # before the checkpoint is read: a missing CUDA is a one-line error
@@ -57,7 +58,7 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
     said = announce(est, "imatrix", show=progress)
     if memory is not None:
         memory.update(said)
-    specs = [s for s in gguf_tensors(ckpt, include_mtp=False)
+    specs = [s for s in gguf_tensors(ckpt)
              if len(s.shape) >= 2 and s.transform in ("none", "stack") and s.name != TOKEN_EMBD]
     by_hf: dict[str, list] = {}
     for s in specs:
@@ -66,9 +67,10 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
     im = IMatrix(datasets=list(datasets or [str(c) for c in (calibration or ["builtin"])]),
                  chunk_count=int(ids.shape[0]), chunk_size=int(ids.shape[1]))
     pending: dict[str, dict[int, tuple]] = {}
-    cal = LayerCalibrator(ckpt, ids, device=dev, full=False)
+    cal = LayerCalibrator(ckpt, ids, device=dev, full=False, nextn=True)
     walk = profile.timed("calibrate", cal.stages(), lambda st: profile.walk_label(st.layer, ckpt.num_hidden_layers))
-    for stage in tqdm(walk, total=ckpt.num_hidden_layers + 1, desc="imatrix", disable=not progress):
+    total = ckpt.num_hidden_layers + 1 + len(ckpt.nextn_layers[:1])
+    for stage in tqdm(walk, total=total, desc="imatrix", disable=not progress):
         for hf, acc in stage.stats.items():
             for s, e in by_hf.get(hf, []):
                 if acc.count == 0 or acc.dim != s.shape[-1]:

@@ -353,3 +353,26 @@ def test_convert_with_measured_curves_follows_the_sensitivity_plan(tiny_model, f
     r = _run("convert", str(tiny_model), str(tmp_path / "g.gguf"), "--format", "gguf", "--type", "Q8_0",
              "--measure", str(path))
     assert r.exit_code == 2 and "--measure plans a GGUF to --bpw or --size, not --type Q8_0" in r.output
+
+
+def test_nextn_block_is_calibrated(tiny_model, fake_trellis, tmp_path, monkeypatch):
+    """Every trellis Linear of the NextN block gets a Hessian from the calibration forward (the block run on the
+    quantized trunk's final hidden state and the next token's embedding), none is a fallback."""
+    from mixq.conversion.api import convert
+    from mixq.conversion.exl3 import pipeline
+
+    seen: dict[str, list] = {}
+    real = pipeline._stage_hessians
+
+    def spy(run, stage_units, stats):
+        units, hs = real(run, stage_units, stats)
+        if stage_units and stage_units[0].stage.startswith("mtp."):
+            seen.update({u.key: h for u, h in zip(units, hs)})
+        return units, hs
+
+    monkeypatch.setattr(pipeline, "_stage_hessians", spy)
+    res = convert(tiny_model, tmp_path / "n", "exl3", bpw=4.0, rows=2, seq_len=16, device="cpu", progress=False)
+    assert any(k.endswith("eh_proj") for k in seen) and len(seen) > 5, sorted(seen)
+    for key, h in seen.items():
+        assert h is not None and torch.isfinite(h).all() and h.diagonal().gt(0).any(), key
+    assert not [k for k in res.fallbacks if ".layers.4." in k]

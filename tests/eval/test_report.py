@@ -52,3 +52,25 @@ def test_compare_rejects_bad_reports(tmp_path):
 def test_render_markdown_row():
     md = render_markdown(_report("/m/mini", [_cand("Q8_0", 2 * 2**20, 0.001, 0.995, -0.01)]))
     assert "| Q8_0 | gguf | 2.00 MiB | 16.777 | 0.001 ± 0.0001 |" in md and "| 99.50 |" in md
+
+
+def test_render_markdown_mtp_table():
+    a, b = _cand("Q8_0", 2 * 2**20, 0.001, 0.995, -0.01), _cand("Q4_K_M", 2**20, 0.01, 0.95, 0.1)
+    a.update(mtp_agreement=0.19, mtp_relative=0.95)
+    b["mtp_note"] = "llama.cpp does not run the NextN block (its MTP graph is not built)"
+    rep = _report("/m/k256", [a, b])
+    rep["mtp"] = {"nextn_layer": 4, "agreement": 0.2, "agreed": 50, "positions": 250}
+    md = render_markdown(rep)
+    assert "over 250 positions: reference head 20.00 %" in md
+    assert "| Q8_0 | gguf | 16.777 | 19.00 | 0.9500 |" in md
+    assert "| Q4_K_M | gguf | 8.389 | not run: llama.cpp does not run the NextN block" in md
+    assert "NextN" not in render_markdown(_report("/m/k256", [_cand("Q8_0", 2**20, 0.001, 0.995, 0.0)]))
+
+
+def test_mtp_needs_the_reference_forward():
+    from mixq.eval.options import EvalOptions
+
+    with pytest.raises(InputError, match="--mtp"):
+        EvalOptions(mtp=True, ref_logits="ref.bin")
+    with pytest.raises(InputError, match="--mtp"):
+        EvalOptions(mtp=True, devices="cpu,cpu")

@@ -93,6 +93,28 @@ def nearest_entry(cb: DeviceCodebook, rows: torch.Tensor, xv: torch.Tensor, wa: 
     return torch.gather(cand, 1, torch.argmin(d2, dim=1, keepdim=True))[:, 0]
 
 
+def nearest_binned(cb: DeviceCodebook, rows: torch.Tensor, xv: torch.Tensor, wa: torch.Tensor, sc: torch.Tensor,
+                   values: torch.Tensor | None = None, *, widths: tuple[int, ...] = _WIDTHS,
+                   slots: int = SLOTS_PER_BATCH) -> torch.Tensor:
+    """``nearest_entry`` of every group, the groups binned by the length of their neighbour list so that each
+    call pads only up to its bin's longest list, at most ``slots`` candidate slots a call (memory, not results:
+    every group's choice is its own)."""
+    lens = cb.nb_len[rows]
+    best = torch.empty_like(rows)
+    lo = 0
+    for hi in widths:
+        part = torch.nonzero((lens > lo) & (lens <= hi), as_tuple=True)[0]
+        lo = hi
+        if part.numel():
+            width = int(lens[part].max())
+            step = max(1, slots // width)
+            for p0 in range(0, part.numel(), step):
+                q = part[p0:p0 + step]
+                best[q] = nearest_entry(cb, rows[q], xv[q], wa[q], sc[q], width,
+                                        None if values is None else values[q])
+    return best
+
+
 def snap(cb: DeviceCodebook, L: torch.Tensor, xg: torch.Tensor, wg: torch.Tensor, scale: torch.Tensor,
          active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Replace every active group of levels that is off the codebook by its best neighbour.
@@ -108,23 +130,12 @@ def snap(cb: DeviceCodebook, L: torch.Tensor, xg: torch.Tensor, wg: torch.Tensor
     if c.numel() == 0:
         return L, off
     rows = cb.nb_row[codes[c, k, b]]
-    lens = cb.nb_len[rows]
     G, B = xg.shape[0], xg.shape[2]
     flat_g = k * B + b                                               # group (k, b) in a (G*B, group) view
     xv = xg.permute(0, 2, 1).reshape(G * B, -1).index_select(0, flat_g)
     wa = wg.permute(0, 2, 1).reshape(G * B, -1).index_select(0, flat_g)
     sc = scale.reshape(-1).index_select(0, c * B + b)
-    best = torch.empty_like(rows)
-    lo = 0
-    for hi in _WIDTHS:
-        part = torch.nonzero((lens > lo) & (lens <= hi), as_tuple=True)[0]
-        lo = hi
-        if part.numel():
-            width = int(lens[part].max())
-            step = max(1, SLOTS_PER_BATCH // width)
-            for p0 in range(0, part.numel(), step):
-                q = part[p0:p0 + step]
-                best[q] = nearest_entry(cb, rows[q], xv[q], wa[q], sc[q], width)
+    best = nearest_binned(cb, rows, xv, wa, sc)
     L = L.clone()
     L[c, k, :, b] = cb.levels[best]
     return L, off

@@ -25,7 +25,7 @@ import torch
 from gguf import quants as gguf_quants
 
 from mixq.errors import InputError
-from mixq.quant.ggml.i_quants.torch_grid import device_codebook, nearest_entry
+from mixq.quant.ggml.i_quants.torch_grid import device_codebook, nearest_binned
 from mixq.quant.ggml.k_quants.torch_search import (F32, div_by, f32, fp16_bits, half_bytes, nearest_int, rdiv,
                                                    seq_sum, sqrt)
 
@@ -107,20 +107,8 @@ def _snap(L: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
     k, b = torch.nonzero(off, as_tuple=True)
     if k.numel():
         rows = cb.nb_row[codes[k, b]]
-        lens = cb.nb_len[rows]
         xv, wv, vv = x[k, :, b], w[k, :, b], vals[k, :, b]
-        sc = scale[b]
-        best = torch.empty_like(rows)
-        lo = 0
-        for hi in _WIDTHS:      # groups binned by neighbour-list length: pad only up to the bin's longest
-            part = torch.nonzero((lens > lo) & (lens <= hi), as_tuple=True)[0]
-            lo = hi
-            if part.numel():
-                width = int(lens[part].max())
-                step = max(1, SLOTS_PER_BATCH // width)
-                for p0 in range(0, part.numel(), step):
-                    q = part[p0:p0 + step]
-                    best[q] = nearest_entry(cb, rows[q], xv[q], wv[q], sc[q], width, vv[q])
+        best = nearest_binned(cb, rows, xv, wv, scale[b], vv, widths=_WIDTHS, slots=SLOTS_PER_BATCH)
         gi = gi.clone()
         gi[k, b] = best
     return gi, off

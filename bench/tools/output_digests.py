@@ -5,6 +5,7 @@ Run it before and after a change that must not alter any output; the two JSON fi
     python bench/tools/output_digests.py --out ../bench-work/digests-before --json before.json
     python bench/tools/output_digests.py --out ../bench-work/digests-after --json after.json
     python bench/tools/output_digests.py --diff before.json after.json
+    python bench/tools/output_digests.py --tensor-diff before/x.gguf after/x.gguf     # which tensors changed
 
 Uses the trained fixtures (``../shared/models`` or ``$MIXQ_SHARED/models``) and the CLI, as a user would.
 """
@@ -45,6 +46,15 @@ def tensor_digest(path: Path) -> str:
         h.update(f"{t.name}:{t.tensor_type.name}:{list(t.shape)}".encode())
         h.update(t.data.tobytes())
     return h.hexdigest()
+
+
+def tensor_changes(before: Path, after: Path) -> list[str]:
+    """The tensors of two GGUF files that differ (type, shape or data), and those only one of them holds."""
+    def table(path: Path) -> dict[str, tuple]:
+        return {t.name: (t.tensor_type.name, list(t.shape), hashlib.sha256(t.data.tobytes()).hexdigest())
+                for t in GGUFReader(path).tensors}
+    b, a = table(before), table(after)
+    return [n for n in sorted(set(b) | set(a)) if b.get(n) != a.get(n)]
 
 
 def manifest_digest(path: Path) -> str:
@@ -132,7 +142,13 @@ def main() -> None:
     ap.add_argument("--models", default="glm5next-mini,glm5next-k256")
     ap.add_argument("--no-exl3", action="store_true", help="Skip the tiny-model EXL3 conversion (~2-5 min on CPU).")
     ap.add_argument("--diff", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="Compare two tables.")
+    ap.add_argument("--tensor-diff", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                    help="Compare two GGUF files tensor by tensor: the names whose type, shape or data differ.")
     a = ap.parse_args()
+    if a.tensor_diff:
+        changed = tensor_changes(*a.tensor_diff)
+        print("\n".join(changed) + ("\n" if changed else "") + f"{len(changed)} tensors differ")
+        sys.exit(1 if changed else 0)
     if a.diff:
         b, c = (json.loads(p.read_text()) for p in a.diff)
         bad = 0

@@ -112,9 +112,12 @@ def interpret(script: str, *args: str, timeout: float = 1800) -> subprocess.Comp
     require("triton")
     if _server is None or _server.poll() is not None:
         _kill_server()
+        # the tests' folder importable, as under pytest: a script may import a test module, which imports this one
+        path = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH"))
+                               if p)
         _server = subprocess.Popen([sys.executable, "-c", _SERVER, *_WARM], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, env=dict(os.environ, TRITON_INTERPRET="1"),
-                                   start_new_session=True)
+                                   stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                   env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path))
         atexit.register(_stop_server)
     try:
         _server.stdin.write(json.dumps({"script": script, "args": list(args)}) + "\n")

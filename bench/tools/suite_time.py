@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -60,10 +61,15 @@ def read_tsv(path: Path) -> dict[str, float]:
 
 
 def by_file(cpu: dict[str, float]) -> dict[str, dict]:
+    """{file: tests, CPU seconds}. A line `FILE::* (N tests ...)` is a whole pytest run of FILE, timed from outside
+    (its start and collection included): the way to count a file whose tests hand work to a process that pytest
+    waits for only at its exit, as the interpreter server of tests/triton_helpers.py."""
     files: dict[str, dict] = defaultdict(lambda: {"tests": 0, "cpu_s": 0.0})
     for test, s in cpu.items():
-        f = files[test.split("::")[0]]
-        f["tests"] += 1
+        name, _, rest = test.partition("::")
+        whole = re.match(r"\* \((\d+) tests", rest)
+        f = files[name]
+        f["tests"] += int(whole.group(1)) if whole else 1
         f["cpu_s"] += s
     return files
 

@@ -31,3 +31,9 @@ def test_a_test_only_one_run_has_counts_on_its_side(tmp_path):
     r = st.summarize(st.read_tsv(before), st.read_tsv(after), {})
     assert r["files"]["tests/x.py"]["tests_before"] == r["files"]["tests/x.py"]["tests_after"] == 2
     assert r["files"]["tests/x.py"]["cpu_s_saved"] == 4.25
+
+
+def test_a_whole_run_line_counts_its_tests(tmp_path):
+    tsv = tmp_path / "w.tsv"
+    tsv.write_text("30.50\t90.0\ttests/k.py::* (6 tests, whole pytest run)\n")
+    assert st.by_file(st.read_tsv(tsv))["tests/k.py"] == {"tests": 6, "cpu_s": 30.5}

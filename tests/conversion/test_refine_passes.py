@@ -56,7 +56,7 @@ def test_the_passes_reach_the_encoder(k256_model, calibration_text, tmp_path, mo
 
     def spy(w, h, qtype, *a, refine=0, **k):
         seen.append((qtype, refine))
-        return real(w, h, qtype, *a, refine=0, **k)  # what arrived is recorded; the passes themselves cost time
+        return real(w, h, qtype, *a, refine=refine, **k)
 
     monkeypatch.setattr(gr.kh, "quantize_hessian", spy)
     three = gr.REFINE_PASSES

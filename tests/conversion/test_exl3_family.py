@@ -200,7 +200,7 @@ def test_eval_of_the_family_dir_scores_every_member(family, mini_model, heldout_
     members, fams = expand_families([out])
     assert members == [str(out / m["file"]) for m in res.members] and all(Path(m).is_dir() for m in members)
     assert fams[0].format == "exl3"
-    rep = evaluate(mini_model, [out], heldout_text, ctx=64, windows=2, device="cpu", progress=False)
+    rep = evaluate(mini_model, [out], heldout_text, ctx=128, windows=2, device="cpu", progress=False)
     assert [c["path"] for c in rep["candidates"]] == members
     doc = json.loads((out / "family.json").read_text())
     for m, c in zip(doc["members"], rep["candidates"]):

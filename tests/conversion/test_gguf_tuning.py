@@ -428,13 +428,13 @@ def test_expert_groups_take_their_own_step_count(setup, moe):
         steps.clear()
         bt.sign_descent = counted
         try:
-            tuner = gt.LayerTuner(ck, ids, specs, types, iters=2, max_weights=4 * per_expert, group_iters=group_iters)
+            tuner = gt.LayerTuner(ck, ids, specs, types, iters=8, max_weights=4 * per_expert, group_iters=group_iters)
             tuner.layer(0, {})
             out = tuner.layer(1, encoded)
         finally:
             bt.sign_descent = descent
         if group_iters:
-            assert steps == [2, 3, 3, 3, 3]  # the layer's other tensors, then 4 groups of 4 experts
+            assert steps == [8, 3, 3, 3, 3]  # the layer's other tensors, then 4 groups of 4 experts
         else:
-            assert steps == [2]
+            assert steps == [8]
             assert all(s.name not in out for s in stacks)  # their Hessian-rounded blocks stand

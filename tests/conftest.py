@@ -42,12 +42,21 @@ def k256_fp8_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def mini_q8_gguf(mini_model, tmp_path_factory) -> Path:
-    """glm5next-mini as a sealed mixq Q8_0 GGUF, converted once for the session (tests copy it before editing)."""
+def mini_q8_converted(mini_model, tmp_path_factory) -> tuple[Path, dict]:
+    """(path, the convert's --json report): `mixq convert glm5next-mini OUT.gguf --type Q8_0` (no --format: GGUF
+    from the name), a sealed mixq file converted once for the session (tests copy it before editing)."""
+    import json
+
     out = tmp_path_factory.mktemp("mini-q8") / "mini-Q8_0.gguf"
-    r = run_cli("convert", mini_model, out, "--type", "Q8_0", "--threads", "1")
+    r = run_cli("convert", mini_model, out, "--type", "Q8_0", "--threads", "1", "--json")
     assert r.exit_code == 0, r.output[-2000:]
-    return out
+    return out, json.loads(r.stdout)
+
+
+@pytest.fixture(scope="session")
+def mini_q8_gguf(mini_q8_converted) -> Path:
+    """glm5next-mini as a sealed mixq Q8_0 GGUF (mini_q8_converted)."""
+    return mini_q8_converted[0]
 
 
 @pytest.fixture(scope="session")

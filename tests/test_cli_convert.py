@@ -27,12 +27,9 @@ def test_output_format_follows_the_name():
 
 
 @pytest.fixture(scope="module")
-def mini_q8(mini_model, tmp_path_factory):
-    """glm5next-mini converted to Q8_0 with no --format: (path, convert JSON, readable summary)."""
-    out = tmp_path_factory.mktemp("convert") / "mini-Q8_0.gguf"
-    r = _cli("convert", mini_model, out, "--type", "Q8_0", "--threads", "1", "--json")
-    assert r.exit_code == 0, r.output
-    return out, json.loads(r.stdout)
+def mini_q8(mini_q8_converted):
+    """glm5next-mini converted to Q8_0 with no --format: (path, convert JSON), conftest's one conversion."""
+    return mini_q8_converted
 
 
 def test_gguf_is_inferred_from_out(mini_q8):

@@ -71,9 +71,10 @@ def _live_tensor_bytes() -> int:
 
 def test_stream_memory_does_not_grow_with_depth(tmp_path, monkeypatch):
     """The streamed measurement holds one layer and the current streams: the most bytes held by live tensors while
-    a layer is materialised is the same for a 4-layer and an 8-layer model of one width (the layer inputs wait
-    on disk). What does grow is the result, a few KB of per-row statistics per Linear (~180 KB for four layers
-    here); kept in memory instead, the 8-layer model's four extra boundary states would add 1.5 MiB."""
+    a layer is materialised is the same for a 2-layer and a 4-layer model of one width (the layer inputs wait
+    on disk). What does grow is the result, a few KB of per-row statistics per Linear (~90 KB for two layers
+    here); kept in memory instead, the 4-layer model's two extra boundary states would add 0.75 MiB, twice the
+    tolerance below. (Every materialisation walks every live object, so the depths stay small.)"""
     from mixq.runtime.layer_stream import DecoderStream
 
     peaks = {}
@@ -85,12 +86,12 @@ def test_stream_memory_does_not_grow_with_depth(tmp_path, monkeypatch):
         return mod
 
     monkeypatch.setattr(DecoderStream, "materialize", spy)
-    for key in (4, 8):
+    for key in (2, 4):
         ck = open_checkpoint(_tiny(tmp_path, key))
         s = st.stream_sensitivity(ck, rows=4, seq_len=96, spill_dir=tmp_path, progress=False)
         assert all(torch.isfinite(v).all() for v in s.rows.values())
     state = 4 * 96 * 4 * 64 * 4  # rows x seq x streams x hidden x float32: one boundary state
-    assert abs(peaks[8] - peaks[4]) < state, (peaks, state)
+    assert abs(peaks[4] - peaks[2]) < state, (peaks, state)
 
 
 @pytest.mark.slow

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from triton_helpers import interpret
 
 from mixq.quant.ggml import encoders
 
@@ -121,9 +120,7 @@ print(json.dumps(res))
 
 
 def _interpret(what: str, script: str = _CHECK) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", script, what, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=3000)
+    out = interpret(script, what, os.path.dirname(__file__), timeout=3000)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -15,11 +15,11 @@ under CI (tests/triton_helpers.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from triton_helpers import interpret as interpreted
 
 pytestmark = pytest.mark.usefixtures("needs_triton")  # a skip without Triton, a failure under CI
 
@@ -252,9 +252,10 @@ print(json.dumps(res))
 
 
 def _run(dev: str, interpret: bool, script: str = _CHECK, size: str = "full") -> dict:
-    env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if interpret else {}))
-    out = subprocess.run([sys.executable, "-c", script, dev, size], env=env, capture_output=True, text=True,
-                         timeout=1800)
+    if interpret:
+        out = interpreted(script, dev, size)
+    else:
+        out = subprocess.run([sys.executable, "-c", script, dev, size], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -13,13 +13,10 @@ to 0.0005.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from triton_helpers import require
+from triton_helpers import interpret
 
 from mixq.quant.trellis import codebooks as cb
 from mixq.quant.trellis import viterbi
@@ -84,10 +81,7 @@ print(json.dumps(out))
 
 
 def _interpret(bits: float, tiles: int, modes: tuple[str, ...], ties: bool = False) -> dict[str, torch.Tensor]:
-    require("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _CHECK, str(bits), str(tiles), ",".join(modes), str(int(ties))],
-                         env=env, capture_output=True, text=True, timeout=1800)
+    out = interpret(_CHECK, str(bits), str(tiles), ",".join(modes), str(int(ties)), timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
     return {k: torch.tensor(v) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
@@ -124,9 +118,7 @@ print(json.dumps(out))
 def test_per_step_kernels_are_the_torch_step_in_interpreter():
     """viterbi.py's add-compare-select kernel gives the torch step's minima (free start and after a step, at
     several step widths), and a short pass through it and the traceback kernel the torch pass's states."""
-    require("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _STEP_CHECK], env=env, capture_output=True, text=True, timeout=1200)
+    out = interpret(_STEP_CHECK, timeout=1200)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(res) == 8 and all(res.values()), res

@@ -214,16 +214,21 @@ def estimates(config: Path, budgets: list[str], args) -> dict:
     out: dict = {"config": str(config), "shapes": {k: v for k, v in vars(shapes).items() if k != "layer_inputs"},
                  "calibration": {"rows": args.rows, "seq_len": args.seq_len},
                  "eval": {"ctx": args.eval_ctx, "windows": args.eval_windows}, "budgets": {}}
+    def gguf(budget, tune: bool):
+        return mb.gguf_estimate(budget, shapes, hessian=True, rows=args.rows, seq_len=args.seq_len, tune=tune,
+                                tune_bytes_per_weight=BYTES_PER_TUNED_WEIGHT,
+                                rounding_default=min(stack.shape[0], expert_slice(stack.shape[-2], stack.shape[-1],
+                                                                                  cuda)),
+                                encode_default=chunk_weights("Q4_K", cuda), largest_tensor=largest)
+
     for b in budgets:
         budget = mb.MemoryBudget(cuda, parse_size(b), True)
         ests = {
             "exl3": mb.exl3_estimate(budget, shapes, rows=args.rows, seq_len=args.seq_len, batch_rows=4,
                                      default_batch=MAX_BATCH),
-            "gguf_hessian": mb.gguf_estimate(budget, shapes, hessian=True, rows=args.rows, seq_len=args.seq_len,
-                                             tune=True, tune_bytes_per_weight=BYTES_PER_TUNED_WEIGHT,
-                                             rounding_default=min(stack.shape[0], expert_slice(
-                                                 stack.shape[-2], stack.shape[-1], cuda)),
-                                             encode_default=chunk_weights("Q4_K", cuda), largest_tensor=largest),
+            "gguf_hessian": gguf(budget, True),
+            # --tune-iters 0: no stage holds the whole layer, so the calibration streams its routed experts
+            "gguf_hessian_untuned": gguf(budget, False),
             "imatrix": mb.imatrix_estimate(budget, shapes, rows=args.rows, seq_len=args.seq_len),
             "eval": mb.eval_estimate(budget, shapes, ctx=args.eval_ctx, batch_windows=1, models=2,
                                      state_bytes=state_bytes(ck.config, args.eval_windows, args.eval_ctx),

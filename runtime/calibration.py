@@ -340,8 +340,9 @@ class LayerCalibrator:
         return acc
 
     def _park(self, stats, names: list[str], experts: nn.Module) -> None:
-        """Streamed experts: their group's accumulators back to the host, where the experts' weights stay."""
-        if groups_of(experts) is None or self.device.type == "cpu":
+        """Streamed experts: their group's accumulators back to the host, where the experts' weights stay (over
+        several ranks each keeps its block's on its device: they are shared from there)."""
+        if groups_of(experts) is None or self.device.type == "cpu" or self.ranks is not None:
             return
         for n in names:
             if n in stats:

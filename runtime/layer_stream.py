@@ -267,12 +267,19 @@ class DecoderStream:
         Each tensor crosses to the device as `fetch` gives it (16-bit weights as stored: half the bytes of float32)
         and is widened there."""
         mod = self.skeleton.layers[layer]
-        mod.to_empty(device=self.device)
         experts = self._host_experts(mod)
         if experts is None:
+            mod.to_empty(device=self.device)
             fill_module(mod, layer, lambda n: fetch(n).to(self.device).float())  # tensor by tensor
             return mod.to(self.dtype).eval()
-        experts.to_empty(device="cpu")  # streamed: the routed experts widened on the host, the rest on the device
+        # streamed: the routed experts widened on the host (pinned from a CUDA device: the groups' copies at DMA
+        # speed), never allocated on the device; the rest of the layer on the device
+        for m in mod.modules():
+            if m is not experts:
+                m.to_empty(device=self.device, recurse=False)
+        for key, p in list(experts.named_parameters(recurse=False)):
+            host = host_empty(p.shape, self.dtype, pinned=self.device.type == "cuda")
+            experts._parameters[key] = nn.Parameter(host, requires_grad=p.requires_grad)
         path = next(k for k, m in mod.named_modules() if m is experts)
         host = {n for key in ("gate_up_proj", "down_proj")
                 for parts in module_sources(layer, f"{path}.{key}", experts.get_parameter(key).shape[0])

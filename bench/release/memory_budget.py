@@ -7,9 +7,13 @@ each verb of `--verbs` runs as its own `mixq` process with `--gpu-memory BUDGET`
 
   imatrix   mixq imatrix MODEL OUT.gguf
   exl3      mixq convert MODEL OUT-exl3 --bpw 3.05
-  gguf      mixq convert MODEL OUT.gguf --type Q4_K_M --rounding hessian --imatrix (the imatrix of that budget,
-            or of any budget that made one) (`--gguf-args` replaces the target and rounding flags)
+  gguf      mixq convert MODEL OUT.gguf --type Q4_K_M --rounding hessian --tune-iters 0 --imatrix (the imatrix
+            of that budget, or of any budget that made one) (`--gguf-args` replaces the target and rounding flags)
   eval      mixq eval MODEL (the GGUF of that budget) --text heldout.txt --ctx --windows
+
+Under a budget below one whole MoE layer (24GB on the release's layer) the calibration and eval's forward stream the
+routed experts through the device a group at a time (runtime/expert_groups.py); each run's reported estimate names
+the group (`memory.stages[calibration|eval_forward].piece`, of `default_piece` experts).
 
 Recorded per run (JSON under bench/results): exit status, seconds, the child's peak resident set (wait4), the
 GPU's peak used memory over the child's life less what was used before it (nvidia-smi, sampled every 0.2 s; None
@@ -53,7 +57,7 @@ from paths import SHARED, repo_relative  # noqa: E402
 
 BUILDER = REPO / "bench" / "release" / "rehearsal_model.py"
 VERBS = ("imatrix", "exl3", "gguf", "eval")
-DEFAULT_GGUF_ARGS = "--type Q4_K_M --rounding hessian"
+DEFAULT_GGUF_ARGS = "--type Q4_K_M --rounding hessian --tune-iters 0"  # untuned: the tuning holds a whole layer
 GPU_SAMPLE_S = 0.2
 
 

@@ -38,11 +38,10 @@ def _forward(ck, ids, group, impl, calls):
     return h
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", pytest.param("eager", marks=pytest.mark.slow),
-                                  pytest.param("batched_mm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("impl", ["grouped_mm", pytest.param("eager", marks=pytest.mark.slow)])
 def test_grouped_forward_is_the_whole_layer_bit_for_bit(mini_model, impl, monkeypatch):
     """mini (16 routed experts, top 4), every layer: groups of 2 and of 5 experts give the streams of the whole
-    layer, under the default experts implementation (grouped_mm) and (slow) the other two."""
+    layer, under the default experts implementation (grouped_mm) and (slow) eager."""
     ck = open_checkpoint(mini_model)
     ids = _ids(ck, rows=1, seq=16)
     calls = []
@@ -60,6 +59,15 @@ def test_grouped_forward_is_the_whole_layer_bit_for_bit(mini_model, impl, monkey
         got = _forward(ck, ids, group, impl, calls)
         assert torch.equal(got, whole), (impl, group, (got - whole).abs().max())
     assert (0, 2) in calls and (15, 16) in calls and (10, 15) in calls  # groups of 2 and of 5 ran
+
+
+def test_batched_mm_is_not_streamed(mini_model):
+    """batched_mm's one bmm over all pairs rounds a pair by the number of pairs: streaming it is refused."""
+    from mixq.errors import InputError
+    s = DecoderStream(open_checkpoint(mini_model).config)
+    s.text_config._experts_implementation = "batched_mm"
+    with pytest.raises(InputError, match="not 'batched_mm'"):
+        s._stream_experts(2)
 
 
 def test_reductions_sum_as_each_implementation_does():
@@ -151,3 +159,40 @@ def test_eval_logits_are_the_same_with_streamed_experts(mini_model, mini_q8_gguf
 
     whole, grouped = logits(None), logits(3)
     assert len(whole) == 4 and all(torch.equal(a, b) for a, b in zip(whole, grouped))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_groups_give_the_same_bytes_with_less_device_memory(mini_model):
+    """On a GPU (host and device apart): the streamed forward under each experts implementation and the
+    calibration's statistics are the whole layer's bytes, and a layer's peak device memory is lower."""
+    ck = open_checkpoint(mini_model)
+    ids = _ids(ck, rows=2, seq=32)
+    dev = torch.device("cuda")
+
+    def forward(group, impl):
+        s = DecoderStream(ck.config, device=dev, batch_rows=2)
+        s.text_config._experts_implementation = impl
+        s.expert_group = s._stream_experts(group)
+        h = s.embed(ids, lambda n: ck.get(n, dtype=torch.float32), out_device=dev)
+        topk, peaks = None, []
+        for i in range(s.num_layers):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            mod = s.materialize(i, lambda n: ck.get(n, dtype=None))
+            topk = s.run_layer_inplace(mod, h, topk)
+            s.release(i)
+            peaks.append(torch.cuda.max_memory_allocated(dev) - base)
+        return h.cpu(), max(peaks)
+
+    for impl in ("grouped_mm", "eager"):
+        (whole, p_whole), (got, p_got) = forward(None, impl), forward(2, impl)
+        assert torch.equal(got, whole), (impl, (got - whole).abs().max())
+        assert p_got < p_whole, (impl, p_got, p_whole)
+    for kw in (dict(full=False), dict(full=True)):
+        a = _calibrate(ck, ids, None, device=dev, **kw)
+        b = _calibrate(ck, ids, 3, device=dev, **kw)
+        for (_, sa, ha), (_, sb, hb) in zip(a, b):
+            assert sa.keys() == sb.keys() and torch.equal(ha, hb)
+            for n in sa:
+                assert all(torch.equal(sa[n][k], sb[n][k]) for k in sa[n] if k != "count"), n

@@ -33,7 +33,7 @@ from mixq.eval.peak_memory import peak_gpu_mib, peak_rss_mib, reset_peaks
 from mixq.eval.reflogits import RefLogitsReader, RefLogitsWriter, roundtrip
 from mixq.eval.report import render_markdown
 from mixq.runtime.kl_stats import ROW_CHUNK, KLAccumulator, log_probs, token_quantities
-from mixq.runtime.memory_budget import announce, checkpoint_shapes, eval_estimate, resolve_budget
+from mixq.runtime.memory_budget import announce, checkpoint_shapes, eval_estimate, expert_group, resolve_budget
 from mixq.eval.streamed import StreamedModel, StreamedModels, state_bytes
 from mixq.eval.window_split import gather_in_order, rank_window_ids
 from mixq.eval.options import DEFAULT_CTX, SAVE_REF_ONE_DEVICE, EvalOptions
@@ -72,6 +72,7 @@ class EvalRun:
     memory: dict | None = None        # the up-front memory estimate (runtime/memory_budget.py)
     streams_on_device: bool | None = None  # --gpu-memory's choice of where the hidden streams live
     kl_rows: int = ROW_CHUNK          # rows of logits per KL pass (the budget's piece)
+    expert_group: int | None = None   # routed experts per group on the device (None: the whole layer)
 
     @property
     def n_layers(self) -> int:
@@ -331,7 +332,8 @@ def _split_windows(run: EvalRun, ranks: RankContext) -> None:
 def _memory(run: EvalRun, gpu_memory: int | None, show: bool) -> None:
     """The device and host memory the forward and the scoring need, said on stderr before any work; a
     --gpu-memory one layer and one window cannot meet is refused here (runtime/memory_budget.py). A given budget
-    decides where the hidden streams live and the rows of each KL pass."""
+    decides where the hidden streams live and the rows of each KL pass; any budget (the free memory too) the
+    routed experts per group of the forward when a whole layer does not fit (the same numbers)."""
     names = (0 if run.reader else 1) + sum(s is not None for s in run.sources)
     budget = resolve_budget(gpu_memory, run.device)
     est, on_device = eval_estimate(
@@ -339,6 +341,8 @@ def _memory(run: EvalRun, gpu_memory: int | None, show: bool) -> None:
         models=names, state_bytes=state_bytes(run.config, len(run.mine), run.windows.ctx, run.state_dtype),
         kl_default=ROW_CHUNK)
     run.memory = announce(est, "eval", show=show)
+    fwd = est.stage("eval_forward")
+    run.expert_group = expert_group(fwd) if fwd is not None else None
     if budget.given:
         run.streams_on_device = on_device
         run.kl_rows = est.stage("eval_logits").piece
@@ -365,7 +369,8 @@ def _forward(run: EvalRun, progress: bool) -> StreamedModels:
     names = ([] if run.reader else [(str(run.ref_dir), run.ref)]) + [
         (str(c.path), s) for c, s in zip(run.candidates, run.sources) if s is not None]
     models = StreamedModels(run.config, run.local_tokens, device=run.device, state_dtype=run.state_dtype,
-                            state_device=_state_device(run, len(names)), batch_windows=run.batch_windows)
+                            state_device=_state_device(run, len(names)), batch_windows=run.batch_windows,
+                            expert_group=run.expert_group)
     for j, (name, src) in enumerate(names):
         models.add(name, src, "reference" if j == 0 and not run.reader else "candidate")
     models.run(progress)

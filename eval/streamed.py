@@ -51,8 +51,10 @@ class StreamedModels:
     """Models of one architecture (config.json) run over the same windows (tokens: int64 (windows, ctx))."""
 
     def __init__(self, config: dict, tokens: torch.Tensor, *, device: torch.device, state_dtype: str = "float32",
-                 state_device: torch.device | None = None, batch_windows: int = 1) -> None:
-        self.stream = DecoderStream(config, device=device, dtype=torch.float32, batch_rows=batch_windows)
+                 state_device: torch.device | None = None, batch_windows: int = 1,
+                 expert_group: int | None = None) -> None:
+        self.stream = DecoderStream(config, device=device, dtype=torch.float32, batch_rows=batch_windows,
+                                    expert_group=expert_group)
         self.tokens = tokens
         self.device = self.stream.device
         self.state_dtype = STATE_DTYPES[state_dtype]

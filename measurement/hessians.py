@@ -168,12 +168,15 @@ def embedding_hessian(stage: StageHessians, ckpt, embed: torch.Tensor, freq: tor
     return metric.float()
 
 
-def layer_hessians(ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu") -> Iterator[StageHessians]:
+def layer_hessians(ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
+                   expert_group: int | None = None) -> Iterator[StageHessians]:
     """Walk the calibration forward (source weights) and yield each stage's Hessians (module docstring).
+    `expert_group`: routed experts per group on the device (runtime/calibration.LayerCalibrator; the same
+    Hessians).
 
     A stage's tensors must be consumed before the next item is requested: the layer's weights and captured
     routing are released when the walk moves on."""
-    cal = LayerCalibrator(ckpt, input_ids, device=device, full=True)
+    cal = LayerCalibrator(ckpt, input_ids, device=device, full=True, expert_group=expert_group)
     captures = capture_routing(cal)
     for stage in profile.timed("calibrate", cal.stages(),
                                lambda st: profile.walk_label(st.layer, ckpt.num_hidden_layers)):

@@ -44,6 +44,16 @@ class HessianAccumulator:
         self.sum_sq += x.double().square().sum(dim=0)
         self.count += x.shape[0]
 
+    def move(self, device: torch.device | str) -> None:
+        """Keep the sums on `device` from now on (the same values: a copy, no arithmetic)."""
+        device = torch.device(device)
+        if device == self.device:
+            return
+        if self.xtx is not None:
+            self.xtx = self.xtx.to(device)
+        self.sum_sq = self.sum_sq.to(device)
+        self.device = device
+
     def merge(self, other: "HessianAccumulator") -> None:
         """Add another accumulator's sums (e.g. from another device or batch split)."""
         if other.dim != self.dim:

@@ -31,6 +31,7 @@ from mixq.formats import glm5next
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
 from mixq.runtime.distributed import block_owner
+from mixq.runtime.expert_groups import expert_blocks, groups_of
 from mixq.runtime.layer_stream import BATCH_ROWS, EMBED_NAME, DecoderStream, module_sources, module_to_hf
 from mixq.runtime.nextn import build_nextn, nextn_inputs, nextn_to_hf
 from mixq.formats.model_files import parse_json
@@ -158,15 +159,19 @@ class LayerCalibrator:
     statistics pass need not form the routed experts' output (full=True only).
     nextn: after the head stage, one stage per NextN block (`layer` = its decoder index), its inputs what the block
     sees in the model: the trunk's final hidden state at t (of the model as advanced) and token t+1's embedding.
+    expert_group: routed experts per group on the device, their weights and accumulators kept on the host
+    (runtime/expert_groups.py; None: the whole layer on the device). The statistics and the output are the same
+    bytes whatever the group.
     """
 
     def __init__(self, ckpt, input_ids: torch.Tensor, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, full: bool = True, batch_rows: int = BATCH_ROWS,
                  start_layer: int = 0, state: dict | None = None, ranks: RankContext | None = None,
-                 advance_with_weights: bool = False, nextn: bool = False) -> None:
+                 advance_with_weights: bool = False, nextn: bool = False, expert_group: int | None = None) -> None:
         self.ckpt = ckpt
         self.nextn = nextn
-        self.stream = DecoderStream(ckpt.config, device=device, dtype=dtype, batch_rows=batch_rows)
+        self.stream = DecoderStream(ckpt.config, device=device, dtype=dtype, batch_rows=batch_rows,
+                                    expert_group=expert_group)
         self.device = self.stream.device
         self.dtype = dtype
         self.full = full
@@ -300,23 +305,23 @@ class LayerCalibrator:
                     self._expert_inputs[path] = down
                 self._own_expert_stats(experts, x, down, stats, limit)
                 return out  # statistics only: the routed output is left out (see the module docstring)
-            for e in range(n_exp):
-                if stats is None:  # no statistics wanted: only the routed tokens matter
-                    rows = w[:, e].nonzero().squeeze(1)
-                    if rows.numel():
-                        gate, up = F.linear(x[rows], experts.gate_up_proj[e]).chunk(2, dim=-1)
-                        act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-                        out.index_add_(0, rows, F.linear(act, experts.down_proj[e]) * w[rows, e:e + 1])
-                    continue
-                gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-                act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            # a group of experts on the device at a time (all of them unless streamed, runtime/expert_groups.py);
+            # the output still gathers the experts one by one in ascending order
+            for e0, e1, gu, dn in expert_blocks(experts, x.device):
+                for e in range(e0, e1):
+                    if stats is None:  # no statistics wanted: only the routed tokens matter
+                        rows = w[:, e].nonzero().squeeze(1)
+                        if rows.numel():
+                            gate, up = F.linear(x[rows], gu[e - e0]).chunk(2, dim=-1)
+                            act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+                            out.index_add_(0, rows, F.linear(act, dn[e - e0]) * w[rows, e:e + 1])
+                        continue
+                    gate, up = F.linear(x, gu[e - e0]).chunk(2, dim=-1)
+                    act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+                    self._expert_acc(stats, down[e], experts).add(act)
+                    out += F.linear(act, dn[e - e0]) * w[:, e:e + 1]
                 if stats is not None:
-                    nm = down[e]
-                    acc = stats.get(nm)
-                    if acc is None:
-                        acc = stats[nm] = HessianAccumulator(act.shape[-1], full=self.full, device=self.device)
-                    acc.add(act)
-                out += F.linear(act, experts.down_proj[e]) * w[:, e:e + 1]
+                    self._park(stats, down[e0:e1], experts)
             return out
 
         return forward
@@ -324,15 +329,33 @@ class LayerCalibrator:
     def _own_expert_stats(self, experts: nn.Module, x: torch.Tensor, down: list[str], stats, limit: float) -> None:
         """This rank's block of routed experts (all of them in one process): every token through each, its down_proj
         input accumulated (the same operations as the loop that also forms the output, so the same sums)."""
-        for e in range(len(down)):
-            if self.ranks is not None and block_owner(e, len(down), self.ranks.world) != self.ranks.rank:
-                continue
-            gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-            act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-            acc = stats.get(down[e])
-            if acc is None:
-                acc = stats[down[e]] = HessianAccumulator(act.shape[-1], full=self.full, device=self.device)
-            acc.add(act)
+        for e0, e1, gu, _ in expert_blocks(experts, x.device):
+            for e in range(e0, e1):
+                if self.ranks is not None and block_owner(e, len(down), self.ranks.world) != self.ranks.rank:
+                    continue
+                gate, up = F.linear(x, gu[e - e0]).chunk(2, dim=-1)
+                act = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+                self._expert_acc(stats, down[e], experts).add(act)
+            self._park(stats, down[e0:e1], experts)
+
+    def _expert_acc(self, stats, name: str, experts: nn.Module) -> HessianAccumulator:
+        """The accumulator of a routed expert's down_proj input, on the device for its update (made there, or
+        brought back from the host where a streamed group left it)."""
+        acc = stats.get(name)
+        if acc is None:
+            acc = stats[name] = HessianAccumulator(experts.down_proj.shape[-1], full=self.full, device=self.device)
+        elif groups_of(experts) is not None:
+            acc.move(self.device)
+        return acc
+
+    def _park(self, stats, names: list[str], experts: nn.Module) -> None:
+        """Streamed experts: their group's accumulators back to the host, where the experts' weights stay (over
+        several ranks each keeps its block's on its device: they are shared from there)."""
+        if groups_of(experts) is None or self.device.type == "cpu" or self.ranks is not None:
+            return
+        for n in names:
+            if n in stats:
+                stats[n].move("cpu")
 
     def _share_expert_hessians(self, stats: dict) -> None:
         """Every routed expert's Hessian from the rank that accumulated it to every rank, in place of the

@@ -21,6 +21,7 @@ from torch.func import functional_call
 from mixq.errors import InputError
 from mixq.formats import glm5next
 from mixq.formats.glm5next import global_hf_name
+from mixq.runtime.expert_groups import REDUCTIONS, ExpertGroups, register
 from mixq.runtime.overlap import host_empty
 
 Fetch = Callable[[str], torch.Tensor]
@@ -216,10 +217,12 @@ class DecoderStream:
 
     config: the checkpoint's config.json (dict). device: where layers run. dtype: the compute dtype of layers
     and hidden streams. batch_rows: rows per layer call (the rows of a batch are independent sequences).
+    expert_group: routed experts per group on the device (runtime/expert_groups.py); None or at least the
+    layer's experts: the whole layer on the device.
     """
 
     def __init__(self, config: dict, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 batch_rows: int = BATCH_ROWS) -> None:
+                 batch_rows: int = BATCH_ROWS, expert_group: int | None = None) -> None:
         from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
         from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
 
@@ -233,6 +236,30 @@ class DecoderStream:
             self.skeleton = Glm5NextTextModel(self.text_config)
         self.num_layers = int(self.text_config.num_hidden_layers)
         self.hc_mult = int(self.text_config.hc_mult)
+        self.expert_group = self._stream_experts(expert_group)
+
+    def _stream_experts(self, size: int | None) -> int | None:
+        """Mark every routed-experts module to be streamed `size` experts at a time (None: not needed), through
+        the experts implementation of runtime/expert_groups.py."""
+        n = int(getattr(self.text_config, "n_routed_experts", 0) or 0)
+        if size is None or n == 0 or int(size) >= n:
+            return None
+        reference = self.text_config._experts_implementation or "eager"
+        if reference not in REDUCTIONS:
+            raise InputError(f"routed experts in groups reproduce the experts implementations "
+                             f"{', '.join(REDUCTIONS)}, not {reference!r}")
+        groups = ExpertGroups(max(1, int(size)), self.device, reference)
+        for layer in self.skeleton.layers:
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is not None and hasattr(experts, "gate_up_proj"):
+                experts.expert_groups = groups
+        self.text_config._experts_implementation = register()
+        return groups.size
+
+    def _host_experts(self, mod: nn.Module) -> nn.Module | None:
+        """The layer's routed-experts module when its experts stay on the host (streamed), else None."""
+        experts = getattr(getattr(mod, "mlp", None), "experts", None)
+        return experts if self.expert_group is not None and hasattr(experts, "expert_groups") else None
 
     # -- weights
     def materialize(self, layer: int, fetch: Fetch) -> nn.Module:
@@ -240,8 +267,24 @@ class DecoderStream:
         Each tensor crosses to the device as `fetch` gives it (16-bit weights as stored: half the bytes of float32)
         and is widened there."""
         mod = self.skeleton.layers[layer]
-        mod.to_empty(device=self.device)
-        fill_module(mod, layer, lambda n: fetch(n).to(self.device).float())  # tensor by tensor
+        experts = self._host_experts(mod)
+        if experts is None:
+            mod.to_empty(device=self.device)
+            fill_module(mod, layer, lambda n: fetch(n).to(self.device).float())  # tensor by tensor
+            return mod.to(self.dtype).eval()
+        # streamed: the routed experts widened on the host (pinned from a CUDA device: the groups' copies at DMA
+        # speed), never allocated on the device; the rest of the layer on the device
+        for m in mod.modules():
+            if m is not experts:
+                m.to_empty(device=self.device, recurse=False)
+        for key, p in list(experts.named_parameters(recurse=False)):
+            host = host_empty(p.shape, self.dtype, pinned=self.device.type == "cuda")
+            experts._parameters[key] = nn.Parameter(host, requires_grad=p.requires_grad)
+        path = next(k for k, m in mod.named_modules() if m is experts)
+        host = {n for key in ("gate_up_proj", "down_proj")
+                for parts in module_sources(layer, f"{path}.{key}", experts.get_parameter(key).shape[0])
+                for n in parts}
+        fill_module(mod, layer, lambda n: fetch(n).float() if n in host else fetch(n).to(self.device).float())
         return mod.to(self.dtype).eval()
 
     def release(self, layer: int) -> None:

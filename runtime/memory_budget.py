@@ -43,10 +43,13 @@ class StageFact:
 
 
 STAGES: dict[str, StageFact] = {f.name: f for f in (
-    StageFact("calibration", None, True,
-              "one decoder layer's weights, its Hessian (or imatrix) accumulators and the hidden streams of all "
-              "rows; the rows go through in batches of a fixed size, because the Hessian sums and the tuning's "
-              "held-out batches depend on it: no piece the budget may change without changing the output"),
+    StageFact("calibration", "routed experts per group on the device (their weights and accumulators on the host)",
+              True,
+              "one decoder layer's weights, its Hessian (or imatrix) accumulators and one batch of rows; when the "
+              "whole layer does not fit, the routed experts go through the device a group at a time "
+              "(runtime/expert_groups.py), each token's sum over its experts formed in the same order, so the "
+              "statistics and the streams are the same bytes. The rows' batch size is not the budget's: the "
+              "Hessian sums and the tuning's held-out batches depend on it"),
     StageFact("exl3_encode", "routed experts (same-shape units) per stacked trellis call", False,
               "a stacked call picks one global scale over all its units' tiles and draws its sign vectors from one "
               "seed: a smaller stack gives other (equally good) codes. The default stack is kept whenever it fits; "
@@ -59,8 +62,11 @@ STAGES: dict[str, StageFact] = {f.name: f for f in (
     StageFact("gguf_encode", "weights per encoder chunk on the device (CPU worker processes: none, each holds "
               "one task of rows and the source tensor is cut once)", True,
               "ggml's block encodings are row by row; a chunk only batches rows"),
-    StageFact("eval_forward", "where the hidden streams live: the device when they fit, else the host", True,
-              "the streams are stored, not computed, where they live; each layer still runs one window at a time"),
+    StageFact("eval_forward", "routed experts per group on the device (the hidden streams live on the device "
+              "when the whole layer fits beside them, else on the host)", True,
+              "the streams are stored, not computed, where they live; the experts of a group are applied as "
+              "transformers' experts implementation applies them and each token's sum is formed in its order "
+              "(runtime/expert_groups.py); each layer still runs one window at a time"),
     StageFact("eval_logits", "rows of logits per float64 KL pass", True,
               "every row's KL, NLL and top-1 are computed on their own and concatenated"),
 )}
@@ -237,6 +243,14 @@ class ModelShapes:
     heads: int
     experts: int
     expert_shapes: tuple[tuple[int, int], ...] = ()  # (out, in) of one routed expert's Linears
+    # input widths of the accumulators each routed expert has of its own (its gate and up read the layer's input,
+    # whose one accumulator every expert and the router share: it is among `layer_inputs`)
+    expert_inputs: tuple[int, ...] = ()
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        return sum(o * i for o, i in self.expert_shapes)
 
     @property
     def act_width(self) -> int:
@@ -246,10 +260,12 @@ class ModelShapes:
 def model_shapes(text_config: Mapping, names: Iterable[str], shape_of, layer_of) -> ModelShapes:
     """ModelShapes from a text config and a checkpoint's names (`shape_of(name)`, `layer_of(name)`: the decoder layer
     of a name, None outside them). Accumulators: one per distinct (module, input width) of a layer's 2-D weights
-    (gate and up of one expert share theirs)."""
+    outside the routed experts, one for the routed experts' shared input (the calibration feeds every expert's gate
+    and up from the layer input's one accumulator), and per routed expert one per other input width."""
     params: dict[int, int] = {}
     inputs: dict[int, set] = {}
     expert_shapes: dict[str, tuple[int, int]] = {}
+    hidden = int(text_config["hidden_size"])
     for n in names:
         layer = layer_of(n)
         if layer is None:
@@ -258,9 +274,13 @@ def model_shapes(text_config: Mapping, names: Iterable[str], shape_of, layer_of)
         params[layer] = params.get(layer, 0) + math.prod(shp)
         if len(shp) == 2 and n.endswith(".weight"):
             module = n.rsplit(".", 2)[0]
+            if ".experts." in n:
+                if ".experts.0." in n:
+                    expert_shapes[n.rsplit(".", 2)[1]] = (shp[0], shp[1])
+                if shp[-1] != hidden:
+                    continue  # an expert's own accumulator: `expert_inputs`
+                module = n.split(".experts.")[0] + ".experts"  # the input every expert shares
             inputs.setdefault(layer, set()).add((module, shp[-1]))
-            if ".experts." in n and ".experts.0." in n:
-                expert_shapes[n.rsplit(".", 2)[1]] = (shp[0], shp[1])
     biggest = max(params, key=lambda k: params[k], default=None)
     t = text_config
     return ModelShapes(
@@ -270,7 +290,8 @@ def model_shapes(text_config: Mapping, names: Iterable[str], shape_of, layer_of)
         intermediate=max(int(t.get("intermediate_size", 0)),
                          int(t.get("moe_intermediate_size", 0)) * int(t.get("num_experts_per_tok", 1))),
         vocab=int(t["vocab_size"]), heads=int(t.get("num_attention_heads", 1)),
-        experts=int(t.get("n_routed_experts", 0) or 0), expert_shapes=tuple(sorted(expert_shapes.values())))
+        experts=int(t.get("n_routed_experts", 0) or 0), expert_shapes=tuple(sorted(expert_shapes.values())),
+        expert_inputs=tuple(sorted({i for _, i in expert_shapes.values() if i != hidden})))
 
 
 def checkpoint_shapes(ckpt) -> ModelShapes:
@@ -294,14 +315,47 @@ def _activation_bytes(shapes: ModelShapes, rows: int, seq: int) -> int:
             + rows * shapes.heads * seq * seq * BYTES["score"])
 
 
+def _expert_acc_bytes(shapes: ModelShapes, full: bool) -> int:
+    """Accumulator bytes of one routed expert of its own (Σ x·xᵀ float32, or the imatrix's Σ x² vectors)."""
+    return sum(4 * d * d if full else 16 * d for d in shapes.expert_inputs)
+
+
 def calibration_need(shapes: ModelShapes, rows: int, seq_len: int, batch_rows: int, *,
-                     full: bool = True) -> StageNeed:
+                     full: bool = True, budget: MemoryBudget | None = None, stream: bool = True) -> StageNeed:
     """The calibration forward on the device: one layer's weights, its accumulators (Σ x·xᵀ float32 per distinct
     input, or the Σ x² vectors of an imatrix) and one batch's activations (the hidden streams of all rows stay on
-    the host: `calibration_host`)."""
+    the host: `calibration_host`). The piece: routed experts per group on the device, each with its weights
+    (float32) and its own accumulators; the whole layer (every expert) unless `budget` holds fewer. `stream`
+    False: no piece (a stage after it needs the whole layer anyway)."""
     acc = sum(4 * d * d if full else 16 * d for d in shapes.layer_inputs)
-    fixed = _layer_bytes(shapes) + acc + _activation_bytes(shapes, min(rows, batch_rows), seq_len)
-    return StageNeed("calibration", fixed)
+    per = BYTES["layer_weight"] * shapes.expert_params + _expert_acc_bytes(shapes, full) if shapes.experts else 0
+    fixed = (_layer_bytes(shapes) - BYTES["layer_weight"] * shapes.expert_params * shapes.experts + acc
+             + _activation_bytes(shapes, min(rows, batch_rows), seq_len))
+    default = max(shapes.experts, 1)
+    if not stream:
+        return StageNeed("calibration", fixed + per * default)
+    piece = default if budget is None else budget.piece(fixed, per, default)
+    return StageNeed("calibration", fixed, per, piece, default)
+
+
+def expert_group(need: StageNeed) -> int | None:
+    """Routed experts per group of a calibration or eval-forward estimate, None when the whole layer fits (no
+    streaming)."""
+    return need.piece if need.per_piece and need.piece < need.default_piece else None
+
+
+def calibration_resident(need: StageNeed) -> int:
+    """What a calibration keeps on the device beside the stages that follow it in a layer: the whole layer and
+    its accumulators, or with streamed experts the rest of the layer (the groups and their accumulators are
+    back on the host)."""
+    return need.fixed if expert_group(need) is not None else need.need
+
+
+def streamed_host(shapes: ModelShapes, need: StageNeed, full: bool) -> int:
+    """Host bytes of streamed experts: the layer's routed experts in float32 and their own accumulators."""
+    if expert_group(need) is None:
+        return 0
+    return shapes.experts * (BYTES["layer_weight"] * shapes.expert_params + _expert_acc_bytes(shapes, full))
 
 
 def calibration_host(shapes: ModelShapes, rows: int, seq_len: int) -> int:
@@ -386,13 +440,17 @@ def encode_need(budget: MemoryBudget, default: int, row: int) -> StageNeed:
 
 
 def eval_forward_need(shapes: ModelShapes, ctx: int, batch_windows: int, state_bytes: int,
-                      models: int = 2) -> StageNeed:
+                      models: int = 2, budget: MemoryBudget | None = None) -> StageNeed:
     """The eval forward: one model's layer at a time (dequantized float32 and the module's copy), one batch of
     windows' activations, and every model's hidden streams when they live on the device (`state_bytes`: one
-    model's, 0 when they live on the host)."""
-    fixed = (BYTES["eval_layer_weight"] * shapes.layer_params + _activation_bytes(shapes, batch_windows, ctx)
-             + models * state_bytes)
-    return StageNeed("eval_forward", fixed)
+    model's, 0 when they live on the host). The piece: routed experts per group on the device; the whole layer
+    unless `budget` holds fewer."""
+    per = BYTES["eval_layer_weight"] * shapes.expert_params if shapes.experts else 0
+    fixed = (BYTES["eval_layer_weight"] * (shapes.layer_params - shapes.expert_params * shapes.experts)
+             + _activation_bytes(shapes, batch_windows, ctx) + models * state_bytes)
+    default = max(shapes.experts, 1)
+    piece = default if budget is None else budget.piece(fixed, per, default)
+    return StageNeed("eval_forward", fixed, per, piece, default)
 
 
 def kl_rows(budget: MemoryBudget | None, vocab: int, ctx: int, default: int) -> int:
@@ -419,11 +477,12 @@ def gguf_estimate(budget: MemoryBudget, shapes: ModelShapes, *, hessian: bool, r
     `host_workers` of `task_weights` each). Host: the source tensor being cut and its encoding."""
     est = MemoryEstimate(budget)
     if hessian:
-        cal = calibration_need(shapes, rows, seq_len, BATCH_ROWS)
+        # the tuning runs its own whole layer and borrows the calibration's: no streamed experts beside it
+        cal = calibration_need(shapes, rows, seq_len, BATCH_ROWS, budget=budget, stream=not tune)
         est.stages.append(cal)
-        est.stages.append(rounding_need(budget, shapes, rounding_default, cal.fixed))
+        est.stages.append(rounding_need(budget, shapes, rounding_default, calibration_resident(cal)))
         if tune:
-            est.stages.append(tuning_need(budget, shapes, tune_bytes_per_weight, cal.fixed))
+            est.stages.append(tuning_need(budget, shapes, tune_bytes_per_weight, calibration_resident(cal)))
     source = 2 * 4 * largest_tensor  # the float32 source tensor being cut, and its encoded copy
     if encode_default is not None:
         est.stages.append(encode_need(budget, encode_default, shapes.hidden))
@@ -431,7 +490,8 @@ def gguf_estimate(budget: MemoryBudget, shapes: ModelShapes, *, hessian: bool, r
     else:  # CPU worker processes: the host is the device
         est.stages.append(StageNeed("gguf_encode", source + host_workers * task_weights * BYTES["encode_weight"]))
     if hessian:  # the streams, and the source layer read on the host before it goes to the device
-        est.host_extra += calibration_host(shapes, rows, seq_len) + _layer_bytes(shapes)
+        est.host_extra += (calibration_host(shapes, rows, seq_len) + _layer_bytes(shapes)
+                           + streamed_host(shapes, cal, True))
     return est
 
 
@@ -440,34 +500,39 @@ def exl3_estimate(budget: MemoryBudget, shapes: ModelShapes, *, rows: int, seq_l
     """`mixq convert` to EXL3: the calibration forward, and the trellis encoding beside its resident part. Host:
     the layer read from the checkpoint and its quantized copy handed to the next layer."""
     est = MemoryEstimate(budget)
-    cal = calibration_need(shapes, rows, seq_len, batch_rows)
-    est.stages += [cal, exl3_encode_need(budget, shapes, default_batch, cal.fixed)]
+    cal = calibration_need(shapes, rows, seq_len, batch_rows, budget=budget)
+    est.stages += [cal, exl3_encode_need(budget, shapes, default_batch, calibration_resident(cal))]
     # the streams, the layer read from the checkpoint and its quantized copy handed to the next layer
-    est.host_extra = calibration_host(shapes, rows, seq_len) + 2 * _layer_bytes(shapes)
+    est.host_extra = (calibration_host(shapes, rows, seq_len) + 2 * _layer_bytes(shapes)
+                      + streamed_host(shapes, cal, True))
     return est
 
 
 def imatrix_estimate(budget: MemoryBudget, shapes: ModelShapes, *, rows: int, seq_len: int) -> MemoryEstimate:
     """`mixq imatrix`: the calibration forward with Σ x² accumulators."""
     est = MemoryEstimate(budget)
-    est.stages.append(calibration_need(shapes, rows, seq_len, BATCH_ROWS, full=False))
-    est.host_extra = calibration_host(shapes, rows, seq_len) + _layer_bytes(shapes)
+    cal = calibration_need(shapes, rows, seq_len, BATCH_ROWS, full=False, budget=budget)
+    est.stages.append(cal)
+    est.host_extra = calibration_host(shapes, rows, seq_len) + _layer_bytes(shapes) + streamed_host(shapes, cal, False)
     return est
 
 
 def eval_estimate(budget: MemoryBudget, shapes: ModelShapes, *, ctx: int, batch_windows: int, models: int,
                   state_bytes: int, kl_default: int) -> tuple[MemoryEstimate, bool]:
     """`mixq eval`: the forward (every model's hidden streams on the device when they fit beside one layer and one
-    batch of windows, else on the host) and the logits' KL passes. Returns (estimate, streams on the device)."""
+    batch of windows, else on the host; the routed experts a group at a time when the layer does not fit) and the
+    logits' KL passes. Returns (estimate, streams on the device)."""
     est = MemoryEstimate(budget)
     on_device = budget.device.type != "cpu" and models > 0
-    if on_device:
+    if on_device:  # the streams on the device only beside the whole layer: streamed experts cost more than they do
         with_states = eval_forward_need(shapes, ctx, batch_windows, state_bytes, models)
         on_device = with_states.need <= budget.bytes
+    fwd = eval_forward_need(shapes, ctx, batch_windows, state_bytes if on_device else 0, models, budget)
     if models > 0:  # no torch forward when every model's logits come from a file or an engine
-        est.stages.append(eval_forward_need(shapes, ctx, batch_windows, state_bytes if on_device else 0, models))
+        est.stages.append(fwd)
     est.stages.append(eval_logits_need(budget, shapes, ctx, kl_default))
-    est.host_extra = (0 if on_device else models * state_bytes) + _layer_bytes(shapes) // 2
+    est.host_extra = ((0 if on_device else models * state_bytes) + _layer_bytes(shapes) // 2
+                      + streamed_host(shapes, fwd, False))
     return est, on_device
 
 

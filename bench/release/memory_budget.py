@@ -7,9 +7,13 @@ each verb of `--verbs` runs as its own `mixq` process with `--gpu-memory BUDGET`
 
   imatrix   mixq imatrix MODEL OUT.gguf
   exl3      mixq convert MODEL OUT-exl3 --bpw 3.05
-  gguf      mixq convert MODEL OUT.gguf --type Q4_K_M --rounding hessian --imatrix (the imatrix of that budget,
-            or of any budget that made one) (`--gguf-args` replaces the target and rounding flags)
+  gguf      mixq convert MODEL OUT.gguf --type Q4_K_M --rounding hessian --tune-iters 0 --imatrix (the imatrix
+            of that budget, or of any budget that made one) (`--gguf-args` replaces the target and rounding flags)
   eval      mixq eval MODEL (the GGUF of that budget) --text heldout.txt --ctx --windows
+
+Under a budget below one whole MoE layer (24GB on the release's layer) the calibration and eval's forward stream the
+routed experts through the device a group at a time (runtime/expert_groups.py); each run's reported estimate names
+the group (`memory.stages[calibration|eval_forward].piece`, of `default_piece` experts).
 
 Recorded per run (JSON under bench/results): exit status, seconds, the child's peak resident set (wait4), the
 GPU's peak used memory over the child's life less what was used before it (nvidia-smi, sampled every 0.2 s; None
@@ -53,7 +57,7 @@ from paths import SHARED, repo_relative  # noqa: E402
 
 BUILDER = REPO / "bench" / "release" / "rehearsal_model.py"
 VERBS = ("imatrix", "exl3", "gguf", "eval")
-DEFAULT_GGUF_ARGS = "--type Q4_K_M --rounding hessian"
+DEFAULT_GGUF_ARGS = "--type Q4_K_M --rounding hessian --tune-iters 0"  # untuned: the tuning holds a whole layer
 GPU_SAMPLE_S = 0.2
 
 
@@ -214,16 +218,21 @@ def estimates(config: Path, budgets: list[str], args) -> dict:
     out: dict = {"config": str(config), "shapes": {k: v for k, v in vars(shapes).items() if k != "layer_inputs"},
                  "calibration": {"rows": args.rows, "seq_len": args.seq_len},
                  "eval": {"ctx": args.eval_ctx, "windows": args.eval_windows}, "budgets": {}}
+    def gguf(budget, tune: bool):
+        return mb.gguf_estimate(budget, shapes, hessian=True, rows=args.rows, seq_len=args.seq_len, tune=tune,
+                                tune_bytes_per_weight=BYTES_PER_TUNED_WEIGHT,
+                                rounding_default=min(stack.shape[0], expert_slice(stack.shape[-2], stack.shape[-1],
+                                                                                  cuda)),
+                                encode_default=chunk_weights("Q4_K", cuda), largest_tensor=largest)
+
     for b in budgets:
         budget = mb.MemoryBudget(cuda, parse_size(b), True)
         ests = {
             "exl3": mb.exl3_estimate(budget, shapes, rows=args.rows, seq_len=args.seq_len, batch_rows=4,
                                      default_batch=MAX_BATCH),
-            "gguf_hessian": mb.gguf_estimate(budget, shapes, hessian=True, rows=args.rows, seq_len=args.seq_len,
-                                             tune=True, tune_bytes_per_weight=BYTES_PER_TUNED_WEIGHT,
-                                             rounding_default=min(stack.shape[0], expert_slice(
-                                                 stack.shape[-2], stack.shape[-1], cuda)),
-                                             encode_default=chunk_weights("Q4_K", cuda), largest_tensor=largest),
+            "gguf_hessian": gguf(budget, True),
+            # --tune-iters 0: no stage holds the whole layer, so the calibration streams its routed experts
+            "gguf_hessian_untuned": gguf(budget, False),
             "imatrix": mb.imatrix_estimate(budget, shapes, rows=args.rows, seq_len=args.seq_len),
             "eval": mb.eval_estimate(budget, shapes, ctx=args.eval_ctx, batch_windows=1, models=2,
                                      state_bytes=state_bytes(ck.config, args.eval_windows, args.eval_ctx),

@@ -38,7 +38,7 @@ from mixq.runtime import profile
 from mixq.runtime.calibration import LayerCalibrator, calibration_rows, load_tokenizer
 from mixq.runtime.distributed import RankContext, launch, needs_launch, rank_context
 from mixq.runtime.memory_budget import (MemoryBudget, MemoryEstimate, announce, checkpoint_shapes, exl3_batch,
-                                        exl3_estimate, resolve_budget, say)
+                                        calibration_resident, exl3_estimate, expert_group, resolve_budget, say)
 from mixq.runtime.overlap import WriteBehind, host_stack
 from mixq.conversion.exl3.drafter import convert_drafter
 from mixq.conversion.exl3.ranks import encode_batches, scan_share, share_job, shared_state
@@ -264,7 +264,7 @@ def _memory(run: _Exl3Run) -> None:
                         batch_rows=o.batch_rows, default_batch=MAX_BATCH)
     run.memory = announce(est, "convert", show=False)
     run.estimate = est
-    run.budget = budget.less(est.stage("calibration").fixed) if budget.given else None
+    run.budget = budget.less(calibration_resident(est.stage("calibration"))) if budget.given else None
 
 
 def _calibration_ids(run: _Exl3Run) -> torch.Tensor:
@@ -338,7 +338,9 @@ def _run_calibrated(run: _Exl3Run, bar) -> None:
     start = int(state_stage.split(".")[1]) + 1 if state_stage else 0
     nextn = any(s.startswith("mtp.") for s in run.stages)
     cal = LayerCalibrator(ckpt, run.ids, device=run.device, batch_rows=o.batch_rows, start_layer=start, state=state,
-                          ranks=run.ranks, advance_with_weights=True, nextn=nextn)
+                          ranks=run.ranks, advance_with_weights=True, nextn=nextn,
+                          expert_group=None if run.estimate is None
+                          else expert_group(run.estimate.stage("calibration")))
     n_layers = ckpt.num_hidden_layers
     with WriteBehind() as behind:  # a stage's part and job record are written while the next stage runs
         for st in profile.timed("calibrate", cal.stages(), lambda st: profile.walk_label(st.layer, n_layers)):

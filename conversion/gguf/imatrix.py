@@ -21,7 +21,7 @@ from mixq.runtime.calibration import (CALIBRATION_ROWS, CALIBRATION_SEQ_LEN, Lay
                                       load_tokenizer)
 
 from mixq.formats.outputs import check_free_space, check_outputs, writing
-from mixq.runtime.memory_budget import announce, checkpoint_shapes, imatrix_estimate, resolve_budget
+from mixq.runtime.memory_budget import announce, checkpoint_shapes, expert_group, imatrix_estimate, resolve_budget
 
 
 def imatrix_bytes(model) -> int:
@@ -67,7 +67,8 @@ def collect_imatrix(model, calibration=None, *, rows: int = CALIBRATION_ROWS, se
     im = IMatrix(datasets=list(datasets or [str(c) for c in (calibration or ["builtin"])]),
                  chunk_count=int(ids.shape[0]), chunk_size=int(ids.shape[1]))
     pending: dict[str, dict[int, tuple]] = {}
-    cal = LayerCalibrator(ckpt, ids, device=dev, full=False, nextn=True)
+    cal = LayerCalibrator(ckpt, ids, device=dev, full=False, nextn=True,
+                          expert_group=expert_group(est.stage("calibration")))
     walk = profile.timed("calibrate", cal.stages(), lambda st: profile.walk_label(st.layer, ckpt.num_hidden_layers))
     total = ckpt.num_hidden_layers + 1 + len(ckpt.nextn_layers[:1])
     for stage in tqdm(walk, total=total, desc="imatrix", disable=not progress):

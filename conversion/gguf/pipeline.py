@@ -62,8 +62,8 @@ from mixq.conversion.result import ConvertResult
 from mixq.quant.device import pick_device, resolve_device
 from mixq.quant.ggml.torch_encoders import chunk_weights
 from mixq.runtime import profile
-from mixq.runtime.memory_budget import (MemoryBudget, MemoryEstimate, announce, checkpoint_shapes, gguf_estimate,
-                                        resolve_budget, say)
+from mixq.runtime.memory_budget import (MemoryBudget, MemoryEstimate, announce, calibration_resident,
+                                        checkpoint_shapes, expert_group, gguf_estimate, resolve_budget, say)
 
 METADATA_ROOM = 64 * 2**20  # free space kept for the header, tokenizer and alignment beyond the tensor data
 # --size: re-plans with the measured header overshoot taken off the budget; the receipt's type counts move the
@@ -416,7 +416,9 @@ def _rounded(run: _GGUFRun, load):
                            calibration=list(o.calibration) or None, rows=o.rows, seq_len=o.seq_len,
                            tune_iters=o.tune_iters, tune_group_iters=o.tune_group_iters,
                            refine_passes=o.refine_passes, device=o.device,
-                           progress=o.progress, cache=run.cache, load=load, budget=_stage_budget(run))
+                           progress=o.progress, cache=run.cache, load=load, budget=_stage_budget(run),
+                           expert_group=None if run.pieces is None or run.pieces.stage("calibration") is None
+                           else expert_group(run.pieces.stage("calibration")))
 
 
 def _stage_budget(run: _GGUFRun) -> MemoryBudget | None:
@@ -424,7 +426,7 @@ def _stage_budget(run: _GGUFRun) -> MemoryBudget | None:
     if run.budget is None or run.pieces is None:
         return None
     cal = run.pieces.stage("calibration")
-    return run.budget.less(cal.fixed if cal is not None else 0)
+    return run.budget.less(calibration_resident(cal) if cal is not None else 0)
 
 
 def _result(run: _GGUFRun, files: list[Path], mm: dict | None, t0: float) -> ConvertResult:

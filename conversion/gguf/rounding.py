@@ -117,7 +117,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
                            tune_group_iters: int | None = None, refine_passes: int | None = None,
                            device: str | None = None, progress: bool = True, cache: EncodeCache | None = None,
                            load: Callable[[str], tuple] | None = None,
-                           budget: MemoryBudget | None = None) -> dict[str, Path]:
+                           budget: MemoryBudget | None = None, expert_group: int | None = None) -> dict[str, Path]:
     """Hessian-rounded ggml blocks of every covered tensor of `specs` (with their planned `types`), as .npy files
     in `work_dir`: {GGUF name: path}; with tuning, also the blocks ggml's encoder made for the tuner (the tensors
     Hessian rounding leaves to it, which the tuner needs as the file holds them), so that the writer does not
@@ -132,7 +132,8 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
     only on the source weights, the imatrix and the source model's calibration forward, not on the member, so a
     (tensor, type) another member already rounded is served from the cache (the same bytes); tuning, which runs
     on this member's own quantized streams, is always this member's. `budget` (--gpu-memory): the routed experts
-    per rounding call and the weights per tuning stage within it (runtime/memory_budget.py)."""
+    per rounding call and the weights per tuning stage within it (runtime/memory_budget.py); `expert_group` the
+    routed experts per group of the calibration forward (None: the whole layer; the same Hessians either way)."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     todo = [(s, t) for s, t in zip(specs, types) if covered(s, t)]
@@ -161,7 +162,7 @@ def encode_hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], work_dir
                            device=dev, max_weights=max_weights)
     bar = tqdm(total=sum(math.prod(s.shape) for s, _ in todo), desc="hessian rounding", unit="w", unit_scale=True,
                disable=not progress)
-    for stage in layer_hessians(ckpt, ids, device=dev):
+    for stage in layer_hessians(ckpt, ids, device=dev, expert_group=expert_group):
         before = set(done)
         where = profile.walk_label(stage.layer, ckpt.num_hidden_layers)
         with profile.stage("round", where):  # Hessian rounding of the stage's tensors
@@ -258,7 +259,8 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
                     rows: int = CALIBRATION_ROWS, seq_len: int = CALIBRATION_SEQ_LEN, tune_iters: int = DEFAULT_TUNE_ITERS, tune_group_iters: int | None = None,
                     refine_passes: int | None = None, device: str | None = None, progress: bool = True,
                     cache: EncodeCache | None = None, load: Callable[[str], tuple] | None = None,
-                    budget: MemoryBudget | None = None) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
+                    budget: MemoryBudget | None = None,
+                    expert_group: int | None = None) -> Iterator[dict[str, Callable[[], np.ndarray]]]:
     """For the GGUF writer: {GGUF name: loader of its Hessian-rounded blocks} of every covered tensor.
 
     The encoded tensors are spilled into a `.NAME.partial-hessian-*` directory next to `out` (the converter's
@@ -269,7 +271,8 @@ def hessian_rounded(ckpt, specs: Sequence, types: Sequence[str], out: str | Path
         paths = encode_hessian_rounded(ckpt, specs, types, work, imatrix=imatrix, calibration=calibration,
                                        rows=rows, seq_len=seq_len, tune_iters=tune_iters,
                                        tune_group_iters=tune_group_iters, refine_passes=refine_passes,
-                                       device=device, progress=progress, cache=cache, load=load, budget=budget)
+                                       device=device, progress=progress, cache=cache, load=load, budget=budget,
+                                       expert_group=expert_group)
         yield {n: (lambda p=p: np.load(p)) for n, p in paths.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)

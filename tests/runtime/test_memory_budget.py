@@ -76,20 +76,50 @@ def test_glm53_moe_layer_from_its_config(glm_shapes):
 
 
 def test_a_budget_below_the_calibration_is_refused_naming_the_stage(glm_shapes):
-    est = mb.exl3_estimate(mb.MemoryBudget(torch.device("cuda"), 24 * GB, True), glm_shapes, rows=64, seq_len=512,
+    est = mb.exl3_estimate(mb.MemoryBudget(torch.device("cuda"), 4 * GB, True), glm_shapes, rows=64, seq_len=512,
                            batch_rows=4, default_batch=16)
     cal = est.stage("calibration")
-    # float32 weights of one MoE layer (29.7 GB) and its 289 experts' Hessians: beyond a 24 GB card
-    assert cal.fixed > 4 * glm_shapes.layer_params > 24 * GB
+    # the layer without its routed experts, its accumulators and one batch: beyond 4 GB
+    assert cal.minimum > 4 * GB and cal.piece == 1
     with pytest.raises(InputError) as e:
         est.check()
     msg = str(e.value)
-    assert msg.startswith("--gpu-memory 22.35 GiB: the calibration stage needs") and f"{cal.minimum:,} bytes" in msg
+    assert msg.startswith("--gpu-memory 3.73 GiB: the calibration stage needs") and f"{cal.minimum:,} bytes" in msg
     assert "\n" not in msg
 
 
+def test_a_24gb_card_streams_the_routed_experts_of_glm53(glm_shapes):
+    """GLM-5.3-Flash's largest MoE layer (288 routed experts, 29 GB in float32) under 24 GB: every verb plans
+    (the tuned GGUF excepted: its tuning holds a whole layer), the calibration and eval's forward with the
+    experts in groups; the arithmetic of the piece."""
+    b = mb.MemoryBudget(torch.device("cuda"), 24 * GB, True)
+    per_expert = 3 * 2048 * 4096
+    assert glm_shapes.expert_params == per_expert and glm_shapes.expert_inputs == (2048,)
+    whole = mb.calibration_need(glm_shapes, 64, 512, 4)
+    assert whole.piece == whole.default_piece == 288 and whole.need > 24 * GB  # refused before
+    cal = mb.calibration_need(glm_shapes, 64, 512, 4, budget=b)
+    assert cal.per_piece == 4 * per_expert + 4 * 2048 * 2048 and cal.fixed == whole.fixed
+    assert cal.piece == (24 * GB - cal.fixed) // cal.per_piece < 288 and cal.need <= 24 * GB
+    assert mb.expert_group(cal) == cal.piece and mb.expert_group(whole) is None
+    assert mb.calibration_resident(cal) == cal.fixed and mb.calibration_resident(whole) == whole.need
+    ests = [mb.exl3_estimate(b, glm_shapes, rows=64, seq_len=512, batch_rows=4, default_batch=16),
+            mb.imatrix_estimate(b, glm_shapes, rows=64, seq_len=512),
+            mb.gguf_estimate(b, glm_shapes, hessian=True, rows=64, seq_len=512, tune=False, tune_bytes_per_weight=40,
+                             rounding_default=32, encode_default=1 << 26, largest_tensor=10**9),
+            mb.eval_estimate(b, glm_shapes, ctx=4096, batch_windows=1, models=2, state_bytes=10**9,
+                             kl_default=64)[0]]
+    for est in ests:
+        est.check()
+        assert est.device_need <= 24 * GB and mb.expert_group(est.stages[0]) is not None
+    assert ests[0].stage("exl3_encode").piece == 16  # the trellis stacks keep their default beside the rest
+    tuned = mb.gguf_estimate(b, glm_shapes, hessian=True, rows=64, seq_len=512, tune=True, tune_bytes_per_weight=40,
+                             rounding_default=32, encode_default=1 << 26, largest_tensor=10**9)
+    with pytest.raises(InputError, match="the calibration stage needs .* for its whole"):
+        tuned.check()
+
+
 def test_the_trellis_stack_shrinks_to_what_is_left_beside_the_calibration(glm_shapes):
-    cal = mb.calibration_need(glm_shapes, 64, 512, 4).fixed
+    cal = mb.calibration_need(glm_shapes, 64, 512, 4).need
     per = mb.exl3_unit_bytes(2048, 4096)
     est = mb.exl3_estimate(mb.MemoryBudget(torch.device("cuda"), cal + 4 * per, True), glm_shapes, rows=64,
                            seq_len=512, batch_rows=4, default_batch=16)

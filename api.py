@@ -29,7 +29,7 @@ from mixq.errors import FormatError, InputError, MixqError, MixqWarning, PlanErr
 from mixq.eval.options import DEFAULT_WINDOWS, EvalOptions
 from mixq.eval.card import write_card
 from mixq.eval.api import evaluate as _evaluate_streamed
-from mixq.measurement.kld import family_curves, run_measure, run_plan
+from mixq.measurement.kld import run_measure, run_plan
 from mixq.measurement.options import MeasureOptions, PlanOptions
 from mixq.planning.fit import FitResult
 from mixq.planning.offload import OffloadResult
@@ -89,9 +89,8 @@ def measure(model: str | os.PathLike, fmt: str | None = None, options: MeasureOp
 
 
 def convert(model: str | os.PathLike, out: str | os.PathLike, options=None, **kwargs):
-    """Convert `model` to `out` (mixq.conversion.api.convert: the options, result and errors there); a GGUF family
-    given `measure="kld"` measures its curves end to end here, once."""
-    return convert_api.convert(model, out, options, measure_curves=family_curves, **kwargs)
+    """Convert `model` to `out` (mixq.conversion.api.convert: the options, result and errors there)."""
+    return convert_api.convert(model, out, options, **kwargs)
 
 
 def evaluate(reference: str | os.PathLike, candidates: Sequence[str | os.PathLike] = (),
@@ -119,7 +118,7 @@ def family(model: str | os.PathLike, out_dir: str | os.PathLike, fmt: str | None
     o = _options(FamilyOptions, options, kwargs, "family", build=family_options, format=fmt)
     with convert_api.profiled(model, out_dir, o.base.profile, o.base.format, overwrite=o.base.overwrite,
                               progress=o.base.progress):
-        return convert_api.family(model, out_dir, o, measure_curves=family_curves)
+        return convert_api.family(model, out_dir, o)
 
 
 def card(out_dir: str | os.PathLike, *, base_model: str | None = None, overwrite: bool = False) -> dict:

@@ -38,16 +38,14 @@ def output_format(out) -> str:
     return "gguf" if Path(out).suffix.lower() == ".gguf" else "exl3"
 
 
-def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, *, measure_curves=None,
-            **kwargs) -> ConvertResult:
+def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, **kwargs) -> ConvertResult:
     """Convert `model` (a glm5_next directory or hub id, or a DFlash2 drafter directory for EXL3) to `out`: an
     EXL3 directory or a .gguf file, as `options` says (`Exl3Options` / `GGUFOptions`, or a format name whose
     options are then built from `kwargs`; with an options object, `kwargs` replace fields of it; None: the
     format `out` names, `output_format(out)`).
 
     Returns a ConvertResult for either format. Raises InputError / PlanError / FormatError (one line naming the
-    option, file or tensor) for bad input, before any output is written. `measure_curves`: what measures a GGUF
-    family's `measure="kld"` curves end to end (conversion/gguf/family.CurveMeasurer; mixq.api.convert gives it)."""
+    option, file or tensor) for bad input, before any output is written."""
     if "format" in kwargs:  # the keyword spelling of the old signature
         if options not in (None, kwargs["format"]):
             raise InputError("give the format once: as the options or as format=")
@@ -55,7 +53,7 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
     if options in (None, "gguf", "exl3") and is_family(kwargs.get("size"), kwargs.get("bpw")):
         with profiled(model, out, kwargs.get("profile"), options, overwrite=bool(kwargs.get("overwrite")),
                        progress=kwargs.get("progress", True)):
-            return _family(model, out, options, kwargs, measure_curves)
+            return _family(model, out, options, kwargs)
     if options is None:
         options = output_format(out)
         if options == "exl3":
@@ -81,28 +79,28 @@ def convert(model, out, options: Exl3Options | GGUFOptions | str | None = None, 
 
 
 def profiled(model, out, path, fmt: str | None, *, overwrite: bool = False, progress: bool = True):
-    """A conversion's (or family's) --profile: the file checked as an output (not OUT, not an input; an existing one only with --overwrite),
-    then the run recorded into it (runtime/profile.py); without it, nothing."""
+    """A conversion's (or family's) --profile: the file checked as an output (not OUT, not an input; an existing one
+    only with --overwrite), then the run recorded into it (runtime/profile.py); without it, nothing."""
     if path is not None:
         check_distinct({"OUT": out, "--profile": path}, {"MODEL": model})
         check_output_file(path, overwrite=overwrite, label="--profile")
     return profile.recording(path, "convert", fmt, table=progress)
 
 
-def _family(model, out, fmt: str | None, kwargs: dict, measure_curves=None):
+def _family(model, out, fmt: str | None, kwargs: dict):
     """`--size A,B,C` / `--bpw x,y,z`: a family in the directory `out`."""
     if fmt is None:
         raise InputError(f"--size/--bpw with several targets writes a family into the directory {out}: give "
                          "--format gguf or --format exl3")
-    return family(model, out, family_options(fmt, **kwargs), measure_curves)
+    return family(model, out, family_options(fmt, **kwargs))
 
 
-def family(model, out, options: FamilyOptions, measure_curves=None):
-    """The family `options` describes in the directory `out` (GGUF: conversion/gguf/family.py, `measure_curves` as
-    `convert` takes it; EXL3: conversion/exl3/family.py). Returns its FamilyResult."""
+def family(model, out, options: FamilyOptions):
+    """The family `options` describes in the directory `out` (GGUF: conversion/gguf/family.py; EXL3:
+    conversion/exl3/family.py). Returns its FamilyResult."""
     if options.base.format == "exl3":
         return run_exl3_family(model, out, options)
-    return run_family(model, out, options, measure_curves)
+    return run_family(model, out, options)
 
 
 def _check_exl3_out(out, kwargs: dict) -> None:

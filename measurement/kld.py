@@ -156,7 +156,7 @@ def _path_or_none(value):
 
 def kld_curves(ckpt, calibration: Sequence[str] | None = None, *, device: str | None = None,
                sample: str = DEFAULT_SAMPLE, progress: bool = True) -> dict[str, dict[float, float]]:
-    """The measured trellis curves of every budgeted unit (``convert.measure.measure_curves``) in KLD units."""
+    """The measured trellis curves of every budgeted unit (``trellis.measure_curves``) in KLD units."""
     strips, experts = parse_sample(sample)
     curves = measure_curves(ckpt, calibration, device=device, strips=strips, experts=experts, progress=progress)
     with profile.stage("kld_gains"):  # every unit perturbed in turn, the whole model scored each time

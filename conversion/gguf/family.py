@@ -17,9 +17,9 @@ Plans: by roles (the default), or from measured curves. `--measure FILE` plans e
 kld` measures them once, after the imatrix, into `OUT_DIR/<model>.gguf-curves.json` (kept for reruns: delete it to
 measure again) with that imatrix, calibration and ladder: every tensor encoded in every type of its ladder
 (measurement/gguf_errors), each exact encode stored in the family's cache under the key the conversion computes, so
-every member's encode of a budgeted tensor is a cache hit and a member costs about its write. The end-to-end part
-of that measurement runs the model (mixq.eval), so the caller hands it in (`CurveMeasurer`; mixq.api does). The
-members' bytes are those of `mixq convert MODEL x.gguf --size A --imatrix ... --measure OUT_DIR/<model>.gguf-curves.json`.
+every member's encode of a budgeted tensor is a cache hit and a member costs about its write (the measurement is
+measurement/kld.family_curves, by the method the curves file records). The members' bytes are those of
+`mixq convert MODEL x.gguf --size A --imatrix ... --measure OUT_DIR/<model>.gguf-curves.json`.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from mixq.measurement.encode_cache import CACHE_DIR, EncodeCache
 from mixq.conversion.gguf.pipeline import run_gguf
 from mixq.conversion.gguf.receipt import cached_file_sha256, receipt_options, receipt_target
 from mixq.conversion.gguf.imatrix import make_imatrix
+from mixq.measurement.kld import family_curves
 from mixq.measurement.trellis import END_TO_END, MEASURE_MODES, load_curves
 from mixq.conversion.options import FamilyOptions, FamilyTarget
 from mixq.formats.outputs import check_output_file
@@ -49,7 +50,8 @@ from mixq.planning.gguf_measured import measured_units
 from mixq.planning.planner import plan_model
 
 # measures a GGUF family's curves end to end into the JSON file at `out` (the format --measure FILE reads), its exact
-# encodes stored in `cache`: (ckpt, out, *, calibration, imatrix, ladder, rounding, device, cache, progress) -> None
+# encodes stored in `cache`: (ckpt, out, *, calibration, imatrix, ladder, rounding, device, cache, progress,
+# method) -> None; measurement/kld.family_curves unless a caller gives another
 CurveMeasurer = Callable[..., None]
 CURVES_SUFFIX = ".gguf-curves.json"
 FAMILY_JSON = "family.json"
@@ -97,10 +99,10 @@ def member_path(out_dir: Path, model_name: str, target: FamilyTarget) -> Path:
     return Path(out_dir) / f"{model_name}-{target.label}.gguf"
 
 
-def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer | None = None) -> FamilyResult:
+def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer = family_curves) -> FamilyResult:
     """Convert `model` to every member of `fam` in `out_dir` (see the module doc). Every target is planned and
-    every output checked before the calibration starts. `measure_curves`: what measures `--measure kld`'s curves
-    (mixq.api gives it; without it a family that has to measure them is refused before any work)."""
+    every output checked before the calibration starts. `measure_curves`: what measures `--measure kld` or
+    `stream`'s curves (measurement/kld.family_curves)."""
     t0 = time.time()
     out = Path(out_dir)
     if out.suffix == ".gguf":
@@ -118,9 +120,6 @@ def run_family(model, out_dir, fam: FamilyOptions, measure_curves: CurveMeasurer
                    gguf_ladder=base.gguf_ladder or gm.DEFAULT_LADDER, measure=planned_with, imatrix_given=True,
                    **({"head_bits": base.head_bits} if base.head_bits is not None else {}),
                    **({"mtp_bits": base.mtp_bits} if base.mtp_bits is not None else {}))
-    if curves_info is not None and curves_info.get("measured") and measure_curves is None:
-        raise InputError(f"--measure {curves_info['method']}: the end-to-end measurement runs through mixq.api "
-                         "(`mixq convert`, mixq.api.convert or mixq.family)")
     out.mkdir(parents=True, exist_ok=True)
     imatrix, im_info = _calibration(model, out, name, fam)
     cache = EncodeCache(out / CACHE_DIR)

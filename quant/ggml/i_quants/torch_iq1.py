@@ -152,6 +152,19 @@ def _le_bytes(v: torch.Tensor, nbytes: int) -> torch.Tensor:
         torch.uint8)
 
 
+def _snap_and_refit(x: torch.Tensor, w: torch.Tensor, L: torch.Tensor, scale: torch.Tensor, vals: torch.Tensor,
+                    live: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every group of 8 levels snapped onto the codebook (``_snap``), and the scale of a block whose groups moved
+    refit to the snapped entries; blocks that are not ``live`` get entry 0 and scale 0. x, w (groups·8, B)."""
+    B = x.shape[1]
+    xg, wg = x.reshape(groups, 8, B), w.reshape(groups, 8, B)
+    gi, off = _snap(L.reshape(groups, 8, B), xg, wg, scale, vals)
+    sqx, sq2 = _refit(gi, xg, wg, vals)
+    redo = off.any(0) & (sqx > 0) & (sq2 > 0)
+    scale = torch.where(redo, sqx / torch.where(redo, sq2, 1.0), scale)
+    return torch.where(live, gi, 0), torch.where(live, scale, 0.0)
+
+
 def encode_iq1_s(xs: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     """IQ1_S blocks (50 bytes) of super-blocks xs (S, 256); qw (S, 256) importance is required (as in ggml)."""
     if qw is None:
@@ -177,14 +190,8 @@ def encode_iq1_s(xs: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     scale = torch.where(neg, -scale, scale)
     minus = minus ^ neg
     vals = _vals(minus)[None].expand(4, 3, B)
-    xg, wg = x.reshape(4, 8, B), w.reshape(4, 8, B)
-    gi, off = _snap(L.reshape(4, 8, B), xg, wg, scale, vals)
-    sqx, sq2 = _refit(gi, xg, wg, vals)
-    redo = off.any(0) & (sqx > 0) & (sq2 > 0)
-    scale = torch.where(redo, sqx / torch.where(redo, sq2, 1.0), scale)
-    scale = torch.where(live, scale, 0.0)
+    gi, scale = _snap_and_refit(x, w, L, scale, vals, live, 4)
     minus = minus & live
-    gi = torch.where(live, gi, 0)
 
     sc = scale.reshape(S, 8)
     max_scale = sc.amax(1)
@@ -236,14 +243,8 @@ def encode_iq1_m(xs: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
     shift = torch.where(neg, 3 - shift, shift)
     minus = torch.stack([shift >= 2, (shift % 2) == 1])                # (2, B): the delta sign of each group
     vals = _vals(minus)
-    xg, wg = x.reshape(2, 8, B), w.reshape(2, 8, B)
-    gi, off = _snap(L.reshape(2, 8, B), xg, wg, scale, vals)
-    sqx, sq2 = _refit(gi, xg, wg, vals)
-    redo = off.any(0) & (sqx > 0) & (sq2 > 0)
-    scale = torch.where(redo, sqx / torch.where(redo, sq2, 1.0), scale)
-    scale = torch.where(live, scale, 0.0)
+    gi, scale = _snap_and_refit(x, w, L, scale, vals, live, 2)
     shift = torch.where(live, shift, 0)
-    gi = torch.where(live, gi, 0)
 
     sc = scale.reshape(S, 16)
     max_scale = sc.amax(1)

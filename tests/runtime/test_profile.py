@@ -104,7 +104,7 @@ def test_imatrix_profile(mini_model, calibration_text, tmp_path):
     r = run_cli(*[b if x is None else x for x in args], "--profile", prof)
     assert r.exit_code == 0, r.output[-2000:]
     d = _read(prof)
-    assert d["verb"] == "imatrix" and _layers(d, "calibrate") == MINI_LAYERS + ["head"]
+    assert d["verb"] == "imatrix" and _layers(d, "calibrate") == MINI_LAYERS + ["head", "nextn"]
     (w,) = [s for s in d["stages"] if s["stage"] == "write"]
     assert w["bytes_written"] == b.stat().st_size == d["total"]["bytes_written"]
     assert a.read_bytes() == b.read_bytes()

@@ -15,8 +15,12 @@ import train_nextn  # noqa: E402
 
 @pytest.fixture(scope="module")
 def trained_mini(mini_model, tmp_path_factory):
-    torch.set_num_threads(1)
-    res = train_nextn.train(mini_model, steps=24, rows=8, seq_len=64, batch=4, lr=3e-3, seed=0, eval_rows=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the training's own figures are deterministic at one thread
+    try:
+        res = train_nextn.train(mini_model, steps=24, rows=8, seq_len=64, batch=4, lr=3e-3, seed=0, eval_rows=4)
+    finally:
+        torch.set_num_threads(threads)  # the rest of the session keeps its thread count
     out = tmp_path_factory.mktemp("nextn") / "mini-nextn"
     names = train_nextn.write_model(res, mini_model, out)
     return res, out, names

@@ -40,17 +40,8 @@ IQ1 = ["IQ1_S", "IQ1_M"]
 SIZES = {t: _iq.SIZES[t] for t in IQ1}
 DIGESTS = Path(__file__).resolve().parent.parent / "data" / "ggml_iq1_digests.json"
 REAL_CASES = ("expert_gate", "attn_q")
-needs_ggml = pytest.mark.skipif(not libggml.available(),
-                                reason="llama-cpp-python's libggml-base not installed (the ggml oracle)")
-
-
-def _imatrices(qtype: str, im: np.ndarray) -> list[np.ndarray | None]:
-    return [im] if qtype in encoders.REQUIRES_IMATRIX else [None, im]
-
-
-def _block_mismatches(a: np.ndarray, b: np.ndarray, qtype: str) -> int:
-    bs = SIZES[qtype]
-    return int((a.reshape(-1, bs) != b.reshape(-1, bs)).any(1).sum())
+needs_ggml = _iq.needs_ggml
+imatrices_for, block_mismatches = _iq.imatrices_for, _iq.block_mismatches  # SIZES there has the IQ1 blocks
 
 
 def _digests_of(encode, x: np.ndarray, where: dict[str, slice], imats: dict, tag: str) -> dict[str, str]:
@@ -179,9 +170,9 @@ def test_live_k256_tensors_equal_ggml(k256_model, case):
     x = _cases.load_real(k256_model, _cases.REAL[case])
     im = _cases.real_imatrix(x.shape[1])
     for t in IQ1:
-        for imx in _imatrices(t, im):
+        for imx in imatrices_for(t, im):
             got = encoders.quantize(x, t, imx)
-            assert _block_mismatches(got, libggml.ggml_quantize(x, t, imx), t) == 0, (t, imx is not None)
+            assert block_mismatches(got, libggml.ggml_quantize(x, t, imx), t) == 0, (t, imx is not None)
 
 
 @needs_ggml
@@ -196,7 +187,7 @@ def test_live_edge_case_rows_equal_ggml():
             if im is None and t in encoders.REQUIRES_IMATRIX:
                 continue
             got = encoders.quantize(x, t, im)
-            assert _block_mismatches(got, libggml.ggml_quantize(x, t, im), t) == 0, (t, im_name)
+            assert block_mismatches(got, libggml.ggml_quantize(x, t, im), t) == 0, (t, im_name)
 
 
 def test_overflowing_rows_still_encode():
@@ -214,8 +205,8 @@ def test_live_all_experts_of_a_layer_equal_ggml(k256_model):
     x = _cases.layer_experts(k256_model, 2)
     im = _cases.real_imatrix(x.shape[1])
     for t in IQ1:
-        for imx in _imatrices(t, im):
-            assert _block_mismatches(encoders.quantize(x, t, imx), libggml.ggml_quantize(x, t, imx), t) == 0
+        for imx in imatrices_for(t, im):
+            assert block_mismatches(encoders.quantize(x, t, imx), libggml.ggml_quantize(x, t, imx), t) == 0
 
 
 if __name__ == "__main__" and "--record" in sys.argv:

@@ -39,11 +39,11 @@ needs_ggml = pytest.mark.skipif(not libggml.available(),
                                 reason="llama-cpp-python's libggml-base not installed (the ggml oracle)")
 
 
-def _imatrices(qtype: str, im: np.ndarray) -> list[np.ndarray | None]:
+def imatrices_for(qtype: str, im: np.ndarray) -> list[np.ndarray | None]:
     return [im] if qtype in encoders.REQUIRES_IMATRIX else [None, im]
 
 
-def _block_mismatches(a: np.ndarray, b: np.ndarray, qtype: str) -> int:
+def block_mismatches(a: np.ndarray, b: np.ndarray, qtype: str) -> int:
     bs = SIZES[qtype]
     return int((a.reshape(-1, bs) != b.reshape(-1, bs)).any(1).sum())
 
@@ -117,10 +117,10 @@ def test_k256_tensors_equal_ggml(k256_model, case):
     x = load_real(k256_model, REAL[case])
     im = real_imatrix(x.shape[1])
     for t in IQ:
-        for imx in _imatrices(t, im):
+        for imx in imatrices_for(t, im):
             got = encoders.quantize(x, t, imx)
             want = libggml.ggml_quantize(x, t, imx)
-            assert _block_mismatches(got, want, t) == 0, (t, imx is not None)
+            assert block_mismatches(got, want, t) == 0, (t, imx is not None)
 
 
 @needs_ggml
@@ -135,7 +135,7 @@ def test_edge_case_rows_equal_ggml():
             if im is None and t in encoders.REQUIRES_IMATRIX:
                 continue
             got = encoders.quantize(x, t, im)
-            assert _block_mismatches(got, libggml.ggml_quantize(x, t, im), t) == 0, (t, im_name)
+            assert block_mismatches(got, libggml.ggml_quantize(x, t, im), t) == 0, (t, im_name)
 
 
 def test_overflowing_rows_still_encode():
@@ -153,5 +153,5 @@ def test_all_experts_of_a_layer_equal_ggml(k256_model):
     x = _cases.layer_experts(k256_model, 2)
     im = real_imatrix(x.shape[1])
     for t in IQ:
-        for imx in _imatrices(t, im):
-            assert _block_mismatches(encoders.quantize(x, t, imx), libggml.ggml_quantize(x, t, imx), t) == 0
+        for imx in imatrices_for(t, im):
+            assert block_mismatches(encoders.quantize(x, t, imx), libggml.ggml_quantize(x, t, imx), t) == 0

@@ -144,7 +144,10 @@ def test_quantized_candidate_equals_whole_model_forward(fmt, tiny_model, tiny_ex
 @pytest.mark.gpu
 def test_streaming_on_cuda_matches_the_cpu_numbers(baseline, mini_model, heldout_text, tmp_path):
     """On a GPU the hidden states live on the device; the numbers agree with the CPU baseline to float rounding,
-    with one window per layer call and with 4."""
+    with one window per layer call and with 4. CUDA rounds the forward differently from the CPU, and where a
+    quantized candidate's router or indexer scores sit within that rounding a token takes another expert or key:
+    on an H100 that moved Q4_K_M's mean KLD by 0.03 of its own standard error (rel. 2.8e-3;
+    bench/results/gpu_suite_f6ba418_h100/part2.log). A window or scoring change moves it by far more."""
     import torch
 
     if not torch.cuda.is_available():
@@ -157,5 +160,5 @@ def test_streaming_on_cuda_matches_the_cpu_numbers(baseline, mini_model, heldout
         assert rep["state_device"].startswith("cuda") and rep["peak_gpu_mib"] > 0
         for (name, old), new in zip(b["candidates"].items(), rep["candidates"]):
             assert abs(new["top1"] - old["top1"]) <= 2 / old["positions"], name
-            assert new["kld_mean"] == pytest.approx(old["kld_mean"], rel=1e-3, abs=1e-6), name
+            assert abs(new["kld_mean"] - old["kld_mean"]) <= 0.1 * old["kld_mean_err"] + 1e-6, name
             assert new["ppl"] == pytest.approx(old["ppl"], rel=1e-4), name

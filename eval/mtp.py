@@ -6,8 +6,15 @@ reference's argmax at t+1 given the text up to t+1 (what greedy speculative deco
 candidate's head runs on that candidate's own trunk; the reference's head on the reference's trunk gives the
 figure a candidate is compared with (`mtp_relative` = candidate / reference). Positions t scored: the window's
 scored positions whose t+1 is still in the window.
+
+Candidates and reference are scored on the same positions, so their difference is read paired: `mtp_gained` /
+`mtp_lost` count the positions where only the candidate's / only the reference's draft agrees, and `mtp_delta_se`
+is the standard error of the per-position difference. Most positions agree or fail in both heads, so the paired
+error is far smaller than two independent rates' would be, and a small loss can be told from noise.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -48,30 +55,48 @@ def _window(models: StreamedModels, m: StreamedModel, head: _Head, w: int) -> tu
 
 def draft_agreement(models: StreamedModels, windows: list[int], first: int, layer: int) -> list[dict]:
     """Per streamed model (models.models order; the first is the reference): {"agreement", "agreed",
-    "positions"} of its NextN drafts against the reference's next-next tokens, or {"note"} without a block."""
+    "positions", "gained", "lost"} of its NextN drafts against the reference's next-next tokens ("gained" /
+    "lost": positions where only its draft / only the reference's draft agrees), or {"note"} without a block."""
     ctx = models.tokens.shape[1]
     start = max(first, 0)
     heads = [_Head(models, m, layer) for m in models.models]
-    agreed = [0] * len(heads)
+    agreed, gained, lost = [0] * len(heads), [0] * len(heads), [0] * len(heads)
     n = 0
     for j, _w in enumerate(windows):
-        ref_top, _ = _window(models, models.models[0], heads[0], j)
+        ref_top, ref_drafts = _window(models, models.models[0], heads[0], j)
         target = ref_top[start + 1:ctx]  # the reference's token t+2 for t = start .. ctx-2
         n += target.numel()
+        ref_hit = None if ref_drafts is None else ref_drafts[start:ctx - 1] == target
         for k, (m, head) in enumerate(zip(models.models, heads)):
             if head.block is None:
                 continue
-            _, drafts = _window(models, m, head, j)
-            agreed[k] += int((drafts[start:ctx - 1] == target).sum())
+            drafts = ref_drafts if k == 0 else _window(models, m, head, j)[1]
+            hit = drafts[start:ctx - 1] == target
+            agreed[k] += int(hit.sum())
+            if ref_hit is not None:
+                gained[k] += int((hit & ~ref_hit).sum())
+                lost[k] += int((ref_hit & ~hit).sum())
     return [{"note": NO_BLOCK} if h.block is None else
-            {"agreement": agreed[k] / n if n else 0.0, "agreed": agreed[k], "positions": n}
+            {"agreement": agreed[k] / n if n else 0.0, "agreed": agreed[k], "positions": n,
+             "gained": gained[k], "lost": lost[k]}
             for k, h in enumerate(heads)]
+
+
+def paired_difference(gained: int, lost: int, positions: int) -> tuple[float, float]:
+    """(mean, standard error) of the per-position difference candidate - reference, each position +1 (only the
+    candidate agrees), -1 (only the reference) or 0."""
+    if positions <= 0:
+        return 0.0, 0.0
+    delta = (gained - lost) / positions
+    var = max((gained + lost) / positions - delta * delta, 0.0)
+    return delta, math.sqrt(var / positions)
 
 
 def add_to_report(report: dict, models: StreamedModels, candidates: list, sources: list, engine: str,
                   windows: list[int], first: int, layer: int) -> None:
     """The draft agreement into `report` ("mtp": the reference's) and each candidate's entry ("mtp_agreement",
-    "mtp_relative", or "mtp_note" where its head cannot run)."""
+    "mtp_relative", the paired "mtp_gained" / "mtp_lost" / "mtp_delta" / "mtp_delta_se", or "mtp_note" where its
+    head cannot run)."""
     got = draft_agreement(models, windows, first, layer)
     ref = got[0]
     report["mtp"] = {"nextn_layer": layer, **ref}
@@ -83,3 +108,5 @@ def add_to_report(report: dict, models: StreamedModels, candidates: list, source
             continue
         entry["mtp_agreement"] = g["agreement"]
         entry["mtp_relative"] = g["agreement"] / ref["agreement"] if ref["agreement"] else None
+        entry["mtp_gained"], entry["mtp_lost"] = g["gained"], g["lost"]
+        entry["mtp_delta"], entry["mtp_delta_se"] = paired_difference(g["gained"], g["lost"], g["positions"])

@@ -78,14 +78,18 @@ def mtp_markdown(report: dict) -> list[str]:
         return ["", f"NextN draft agreement: not measured ({ref.get('note')})."]
     lines = ["", f"NextN (MTP) draft agreement with the reference's next-next token over {ref['positions']} "
              f"positions: reference head {100 * ref['agreement']:.2f} %", "",
-             "| candidate | format | bpw | NextN agreement % | relative to the reference |", "|---|---|---:|---:|---:|"]
+             "| candidate | format | bpw | NextN agreement % | relative to the reference | paired Δ points ± SE |",
+             "|---|---|---:|---:|---:|---:|"]
     for c in report["candidates"]:
         if "mtp_agreement" in c:
             rel = "" if c.get("mtp_relative") is None else f"{c['mtp_relative']:.4f}"
+            delta = ("" if c.get("mtp_delta") is None else
+                     f"{100 * c['mtp_delta']:+.2f} ± {100 * c['mtp_delta_se']:.2f}")
             lines.append(f"| {_name(c['path'])} | {c['format']} | {c['bpw']:.3f} | {100 * c['mtp_agreement']:.2f} "
-                         f"| {rel} |")
+                         f"| {rel} | {delta} |")
         else:
-            lines.append(f"| {_name(c['path'])} | {c['format']} | {c['bpw']:.3f} | not run: {c.get('mtp_note')} | |")
+            lines.append(f"| {_name(c['path'])} | {c['format']} | {c['bpw']:.3f} | not run: {c.get('mtp_note')} "
+                         "| | |")
     return lines
 
 

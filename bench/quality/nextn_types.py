@@ -4,7 +4,8 @@ The reference is the model written by train_nextn.py (k256's trunk, its NextN bl
 the trunk at one fixed type (GGUF: Q8_0; EXL3: --bpw 6, head 6 bits) and varies the NextN block alone: GGUF by
 `--tensor-type` rules on the block's matmuls (Q4_K with and without an imatrix, Q6_K, IQ3_S and IQ2_XS with one,
 BF16), EXL3 by `--mtp-bits` 3 / 4 / 6. `mixq eval --mtp` scores them all in one forward against the reference,
-whose own NextN head gives the figure they are compared with. Writes bench/results/nextn_types_k256.json.
+whose own NextN head gives the figure they are compared with, on the same positions (the paired difference and
+its standard error: eval/mtp.py). Writes bench/results/nextn_types_k256.json.
 
     PYTHONPATH=.. python bench/quality/nextn_types.py --model ../bench-work/k256-nextn-trained --device cuda
 """
@@ -73,7 +74,7 @@ def main() -> None:
     for r in rows:
         c = by_path[str(Path(r["path"]))]
         r.update({k: c.get(k) for k in ("bpw", "bytes", "kld_mean", "top1", "mtp_agreement", "mtp_relative",
-                                        "mtp_note")})
+                                        "mtp_gained", "mtp_lost", "mtp_delta", "mtp_delta_se", "mtp_note")})
     result = {"model": str(a.model), "reference_agreement": rep["mtp"].get("agreement"),
               "positions": rep["mtp"].get("positions"), "ctx": a.ctx, "windows": a.windows,
               "text": "shared/data/heldout.txt", "device": a.device, "seconds": round(time.time() - t0, 1),

@@ -56,4 +56,9 @@ def test_eval_mtp_bf16_equals_reference_and_fewer_bits_fall(trained_mini, heldou
     assert rep["mtp"]["agreement"] > 0.05 and rep["mtp"]["positions"] == 4 * (64 - 1 - 32)
     assert by[ref.name]["mtp_agreement"] == rep["mtp"]["agreement"] and by[ref.name]["mtp_relative"] == 1.0
     assert by[low.name]["mtp_agreement"] < rep["mtp"]["agreement"]
+    assert by[ref.name]["mtp_gained"] == by[ref.name]["mtp_lost"] == 0 and by[ref.name]["mtp_delta_se"] == 0
+    n = rep["mtp"]["positions"]  # the paired counts account for the two rates' difference exactly
+    assert by[low.name]["mtp_gained"] - by[low.name]["mtp_lost"] == round(n * by[low.name]["mtp_agreement"]) - round(
+        n * rep["mtp"]["agreement"])
+    assert 0 < by[low.name]["mtp_delta_se"] < 0.5
     assert "no NextN block" in by[none.name]["mtp_note"]

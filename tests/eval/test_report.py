@@ -56,13 +56,13 @@ def test_render_markdown_row():
 
 def test_render_markdown_mtp_table():
     a, b = _cand("Q8_0", 2 * 2**20, 0.001, 0.995, -0.01), _cand("Q4_K_M", 2**20, 0.01, 0.95, 0.1)
-    a.update(mtp_agreement=0.19, mtp_relative=0.95)
+    a.update(mtp_agreement=0.19, mtp_relative=0.95, mtp_delta=-0.01, mtp_delta_se=0.004)
     b["mtp_note"] = "llama.cpp does not run the NextN block (its MTP graph is not built)"
     rep = _report("/m/k256", [a, b])
     rep["mtp"] = {"nextn_layer": 4, "agreement": 0.2, "agreed": 50, "positions": 250}
     md = render_markdown(rep)
     assert "over 250 positions: reference head 20.00 %" in md
-    assert "| Q8_0 | gguf | 16.777 | 19.00 | 0.9500 |" in md
+    assert "| Q8_0 | gguf | 16.777 | 19.00 | 0.9500 | -1.00 ± 0.40 |" in md
     assert "| Q4_K_M | gguf | 8.389 | not run: llama.cpp does not run the NextN block" in md
     assert "NextN" not in render_markdown(_report("/m/k256", [_cand("Q8_0", 2**20, 0.001, 0.995, 0.0)]))
 

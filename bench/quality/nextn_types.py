@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,21 @@ EXL3_TRUNK_BPW = 6.0
 EXL3_MTP_BITS = (3, 4, 6)
 
 
+def summarise(result: dict) -> dict:
+    """`result` with each row's binomial standard error of its agreement (`agreement_se`) and, at the top, the
+    smallest difference from the reference the run can resolve without paired counts: two standard errors of the
+    difference of two independent rates at the reference's agreement (`unpaired_resolution`). Rows that carry
+    the paired counts (`mtp_delta_se`) resolve far smaller differences."""
+    n = result["positions"]
+    for r in result["rows"]:
+        p = r.get("mtp_agreement")
+        if p is not None and n:
+            r["agreement_se"] = math.sqrt(p * (1 - p) / n)
+    p = result["reference_agreement"]
+    result["unpaired_resolution"] = 2 * math.sqrt(2 * p * (1 - p) / n) if n else None
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=WORK / "k256-nextn-trained")
@@ -41,7 +57,11 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--formats", default="gguf,exl3", help="the candidate formats: gguf, exl3 or both")
+    ap.add_argument("--summarise", type=Path, help="only add the standard errors to this stored result")
     a = ap.parse_args()
+    if a.summarise:
+        a.summarise.write_text(json.dumps(summarise(json.loads(a.summarise.read_text())), indent=1) + "\n")
+        return
     a.work.mkdir(parents=True, exist_ok=True)
     layer = open_checkpoint(a.model).nextn_layers[0]
     rule_rx = NEXTN_MATMULS.format(i=layer)
@@ -80,7 +100,7 @@ def main() -> None:
               "text": "shared/data/heldout.txt", "device": a.device, "seconds": round(time.time() - t0, 1),
               "rows": rows}
     a.result.parent.mkdir(parents=True, exist_ok=True)
-    a.result.write_text(json.dumps(repo_relative(result), indent=1) + "\n")
+    a.result.write_text(json.dumps(repo_relative(summarise(result)), indent=1) + "\n")
     print((a.work / "eval.md").read_text())
 
 

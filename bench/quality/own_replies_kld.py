@@ -85,7 +85,7 @@ def side_by_side(held: dict, own: dict) -> list[dict]:
 def eval_phase(a, work: Path, res: dict) -> None:
     """Score the sets asked for on held-out text and on the replies: the first set scored generates the replies
     (and scores them again from their token file, the reuse check); a later set scores that token file."""
-    common = ["--engine", "torch", "--device", "cpu", "--overwrite"]
+    common = ["--engine", "torch", "--device", a.eval_device, "--overwrite"]
     tokens = work / "own.tokens.json"
     for name in (("gguf", "exl3") if a.set == "all" else (a.set,)):
         cands = list(files(work)[name].values())
@@ -115,7 +115,7 @@ def eval_phase(a, work: Path, res: dict) -> None:
     res["rows"] = [r for name in ("gguf", "exl3") if name in res.get("reports", {})
                    for r in side_by_side(res["reports"][name]["heldout"], res["reports"][name]["own_replies"])]
     res["settings"] = {"ctx": a.ctx, "windows": a.windows, "replies": a.replies, "gen_tokens": a.gen_tokens,
-                       "prompt_tokens": a.prompt_tokens, "device": "cpu", "exl3_rows": a.rows}
+                       "prompt_tokens": a.prompt_tokens, "device": a.eval_device, "exl3_rows": a.rows}
 
 
 def import_phase(a, res: dict) -> None:
@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=WORK / "own-replies-k256")
     ap.add_argument("--json", type=Path, default=RESULT)
     ap.add_argument("--device", default="cpu", help="device of the EXL3 conversion")
+    ap.add_argument("--eval-device", default="cpu", help="device of `mixq eval` (the reference and candidates)")
     ap.add_argument("--rows", type=int, default=16, help="EXL3 calibration rows of 512 tokens")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--windows", type=int, default=8)

@@ -38,7 +38,7 @@ class _Head:
         self.lm_head = m.source.get(HEAD_NAME).to(dev)
         weights = m.source.nextn_layer(layer)
         self.block = None if not weights else build_nextn(models.stream.text_config, layer, weights.__getitem__,
-                                                          device=dev)
+                                                          device=dev, groups=models.stream.groups)
 
 
 @torch.no_grad()

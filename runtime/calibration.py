@@ -416,7 +416,7 @@ class LayerCalibrator:
         x = nextn_inputs(final, emb)
         del final, emb
         mod = build_nextn(self.text_config, layer, lambda n: self.ckpt.get(n, dtype=None), device=self.device,
-                          dtype=self.dtype)
+                          dtype=self.dtype, groups=self.stream.groups)
         stats: dict[str, HessianAccumulator] = {}
         self._run_layer(mod, layer, stats, hidden=x, topk=None, name_of=nextn_to_hf)
         if self.ranks is not None:

@@ -236,6 +236,7 @@ class DecoderStream:
             self.skeleton = Glm5NextTextModel(self.text_config)
         self.num_layers = int(self.text_config.num_hidden_layers)
         self.hc_mult = int(self.text_config.hc_mult)
+        self.groups: ExpertGroups | None = None  # set when the routed experts are streamed
         self.expert_group = self._stream_experts(expert_group)
 
     def _stream_experts(self, size: int | None) -> int | None:
@@ -249,6 +250,7 @@ class DecoderStream:
             raise InputError(f"routed experts in groups reproduce the experts implementations "
                              f"{', '.join(REDUCTIONS)}, not {reference!r}")
         groups = ExpertGroups(max(1, int(size)), self.device, reference)
+        self.groups = groups
         for layer in self.skeleton.layers:
             experts = getattr(getattr(layer, "mlp", None), "experts", None)
             if experts is not None and hasattr(experts, "gate_up_proj"):

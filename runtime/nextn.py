@@ -21,6 +21,8 @@ from torch import nn
 
 from mixq.formats import glm5next
 from mixq.formats.glm5next import TEXT_PREFIX
+from mixq.runtime.expert_groups import ExpertGroups
+from mixq.runtime.overlap import host_empty
 
 # the NextN-only tensors the block holds (names relative to `layers.{i}.`), besides transformers' layer body
 NEXTN_ONLY = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
@@ -86,16 +88,30 @@ def nextn_to_hf(layer: int, local: str) -> str:
 
 @torch.no_grad()
 def build_nextn(text_config, layer: int, fetch: Callable[[str], torch.Tensor], *,
-                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> NextNBlock:
-    """The NextN block at decoder index `layer` holding `fetch(checkpoint name)`'s tensors, on `device`, eval."""
+                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                groups: ExpertGroups | None = None) -> NextNBlock:
+    """The NextN block at decoder index `layer` holding `fetch(checkpoint name)`'s tensors, on `device`, eval.
+    `groups`: the trunk's routed-expert groups when its experts are streamed (`DecoderStream.groups`); the
+    block's routed experts then stay on the host and cross to the device a group at a time, as the trunk's do."""
+    device = torch.device(device)
     with torch.device("meta"):
         mod = NextNBlock(text_config)
-    mod.to_empty(device=device)
+    experts = getattr(mod.mlp, "experts", None) if groups is not None else None
+    if experts is not None and not hasattr(experts, "gate_up_proj"):
+        experts = None
+    for m in mod.modules():
+        if m is not experts:
+            m.to_empty(device=device, recurse=False)
+    if experts is not None:
+        for key, p in list(experts.named_parameters(recurse=False)):
+            experts._parameters[key] = nn.Parameter(host_empty(p.shape, dtype, pinned=device.type == "cuda"),
+                                                    requires_grad=p.requires_grad)
+        experts.expert_groups = groups
     for key, ref in mod.state_dict(keep_vars=True).items():
         src = nextn_sources(layer, key, ref.shape[0] if ref.dim() else 0)
         rows = [ref[r] for r in range(len(src))] if len(src) > 1 else [ref]
         for row, parts in zip(rows, src):
-            got = [fetch(n).to(device).float() for n in parts]
+            got = [fetch(n).to(row.device).float() for n in parts]
             row.copy_((torch.cat(got, 0) if len(got) > 1 else got[0]).reshape(row.shape))
     return mod.to(dtype).eval()
 

@@ -196,3 +196,35 @@ def test_on_cuda_the_groups_give_the_same_bytes_with_less_device_memory(mini_mod
             assert sa.keys() == sb.keys() and torch.equal(ha, hb)
             for n in sa:
                 assert all(torch.equal(sa[n][k], sb[n][k]) for k in sa[n] if k != "count"), n
+
+
+def test_the_nextn_block_streams_its_experts_with_the_trunk(mini_model):
+    """With the trunk's routed experts streamed, the NextN block's are too (kept on the host, a group at a time on
+    the device): its calibration statistics are the whole block's, and `eval --mtp`'s drafts are the same."""
+    from mixq.eval.mtp import draft_agreement
+    from mixq.eval.streamed import StreamedModels
+    from mixq.runtime.dequant import open_dequant
+
+    ck = open_checkpoint(mini_model)
+    ids = _ids(ck, rows=2, seq=16)
+    layer = ck.nextn_layers[0]
+
+    def nextn_stage(group):
+        cal = LayerCalibrator(ck, ids, expert_group=group, nextn=True)
+        st = [s for s in cal.stages()][-1]
+        assert st.layer == layer
+        return cal, st, {n: a.state() for n, a in st.stats.items()}
+
+    (_, _, whole), (cal, st, grouped) = nextn_stage(None), nextn_stage(3)
+    assert expert_groups.groups_of(st.module.mlp.experts) is cal.stream.groups is not None
+    assert whole.keys() == grouped.keys() and len(whole) > 3 * 8
+    for n in whole:
+        assert all(torch.equal(whole[n][k], grouped[n][k]) for k in whole[n] if k != "count"), n
+
+    def drafts(group):
+        models = StreamedModels(ck.config, ids, device=CPU, expert_group=group)
+        models.add("ref", open_dequant(mini_model, "hf", num_hidden_layers=ck.num_hidden_layers), "reference")
+        models.run(progress=False)
+        return draft_agreement(models, list(range(ids.shape[0])), 0, layer)
+
+    assert drafts(3) == drafts(None)

@@ -61,11 +61,12 @@ def main() -> None:
             res["tests"][node] = {"runs": runs, "median_wall_s": med,
                                   "default_over_passive": round(med["default"] / med["PASSIVE"], 2)}
             print(node, med, flush=True)
+            res["load_after"] = round(os.getloadavg()[0], 2)
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(res, indent=1) + "\n")  # after each test: a cut run keeps what it has
     finally:
         for p in loops:
             p.kill()
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":

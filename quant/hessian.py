@@ -5,7 +5,32 @@ Numerics only, no file I/O. One accumulator may be shared by every Linear that r
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
+
+_PIN = threading.Lock()  # one pinned section at a time, so each restores the count it found
+
+
+@contextmanager
+def one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """Torch at one intra-op thread inside, on the CPU (elsewhere a no-op), restored after.
+
+    For a product whose output is small next to its inner dimension (xᵀx of a narrow input over many tokens),
+    the CPU BLAS splits the inner sum over its threads, so the rounding of the result follows the thread count;
+    one thread sums in the one order that any run reproduces."""
+    if device.type != "cpu" or torch.get_num_threads() == 1:
+        yield
+        return
+    with _PIN:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
 
 class HessianAccumulator:
@@ -40,7 +65,8 @@ class HessianAccumulator:
         if x.shape[0] == 0:
             return
         if self.xtx is not None:
-            self.xtx.addmm_(x.T, x)
+            with one_cpu_thread(self.device):  # the same sums at any thread count
+                self.xtx.addmm_(x.T, x)
         self.sum_sq += x.double().square().sum(dim=0)
         self.count += x.shape[0]
 

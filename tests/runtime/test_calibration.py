@@ -34,6 +34,56 @@ def test_hessian_accumulator_sums_and_drops_nonfinite():
     assert HessianAccumulator(4).hessian() is None
 
 
+def _at_threads(n: int, fn):
+    """fn() with torch at n intra-op threads, the count restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_hessian_accumulator_sums_the_same_at_any_thread_count():
+    """xᵀx of a narrow input over many rows: a BLAS product splits such a sum over its threads; the accumulator's
+    sums are the same bytes at one thread and at two, and the caller's thread count comes back."""
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(3))
+
+    def acc():
+        a = HessianAccumulator(64)
+        a.add(x)
+        a.add(x[:1500])
+        return a.xtx, torch.get_num_threads()
+
+    (one, n1), (two, n2) = _at_threads(1, acc), _at_threads(2, acc)
+    assert (n1, n2) == (1, 2) and torch.equal(one, two)
+    ref = x.double().T @ x.double() + x[:1500].double().T @ x[:1500].double()
+    torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-3)
+
+
+def test_calibration_statistics_do_not_follow_the_thread_count(mini_model):
+    """Every stage's Σxᵀx (decoder layers, head, NextN) and the streams are the same bytes at one thread and at
+    two, over batches of 1024 tokens: enough for the CPU BLAS to split sums over its threads."""
+    from mixq.runtime.calibration import LayerCalibrator
+    from mixq.formats.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(mini_model)
+    ids = torch.randint(0, 8192, (8, 128), generator=torch.Generator().manual_seed(4))
+
+    def walk():
+        cal = LayerCalibrator(ck, ids, batch_rows=8, nextn=True)
+        out = {}
+        for st in cal.stages():
+            out.update({n: a.xtx.clone() for n, a in st.stats.items()})
+            if st.layer is not None and cal.hidden is not None:
+                out[f"hidden {st.layer}"] = cal.hidden.clone()
+        return out
+
+    one, two = _at_threads(1, walk), _at_threads(2, walk)
+    assert one.keys() == two.keys() and any("nextn" in n or "layers.4." in n for n in one)
+    assert [n for n in one if not torch.equal(one[n], two[n])] == []
+
+
 class _Tok:
     """Byte-level stand-in tokenizer for the row-builder tests."""
     eos_token_id = 0

@@ -123,7 +123,9 @@ def fake_quantize(weight, bits, hessian=None, codebook="mul1", seed=0):
     stacked = weight.dim() == 3
     w = weight.float() if stacked else weight.float()[None]
     h = None if hessian is None else (hessian.float() if stacked else hessian.float()[None])
-    scale = float(w.abs().mean()) + 1e-6  # batch-wide, as the real encoder's global scale
+    # batch-wide, as the real encoder's global scale; a max, exact in any order: a float sum over the whole
+    # tensor is split over torch's threads (from 32768 elements), so its last bit follows the thread count
+    scale = float(w.abs().amax()) + 1e-6
     out = []
     for i in range(w.shape[0]):
         out_f, in_f = w.shape[1:]
@@ -196,3 +198,26 @@ def test_two_cpu_ranks_write_the_one_process_bytes(moe_model, fake_site, tmp_pat
                                                                       one.fallbacks)
     d1, d2 = _digests(tmp_path / "one"), _digests(tmp_path / "two")
     assert len(d1) > 3 and d1 == d2
+
+
+def test_the_thread_count_leaves_the_bytes_alone(moe_model, tmp_path, monkeypatch):
+    """One process at one torch thread and at two writes the same bytes: the ranks of a multi-device conversion
+    run at their own thread count, not the one of the process they are compared with. Batches of 1024 tokens:
+    enough for the CPU BLAS to split the Hessians' sums over its threads."""
+    from mixq.conversion.api import convert
+    from mixq.quant import trellis
+
+    ns: dict = {}
+    exec(FAKE_TRELLIS_SITE.replace("_t.quantize = fake_quantize", ""), ns)
+    monkeypatch.setattr(trellis, "quantize", ns["fake_quantize"])
+    opts = dict(bpw=4.0, rows=8, seq_len=128, shard_size="1MiB", progress=False, batch_rows=8, device="cpu")
+    old = torch.get_num_threads()
+    digests = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            convert(moe_model, tmp_path / f"t{n}", "exl3", **opts)
+            digests[n] = _digests(tmp_path / f"t{n}")
+    finally:
+        torch.set_num_threads(old)
+    assert len(digests[1]) > 3 and digests[1] == digests[2]

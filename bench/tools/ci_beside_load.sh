@@ -9,6 +9,9 @@ COMMIT=${1:?usage: bench/tools/ci_beside_load.sh COMMIT LOG [BUSY]}
 LOG=$(realpath -m "${2:?usage: bench/tools/ci_beside_load.sh COMMIT LOG [BUSY]}")
 BUSY=${3:-2}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
+# the clone is elsewhere; the fixtures stay where this checkout finds them (../shared, as in CI)
+export MIXQ_SHARED=${MIXQ_SHARED:-$(realpath -m "$REPO/../shared")}
+[ -d "$MIXQ_SHARED/models" ] || { echo "ci_beside_load.sh: no fixtures at $MIXQ_SHARED" >&2; exit 2; }
 CLONE=$(mktemp -d)/mixq
 git clone -q "$REPO" "$CLONE" && cd "$CLONE" && git checkout -q "$COMMIT" || exit 2
 pids=()

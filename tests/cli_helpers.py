@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -19,11 +20,20 @@ def run_cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
+def error_lines(stderr: str) -> list[str]:
+    """The `mixq: error` lines of a run's stderr, as a terminal shows them: a progress bar redraws with carriage
+    returns and, closing, moves the cursor with an escape that can precede the error on its byte line (a bar is
+    drawn only once its step lasts long enough, e.g. on a loaded machine)."""
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", stderr)
+    lines = (ln.lstrip() for ln in re.split(r"[\r\n]+", text))  # a cleared bar leaves blanks before the line
+    return [ln for ln in lines if ln.startswith("mixq: error")]
+
+
 def error_line(r) -> str:
     """The single `mixq: error:` line of a run that must exit 2 (no traceback)."""
     assert r.exit_code == 2, r.output[-2000:]
     assert "Traceback" not in r.output
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("mixq: error")]
+    lines = error_lines(r.stderr)
     assert len(lines) == 1, r.stderr[-2000:]
     return lines[0]
 

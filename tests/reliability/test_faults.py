@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
-import re
 import resource
 import shutil
 import signal
@@ -26,7 +25,7 @@ from mixq.conversion.gguf import workers as gguf_workers
 from mixq.conversion.gguf.workers import STOP_SIGNALS, TensorEncoder
 from mixq.formats.atomic import atomic_path
 
-from cli_helpers import error_line as _error_line, write_compare_report
+from cli_helpers import error_line as _error_line, error_lines as _error_lines, write_compare_report
 from cli_helpers import run_cli as _cli
 
 GGUF = ["--format", "gguf", "--type", "Q8_0"]
@@ -113,13 +112,6 @@ def _gone(pids: list[int]) -> list[int]:
     while time.monotonic() < deadline and any(_alive(k) for k in pids):
         time.sleep(0.05)
     return [k for k in pids if _alive(k)]
-
-
-def _error_lines(stderr: str) -> list[str]:
-    """The `mixq: error` lines of a run's stderr (progress bars redraw with carriage returns and cursor moves)."""
-    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", stderr)
-    lines = (ln.lstrip() for ln in re.split(r"[\r\n]+", text))  # a cleared bar leaves blanks before the line
-    return [ln for ln in lines if ln.startswith("mixq: error")]
 
 
 def _leftovers(d: Path) -> list[str]:

@@ -31,7 +31,7 @@ from mixq.formats import glm5next
 from mixq.formats.checkpoint import load_tokenizer  # noqa: F401 - re-exported for callers
 from mixq.quant.hessian import HessianAccumulator
 from mixq.runtime.distributed import block_owner
-from mixq.runtime.expert_groups import expert_blocks, groups_of
+from mixq.runtime.expert_groups import expert_blocks, groups_of, routed_experts
 from mixq.runtime.layer_stream import BATCH_ROWS, EMBED_NAME, DecoderStream, module_sources, module_to_hf
 from mixq.runtime.nextn import build_nextn, nextn_inputs, nextn_to_hf
 from mixq.formats.model_files import parse_json
@@ -257,8 +257,8 @@ class LayerCalibrator:
                     def pre(m, args, _name=name_of(layer, local + ".weight")):
                         feed(args[0], _name)
                     hooks.append(sub.register_forward_pre_hook(pre))
-        experts = getattr(getattr(mod, "mlp", None), "experts", None)
-        if experts is not None and hasattr(experts, "gate_up_proj"):
+        experts = routed_experts(mod)
+        if experts is not None:
             experts_patch = experts
             path = next(n for n, m in mod.named_modules() if m is experts)
             experts.forward = self._all_experts_forward(experts, path, layer, stats, feed)

@@ -25,6 +25,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from mixq.runtime.overlap import host_empty
+
 EXPERT_IMPLEMENTATION = "mixq_expert_groups"
 
 
@@ -42,6 +44,24 @@ def group_ranges(n: int, size: int) -> list[tuple[int, int]]:
     """[e0, e1) of consecutive groups of `size` experts over `n`."""
     size = max(1, int(size))
     return [(e0, min(e0 + size, n)) for e0 in range(0, n, size)]
+
+
+def routed_experts(mod: nn.Module) -> nn.Module | None:
+    """The stacked routed-experts module of a decoder layer (or NextN block), else None (a dense MLP)."""
+    experts = getattr(getattr(mod, "mlp", None), "experts", None)
+    return experts if experts is not None and hasattr(experts, "gate_up_proj") else None
+
+
+def empty_with_host_experts(mod: nn.Module, experts: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """`mod` (on the meta device) allocated for streaming: every module but `experts` emptied onto `device`, the
+    routed-expert stacks as host tensors of `dtype` (pinned from a CUDA device: the groups' copies at DMA speed),
+    never allocated on the device."""
+    for m in mod.modules():
+        if m is not experts:
+            m.to_empty(device=device, recurse=False)
+    for key, p in list(experts.named_parameters(recurse=False)):
+        host = host_empty(p.shape, dtype, pinned=device.type == "cuda")
+        experts._parameters[key] = nn.Parameter(host, requires_grad=p.requires_grad)
 
 
 def groups_of(experts: nn.Module) -> ExpertGroups | None:

@@ -21,7 +21,7 @@ from torch.func import functional_call
 from mixq.errors import InputError
 from mixq.formats import glm5next
 from mixq.formats.glm5next import global_hf_name
-from mixq.runtime.expert_groups import REDUCTIONS, ExpertGroups, register
+from mixq.runtime.expert_groups import REDUCTIONS, ExpertGroups, empty_with_host_experts, register, routed_experts
 from mixq.runtime.overlap import host_empty
 
 Fetch = Callable[[str], torch.Tensor]
@@ -236,12 +236,11 @@ class DecoderStream:
             self.skeleton = Glm5NextTextModel(self.text_config)
         self.num_layers = int(self.text_config.num_hidden_layers)
         self.hc_mult = int(self.text_config.hc_mult)
-        self.groups: ExpertGroups | None = None  # set when the routed experts are streamed
-        self.expert_group = self._stream_experts(expert_group)
+        self.groups = self._stream_experts(expert_group)  # None: the whole layer on the device
 
-    def _stream_experts(self, size: int | None) -> int | None:
+    def _stream_experts(self, size: int | None) -> ExpertGroups | None:
         """Mark every routed-experts module to be streamed `size` experts at a time (None: not needed), through
-        the experts implementation of runtime/expert_groups.py."""
+        the experts implementation of runtime/expert_groups.py; the groups, or None when not streamed."""
         n = int(getattr(self.text_config, "n_routed_experts", 0) or 0)
         if size is None or n == 0 or int(size) >= n:
             return None
@@ -250,18 +249,17 @@ class DecoderStream:
             raise InputError(f"routed experts in groups reproduce the experts implementations "
                              f"{', '.join(REDUCTIONS)}, not {reference!r}")
         groups = ExpertGroups(max(1, int(size)), self.device, reference)
-        self.groups = groups
         for layer in self.skeleton.layers:
-            experts = getattr(getattr(layer, "mlp", None), "experts", None)
-            if experts is not None and hasattr(experts, "gate_up_proj"):
+            experts = routed_experts(layer)
+            if experts is not None:
                 experts.expert_groups = groups
         self.text_config._experts_implementation = register()
-        return groups.size
+        return groups
 
     def _host_experts(self, mod: nn.Module) -> nn.Module | None:
         """The layer's routed-experts module when its experts stay on the host (streamed), else None."""
         experts = getattr(getattr(mod, "mlp", None), "experts", None)
-        return experts if self.expert_group is not None and hasattr(experts, "expert_groups") else None
+        return experts if self.groups is not None and hasattr(experts, "expert_groups") else None
 
     # -- weights
     def materialize(self, layer: int, fetch: Fetch) -> nn.Module:
@@ -276,12 +274,7 @@ class DecoderStream:
             return mod.to(self.dtype).eval()
         # streamed: the routed experts widened on the host (pinned from a CUDA device: the groups' copies at DMA
         # speed), never allocated on the device; the rest of the layer on the device
-        for m in mod.modules():
-            if m is not experts:
-                m.to_empty(device=self.device, recurse=False)
-        for key, p in list(experts.named_parameters(recurse=False)):
-            host = host_empty(p.shape, self.dtype, pinned=self.device.type == "cuda")
-            experts._parameters[key] = nn.Parameter(host, requires_grad=p.requires_grad)
+        empty_with_host_experts(mod, experts, self.device, self.dtype)
         path = next(k for k, m in mod.named_modules() if m is experts)
         host = {n for key in ("gate_up_proj", "down_proj")
                 for parts in module_sources(layer, f"{path}.{key}", experts.get_parameter(key).shape[0])

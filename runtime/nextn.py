@@ -21,8 +21,7 @@ from torch import nn
 
 from mixq.formats import glm5next
 from mixq.formats.glm5next import TEXT_PREFIX
-from mixq.runtime.expert_groups import ExpertGroups
-from mixq.runtime.overlap import host_empty
+from mixq.runtime.expert_groups import ExpertGroups, empty_with_host_experts, routed_experts
 
 # the NextN-only tensors the block holds (names relative to `layers.{i}.`), besides transformers' layer body
 NEXTN_ONLY = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
@@ -96,16 +95,11 @@ def build_nextn(text_config, layer: int, fetch: Callable[[str], torch.Tensor], *
     device = torch.device(device)
     with torch.device("meta"):
         mod = NextNBlock(text_config)
-    experts = getattr(mod.mlp, "experts", None) if groups is not None else None
-    if experts is not None and not hasattr(experts, "gate_up_proj"):
-        experts = None
-    for m in mod.modules():
-        if m is not experts:
-            m.to_empty(device=device, recurse=False)
-    if experts is not None:
-        for key, p in list(experts.named_parameters(recurse=False)):
-            experts._parameters[key] = nn.Parameter(host_empty(p.shape, dtype, pinned=device.type == "cuda"),
-                                                    requires_grad=p.requires_grad)
+    experts = routed_experts(mod) if groups is not None else None
+    if experts is None:
+        mod.to_empty(device=device)
+    else:
+        empty_with_host_experts(mod, experts, device, dtype)
         experts.expert_groups = groups
     for key, ref in mod.state_dict(keep_vars=True).items():
         src = nextn_sources(layer, key, ref.shape[0] if ref.dim() else 0)

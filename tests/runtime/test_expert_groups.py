@@ -24,7 +24,7 @@ def _ids(ck, rows: int = 2, seq: int = 32) -> torch.Tensor:
 def _forward(ck, ids, group, impl, calls):
     s = DecoderStream(ck.config, batch_rows=2)
     s.text_config._experts_implementation = impl  # the reference the groups reproduce
-    s.expert_group = s._stream_experts(group)
+    s.groups = s._stream_experts(group)
     h = s.embed(ids, lambda n: ck.get(n, dtype=torch.float32))
     topk = None
     for i in range(s.num_layers):
@@ -172,7 +172,7 @@ def test_on_cuda_the_groups_give_the_same_bytes_with_less_device_memory(mini_mod
     def forward(group, impl):
         s = DecoderStream(ck.config, device=dev, batch_rows=2)
         s.text_config._experts_implementation = impl
-        s.expert_group = s._stream_experts(group)
+        s.groups = s._stream_experts(group)
         h = s.embed(ids, lambda n: ck.get(n, dtype=torch.float32), out_device=dev)
         topk, peaks = None, []
         for i in range(s.num_layers):

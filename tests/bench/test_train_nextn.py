@@ -11,16 +11,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "bench" / "quality"), str(REPO / "bench")]
 
 import train_nextn  # noqa: E402
+from thread_helpers import at_threads  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained_mini(mini_model, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the training's own figures are deterministic at one thread
-    try:
-        res = train_nextn.train(mini_model, steps=24, rows=8, seq_len=64, batch=4, lr=3e-3, seed=0, eval_rows=4)
-    finally:
-        torch.set_num_threads(threads)  # the rest of the session keeps its thread count
+    # the training's own figures are deterministic at one thread; the rest of the session keeps its count
+    res = at_threads(1, lambda: train_nextn.train(mini_model, steps=24, rows=8, seq_len=64, batch=4, lr=3e-3,
+                                                  seed=0, eval_rows=4))
     out = tmp_path_factory.mktemp("nextn") / "mini-nextn"
     names = train_nextn.write_model(res, mini_model, out)
     return res, out, names

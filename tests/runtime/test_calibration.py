@@ -8,6 +8,7 @@ import torch
 
 from mixq.errors import InputError
 from mixq.quant.hessian import HessianAccumulator
+from thread_helpers import at_threads
 
 def test_hessian_accumulator_sums_and_drops_nonfinite():
     g = torch.Generator().manual_seed(0)
@@ -34,16 +35,6 @@ def test_hessian_accumulator_sums_and_drops_nonfinite():
     assert HessianAccumulator(4).hessian() is None
 
 
-def _at_threads(n: int, fn):
-    """fn() with torch at n intra-op threads, the count restored after."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(old)
-
-
 def test_hessian_accumulator_sums_the_same_at_any_thread_count():
     """xᵀx of a narrow input over many rows: a BLAS product splits such a sum over its threads; the accumulator's
     sums are the same bytes at one thread and at two, and the caller's thread count comes back."""
@@ -55,7 +46,7 @@ def test_hessian_accumulator_sums_the_same_at_any_thread_count():
         a.add(x[:1500])
         return a.xtx, torch.get_num_threads()
 
-    (one, n1), (two, n2) = _at_threads(1, acc), _at_threads(2, acc)
+    (one, n1), (two, n2) = at_threads(1, acc), at_threads(2, acc)
     assert (n1, n2) == (1, 2) and torch.equal(one, two)
     ref = x.double().T @ x.double() + x[:1500].double().T @ x[:1500].double()
     torch.testing.assert_close(one.double(), ref, rtol=1e-5, atol=1e-3)
@@ -79,7 +70,7 @@ def test_calibration_statistics_do_not_follow_the_thread_count(mini_model):
                 out[f"hidden {st.layer}"] = cal.hidden.clone()
         return out
 
-    one, two = _at_threads(1, walk), _at_threads(2, walk)
+    one, two = at_threads(1, walk), at_threads(2, walk)
     assert one.keys() == two.keys() and any("nextn" in n or "layers.4." in n for n in one)
     assert [n for n in one if not torch.equal(one[n], two[n])] == []
 

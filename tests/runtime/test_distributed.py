@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mixq.runtime import distributed as D
+from thread_helpers import at_threads
 from mixq.errors import InputError
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -211,13 +212,9 @@ def test_the_thread_count_leaves_the_bytes_alone(moe_model, tmp_path, monkeypatc
     exec(FAKE_TRELLIS_SITE.replace("_t.quantize = fake_quantize", ""), ns)
     monkeypatch.setattr(trellis, "quantize", ns["fake_quantize"])
     opts = dict(bpw=4.0, rows=8, seq_len=128, shard_size="1MiB", progress=False, batch_rows=8, device="cpu")
-    old = torch.get_num_threads()
-    digests = {}
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            convert(moe_model, tmp_path / f"t{n}", "exl3", **opts)
-            digests[n] = _digests(tmp_path / f"t{n}")
-    finally:
-        torch.set_num_threads(old)
+    def digests_at(n: int) -> dict:
+        convert(moe_model, tmp_path / f"t{n}", "exl3", **opts)
+        return _digests(tmp_path / f"t{n}")
+
+    digests = {n: at_threads(n, lambda n=n: digests_at(n)) for n in (1, 2)}
     assert len(digests[1]) > 3 and digests[1] == digests[2]
